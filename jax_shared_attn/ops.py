@@ -1,0 +1,113 @@
+"""Choosing the implementation (``impl=``) behind the public attention API.
+
+An implementation is an :class:`AttentionOps`: the three primitives of
+:mod:`jax_shared_attn.reference` with the same signatures. ``"xla"`` is that
+module itself; the Pallas families live in :mod:`pallas_kernels` and are
+imported only when asked for (data flows one way: API -> kernels).
+
+``impl`` values:
+
+``"auto"``           the fastest correct path for the default backend: Pallas
+                     kernels on GPU and TPU, ``"xla"`` on CPU.
+``"xla"``            pure JAX (any backend, differentiable).
+``"pallas"``         the Pallas family for the backend (GPU: Triton; TPU: Mosaic);
+                     an error on CPU, where no kernel runs natively.
+``"pallas:triton"``  the portable GPU (Triton) kernels; on a CPU backend they
+                     run in Pallas interpret mode (slow, for testing).
+``"pallas:tpu"``     the TPU (Mosaic) kernels; interpret mode on a CPU backend.
+
+Kernels are wrapped so that ``jax.grad`` works: the backward pass is the
+VJP of the pure-JAX reference (recomputed), which is exact because both
+compute the same function.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+from jax_shared_attn import reference
+
+IMPLS = ("auto", "xla", "pallas", "pallas:triton", "pallas:tpu")
+
+
+class AttentionOps(NamedTuple):
+  name: str
+  prefix_attention: Callable[..., Any]
+  segment_attention: Callable[..., Any]
+  suffix_attention: Callable[..., Any]
+
+
+XLA_OPS = AttentionOps("xla", reference.prefix_attention, reference.segment_attention,
+                       reference.suffix_attention)
+
+_STATIC_KWARGS = frozenset({"scale", "causal"})
+
+
+def _with_reference_vjp(kernel: Callable, ref: Callable) -> Callable:
+  """Kernel forward, reference backward (kernels have no autodiff rules)."""
+
+  @functools.wraps(kernel)
+  def call(*args, **kwargs):
+    static = {k: v for k, v in kwargs.items() if k in _STATIC_KWARGS}
+    names = [k for k in kwargs if k not in _STATIC_KWARGS]
+    dynamic = [kwargs[k] for k in names]
+
+    def bind(fn, *xs):
+      n = len(args)
+      return fn(*xs[:n], **dict(zip(names, xs[n:])), **static)
+
+    @jax.custom_vjp
+    def f(*xs):
+      return bind(kernel, *xs)
+
+    def fwd(*xs):
+      return bind(kernel, *xs), xs
+
+    def bwd(xs, ct):
+      _, vjp = jax.vjp(lambda *ys: bind(ref, *ys), *xs)
+      return vjp(ct)
+
+    f.defvjp(fwd, bwd)
+    return f(*args, *dynamic)
+
+  return call
+
+
+def differentiable(ops: AttentionOps) -> AttentionOps:
+  if ops is XLA_OPS:
+    return ops
+  return AttentionOps(
+      ops.name,
+      _with_reference_vjp(ops.prefix_attention, reference.prefix_attention),
+      _with_reference_vjp(ops.segment_attention, reference.segment_attention),
+      _with_reference_vjp(ops.suffix_attention, reference.suffix_attention),
+  )
+
+
+def resolve(impl: str, fn: str) -> AttentionOps:
+  """Maps an ``impl`` string to the ops that run it on the default backend."""
+  if not isinstance(impl, str) or impl not in IMPLS:
+    raise ValueError(f"{fn}: impl must be one of {', '.join(map(repr, IMPLS))}; got {impl!r}")
+  backend = jax.default_backend()
+  if impl == "xla" or (impl == "auto" and backend not in ("gpu", "tpu")):
+    return XLA_OPS
+  if impl in ("auto", "pallas"):
+    if backend not in ("gpu", "tpu"):
+      raise ValueError(
+          f"{fn}: impl='pallas' needs a GPU or TPU backend (the default backend is {backend!r}); "
+          "use impl='xla', or impl='pallas:triton' / 'pallas:tpu' to run the kernels in "
+          "interpret mode")
+    family = "triton" if backend == "gpu" else "tpu"
+  else:
+    family = impl.split(":", 1)[1]
+    native = {"triton": "gpu", "tpu": "tpu"}[family]
+    if backend not in ("cpu", native):
+      raise ValueError(f"{fn}: impl={impl!r} runs on {native} (or cpu, interpreted); the default "
+                       f"backend is {backend!r}")
+  import pallas_kernels  # deferred: the core does not need the kernels
+
+  ops = pallas_kernels.get_ops(family, interpret=(backend == "cpu"))
+  return differentiable(ops)

@@ -1,0 +1,70 @@
+"""Hypothesis strategies and input builders shared by the attention tests.
+
+Compiling a new shape costs ~0.7 s on a CPU, so static shapes come from
+curated lists that together cover every head_dim (64, 80, 128, 256), every
+GQA ratio G in {1, 2, 3, 4, 8}, empty buffers, Tq > suffix length, and
+non-multiples of any block size, while everything that is a runtime array
+(lengths, tree assignments, values) is drawn freely.
+"""
+
+import collections
+
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import strategies as st
+
+DTYPES = ("float32", "bfloat16", "float16")
+SEEDS = st.integers(0, 2**31 - 1)
+
+CASES = collections.Counter()
+
+
+def count_case(name: str) -> None:
+  """Records one generated property-test case (the total is printed at the end of the run)."""
+  CASES[name] += 1
+
+
+# (B, Tq, Hq, Hkv, D, P, S): P = prefix capacity, S = suffix capacity.
+PREFIX_SHAPES = (
+    (1, 1, 1, 1, 64, 17, 5),
+    (4, 1, 8, 1, 128, 40, 9),
+    (3, 2, 4, 2, 80, 23, 6),
+    (2, 3, 6, 2, 256, 13, 4),
+    (5, 1, 4, 1, 64, 0, 7),
+    (4, 2, 8, 2, 128, 31, 0),
+    (2, 4, 16, 2, 64, 9, 11),
+    (1, 5, 2, 2, 128, 1, 3),
+)
+
+# (B, Tq, Hq, Hkv, D, Tk)
+FULL_SHAPES = (
+    (1, 1, 1, 1, 64, 7),
+    (3, 1, 8, 1, 128, 33),
+    (2, 3, 4, 2, 80, 12),
+    (4, 2, 6, 2, 256, 5),
+    (2, 4, 16, 2, 64, 0),
+    (5, 5, 4, 1, 128, 9),
+    (1, 2, 8, 4, 64, 1),
+)
+
+# ((B, Tq, Hq, Hkv, D, S), levels as ((N, T), ...))
+TREE_SHAPES = (
+    ((3, 1, 4, 1, 64, 5), ()),
+    ((4, 1, 8, 1, 128, 6), ((1, 9),)),
+    ((6, 2, 4, 2, 80, 4), ((1, 12), (3, 5))),
+    ((5, 1, 6, 2, 256, 3), ((2, 6), (4, 3), (3, 2))),
+    ((7, 3, 16, 2, 64, 0), ((4, 7),)),
+    ((2, 1, 2, 2, 128, 8), ((3, 1), (1, 4))),
+)
+
+
+def rand(rng, shape, dtype, scale=1.0):
+  """Normal random array in ``dtype`` (as a jnp array) and its exact float64 value."""
+  x = jnp.asarray(rng.normal(size=shape) * scale, jnp.float32).astype(dtype)
+  return x, np.asarray(x.astype(jnp.float32), np.float64)
+
+
+def lengths(draw, b, cap):
+  """int32 [b] lengths in [0, cap], biased toward the edges 0, 1 and cap."""
+  edge = st.sampled_from(sorted({0, min(1, cap), cap}))
+  return np.array([draw(st.one_of(edge, st.integers(0, cap))) for _ in range(b)], np.int32)

@@ -1,0 +1,186 @@
+"""Every public path against the float64 oracle of full attention (property tests)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jax_shared_attn import (SharedLevel, attention_with_lse, hierarchical_attention,
+                             shared_prefix_attention)
+from jax_shared_attn.testing import lse_err, oracle_full, oracle_tree, rel_err, tolerance
+from strategies import (DTYPES, FULL_SHAPES, PREFIX_SHAPES, SEEDS, TREE_SHAPES, count_case,
+                        lengths, rand)
+
+STATIC = ("causal", "impl", "return_lse", "scale")
+full_jit = jax.jit(attention_with_lse, static_argnames=("causal", "impl", "scale"))
+prefix_jit = jax.jit(shared_prefix_attention, static_argnames=STATIC)
+tree_jit = jax.jit(hierarchical_attention, static_argnames=STATIC)
+
+
+def assert_close(out, lse, ref_out, ref_lse, dtype):
+  assert not np.isnan(np.asarray(out, np.float32)).any(), "NaN in out"
+  err = rel_err(out, ref_out)
+  assert err <= tolerance(dtype), (err, tolerance(dtype))
+  lse_tol = 1e-5 if np.dtype(dtype) == np.float32 else 1e-2
+  assert lse_err(lse, ref_lse) <= lse_tol, lse_err(lse, ref_lse)
+
+
+@settings(max_examples=250)
+@given(data=st.data(), seed=SEEDS, dtype=st.sampled_from(DTYPES), causal=st.booleans(),
+       shape=st.sampled_from(FULL_SHAPES))
+def test_attention_with_lse(data, seed, dtype, causal, shape):
+  count_case("attention_with_lse")
+  rng = np.random.default_rng(seed)
+  b, tq, hq, hkv, d, tk = shape
+  kv_len = lengths(data.draw, b, tk)
+  q, q64 = rand(rng, (b, tq, hq, d), dtype)
+  k, k64 = rand(rng, (b, tk, hkv, d), dtype)
+  v, v64 = rand(rng, (b, tk, hkv, d), dtype)
+  out, lse = full_jit(q, k, v, kv_lengths=kv_len, causal=causal, impl="xla")
+  assert out.dtype == q.dtype and lse.dtype == jnp.float32 and lse.shape == (b, tq, hq)
+  ref_out, ref_lse = oracle_full(q64, k64, v64, kv_len, causal=causal)
+  assert_close(out, lse, ref_out, ref_lse, dtype)
+
+
+@settings(max_examples=300)
+@given(data=st.data(), seed=SEEDS, dtype=st.sampled_from(DTYPES), causal=st.booleans(),
+       shape=st.sampled_from(PREFIX_SHAPES))
+def test_shared_prefix_attention(data, seed, dtype, causal, shape):
+  count_case("shared_prefix_attention")
+  rng = np.random.default_rng(seed)
+  b, tq, hq, hkv, d, p, s = shape
+  plen = data.draw(st.integers(0, p))
+  slen = lengths(data.draw, b, s)
+  q, q64 = rand(rng, (b, tq, hq, d), dtype)
+  pk, pk64 = rand(rng, (p, hkv, d), dtype)
+  pv, pv64 = rand(rng, (p, hkv, d), dtype)
+  sk, sk64 = rand(rng, (b, s, hkv, d), dtype)
+  sv, sv64 = rand(rng, (b, s, hkv, d), dtype)
+  out, lse = prefix_jit(q, pk, pv, sk, sv, prefix_length=jnp.int32(plen), suffix_lengths=slen,
+                        causal=causal, impl="xla", return_lse=True)
+  ref_out, ref_lse = oracle_tree(q64, [[pk64[:plen]]] * b, [[pv64[:plen]]] * b, sk64, sv64, slen,
+                                 causal=causal)
+  assert out.dtype == q.dtype
+  assert_close(out, lse, ref_out, ref_lse, dtype)
+
+
+def random_tree(draw, rng, b, hkv, d, dtype, structure):
+  """Levels of the given (N, T) structure with random lengths and assignments (-1 = none)."""
+  levels, seg_k, seg_v = [], [[] for _ in range(b)], [[] for _ in range(b)]
+  for n, t in structure:
+    k, k64 = rand(rng, (n, t, hkv, d), dtype)
+    v, v64 = rand(rng, (n, t, hkv, d), dtype)
+    lens = lengths(draw, n, t)
+    nodes = np.array([draw(st.integers(-1, n - 1)) for _ in range(b)], np.int32)
+    levels.append(SharedLevel(k, v, jnp.asarray(lens), jnp.asarray(nodes)))
+    for i, node in enumerate(nodes):
+      if node >= 0:
+        seg_k[i].append(k64[node, :lens[node]])
+        seg_v[i].append(v64[node, :lens[node]])
+  return levels, seg_k, seg_v
+
+
+@settings(max_examples=250)
+@given(data=st.data(), seed=SEEDS, dtype=st.sampled_from(DTYPES), causal=st.booleans(),
+       shape=st.sampled_from(TREE_SHAPES))
+def test_hierarchical_attention(data, seed, dtype, causal, shape):
+  count_case("hierarchical_attention")
+  rng = np.random.default_rng(seed)
+  (b, tq, hq, hkv, d, s), structure = shape
+  levels, seg_k, seg_v = random_tree(data.draw, rng, b, hkv, d, dtype, structure)
+  slen = lengths(data.draw, b, s)
+  q, q64 = rand(rng, (b, tq, hq, d), dtype)
+  sk, sk64 = rand(rng, (b, s, hkv, d), dtype)
+  sv, sv64 = rand(rng, (b, s, hkv, d), dtype)
+  out, lse = tree_jit(q, levels, sk, sv, suffix_lengths=slen, causal=causal, impl="xla",
+                      return_lse=True)
+  ref_out, ref_lse = oracle_tree(q64, seg_k, seg_v, sk64, sv64, slen, causal=causal)
+  assert_close(out, lse, ref_out, ref_lse, dtype)
+
+
+@settings(max_examples=100)
+@given(data=st.data(), seed=SEEDS, dtype=st.sampled_from(DTYPES),
+       scale=st.sampled_from([1.0, 0.5]), b=st.sampled_from([1, 3]))
+def test_large_logits(data, seed, dtype, scale, b):
+  """Scores near 1e4 built from small integers, so every input and score is exact in
+  float32 (and in 16-bit inputs): the tolerance stays the dtype's, not loosened."""
+  count_case("large_logits")
+  rng = np.random.default_rng(seed)
+  p, s, d = 16, 8, 64
+  base = data.draw(st.sampled_from([10, 12]))
+  spread = data.draw(st.sampled_from([1, 2, 4]))
+
+  def ints(shape):
+    x = jnp.asarray(base + rng.integers(-spread, spread + 1, size=shape), jnp.float32).astype(dtype)
+    return x, np.asarray(x.astype(jnp.float32), np.float64)
+
+  q, q64 = ints((b, 1, 2, d))
+  pk, pk64 = ints((p, 1, d))
+  sk, sk64 = ints((b, s, 1, d))
+  pv, pv64 = rand(rng, (p, 1, d), dtype)
+  sv, sv64 = rand(rng, (b, s, 1, d), dtype)
+  plen = data.draw(st.integers(0, p))
+  slen = lengths(data.draw, b, s)
+  out, lse = prefix_jit(q, pk, pv, sk, sv, prefix_length=jnp.int32(plen), suffix_lengths=slen,
+                        scale=scale, impl="xla", return_lse=True)
+  ref_out, ref_lse = oracle_tree(q64, [[pk64[:plen]]] * b, [[pv64[:plen]]] * b, sk64, sv64, slen,
+                                 scale=scale)
+  finite = ref_lse[np.isfinite(ref_lse)]
+  assert finite.size == 0 or finite.max() > 3e3  # really a case of large logits
+  assert_close(out, lse, ref_out, ref_lse, dtype)
+
+
+def test_fully_masked_rows_are_zero_and_neg_inf():
+  rng = np.random.default_rng(0)
+  q, _ = rand(rng, (3, 2, 4, 64), "float32")
+  pk, _ = rand(rng, (5, 2, 64), "float32")
+  sk, _ = rand(rng, (3, 4, 2, 64), "float32")
+  out, lse = shared_prefix_attention(q, pk, pk, sk, sk, prefix_length=0,
+                                     suffix_lengths=np.array([0, 0, 0], np.int32), impl="xla",
+                                     return_lse=True)
+  assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
+  # Causal rows that would sit before the start of the keys see nothing.
+  out, lse = attention_with_lse(q, sk, sk, kv_lengths=np.array([1, 0, 4], np.int32), causal=True,
+                                impl="xla")
+  lse = np.asarray(lse)
+  assert np.isneginf(lse[0, 0]).all() and np.isfinite(lse[0, 1]).all()
+  assert np.isneginf(lse[1]).all() and np.isfinite(lse[2]).all()
+  assert not np.isnan(np.asarray(out)).any()
+
+
+def test_none_lengths_mean_full_buffers():
+  rng = np.random.default_rng(2)
+  q, q64 = rand(rng, (2, 3, 4, 64), "float32")
+  pk, pk64 = rand(rng, (6, 2, 64), "float32")
+  sk, sk64 = rand(rng, (2, 5, 2, 64), "float32")
+  out = shared_prefix_attention(q, pk, pk, sk, sk, impl="xla")
+  ref, _ = oracle_tree(q64, [[pk64]] * 2, [[pk64]] * 2, sk64, sk64)
+  assert rel_err(out, ref) <= 1e-5
+  out, _ = attention_with_lse(q, sk, sk, impl="xla")
+  ref, _ = oracle_full(q64, sk64, sk64)
+  assert rel_err(out, ref) <= 1e-5
+
+
+def test_default_impl_equals_xla_on_cpu():
+  rng = np.random.default_rng(1)
+  q, _ = rand(rng, (2, 1, 8, 128), "bfloat16")
+  pk, _ = rand(rng, (33, 1, 128), "bfloat16")
+  sk, _ = rand(rng, (2, 7, 1, 128), "bfloat16")
+  a = shared_prefix_attention(q, pk, pk, sk, sk)
+  b = shared_prefix_attention(q, pk, pk, sk, sk, impl="xla")
+  np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_shared_by_all_level_equals_prefix():
+  rng = np.random.default_rng(3)
+  q, _ = rand(rng, (3, 1, 4, 64), "float32")
+  pk, _ = rand(rng, (9, 2, 64), "float32")
+  sk, _ = rand(rng, (3, 4, 2, 64), "float32")
+  lens = np.array([4, 1, 2], np.int32)
+  a = shared_prefix_attention(q, pk, pk, sk, sk, prefix_length=7, suffix_lengths=lens, impl="xla")
+  level = SharedLevel.shared_by_all(pk, pk, batch_size=3, length=7)
+  b = hierarchical_attention(q, [level], sk, sk, suffix_lengths=lens, impl="xla")
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)

@@ -1,0 +1,97 @@
+"""Bad input raises a clear error at trace time that names the argument."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_shared_attn import (SharedLevel, attention_with_lse, hierarchical_attention,
+                             shared_prefix_attention)
+
+B, TQ, HQ, HKV, D, P, S = 2, 1, 4, 2, 64, 8, 5
+q = jnp.ones((B, TQ, HQ, D))
+pk = jnp.ones((P, HKV, D))
+sk = jnp.ones((B, S, HKV, D))
+
+
+def spa(**kw):
+  args = dict(q=q, prefix_k=pk, prefix_v=pk, suffix_k=sk, suffix_v=sk)
+  args.update(kw)
+  return shared_prefix_attention(args.pop("q"), args.pop("prefix_k"), args.pop("prefix_v"),
+                                 args.pop("suffix_k"), args.pop("suffix_v"), **args)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(q=jnp.ones((B, HQ, D))), ValueError, r"q must have rank 4.*\[B, Tq, Hq, D\].*\[2, 4, 64\]"),
+    (dict(prefix_k=jnp.ones((1, P, HKV, D))), ValueError, r"prefix_k must have rank 3"),
+    (dict(prefix_v=jnp.ones((P + 1, HKV, D))), ValueError, r"prefix_k and prefix_v must have the same shape"),
+    (dict(q=jnp.ones((B, TQ, 3, D))), ValueError, r"query heads of q \(3\).*multiple.*suffix_k \(2\)"),
+    (dict(q=jnp.ones((B, TQ, HQ, 32))), ValueError, r"head dims.*q=32.*suffix_k=64"),
+    (dict(q=jnp.ones((B + 1, TQ, HQ, D))), ValueError, r"batch sizes.*q=3.*suffix_k=2"),
+    (dict(prefix_k=jnp.ones((P, 1, D)), prefix_v=jnp.ones((P, 1, D))), ValueError, r"key/value heads.*prefix_k=1.*suffix_k=2"),
+    (dict(prefix_length=P + 1), ValueError, r"prefix_length must lie in \[0, 8\]"),
+    (dict(prefix_length=-1), ValueError, r"prefix_length must lie in"),
+    (dict(prefix_length=2.5), TypeError, r"prefix_length must have an integer dtype"),
+    (dict(prefix_length=jnp.array([3])), ValueError, r"prefix_length must have shape \[\]"),
+    (dict(suffix_lengths=jnp.array([1, 2, 3])), ValueError, r"suffix_lengths must have shape \[2\]; got \[3\]"),
+    (dict(suffix_lengths=jnp.array([1, S + 1])), ValueError, r"suffix_lengths must lie in \[0, 5\]"),
+    (dict(suffix_lengths=jnp.array([1.0, 2.0])), TypeError, r"suffix_lengths must have an integer dtype"),
+    (dict(q=jnp.ones((B, TQ, HQ, D), jnp.int32)), TypeError, r"q must have a floating dtype"),
+    (dict(q=jnp.ones((B, TQ, HQ, D), jnp.bfloat16)), TypeError, r"must share one dtype.*q bfloat16.*prefix_k float32"),
+    (dict(impl="cuda"), ValueError, r"impl must be one of"),
+    (dict(impl="pallas"), ValueError, r"impl='pallas' needs a GPU or TPU"),
+    (dict(scale=-1.0), ValueError, r"scale must be a positive finite number"),
+])
+def test_shared_prefix_attention_errors(kw, exc, match):
+  with pytest.raises(exc, match=match):
+    spa(**kw)
+
+
+def test_errors_are_raised_at_trace_time_under_jit():
+  f = jax.jit(lambda q: spa(q=q))
+  with pytest.raises(ValueError, match="query heads of q"):
+    f(jnp.ones((B, TQ, 3, D)))
+
+
+def test_traced_lengths_are_clamped_not_garbage():
+  """Lengths past capacity cannot be checked under jit: they are clamped to the capacity."""
+  f = jax.jit(lambda n: spa(prefix_length=n, suffix_lengths=jnp.array([S, S]) + n))
+  g = jax.jit(lambda: spa(prefix_length=P, suffix_lengths=jnp.array([S, S])))
+  np.testing.assert_array_equal(np.asarray(f(jnp.int32(100))), np.asarray(g()))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(k=jnp.ones((B, S, HKV))), r"k must have rank 4"),
+    (dict(v=jnp.ones((B, S + 1, HKV, D))), r"k and v must have the same shape"),
+    (dict(kv_lengths=jnp.array([0, S + 3])), r"kv_lengths must lie in \[0, 5\]"),
+    (dict(kv_lengths=jnp.array([[1, 2]])), r"kv_lengths must have shape \[2\]"),
+])
+def test_attention_with_lse_errors(kw, match):
+  args = dict(q=q, k=sk, v=sk)
+  args.update(kw)
+  with pytest.raises((ValueError, TypeError), match=match):
+    attention_with_lse(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def level(n=3, t=4, nodes=(0, 2), **kw):
+  fields = dict(k=jnp.ones((n, t, HKV, D)), v=jnp.ones((n, t, HKV, D)),
+                lengths=jnp.full((n,), t, jnp.int32), node_of_seq=jnp.array(nodes, jnp.int32))
+  fields.update(kw)
+  return SharedLevel(**fields)
+
+
+@pytest.mark.parametrize("lvl, match", [
+    (level(nodes=(0, 3)), r"levels\[0\].node_of_seq must lie in \[-1, 2\]"),
+    (level(nodes=(0, -2)), r"levels\[0\].node_of_seq must lie in"),
+    (level(nodes=(0, 1, 2)), r"levels\[0\].node_of_seq must have shape \[2\]"),
+    (level(node_of_seq=jnp.array([0.0, 1.0])), r"node_of_seq must be an integer array"),
+    (level(lengths=jnp.array([1, 2, 9], jnp.int32)), r"levels\[0\].lengths must lie in \[0, 4\]"),
+    (level(k=jnp.ones((3, 4, 1, D)), v=jnp.ones((3, 4, 1, D))), r"key/value heads"),
+    (level(v=jnp.ones((3, 5, HKV, D))), r"levels\[0\].k and levels\[0\].v must have the same shape"),
+    (level(k=jnp.ones((3, 4, HKV, D), jnp.bfloat16), v=jnp.ones((3, 4, HKV, D), jnp.bfloat16)),
+     r"must share one dtype"),
+    ("not a level", r"levels\[0\] must be a SharedLevel"),
+])
+def test_hierarchical_errors(lvl, match):
+  with pytest.raises((ValueError, TypeError), match=match):
+    hierarchical_attention(q, [lvl], sk, sk)

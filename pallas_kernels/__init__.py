@@ -1,16 +1,25 @@
 """Pallas kernels for shared-prefix attention.
 
-Each family implements the three primitives of
-:mod:`jax_shared_attn.reference` with the same signatures and semantics
-(float32 ``out``, natural-log float32 ``lse``, ``(0, -inf)`` for rows with no
-visible key) and is returned by :func:`get_ops` as an
-:class:`jax_shared_attn.ops.AttentionOps`.
+Each family implements the three primitives of :mod:`jax_shared_attn.reference`
+with the same signatures and semantics (float32 ``out``, natural-log float32
+``lse``, ``(0, -inf)`` for rows with no visible key) and returns them as a
+:class:`jax_shared_attn.ops.AttentionOps` from its ``get_ops(interpret=...)``:
+
+``pallas_kernels.gpu``  Triton kernels (any CUDA GPU; interpret mode on CPU).
+``pallas_kernels.tpu``  Mosaic TPU kernels (interpret mode on CPU).
 """
 
 from __future__ import annotations
 
+FAMILIES = ("triton", "tpu")
+
 
 def get_ops(family: str, *, interpret: bool = False):
   """Returns the ``AttentionOps`` of a kernel family ("triton" or "tpu")."""
-  raise NotImplementedError(
-      f"pallas_kernels: the {family!r} kernels have not landed yet; use impl='xla'")
+  if family == "triton":
+    from pallas_kernels import gpu
+    return gpu.get_ops(interpret=interpret)
+  if family == "tpu":
+    from pallas_kernels import tpu
+    return tpu.get_ops(interpret=interpret)
+  raise ValueError(f"pallas_kernels.get_ops: family must be one of {FAMILIES}; got {family!r}")

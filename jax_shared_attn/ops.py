@@ -12,9 +12,10 @@ imported only when asked for (data flows one way: API -> kernels).
 ``"xla"``            pure JAX (any backend, differentiable).
 ``"pallas"``         the Pallas family for the backend (GPU: Triton; TPU: Mosaic);
                      an error on CPU, where no kernel runs natively.
-``"pallas:triton"``  the portable GPU (Triton) kernels; on a CPU backend they
+``"pallas:triton"``  the portable GPU (Triton) kernels; lowered for a CPU they
                      run in Pallas interpret mode (slow, for testing).
-``"pallas:tpu"``     the TPU (Mosaic) kernels; interpret mode on a CPU backend.
+``"pallas:tpu"``     the TPU (Mosaic) kernels; interpret mode when lowered for a
+                     CPU, native when lowered (or exported) for a TPU.
 
 Kernels are wrapped so that ``jax.grad`` works: the backward pass is the
 VJP of the pure-JAX reference (recomputed), which is exact because both
@@ -109,5 +110,6 @@ def resolve(impl: str, fn: str) -> AttentionOps:
                        f"backend is {backend!r}")
   import pallas_kernels  # deferred: the core does not need the kernels
 
-  ops = pallas_kernels.get_ops(family, interpret=(backend == "cpu"))
+  # Interpret mode vs native kernel is decided when lowering (platform_dependent).
+  ops = pallas_kernels.get_ops(family)
   return differentiable(ops)

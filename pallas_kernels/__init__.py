@@ -3,7 +3,13 @@
 Each family implements the three primitives of :mod:`jax_shared_attn.reference`
 with the same signatures and semantics (float32 ``out``, natural-log float32
 ``lse``, ``(0, -inf)`` for rows with no visible key) and returns them as a
-:class:`jax_shared_attn.ops.AttentionOps` from its ``get_ops(interpret=...)``:
+:class:`jax_shared_attn.ops.AttentionOps` from its ``get_ops(interpret=...)``.
+
+``interpret=None`` (the default) decides at lowering time, with
+``jax.lax.platform_dependent``: the native kernel where the program is lowered
+for the family's platform (so ``jax.export(..., platforms=["tpu"])`` on a CPU
+machine yields the Mosaic kernel), Pallas interpret mode anywhere else (so the
+same call runs on a CPU). ``True``/``False`` force one or the other.
 
 ``pallas_kernels.gpu``  Triton kernels (any CUDA GPU; interpret mode on CPU).
 ``pallas_kernels.tpu``  Mosaic TPU kernels (interpret mode on CPU).
@@ -14,7 +20,7 @@ from __future__ import annotations
 FAMILIES = ("triton", "tpu")
 
 
-def get_ops(family: str, *, interpret: bool = False):
+def get_ops(family: str, *, interpret: bool | None = None):
   """Returns the ``AttentionOps`` of a kernel family ("triton" or "tpu")."""
   if family == "triton":
     from pallas_kernels import gpu

@@ -1,0 +1,95 @@
+"""Pieces shared by the GPU (Triton) kernels: layouts, lowering, online softmax."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+MIN_DOT = 16  # tl.dot needs every dimension >= 16
+
+
+def next_pow2(n: int) -> int:
+  return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def padded_head_dim(d: int) -> int:
+  """Triton blocks are powers of two; D = 80 runs as 128 with masked loads."""
+  return max(MIN_DOT, next_pow2(d))
+
+
+def run(kernel_call: Callable, *args, interpret: bool | None):
+  """Runs ``kernel_call(*args, interpret=...)`` natively on CUDA, interpreted elsewhere.
+
+  With ``interpret=None`` the choice is made when lowering
+  (``lax.platform_dependent``), so exporting for ``platforms=["cuda"]`` on a
+  CPU machine lowers the real Triton kernel.
+  """
+  if interpret is not None:
+    return kernel_call(*args, interpret=interpret)
+  return lax.platform_dependent(
+      *args, cuda=functools.partial(kernel_call, interpret=False),
+      default=functools.partial(kernel_call, interpret=True))
+
+
+def dot(a, b, trans_b: bool = False):
+  """Tensor-core product with float32 accumulation; float32 inputs use IEEE (not TF32)."""
+  precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return plgpu.dot(a, b, trans_b=trans_b, precision=precision)
+
+
+def load(ref, mask):
+  """Masked load with zeros where the mask is off (plain load without a mask)."""
+  if mask is None:
+    return plgpu.load(ref)
+  return plgpu.load(ref, mask=mask, other=0.0)
+
+
+def fold_rows(q: jax.Array, hkv: int) -> jax.Array:
+  """``[B, Tq, Hq, D] -> [Hkv, B * Tq * G, D]``: sequence b's rows are contiguous."""
+  b, t, hq, d = q.shape
+  g = hq // hkv
+  return q.reshape(b, t, hkv, g, d).transpose(2, 0, 1, 3, 4).reshape(hkv, b * t * g, d)
+
+
+def unfold_rows(x: jax.Array, b: int, t: int) -> jax.Array:
+  """Inverse of :func:`fold_rows` on ``[Hkv, R, ...]`` (out or lse)."""
+  hkv, r = x.shape[:2]
+  g = r // (b * t)
+  rest = x.shape[2:]
+  x = x.reshape(hkv, b, t, g, *rest)
+  x = jnp.moveaxis(x, 0, 2)  # [B, T, Hkv, G, ...]
+  return x.reshape(b, t, hkv * g, *rest)
+
+
+def online_softmax_step(carry, s, v, masked_s: bool):
+  """One flash-attention step on base-2 scores ``s [M, N]`` (float32).
+
+  ``carry = (acc [M, Dp] f32, m [M] base-2 running max, l [M] running sum)``.
+  Rows whose scores are all -inf so far keep ``m = -inf`` and ``l = 0``; the
+  subtraction uses 0 for them so no ``inf - inf`` NaN appears.
+  """
+  acc, m, l = carry
+  m_new = jnp.maximum(m, jnp.max(s, axis=1))
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked_s else m_new
+  alpha = jnp.exp2(m - m_use)
+  p = jnp.exp2(s - m_use[:, None])
+  l = l * alpha + jnp.sum(p, axis=1)
+  acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
+  return acc, m_new, l
+
+
+def finalize(acc, m, l):
+  """Normalised output and natural-log LSE; rows without keys give (0, -inf)."""
+  has = l > 0
+  out = acc / jnp.where(has, l, 1.0)[:, None]
+  lse = jnp.where(has, (m + jnp.log2(jnp.where(has, l, 1.0))) * LN2, -jnp.inf)
+  return out, lse

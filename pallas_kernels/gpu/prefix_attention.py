@@ -1,0 +1,177 @@
+"""Batched prefix attention on GPUs (Pallas Triton): every query against one shared K/V.
+
+Hydragen's inter-sequence batching (Sec. 3.2): the ``R = B * Tq * G`` query
+rows of a KV head are the rows of one matrix product against the prefix, so
+the prefix is streamed once per row tile (from L2 after the first tile) and
+the products run on the tensor cores. The grid is
+``(row tiles, key splits, KV heads)``; key splits (flash-decoding) fill the
+GPU when there are few row tiles and are merged by LSE afterwards.
+
+The pure-JAX reference with the same signature is
+:func:`jax_shared_attn.reference.prefix_attention`. LSE is natural log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_shared_attn.merge import merge_states
+from jax_shared_attn.reference import prefix_attention as prefix_attention_reference  # noqa: F401
+from pallas_kernels.gpu import _common
+
+NUM_SMS_DEFAULT = 132  # H100 SXM; only used to size the grid
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixConfig:
+  """Tuning knobs of the prefix kernel (static)."""
+
+  block_m: int  # query rows per program (>= 16, power of two)
+  block_n: int  # keys per inner step
+  splits: int  # key splits (programs along the keys)
+  num_warps: int
+  num_stages: int
+
+
+def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int,
+                   num_sms: int = NUM_SMS_DEFAULT) -> PrefixConfig:
+  """Large row tiles when the batch is large (tensor-core bound), split keys otherwise.
+
+  A 128-row tile gives 128 FLOPs per byte of K/V streamed from L2; fewer rows
+  make the kernel L2-bound, so rows per tile shrink only when there are few
+  rows at all. Splits make ``tiles * splits * heads`` at least one wave.
+  """
+  block_m = min(128, max(_common.MIN_DOT, _common.next_pow2(rows)))
+  block_n = 64 if head_dim > 128 else 128
+  tiles = pl.cdiv(rows, block_m) * kv_heads
+  max_splits = max(1, pl.cdiv(prefix, 4 * block_n))  # >= 4 key blocks per split
+  splits = max(1, min(max_splits, pl.cdiv(num_sms, tiles)))
+  num_warps = 8 if block_m >= 128 else 4
+  return PrefixConfig(block_m, block_n, splits, num_warps, num_stages=3 if head_dim <= 128 else 2)
+
+
+def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, head_dim: int,
+            block_n: int, keys_per_split: int):
+  # len_ref: [1] int32; q_ref: [block_m, Dp]; k_ref/v_ref: [P, Dp]; o_ref: [block_m, Dp];
+  # lse_ref: [block_m]
+  split = pl.program_id(1)
+  dp = q_ref.shape[-1]
+  d_mask = (jnp.arange(dp) < head_dim)[None, :] if dp != head_dim else None
+  kv_len = len_ref[0]
+  lo = split * keys_per_split
+  hi = jnp.minimum(lo + keys_per_split, kv_len)
+  n_keys = jnp.maximum(hi - lo, 0)
+  q = _common.load(q_ref, d_mask)
+  qk_scale = scale * _common.LOG2E  # scores in base 2 (exp2 is the hardware op)
+
+  def step(j, carry, masked):
+    start = lo + j * block_n
+    keys = start + jnp.arange(block_n)
+    kv_mask = (keys < hi)[:, None] if masked else None
+    if d_mask is not None:
+      kv_mask = d_mask if kv_mask is None else kv_mask & d_mask
+    k = _common.load(k_ref.at[pl.ds(start, block_n), :], kv_mask)
+    v = _common.load(v_ref.at[pl.ds(start, block_n), :], kv_mask)
+    s = _common.dot(q, k, trans_b=True) * qk_scale
+    if masked:
+      s = jnp.where((keys < hi)[None, :], s, -jnp.inf)
+    return _common.online_softmax_step(carry, s, v, masked_s=False)
+
+  bm = q_ref.shape[0]
+  carry = (jnp.zeros((bm, dp), jnp.float32), jnp.full((bm,), -jnp.inf, jnp.float32),
+           jnp.zeros((bm,), jnp.float32))
+  n_full = n_keys // block_n
+  carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+  carry = lax.fori_loop(n_full, pl.cdiv(n_keys, block_n), functools.partial(step, masked=True),
+                        carry)
+  out, lse = _common.finalize(*carry)
+  plgpu.store(o_ref, out.astype(o_ref.dtype), mask=d_mask)
+  lse_ref[...] = lse
+
+
+def _call(kv_length, q_rows, k, v, *, scale, cfg: PrefixConfig, head_dim: int, interpret: bool):
+  hkv, r, dp = q_rows.shape
+  p = k.shape[0]
+  keys_per_split = pl.cdiv(pl.cdiv(p, cfg.splits), cfg.block_n) * cfg.block_n
+  grid = (pl.cdiv(r, cfg.block_m), cfg.splits, hkv)
+  kernel = functools.partial(_kernel, scale=scale, head_dim=head_dim, block_n=cfg.block_n,
+                             keys_per_split=keys_per_split)
+  return pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=[
+          pl.BlockSpec((1,), lambda i, s, h: (0,)),
+          pl.BlockSpec((None, cfg.block_m, dp), lambda i, s, h: (h, i, 0)),
+          pl.BlockSpec((p, None, dp), lambda i, s, h: (0, h, 0)),
+          pl.BlockSpec((p, None, dp), lambda i, s, h: (0, h, 0)),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, cfg.block_m, dp), lambda i, s, h: (s, h, i, 0)),
+          pl.BlockSpec((None, None, cfg.block_m), lambda i, s, h: (s, h, i)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((cfg.splits, hkv, r, dp), jnp.float32),
+          jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32),
+      ],
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="hydragen_prefix_attention",
+  )(kv_length, q_rows, k, v)
+
+
+def prefix_attention_rows(
+    q_rows: jax.Array,  # [Hkv, R, D]: all query rows of each KV head
+    k: jax.Array,  # [P, Hkv, D]
+    v: jax.Array,  # [P, Hkv, D]
+    *,
+    kv_length: jax.Array,  # int32 scalar
+    scale: float,
+    config: PrefixConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Prefix attention on folded rows; returns per-split partial states.
+
+  Returns float32 ``out [splits, Hkv, R, D]`` and natural-log
+  ``lse [splits, Hkv, R]`` (merge the splits with
+  :func:`jax_shared_attn.merge.merge_states`).
+  """
+  hkv, r, d = q_rows.shape
+  p = k.shape[0]
+  cfg = config or default_config(r, hkv, p, d)
+  dp = _common.padded_head_dim(d)
+  if p == 0 or r == 0:
+    return (jnp.zeros((1, hkv, r, d), jnp.float32), jnp.full((1, hkv, r), -jnp.inf, jnp.float32))
+  # Only the (small) query rows are padded: to whole row tiles and to a power-of-two
+  # head dim. K/V are never copied: their blocks are masked at load time.
+  r_pad = pl.cdiv(r, cfg.block_m) * cfg.block_m
+  if dp != d or r_pad != r:
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, r_pad - r), (0, dp - d)))
+  length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
+  call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d)
+  out, lse = _common.run(call, length, q_rows, k, v, interpret=interpret)
+  return out[:, :, :r, :d], lse[:, :, :r]
+
+
+def prefix_attention(
+    q: jax.Array,  # [B, Tq, Hq, D]
+    k: jax.Array,  # [P, Hkv, D]
+    v: jax.Array,  # [P, Hkv, D]
+    *,
+    kv_length: jax.Array,
+    scale: float,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Same signature and result as the reference: float32 out ``[B, Tq, Hq, D]``, lse ``[B, Tq, Hq]``."""
+  b, t, _, _ = q.shape
+  hkv = k.shape[1]
+  out, lse = prefix_attention_rows(_common.fold_rows(q, hkv), k, v, kv_length=kv_length,
+                                   scale=scale, interpret=interpret)
+  out, lse = merge_states(list(out), list(lse)) if out.shape[0] > 1 else (out[0], lse[0])
+  return _common.unfold_rows(out, b, t), _common.unfold_rows(lse, b, t)

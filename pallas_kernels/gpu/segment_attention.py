@@ -1,0 +1,186 @@
+"""One level of a sharing tree on GPUs (Pallas Triton): grouped prefix attention.
+
+A level holds N shared segments; sequence b continues segment
+``node_of_seq[b]`` (-1: none). The query rows are sorted by segment and cut
+into row tiles that never cross a segment (a grouped, "megablox"-style
+layout): tile t carries the id of its segment, and the kernel streams only
+that segment's valid keys. Each segment is therefore one batched matrix
+product over all the queries that share it, with at most one partial tile
+per segment of padding. Grid: ``(tiles, KV heads)``.
+
+Reference with the same signature: :func:`jax_shared_attn.reference.segment_attention`.
+LSE is natural log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_shared_attn.reference import segment_attention as segment_attention_reference  # noqa: F401
+from pallas_kernels.gpu import _common
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentConfig:
+  block_m: int
+  block_n: int
+  num_warps: int
+  num_stages: int
+
+
+def default_config(rows: int, segments: int, head_dim: int) -> SegmentConfig:
+  """Tiles sized to the average number of rows per segment (16..128)."""
+  avg = max(1, rows // max(1, segments))
+  block_m = min(128, max(_common.MIN_DOT, _common.next_pow2(avg)))
+  return SegmentConfig(block_m, 64 if head_dim > 128 else 128,
+                       num_warps=8 if block_m >= 128 else 4,
+                       num_stages=3 if head_dim <= 128 else 2)
+
+
+def _kernel(tile_node_ref, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float,
+            head_dim: int, block_n: int):
+  # tile_node_ref: [tiles] int32; len_ref: [N]; q_ref: [block_m, Dp]; k_ref/v_ref: [N, T, Dp]
+  tile = pl.program_id(0)
+  node = tile_node_ref[tile]
+  bm, dp = q_ref.shape
+  d_ok = jnp.arange(dp) < head_dim
+  kv_len = jnp.where(node >= 0, len_ref[jnp.maximum(node, 0)], 0)
+  seg = jnp.maximum(node, 0)
+  q = _common.load(q_ref, d_ok[None, :])
+  qk_scale = scale * _common.LOG2E
+
+  def step(j, carry, masked):
+    start = j * block_n
+    keys = start + jnp.arange(block_n)
+    kv_mask = d_ok[None, :] & (keys < kv_len)[:, None] if masked else d_ok[None, :]
+    k = _common.load(k_ref.at[seg, pl.ds(start, block_n), :], kv_mask)
+    v = _common.load(v_ref.at[seg, pl.ds(start, block_n), :], kv_mask)
+    s = _common.dot(q, k, trans_b=True) * qk_scale
+    if masked:
+      s = jnp.where((keys < kv_len)[None, :], s, -jnp.inf)
+    return _common.online_softmax_step(carry, s, v, masked_s=False)
+
+  carry = (jnp.zeros((bm, dp), jnp.float32), jnp.full((bm,), -jnp.inf, jnp.float32),
+           jnp.zeros((bm,), jnp.float32))
+  n_full = kv_len // block_n
+  carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+  carry = lax.fori_loop(n_full, pl.cdiv(kv_len, block_n), functools.partial(step, masked=True),
+                        carry)
+  out, lse = _common.finalize(*carry)
+  plgpu.store(o_ref, out.astype(o_ref.dtype), mask=d_ok[None, :])
+  lse_ref[...] = lse
+
+
+def _call(tile_node, lengths, q_tiles, k, v, *, scale, cfg: SegmentConfig, head_dim: int,
+          interpret: bool):
+  hkv, tiles, bm, dp = q_tiles.shape
+  n, t = k.shape[:2]
+  kernel = functools.partial(_kernel, scale=scale, head_dim=head_dim, block_n=cfg.block_n)
+  kv_spec = pl.BlockSpec((n, t, None, dp), lambda i, h: (0, 0, h, 0))
+  return pl.pallas_call(
+      kernel,
+      grid=(tiles, hkv),
+      in_specs=[
+          pl.BlockSpec((tiles,), lambda i, h: (0,)),
+          pl.BlockSpec((n,), lambda i, h: (0,)),
+          pl.BlockSpec((None, None, bm, dp), lambda i, h: (h, i, 0, 0)),
+          kv_spec, kv_spec,
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, bm, dp), lambda i, h: (h, i, 0, 0)),
+          pl.BlockSpec((None, None, bm), lambda i, h: (h, i, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((hkv, tiles, bm, dp), jnp.float32),
+          jax.ShapeDtypeStruct((hkv, tiles, bm), jnp.float32),
+      ],
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="hydragen_segment_attention",
+  )(tile_node, lengths, q_tiles, k, v)
+
+
+def tile_layout(node_of_seq: jax.Array, n: int, rows_per_seq: int, block_m: int):
+  """Grouped row-tile layout of one level (pure index arithmetic, O(B) work).
+
+  Returns ``(tile_node [tiles], gather [tiles * block_m], slot_of_row [B * rows_per_seq])``:
+  the segment of each tile (-1: unused tile), the original row feeding each
+  tile slot (-1: padding), and the tile slot holding each original row (-1:
+  the row's sequence has no segment). ``tiles = cdiv(B * rows_per_seq, block_m) + n``
+  is a static bound: each segment wastes at most one partial tile.
+  """
+  b = node_of_seq.shape[0]
+  node = jnp.where((node_of_seq >= 0) & (node_of_seq < n), node_of_seq, -1)
+  sort_key = jnp.where(node < 0, n, node)
+  order = jnp.argsort(sort_key, stable=True)  # sequences grouped by segment
+  rank = jnp.argsort(order)  # position of each sequence in that order
+  counts = jnp.zeros((n,), jnp.int32).at[sort_key].add(1, mode="drop")
+  seg_rows = counts * rows_per_seq
+  seg_row_start = jnp.cumsum(seg_rows) - seg_rows
+  seg_tiles = pl.cdiv(seg_rows, block_m)
+  seg_tile_start = jnp.cumsum(seg_tiles) - seg_tiles
+  tiles = pl.cdiv(b * rows_per_seq, block_m) + n
+
+  t = jnp.arange(tiles)
+  tile_node = jnp.searchsorted(jnp.cumsum(seg_tiles), t, side="right").astype(jnp.int32)
+  used = tile_node < n
+  tile_node_c = jnp.minimum(tile_node, n - 1)
+  local = t - seg_tile_start[tile_node_c]
+  first_row = seg_row_start[tile_node_c] + local * block_m  # sorted-row index of slot 0
+  rows_in_tile = jnp.clip(seg_rows[tile_node_c] - local * block_m, 0, block_m)
+  slot = jnp.arange(block_m)
+  sorted_row = first_row[:, None] + slot[None, :]
+  valid = used[:, None] & (slot[None, :] < rows_in_tile[:, None])
+  seq = order[jnp.clip(sorted_row // rows_per_seq, 0, b - 1)]
+  gather = jnp.where(valid, seq * rows_per_seq + sorted_row % rows_per_seq, -1).reshape(-1)
+
+  r = jnp.arange(b * rows_per_seq)
+  seq_of_row = r // rows_per_seq
+  row_node = node[seq_of_row]
+  row_node_c = jnp.maximum(row_node, 0)
+  within = rank[seq_of_row] * rows_per_seq + r % rows_per_seq - seg_row_start[row_node_c]
+  slot_of_row = (seg_tile_start[row_node_c] + within // block_m) * block_m + within % block_m
+  slot_of_row = jnp.where(row_node >= 0, slot_of_row, -1)
+  return jnp.where(used, tile_node, -1), gather, slot_of_row
+
+
+def segment_attention(
+    q: jax.Array,  # [B, Tq, Hq, D]
+    k: jax.Array,  # [N, T, Hkv, D]
+    v: jax.Array,  # [N, T, Hkv, D]
+    *,
+    lengths: jax.Array,  # int32 [N]
+    node_of_seq: jax.Array,  # int32 [B]
+    scale: float,
+    config: SegmentConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Same signature and result as the reference: float32 out, natural-log lse."""
+  b, tq, hq, d = q.shape
+  n, t, hkv, _ = k.shape
+  g = hq // hkv
+  m = tq * g
+  rows = _common.fold_rows(q, hkv)  # [Hkv, B * M, D]
+  if t == 0 or b == 0:
+    return jnp.zeros((b, tq, hq, d), jnp.float32), jnp.full((b, tq, hq), -jnp.inf, jnp.float32)
+  cfg = config or default_config(b * m, n, d)
+  dp = _common.padded_head_dim(d)
+  tile_node, gather, slot_of_row = tile_layout(node_of_seq, n, m, cfg.block_m)
+  tiles = tile_node.shape[0]
+  rows = jnp.pad(rows, ((0, 0), (0, 1), (0, dp - d)))  # row B*M is the zero row for padding
+  q_tiles = rows[:, jnp.where(gather >= 0, gather, b * m)].reshape(hkv, tiles, cfg.block_m, dp)
+  call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d)
+  out, lse = _common.run(call, tile_node, jnp.asarray(lengths, jnp.int32), q_tiles, k, v,
+                         interpret=interpret)
+  has = slot_of_row >= 0
+  idx = jnp.maximum(slot_of_row, 0)
+  out = jnp.where(has[None, :, None], out.reshape(hkv, -1, dp)[:, idx, :d], 0.0)
+  lse = jnp.where(has[None, :], lse.reshape(hkv, -1)[:, idx], -jnp.inf)
+  return _common.unfold_rows(out, b, tq), _common.unfold_rows(lse, b, tq)

@@ -1,0 +1,191 @@
+"""Per-sequence (suffix) attention on GPUs (Pallas Triton), with the merge fused in.
+
+One program per (sequence, KV head, key split) holds that sequence's
+``Tq * G`` query rows (all query heads of the KV head: GQA folding) and
+streams only the sequence's valid keys: blocks past ``kv_lengths[b]`` are
+never loaded or computed (the loop bound is the length). Causal inside the
+suffix when ``Tq > 1`` (query i sits at ``kv_lengths[b] - Tq + i``).
+
+With one key split, the ``prior`` state (e.g. the shared-prefix result) is
+merged into the result in the kernel's epilogue, so the prefix output is
+read once and the final output written once. With several splits
+(flash-decoding, for small batches) the split partials and the prior are
+merged by LSE afterwards.
+
+Reference with the same signature: :func:`jax_shared_attn.reference.suffix_attention`.
+LSE is natural log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_shared_attn.merge import merge_states
+from jax_shared_attn.reference import suffix_attention as suffix_attention_reference  # noqa: F401
+from pallas_kernels.gpu import _common
+
+NUM_SMS_DEFAULT = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class SuffixConfig:
+  block_n: int  # keys per inner step
+  splits: int  # key splits per sequence
+  num_warps: int
+  num_stages: int
+
+
+def default_config(batch: int, kv_heads: int, capacity: int, head_dim: int,
+                   num_sms: int = NUM_SMS_DEFAULT) -> SuffixConfig:
+  """Split the keys only when ``batch * kv_heads`` programs cannot fill the GPU."""
+  block_n = 64 if head_dim > 128 else 128
+  programs = batch * kv_heads
+  max_splits = max(1, pl.cdiv(capacity, 2 * block_n))
+  splits = 1 if programs >= num_sms else max(1, min(max_splits, pl.cdiv(2 * num_sms, programs)))
+  return SuffixConfig(block_n, splits, num_warps=4, num_stages=3 if head_dim <= 128 else 2)
+
+
+def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, rows: int,
+            q_len: int, group: int, causal: bool, block_n: int, keys_per_split: int,
+            has_prior: bool):
+  # len_ref: [B] int32; q_ref: [Mp, Dp] (rows of one sequence and KV head); k_ref/v_ref: [S, Dp]
+  if has_prior:
+    prior_o_ref, prior_lse_ref, o_ref, lse_ref = refs
+  else:
+    o_ref, lse_ref = refs
+  b, split = pl.program_id(0), pl.program_id(2)
+  mp, dp = q_ref.shape
+  row = jnp.arange(mp)
+  row_ok = row < rows
+  d_ok = jnp.arange(dp) < head_dim
+  q_mask = row_ok[:, None] & d_ok[None, :]
+  kv_len = len_ref[b]
+  lo = split * keys_per_split
+  hi = jnp.minimum(lo + keys_per_split, kv_len)
+  n_keys = jnp.maximum(hi - lo, 0)
+  # Keys below `visible_to_all` are seen by every row; later ones need the causal mask.
+  visible_to_all = kv_len - (q_len - 1) if causal else kv_len
+  n_full = jnp.clip(jnp.minimum(hi, visible_to_all) - lo, 0, None) // block_n
+  limit = kv_len - q_len + row // group  # last visible key of each row (causal)
+  q = _common.load(q_ref, q_mask)
+  qk_scale = scale * _common.LOG2E
+
+  def step(j, carry, masked):
+    start = lo + j * block_n
+    keys = start + jnp.arange(block_n)
+    kv_mask = d_ok[None, :]
+    if masked:
+      kv_mask = kv_mask & (keys < hi)[:, None]
+    k = _common.load(k_ref.at[pl.ds(start, block_n), :], kv_mask)
+    v = _common.load(v_ref.at[pl.ds(start, block_n), :], kv_mask)
+    s = _common.dot(q, k, trans_b=True) * qk_scale
+    if masked:
+      visible = (keys < hi)[None, :]
+      if causal:
+        visible = visible & (keys[None, :] <= limit[:, None])
+      s = jnp.where(visible, s, -jnp.inf)
+    return _common.online_softmax_step(carry, s, v, masked_s=masked)
+
+  carry = (jnp.zeros((mp, dp), jnp.float32), jnp.full((mp,), -jnp.inf, jnp.float32),
+           jnp.zeros((mp,), jnp.float32))
+  carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+  carry = lax.fori_loop(n_full, pl.cdiv(n_keys, block_n), functools.partial(step, masked=True),
+                        carry)
+  out, lse = _common.finalize(*carry)
+  if has_prior:  # fused LSE merge with the shared-prefix state
+    p_out = _common.load(prior_o_ref, q_mask)
+    p_lse = plgpu.load(prior_lse_ref, mask=row_ok, other=-jnp.inf)
+    m = jnp.maximum(lse, p_lse)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    w, w_p = jnp.exp(lse - m), jnp.exp(p_lse - m)
+    denom = w + w_p
+    has = denom > 0
+    safe = jnp.where(has, denom, 1.0)
+    out = (out * w[:, None] + p_out * w_p[:, None]) / safe[:, None]
+    lse = jnp.where(has, m + jnp.log(safe), -jnp.inf)
+  plgpu.store(o_ref, out.astype(o_ref.dtype), mask=q_mask)
+  plgpu.store(lse_ref, lse, mask=row_ok)
+
+
+def _call(lengths, q_rows, k, v, *prior, scale, cfg: SuffixConfig, head_dim: int, q_len: int,
+          group: int, causal: bool, interpret: bool):
+  hkv, b, m, _ = q_rows.shape
+  s = k.shape[1]
+  mp = max(_common.MIN_DOT, _common.next_pow2(m))
+  dp = _common.padded_head_dim(head_dim)
+  keys_per_split = pl.cdiv(pl.cdiv(s, cfg.splits), cfg.block_n) * cfg.block_n
+  kernel = functools.partial(
+      _kernel, scale=scale, head_dim=head_dim, rows=m, q_len=q_len, group=group, causal=causal,
+      block_n=cfg.block_n, keys_per_split=keys_per_split, has_prior=bool(prior))
+  rows_spec = pl.BlockSpec((None, None, mp, dp), lambda i, h, j: (h, i, 0, 0))
+  lse_spec = pl.BlockSpec((None, None, mp), lambda i, h, j: (h, i, 0))
+  kv_spec = pl.BlockSpec((None, s, None, dp), lambda i, h, j: (i, 0, h, 0))
+  in_specs = [pl.BlockSpec((b,), lambda i, h, j: (0,)), rows_spec, kv_spec, kv_spec]
+  if prior:
+    in_specs += [rows_spec, lse_spec]
+  return pl.pallas_call(
+      kernel,
+      grid=(b, hkv, cfg.splits),
+      in_specs=in_specs,
+      out_specs=[
+          pl.BlockSpec((None, None, None, mp, dp), lambda i, h, j: (j, h, i, 0, 0)),
+          pl.BlockSpec((None, None, None, mp), lambda i, h, j: (j, h, i, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((cfg.splits, hkv, b, m, head_dim), jnp.float32),
+          jax.ShapeDtypeStruct((cfg.splits, hkv, b, m), jnp.float32),
+      ],
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="hydragen_suffix_attention",
+  )(lengths, q_rows, k, v, *prior)
+
+
+def suffix_attention(
+    q: jax.Array,  # [B, Tq, Hq, D]
+    k: jax.Array,  # [B, S, Hkv, D]
+    v: jax.Array,  # [B, S, Hkv, D]
+    *,
+    kv_lengths: jax.Array,  # int32 [B]
+    causal: bool,
+    scale: float,
+    prior: tuple[jax.Array, jax.Array] | None = None,
+    config: SuffixConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Same signature and result as the reference: float32 out, natural-log lse."""
+  b, tq, hq, d = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  g = hq // hkv
+  cfg = config or default_config(b, hkv, s, d)
+  rows = _common.fold_rows(q, hkv).reshape(hkv, b, tq * g, d)
+  if s == 0 or b == 0:
+    out = jnp.zeros((b, tq, hq, d), jnp.float32)
+    lse = jnp.full((b, tq, hq), -jnp.inf, jnp.float32)
+    return merge_states([prior[0], out], [prior[1], lse]) if prior is not None else (out, lse)
+  fused = prior is not None and cfg.splits == 1
+  prior_rows = ()
+  if fused:
+    prior_rows = (_common.fold_rows(prior[0].astype(jnp.float32), hkv).reshape(hkv, b, tq * g, d),
+                  _common.fold_rows(prior[1][..., None], hkv).reshape(hkv, b, tq * g))
+  call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, q_len=tq, group=g,
+                           causal=causal)
+  out, lse = _common.run(call, jnp.asarray(kv_lengths, jnp.int32), rows, k, v, *prior_rows,
+                         interpret=interpret)
+  out = out.reshape(cfg.splits, hkv, b * tq * g, d)
+  lse = lse.reshape(cfg.splits, hkv, b * tq * g)
+  outs = [_common.unfold_rows(o, b, tq) for o in out]
+  lses = [_common.unfold_rows(l, b, tq) for l in lse]
+  if prior is not None and not fused:
+    outs.append(prior[0])
+    lses.append(prior[1])
+  if len(outs) == 1:
+    return outs[0], lses[0]
+  return merge_states(outs, lses)

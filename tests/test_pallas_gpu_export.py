@@ -1,0 +1,54 @@
+"""Every shipped Triton configuration lowers for CUDA (jax.export on a CPU machine).
+
+The kernels' block sizes, splits and warps come from heuristics of the shape,
+so the sweep covers the batch sizes, head dims and GQA ratios that pick
+different configurations; a configuration that cannot lower fails here.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_attention
+
+TRITON = "__gpu$xla.gpu.triton"
+S = jax.ShapeDtypeStruct
+
+
+def export_cuda(fn, *args):
+  exp = jax.export.export(jax.jit(fn), platforms=["cuda"],
+                          disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+  return exp.mlir_module()
+
+
+# (B, Hq, Hkv, D, P, S, Tq): B 1..1024 and G 1..8 select different tiles and splits;
+# P and S are not multiples of any block.
+SWEEP = [(b, hkv * g, hkv, d, 1000 + 17 * b % 93, 100 + b % 29, 1)
+         for b, (hkv, g), d in itertools.product([1, 16, 64, 256, 1024], [(1, 8), (8, 4), (2, 1)],
+                                                 [128])]
+SWEEP += [(b, 8, 1, d, 777, 61, tq) for b, d, tq in itertools.product([3, 300], [64, 80, 256],
+                                                                        [1, 4])]
+
+
+@pytest.mark.parametrize("b,hq,hkv,d,p,s,tq", SWEEP)
+def test_shared_prefix_attention_exports_for_cuda(b, hq, hkv, d, p, s, tq):
+  dt = jnp.bfloat16
+  fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
+                                                             impl="pallas:triton")
+  text = export_cuda(fn, S((b, tq, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
+                     S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
+  assert text.count(TRITON) >= 2  # prefix kernel + suffix kernel, one program
+
+
+@pytest.mark.parametrize("b,n,d", [(8, 3, 128), (1024, 16, 128), (96, 40, 64)])
+def test_hierarchical_attention_exports_for_cuda(b, n, d):
+  dt = jnp.bfloat16
+  fn = lambda q, pk, lk, lens, nodes, sk, n_: hierarchical_attention(
+      q, [SharedLevel.shared_by_all(pk, pk, b), SharedLevel(lk, lk, lens, nodes)], sk, sk,
+      suffix_lengths=n_, impl="pallas:triton")
+  text = export_cuda(fn, S((b, 1, 32, d), dt), S((2400, 8, d), dt), S((n, 513, 8, d), dt),
+                     S((n,), jnp.int32), S((b,), jnp.int32), S((b, 70, 8, d), dt),
+                     S((b,), jnp.int32))
+  assert text.count(TRITON) >= 3

@@ -1,0 +1,167 @@
+"""The Triton kernels against the float64 oracle.
+
+``TestInterpret`` runs the kernel bodies in Pallas interpret mode on any
+machine (CI); ``TestNative`` is the same class with the flag flipped and runs
+the compiled kernels on a CUDA GPU (skipped elsewhere).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_attention
+from jax_shared_attn.testing import lse_err, oracle_full, oracle_tree, rel_err, tolerance
+from pallas_kernels.gpu import prefix_attention, segment_attention, suffix_attention
+from pallas_kernels.gpu.suffix_attention import SuffixConfig
+from strategies import SEEDS, count_case, lengths, rand
+
+HAS_GPU = jax.default_backend() == "gpu"
+
+# (B, Tq, Hq, Hkv, D, capacity, dtype): sizes off the block multiples, G in 1..8,
+# D 64/80/128/256, 16-bit and float32.
+CASES = (
+    (3, 1, 8, 1, 128, 200, "bfloat16"),
+    (2, 3, 6, 2, 80, 37, "float32"),
+    (5, 1, 4, 2, 64, 129, "float16"),
+    (1, 1, 1, 1, 256, 70, "bfloat16"),
+    (4, 2, 16, 2, 128, 1, "float32"),
+    (2, 1, 3, 1, 64, 0, "bfloat16"),
+)
+
+
+def check(out, lse, ref_out, ref_lse, dtype):
+  assert not np.isnan(np.asarray(out)).any()
+  assert rel_err(out, ref_out) <= tolerance(dtype), rel_err(out, ref_out)
+  assert lse_err(lse, ref_lse) <= (1e-5 if dtype == "float32" else 1e-2), lse_err(lse, ref_lse)
+
+
+def f64(x):
+  return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+class TestInterpret:
+  interpret = True
+  examples = 20
+
+  def setup_method(self):
+    if not self.interpret and not HAS_GPU:
+      pytest.skip("needs a CUDA GPU")
+    self.prefix = jax.jit(functools.partial(prefix_attention, interpret=self.interpret),
+                          static_argnames=("scale",))
+    self.suffix = jax.jit(functools.partial(suffix_attention, interpret=self.interpret),
+                          static_argnames=("scale", "causal", "config"))
+    self.segment = jax.jit(functools.partial(segment_attention, interpret=self.interpret),
+                           static_argnames=("scale",))
+
+  def run_prefix(self, data, seed, case):
+    count_case("triton_prefix")
+    rng = np.random.default_rng(seed)
+    b, tq, hq, hkv, d, p, dtype = case
+    plen = data.draw(st.integers(0, p))
+    q, q64 = rand(rng, (b, tq, hq, d), dtype)
+    k, k64 = rand(rng, (p, hkv, d), dtype)
+    v, v64 = rand(rng, (p, hkv, d), dtype)
+    out, lse = self.prefix(q, k, v, kv_length=jnp.int32(plen), scale=d**-0.5)
+    ref = oracle_tree(q64, [[k64[:plen]]] * b, [[v64[:plen]]] * b, np.zeros((b, 0, hkv, d)),
+                      np.zeros((b, 0, hkv, d)), causal=False)
+    check(out, lse, *ref, dtype)
+
+  def run_suffix(self, data, seed, case):
+    count_case("triton_suffix")
+    rng = np.random.default_rng(seed)
+    b, tq, hq, hkv, d, s, dtype = case
+    causal = data.draw(st.booleans())
+    splits = data.draw(st.sampled_from([1, 2, 3]))
+    with_prior = data.draw(st.booleans())
+    kv_len = lengths(data.draw, b, s)
+    q, q64 = rand(rng, (b, tq, hq, d), dtype)
+    k, k64 = rand(rng, (b, s, hkv, d), dtype)
+    v, v64 = rand(rng, (b, s, hkv, d), dtype)
+    # A prior state (attention over 5 other keys); the expected merge is computed in float64.
+    pk, pk64 = rand(rng, (5, hkv, d), dtype)
+    prior = self.prefix(q, pk, pk, kv_length=jnp.int32(data.draw(st.integers(0, 5))),
+                        scale=d**-0.5) if with_prior else None
+    cfg = SuffixConfig(64 if d > 128 else 32, splits, 4, 2)
+    out, lse = self.suffix(q, k, v, kv_lengths=kv_len, causal=causal, scale=d**-0.5, prior=prior,
+                           config=cfg)
+    if with_prior:
+      ref_p = [f64(prior[0]), f64(prior[1])]
+      ref_s = oracle_full(q64, k64, v64, kv_len, causal=causal)
+      lse_all = np.logaddexp(ref_p[1], ref_s[1])
+      w_p = np.where(np.isneginf(ref_p[1]), 0, np.exp(ref_p[1] - np.where(np.isneginf(lse_all), 0, lse_all)))
+      w_s = np.where(np.isneginf(ref_s[1]), 0, np.exp(ref_s[1] - np.where(np.isneginf(lse_all), 0, lse_all)))
+      ref = (w_p[..., None] * ref_p[0] + w_s[..., None] * ref_s[0], lse_all)
+    else:
+      ref = oracle_full(q64, k64, v64, kv_len, causal=causal)
+    check(out, lse, *ref, dtype)
+
+  def run_segment(self, data, seed, case):
+    count_case("triton_segment")
+    rng = np.random.default_rng(seed)
+    b, tq, hq, hkv, d, t, dtype = case
+    n = data.draw(st.integers(1, 4))
+    k, k64 = rand(rng, (n, t, hkv, d), dtype)
+    v, v64 = rand(rng, (n, t, hkv, d), dtype)
+    seg_len = lengths(data.draw, n, t)
+    nodes = np.array([data.draw(st.integers(-1, n - 1)) for _ in range(b)], np.int32)
+    q, q64 = rand(rng, (b, tq, hq, d), dtype)
+    out, lse = self.segment(q, k, v, lengths=jnp.asarray(seg_len), node_of_seq=jnp.asarray(nodes),
+                            scale=d**-0.5)
+    segs_k = [[k64[x, :seg_len[x]]] if x >= 0 else [] for x in nodes]
+    segs_v = [[v64[x, :seg_len[x]]] if x >= 0 else [] for x in nodes]
+    ref = oracle_tree(q64, segs_k, segs_v, np.zeros((b, 0, hkv, d)), np.zeros((b, 0, hkv, d)),
+                      causal=False)
+    check(out, lse, *ref, dtype)
+
+  @pytest.mark.parametrize("case", CASES)
+  def test_prefix_attention(self, case):
+    given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples)(
+        lambda data, seed: self.run_prefix(data, seed, case)))()
+
+  @pytest.mark.parametrize("case", CASES)
+  def test_suffix_attention(self, case):
+    given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples)(
+        lambda data, seed: self.run_suffix(data, seed, case)))()
+
+  @pytest.mark.parametrize("case", CASES)
+  def test_segment_attention(self, case):
+    given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples)(
+        lambda data, seed: self.run_segment(data, seed, case)))()
+
+  def test_public_api_through_triton(self):
+    """shared_prefix_attention and hierarchical_attention with impl='pallas:triton'."""
+    rng = np.random.default_rng(0)
+    b, tq, hq, hkv, d, p, s = 5, 2, 8, 2, 80, 45, 11
+    for dtype in ("float32", "bfloat16"):
+      q, q64 = rand(rng, (b, tq, hq, d), dtype)
+      pk, pk64 = rand(rng, (p, hkv, d), dtype)
+      pv, pv64 = rand(rng, (p, hkv, d), dtype)
+      sk, sk64 = rand(rng, (b, s, hkv, d), dtype)
+      sv, sv64 = rand(rng, (b, s, hkv, d), dtype)
+      lens = np.array([11, 0, 1, 5, 2], np.int32)
+      out, lse = shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=40, suffix_lengths=lens,
+                                         impl="pallas:triton", return_lse=True)
+      ref = oracle_tree(q64, [[pk64[:40]]] * b, [[pv64[:40]]] * b, sk64, sv64, lens)
+      check(out, lse, *ref, dtype)
+      seg_k, seg_k64 = rand(rng, (3, 9, hkv, d), dtype)
+      nodes = np.array([2, 0, -1, 2, 1], np.int32)
+      seg_len = np.array([9, 4, 0], np.int32)
+      levels = [SharedLevel.shared_by_all(pk, pv, b, 40),
+                SharedLevel(seg_k, seg_k, jnp.asarray(seg_len), jnp.asarray(nodes))]
+      out, lse = hierarchical_attention(q, levels, sk, sv, suffix_lengths=lens,
+                                        impl="pallas:triton", return_lse=True)
+      segs = [[pk64[:40]] + ([seg_k64[x, :seg_len[x]]] if x >= 0 else []) for x in nodes]
+      segs_v = [[pv64[:40]] + ([seg_k64[x, :seg_len[x]]] if x >= 0 else []) for x in nodes]
+      ref = oracle_tree(q64, segs, segs_v, sk64, sv64, lens)
+      check(out, lse, *ref, dtype)
+
+
+@pytest.mark.gpu
+class TestNative(TestInterpret):
+  interpret = False
+  examples = 30

@@ -1,0 +1,271 @@
+"""Shared pieces of the TPU (Mosaic) kernels: block sizes per chip, padding, dispatch, softmax.
+
+Layout. The kernels read keys and values *head-major* (``[Hkv, P, D]`` for the
+prefix, ``[B, Hkv, S, D]`` for suffixes, ``[N, Hkv, T, D]`` for tree
+segments), the layout of JAX's own TPU attention kernels: every block is a
+``(keys, D)`` slab whose last two dims obey the Mosaic tiling rule (second
+minor a multiple of 8, or 16 for bfloat16, minor a multiple of 128) and no
+HBM tile is padded. The primitives of :mod:`jax_shared_attn.reference` use
+``[..., seq, heads, D]``; their adapters here transpose and pad (one XLA copy
+of each K/V buffer). A cache that is stored head-major can call the
+``*_head_major`` kernels directly and skip that copy (see docs/tpu.md).
+
+Interpret vs native. ``interpret=None`` decides at lowering time with
+``jax.lax.platform_dependent``: the Mosaic kernel where the program is
+lowered for a TPU (also by ``jax.export(..., platforms=["tpu"])`` on a CPU
+machine), Pallas' effect-free HLO interpreter (``interpret=True``) anywhere
+else. ``interpret=True`` forces the TPU simulator ``pltpu.InterpretParams()``
+(checks out-of-bounds block reads and fills uninitialised memory with NaN),
+``interpret=False`` forces Mosaic. The simulator is not used for ``None``
+because it threads an *ordered* IO effect through the program: on jax 0.10.2
+that breaks ``platform_dependent``'s TPU lowering ("Lowering rule for `cond`
+returns incorrect set of output tokens") and, where it lowers, it would put
+effect tokens into the native TPU program and forbid ``vmap``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
+
+LANES = 128  # vreg lanes: the minor block dim is a multiple of this
+ROW_ALIGN = 16  # second-minor block dims: 8 sublanes x 2 (bfloat16 packs two rows per sublane)
+NT_DIMS = (((1,), (1,)), ((), ()))  # q @ k.T without materialising k.T
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def round_up(x: int, m: int) -> int:
+  return cdiv(x, m) * m
+
+
+def pow2_ceil(x: int) -> int:
+  return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def pow2_floor(x: int) -> int:
+  return 1 if x <= 1 else 1 << (int(x).bit_length() - 1)
+
+
+# ------------------------------------------------------------------------------------------
+# Chips and block sizes
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """Public per-chip numbers (Google Cloud TPU datasheets, see docs/tpu.md)."""
+
+  name: str
+  hbm_bytes_per_s: float  # HBM bandwidth per chip
+  bf16_flops_per_s: float  # peak bf16 matmul rate per chip
+  mxu: int  # systolic array width (128 x 128 or 256 x 256)
+  tensorcores: int  # 2 = megacore: "parallel" grid dims are split across the two cores
+  scoped_vmem_bytes: int  # the compiler's default scoped-VMEM limit for a kernel
+
+  @property
+  def ridge(self) -> float:
+    """FLOPs per HBM byte at which the matmul units and HBM take equal time."""
+    return self.bf16_flops_per_s / self.hbm_bytes_per_s
+
+
+CHIPS = {
+    "v5e": Chip("v5e", 819e9, 197e12, 128, 1, 16 << 20),
+    "v5p": Chip("v5p", 2765e9, 459e12, 128, 2, 16 << 20),
+    "v6e": Chip("v6e", 1640e9, 918e12, 256, 1, 32 << 20),
+}
+DEFAULT_CHIP = "v5e"  # used when the chip is unknown (CPU, export): the smallest limits
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tuning knobs of the three kernels (static; a different value compiles a new kernel).
+
+  Attributes:
+    prefix_rows: query rows (``B * Tq * G`` of one KV head) per prefix/segment block: the M
+      dim of both matrix products. At least ~2x the chip's ridge point (FLOPs per K/V byte)
+      so that a full block is matmul-bound, and a multiple of the MXU width.
+    prefix_keys: keys per prefix/segment block (K dim of ``QK^T``, N dim of ``PV``).
+    suffix_keys: keys per suffix block.
+    suffix_step_bytes: K+V bytes one suffix grid step should move: sequences and KV heads
+      are packed into a step until it moves about this much, so that the ~0.35 us fixed
+      cost of a grid step stays small against its DMA time.
+    vmem_budget_bytes: what the blocks (double-buffered) plus scratch may use; kept under
+      the chip's default scoped-VMEM limit so no ``vmem_limit_bytes`` is needed.
+  """
+
+  prefix_rows: int = 512
+  prefix_keys: int = 512
+  suffix_keys: int = 512
+  suffix_step_bytes: int = 1 << 20
+  vmem_budget_bytes: int = 12 << 20
+  min_parallel_steps: int = 1  # 2 on megacore chips: keep both TensorCores busy
+
+  def __post_init__(self):
+    for name in ("prefix_rows", "prefix_keys", "suffix_keys"):
+      value = getattr(self, name)
+      if value <= 0 or value % ROW_ALIGN:
+        raise ValueError(f"BlockSizes: {name} must be a positive multiple of {ROW_ALIGN}; "
+                         f"got {value}")
+
+
+def block_sizes_for(chip: str) -> BlockSizes:
+  """The heuristic, per chip (docs/tpu.md explains each number).
+
+  * ``prefix_rows``: the smallest multiple of the MXU width that is >= 2x the ridge point
+    (v5e 240, v5p 166, v6e 560 FLOPs per K/V byte): 512, 384, 1280 rows. The row count
+    actually used is balanced (:func:`balanced_block`) so padding stays < 16 rows/block.
+  * ``prefix_keys = suffix_keys = 512``: a bf16 K+V block of 512 x 128 is 256 KiB; the f32
+    score tile ``rows x 512`` (2 MiB at 1024 rows) stays far below the VMEM budget.
+  * ``suffix_step_bytes``: ~3x (bandwidth x 0.35 us step overhead): 1 MiB on v5e,
+    2 MiB on v5p and v6e.
+  """
+  c = CHIPS[chip]
+  rows = round_up(int(2 * c.ridge), c.mxu)
+  step = 1 << 20 if c.hbm_bytes_per_s < 1e12 else 2 << 20
+  budget = min(c.scoped_vmem_bytes * 3 // 4, 24 << 20)
+  return BlockSizes(prefix_rows=rows, prefix_keys=512, suffix_keys=512, suffix_step_bytes=step,
+                    vmem_budget_bytes=budget, min_parallel_steps=c.tensorcores)
+
+
+def detect_chip() -> str:
+  """The chip of the default TPU backend, else ``DEFAULT_CHIP``."""
+  try:
+    if jax.default_backend() != "tpu":
+      return DEFAULT_CHIP
+    kind = jax.devices()[0].device_kind.lower()
+  except RuntimeError:
+    return DEFAULT_CHIP
+  if "v6" in kind:
+    return "v6e"
+  if "v5" in kind:  # "TPU v5 lite" / "TPU v5e" are v5e; "TPU v5" / "TPU v5p" are v5p
+    return "v5e" if ("lite" in kind or "v5e" in kind) else "v5p"
+  return DEFAULT_CHIP
+
+
+def default_block_sizes() -> BlockSizes:
+  return block_sizes_for(detect_chip())
+
+
+def balanced_block(n: int, max_block: int, align: int = ROW_ALIGN) -> int:
+  """Block size for ``n`` items: as few blocks as ``max_block`` allows, equally sized,
+  rounded up to ``align`` (so ``n`` pads by less than ``align`` per block)."""
+  blocks = cdiv(max(n, 1), max_block)
+  return round_up(cdiv(max(n, 1), blocks), align)
+
+
+# ------------------------------------------------------------------------------------------
+# Dtypes, padding
+# ------------------------------------------------------------------------------------------
+
+
+def compute_dtype(*arrays) -> jnp.dtype:
+  """The dtype the kernels read: bfloat16 stays bfloat16, everything else runs in float32
+  (float16 is not a TPU matmul type; float16 -> float32 is exact)."""
+  dt = jnp.result_type(*arrays)
+  return jnp.dtype(jnp.bfloat16) if dt == jnp.bfloat16 else jnp.dtype(jnp.float32)
+
+
+def precision(dtype) -> lax.Precision:
+  # As the reference: true float32 products for float32 (Mosaic: contract_precision<fp32>).
+  return lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else lax.Precision.DEFAULT
+
+
+def pad_to(x: jax.Array, shape) -> jax.Array:
+  """Zero-pads ``x`` at the end of every axis up to ``shape`` (zeros in q/k are exact)."""
+  pads = [(0, t - s) for s, t in zip(x.shape, shape)]
+  if any(p for _, p in pads):
+    x = jnp.pad(x, pads)
+  return x
+
+
+# ------------------------------------------------------------------------------------------
+# Native vs interpret dispatch
+# ------------------------------------------------------------------------------------------
+
+
+def dispatch(build: Callable[[object], Callable], args, interpret: Optional[bool]):
+  """Runs ``build(interpret_value)(*args)``; ``interpret=None`` picks at lowering time."""
+  if interpret is None:
+    return lax.platform_dependent(*args, tpu=build(False), default=build(True))
+  return build(pltpu.InterpretParams() if interpret else False)(*args)
+
+
+def compiler_params(semantics):
+  return pltpu.CompilerParams(dimension_semantics=tuple(semantics))
+
+
+# ------------------------------------------------------------------------------------------
+# Online softmax over key blocks (the body shared by the three kernels)
+# ------------------------------------------------------------------------------------------
+
+
+def _widen(x: jax.Array, width: int) -> jax.Array:
+  """``[..., r, 128]`` lane-replicated -> ``[..., r, width]`` (width a multiple of 128), by
+  concatenation: the layout-trivial broadcast Mosaic handles for any multiple."""
+  reps = width // LANES
+  return x if reps == 1 else jnp.concatenate([x] * reps, axis=-1)
+
+
+def init_state(m_ref, l_ref, acc_ref):
+  m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+  l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+  acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
+def init_state_from(m_ref, l_ref, acc_ref, out_prior, lse_prior):
+  """Starts the online softmax from a prior partial result ``(out, lse)``: the fused
+  merge. A state (m, l, acc) stands for ``out = acc / l`` and ``lse = m + log(l)``, so
+  ``(m, l, acc) = (lse, 1, out)``; a prior with ``lse = -inf`` is the empty state."""
+  has = lse_prior > -jnp.inf  # [r, 128]
+  m_ref[...] = lse_prior
+  l_ref[...] = jnp.where(has, 1.0, 0.0)
+  acc_ref[...] = jnp.where(_widen(has, acc_ref.shape[-1]), out_prior, 0.0)
+
+
+def update_state(q, k, v, valid, m_ref, l_ref, acc_ref, *, scale: float):
+  """One key block of the online softmax (natural log), exact for fully masked rows.
+
+  q ``[r, D]``, k/v ``[bk, D]``, valid ``[r, bk]`` bool; state refs m/l ``[r, 128]``
+  (lane-replicated, the Mosaic idiom for per-row scalars) and acc ``[r, D]`` float32.
+  Masked scores are -inf and their probabilities are selected to 0; the running max is
+  replaced by 0 while a row has seen no key, so no ``inf - inf`` ever occurs.
+  """
+  prec = precision(q.dtype)
+  s = lax.dot_general(q, k, NT_DIMS, precision=prec, preferred_element_type=jnp.float32) * scale
+  s = jnp.where(valid, s, -jnp.inf)
+  m_blk = jnp.max(s, axis=1, keepdims=True)  # [r, 1]
+  m_blk_safe = jnp.where(m_blk > -jnp.inf, m_blk, 0.0)
+  p = jnp.where(valid, jnp.exp(s - m_blk_safe), 0.0)  # [r, bk]
+  l_blk = jnp.sum(p, axis=1, keepdims=True)  # [r, 1]
+  pv = lax.dot(p.astype(v.dtype), v, precision=precision(v.dtype),
+               preferred_element_type=jnp.float32)  # [r, D]
+  m_prev = m_ref[...]  # [r, 128]
+  m_next = jnp.maximum(m_prev, m_blk)
+  m_safe = jnp.where(m_next > -jnp.inf, m_next, 0.0)
+  alpha = jnp.exp(m_prev - m_safe)  # rescales the old state (0 when it was empty)
+  beta = jnp.exp(m_blk - m_safe)  # rescales this block (0 when it had no visible key)
+  m_ref[...] = m_next
+  l_ref[...] = alpha * l_ref[...] + beta * l_blk
+  width = acc_ref.shape[-1]
+  acc_ref[...] = _widen(alpha, width) * acc_ref[...] + _widen(beta, width) * pv
+
+
+def final_state(m_ref, l_ref, acc_ref):
+  """``(out [..., r, D], lse [..., r, 128])`` of a state: ``out = acc / l`` and natural-log
+  ``lse = m + log(l)``; ``(0, -inf)`` where no key was visible."""
+  l = l_ref[...]
+  has = l > 0.0
+  safe = jnp.where(has, l, 1.0)
+  out = acc_ref[...] / _widen(safe, acc_ref.shape[-1])
+  out = jnp.where(_widen(has, acc_ref.shape[-1]), out, 0.0)
+  lse = jnp.where(has, m_ref[...] + jnp.log(safe), -jnp.inf)
+  return out, lse

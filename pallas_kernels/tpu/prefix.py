@@ -1,0 +1,203 @@
+"""Shared-prefix attention on TPU: all queries of all sequences against ONE K/V sequence.
+
+Hydragen Sec. 3.2 (inter-sequence batching): for each KV head the ``B * Tq * G``
+query rows that read it are the rows of one matrix product against the prefix
+keys, so the prefix is streamed from HBM once per row block (once in all when
+the rows fit one block) instead of once per sequence, and the products run on
+the MXU as matrix-matrix products. Keys stream in blocks through an online
+softmax held in float32 VMEM scratch; blocks past ``kv_length`` are neither
+fetched (the index map repeats the last needed block, so the pipeline issues no
+DMA) nor computed.
+
+Grid ``(Hkv, row_blocks, key_blocks)``, semantics (parallel, parallel,
+arbitrary): heads and row blocks are split across the TensorCores of megacore
+chips; the key axis carries the softmax state.
+
+Contents, side by side: the kernel body (:func:`_prefix_kernel`), its
+``pallas_call`` on head-major arrays (:func:`prefix_attention_head_major`), the
+primitive with the reference's signature (:func:`prefix_attention`) and the
+reference it must equal (:data:`prefix_attention_reference`, i.e.
+:func:`jax_shared_attn.reference.prefix_attention`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jax_shared_attn import reference
+from pallas_kernels.tpu import common
+from pallas_kernels.tpu.common import LANES, ROW_ALIGN, BlockSizes
+
+prefix_attention_reference = reference.prefix_attention
+
+
+def _prefix_kernel(
+    length_ref,  # SMEM int32 [1]: valid prefix keys (scalar prefetch)
+    q_ref,  # [block_rows, D]
+    k_ref,  # [block_keys, D]
+    v_ref,  # [block_keys, D]
+    out_ref,  # [block_rows, D] float32
+    lse_ref,  # [block_rows, 128] float32, lane-replicated natural-log LSE
+    m_ref, l_ref, acc_ref,  # scratch: [block_rows, 128] x2, [block_rows, D] float32
+    *, scale: float,
+):
+  j = pl.program_id(2)
+  block_keys = k_ref.shape[0]
+  length = length_ref[0]
+
+  @pl.when(j == 0)
+  def _init():
+    common.init_state(m_ref, l_ref, acc_ref)
+
+  @pl.when(j * block_keys < length)
+  def _step():
+    key = j * block_keys + lax.broadcasted_iota(jnp.int32, (q_ref.shape[0], block_keys), 1)
+    common.update_state(q_ref[...], k_ref[...], v_ref[...], key < length, m_ref, l_ref,
+                        acc_ref, scale=scale)
+
+  @pl.when(j == pl.num_programs(2) - 1)
+  def _finish():
+    out, lse = common.final_state(m_ref, l_ref, acc_ref)
+    out_ref[...] = out
+    lse_ref[...] = lse
+
+
+def last_block(length, block: int):
+  """Index of the last block holding a valid key (0 when there is none)."""
+  return jnp.maximum(pl.cdiv(length, block) - 1, 0)
+
+
+def prefix_attention_head_major(
+    q: jax.Array,  # [Hkv, R, D]: rows (b, t, g) of KV head h; R % block_rows == 0
+    k: jax.Array,  # [Hkv, P, D]; P % block_keys == 0; D % 128 == 0
+    v: jax.Array,  # [Hkv, P, D]
+    kv_length: jax.Array,  # int32 [1], in [0, P]
+    *,
+    scale: float,
+    block_rows: int,
+    block_keys: int,
+    interpret: Optional[bool] = None,
+):
+  """The prefix kernel on kernel-native arrays.
+
+  Returns float32 ``out [Hkv, R, D]`` and ``lse [Hkv, R, 128]``: the natural-log
+  log-sum-exp of the scaled scores, replicated over the 128 lanes (take
+  ``[..., 0]``); rows with no visible key are ``(0, -inf)``.
+  """
+  hkv, rows, d = q.shape
+  p = k.shape[1]
+  if k.shape != (hkv, p, d) or v.shape != k.shape:
+    raise ValueError(f"prefix_attention_head_major: q {q.shape}, k {k.shape}, v {v.shape} "
+                     "must be [Hkv, R, D], [Hkv, P, D], [Hkv, P, D]")
+  if rows % block_rows or p % block_keys or d % LANES:
+    raise ValueError(f"prefix_attention_head_major: R={rows}, P={p}, D={d} must be multiples "
+                     f"of block_rows={block_rows}, block_keys={block_keys} and {LANES}")
+  grid = (hkv, rows // block_rows, p // block_keys)
+
+  def kv_map(h, i, j, length_ref):
+    return (h, jnp.minimum(j, last_block(length_ref[0], block_keys)), 0)
+
+  row_spec = pl.BlockSpec((None, block_rows, d), lambda h, i, j, length_ref: (h, i, 0))
+  lse_spec = pl.BlockSpec((None, block_rows, LANES), lambda h, i, j, length_ref: (h, i, 0))
+  kv_spec = pl.BlockSpec((None, block_keys, d), kv_map)
+  itemsize = q.dtype.itemsize
+  cost = pl.CostEstimate(
+      flops=4 * hkv * rows * p * d, transcendentals=hkv * rows * p,
+      bytes_accessed=hkv * (rows * d * itemsize + grid[1] * 2 * p * d * itemsize
+                            + rows * (d + LANES) * 4))
+
+  def build(interpret_value):
+    return pl.pallas_call(
+        functools.partial(_prefix_kernel, scale=scale),
+        out_shape=(jax.ShapeDtypeStruct((hkv, rows, d), jnp.float32),
+                   jax.ShapeDtypeStruct((hkv, rows, LANES), jnp.float32)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=grid,
+            in_specs=[row_spec, kv_spec, kv_spec],
+            out_specs=[row_spec, lse_spec],
+            scratch_shapes=[pltpu.VMEM((block_rows, LANES), jnp.float32),
+                            pltpu.VMEM((block_rows, LANES), jnp.float32),
+                            pltpu.VMEM((block_rows, d), jnp.float32)]),
+        compiler_params=common.compiler_params(("parallel", "parallel", "arbitrary")),
+        cost_estimate=cost, interpret=interpret_value, name="hydragen_prefix_attention")
+
+  return common.dispatch(build, (kv_length, q, k, v), interpret)
+
+
+def prefix_blocks(rows: int, keys: int, block_sizes: BlockSizes) -> tuple[int, int]:
+  """``(block_rows, block_keys)`` for ``rows`` query rows and ``keys`` prefix keys."""
+  return (common.balanced_block(rows, block_sizes.prefix_rows),
+          common.balanced_block(keys, block_sizes.prefix_keys))
+
+
+def fold_rows(q: jax.Array, hkv: int) -> jax.Array:
+  """``[B, Tq, Hq, D] -> [Hkv, B*Tq*G, D]``: rows (b, t, g) of each KV head."""
+  b, tq, hq, d = q.shape
+  g = hq // hkv
+  return q.reshape(b * tq, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, b * tq * g, d)
+
+
+def unfold_rows(x: jax.Array, b: int, tq: int) -> jax.Array:
+  """Inverse of :func:`fold_rows` for ``[Hkv, B*Tq*G, ...]``."""
+  hkv, rows = x.shape[:2]
+  g = rows // (b * tq)
+  rest = x.shape[2:]
+  x = x.reshape(hkv, b * tq, g, *rest)
+  x = jnp.moveaxis(x, 0, 1)  # [B*Tq, Hkv, G, ...]
+  return x.reshape(b, tq, hkv * g, *rest)
+
+
+def empty_state(q: jax.Array, d_out: int):
+  b, tq, hq, _ = q.shape
+  return (jnp.zeros((b, tq, hq, d_out), jnp.float32),
+          jnp.full((b, tq, hq), -jnp.inf, jnp.float32))
+
+
+def prefix_attention(
+    q: jax.Array,  # [B, Tq, Hq, D]
+    k: jax.Array,  # [P, Hkv, D]
+    v: jax.Array,  # [P, Hkv, D]
+    *,
+    kv_length: jax.Array,  # int32 scalar: the first kv_length keys are valid
+    scale: float,
+    block_sizes: Optional[BlockSizes] = None,
+    interpret: Optional[bool] = None,
+):
+  """Attention of every query against one shared K/V sequence (non-causal), on TPU.
+
+  Same signature and semantics as :func:`jax_shared_attn.reference.prefix_attention`:
+  returns float32 ``out [B, Tq, Hq, D]`` and float32 natural-log
+  ``lse [B, Tq, Hq] = log(sum_j exp(scale * q . k_j))`` over the first ``kv_length``
+  keys; ``(0, -inf)`` where there is none. GQA: the ``G = Hq // Hkv`` query heads of a
+  KV head and all ``B * Tq`` queries are the rows of one product; the prefix is
+  never broadcast to the batch.
+
+  Example:
+    >>> out, lse = prefix_attention(q, pk, pv, kv_length=jnp.int32(100), scale=0.125)
+  """
+  b, tq, hq, d = q.shape
+  p, hkv, _ = k.shape
+  if b * tq == 0 or p == 0:
+    return empty_state(q, v.shape[-1])
+  bs = block_sizes or common.default_block_sizes()
+  dtype = common.compute_dtype(q, k, v)
+  rows = b * tq * (hq // hkv)
+  block_rows, block_keys = prefix_blocks(rows, p, bs)
+  dp = common.round_up(d, LANES)
+  qh = common.pad_to(fold_rows(q.astype(dtype), hkv), (hkv, common.round_up(rows, block_rows), dp))
+  pp = common.round_up(p, block_keys)
+  kh = common.pad_to(k.astype(dtype).transpose(1, 0, 2), (hkv, pp, dp))
+  vh = common.pad_to(v.astype(dtype).transpose(1, 0, 2), (hkv, pp, dp))
+  length = jnp.clip(jnp.asarray(kv_length, jnp.int32), 0, p).reshape(1)
+  out, lse = prefix_attention_head_major(qh, kh, vh, length, scale=scale, block_rows=block_rows,
+                                         block_keys=block_keys, interpret=interpret)
+  out = unfold_rows(out[:, :rows, :v.shape[-1]], b, tq)
+  lse = unfold_rows(lse[:, :rows, 0], b, tq)
+  return out, lse

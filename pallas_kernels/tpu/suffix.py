@@ -1,0 +1,285 @@
+"""Per-sequence (suffix) attention on TPU: ragged lengths, causal Tq > 1, fused LSE merge.
+
+Each sequence attends to its own keys. The lengths travel by scalar prefetch
+(``pltpu.PrefetchScalarGridSpec``) into SMEM, where the index maps read them:
+a key block past the longest sequence of a grid step maps to the block already
+in VMEM, so the pipeline issues no DMA for it, and its compute is skipped.
+Inside a step, a sequence whose own length ends earlier skips its compute too.
+
+A grid step holds ``block_batch`` sequences x ``block_heads`` KV heads x
+``block_keys`` keys, sized so that a step moves about
+``BlockSizes.suffix_step_bytes`` of K/V (decode steps are tiny: one query row
+per query head, so per-step overhead, not the MXU, is what to amortise). Grid
+``(B / block_batch, Hkv / block_heads, S / block_keys)``, semantics (parallel,
+parallel, arbitrary): sequences and heads are split across the TensorCores of
+megacore chips.
+
+``prior`` (the shared-prefix result) is fused: it is the initial state of the
+online softmax, ``(m, l, acc) = (lse_prior, 1, out_prior)``, so the final
+``acc / l`` and ``m + log l`` are exactly the LSE merge of Hydragen Sec. 3.1
+(Appendix A) without another pass over HBM.
+
+Contents, side by side: kernel (:func:`_suffix_kernel`), ``pallas_call`` on
+kernel-native arrays (:func:`suffix_attention_head_major`), the primitive with
+the reference's signature (:func:`suffix_attention`) and its reference
+(:data:`suffix_attention_reference` = :func:`jax_shared_attn.reference.suffix_attention`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jax_shared_attn import reference
+from pallas_kernels.tpu import common
+from pallas_kernels.tpu.common import LANES, BlockSizes
+from pallas_kernels.tpu.prefix import empty_state, last_block
+
+suffix_attention_reference = reference.suffix_attention
+
+
+def _suffix_kernel(
+    lengths_ref,  # SMEM int32 [B_pad]: valid keys per sequence (scalar prefetch)
+    block_length_ref,  # SMEM int32 [B_pad / block_batch]: longest sequence of each batch block
+    q_ref,  # [block_batch, block_heads, rows, D], rows = (t, g) of Tq x G
+    k_ref,  # [block_batch, block_heads, block_keys, D]
+    v_ref,  # [block_batch, block_heads, block_keys, D]
+    *refs,  # [prior_out_ref, prior_lse_ref,] out_ref, lse_ref, m_ref, l_ref, acc_ref
+    scale: float, causal: bool, q_len: int, group: int, has_prior: bool,
+):
+  if has_prior:
+    prior_out_ref, prior_lse_ref, out_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+  else:
+    out_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+  i, s = pl.program_id(0), pl.program_id(2)
+  block_batch, block_heads, rows, _ = q_ref.shape
+  block_keys = k_ref.shape[2]
+  start = s * block_keys
+
+  @pl.when(s == 0)
+  def _init():
+    if has_prior:
+      common.init_state_from(m_ref, l_ref, acc_ref, prior_out_ref[...], prior_lse_ref[...])
+    else:
+      common.init_state(m_ref, l_ref, acc_ref)
+
+  def one_sequence(c, carry):
+    length = lengths_ref[i * block_batch + c]
+
+    @pl.when(start < length)
+    def _step():
+      key = start + lax.broadcasted_iota(jnp.int32, (rows, block_keys), 1)
+      valid = key < length
+      if causal:  # query t sits at position length - Tq + t
+        t = lax.broadcasted_iota(jnp.int32, (rows, block_keys), 0) // group
+        valid = valid & (key <= length - q_len + t)
+      for h in range(block_heads):
+        common.update_state(q_ref[c, h], k_ref[c, h], v_ref[c, h], valid, m_ref.at[c, h],
+                            l_ref.at[c, h], acc_ref.at[c, h], scale=scale)
+
+    return carry
+
+  @pl.when(start < block_length_ref[i])
+  def _blocks():
+    lax.fori_loop(0, block_batch, one_sequence, 0)
+
+  @pl.when(s == pl.num_programs(2) - 1)
+  def _finish():
+    out, lse = common.final_state(m_ref, l_ref, acc_ref)
+    out_ref[...] = out
+    lse_ref[...] = lse
+
+
+@dataclasses.dataclass(frozen=True)
+class SuffixBlocks:
+  batch: int  # sequences per grid step
+  heads: int  # KV heads per grid step
+  keys: int  # keys per block
+
+
+def vmem_bytes(blocks: SuffixBlocks, rows: int, d: int, itemsize: int, has_prior: bool) -> int:
+  """VMEM of one suffix grid step: double-buffered blocks, scratch and score temporaries."""
+  rows8 = common.round_up(rows, common.ROW_ALIGN)
+  pairs = blocks.batch * blocks.heads
+  state = pairs * rows8 * (d + LANES) * 4  # one (out, lse) or (acc, m|l) set
+  buffers = 2 * (pairs * (2 * blocks.keys * d * itemsize + rows8 * d * itemsize)
+                 + state * (2 if has_prior else 1))
+  scratch = state + pairs * rows8 * LANES * 4
+  temps = 4 * rows8 * blocks.keys * 4
+  return buffers + scratch + temps
+
+
+def suffix_blocks(b: int, hkv: int, s: int, rows: int, d: int, itemsize: int,
+                  block_sizes: BlockSizes, has_prior: bool = True) -> SuffixBlocks:
+  """The heuristic: keys per block from ``suffix_keys``; then whole KV heads, then
+  sequences, are packed into a step until it moves ~``suffix_step_bytes`` of K/V; keeps
+  at least ``min_parallel_steps`` parallel steps (megacore) and the VMEM budget."""
+  keys = common.balanced_block(s, block_sizes.suffix_keys)
+  per_head = 2 * keys * d * itemsize  # K + V of one head of one sequence
+  heads = max([h for h in range(1, hkv + 1)
+               if hkv % h == 0 and h * per_head <= block_sizes.suffix_step_bytes] or [1])
+  batch = max(1, min(b, block_sizes.suffix_step_bytes // (heads * per_head)))
+  while batch > 1 and common.cdiv(b, batch) * (hkv // heads) < block_sizes.min_parallel_steps:
+    batch = common.cdiv(batch, 2)
+  batch = common.cdiv(b, common.cdiv(b, batch))  # balanced: least batch padding
+  blocks = SuffixBlocks(batch, heads, keys)
+  while vmem_bytes(blocks, rows, d, itemsize, has_prior) > block_sizes.vmem_budget_bytes:
+    if blocks.batch > 1:
+      blocks = dataclasses.replace(blocks, batch=common.cdiv(blocks.batch, 2))
+    elif blocks.heads > 1:
+      blocks = dataclasses.replace(
+          blocks, heads=max(h for h in range(1, blocks.heads) if hkv % h == 0))
+    elif blocks.keys > common.ROW_ALIGN:
+      blocks = dataclasses.replace(blocks, keys=common.round_up(blocks.keys // 2, common.ROW_ALIGN))
+    else:
+      break
+  return blocks
+
+
+def suffix_attention_head_major(
+    q: jax.Array,  # [B, Hkv, rows, D]: rows (t, g); B % block_batch == 0; D % 128 == 0
+    k: jax.Array,  # [B, Hkv, S, D]; S % block_keys == 0
+    v: jax.Array,  # [B, Hkv, S, D]
+    lengths: jax.Array,  # int32 [B] in [0, S]
+    prior: Optional[Tuple[jax.Array, jax.Array]] = None,  # f32 [B, Hkv, rows, D], [B, Hkv, rows, 128]
+    *,
+    causal: bool,
+    scale: float,
+    q_len: int,
+    blocks: SuffixBlocks,
+    interpret: Optional[bool] = None,
+):
+  """The suffix kernel on kernel-native arrays.
+
+  Returns float32 ``out [B, Hkv, rows, D]`` and ``lse [B, Hkv, rows, 128]``: the
+  natural-log log-sum-exp (merged with ``prior`` if given), replicated over the 128
+  lanes; ``(0, -inf)`` for rows with no visible key and no prior.
+  """
+  b, hkv, rows, d = q.shape
+  s = k.shape[2]
+  group = rows // q_len
+  if b % blocks.batch or hkv % blocks.heads or s % blocks.keys or d % LANES:
+    raise ValueError(f"suffix_attention_head_major: B={b}, Hkv={hkv}, S={s}, D={d} must be "
+                     f"multiples of {blocks} and {LANES}")
+  nb = b // blocks.batch
+  grid = (nb, hkv // blocks.heads, s // blocks.keys)
+  block_length = jnp.max(lengths.reshape(nb, blocks.batch), axis=1)
+
+  def row_map(i, hh, j, lengths_ref, block_length_ref):
+    return (i, hh, 0, 0)
+
+  def kv_map(i, hh, j, lengths_ref, block_length_ref):
+    return (i, hh, jnp.minimum(j, last_block(block_length_ref[i], blocks.keys)), 0)
+
+  row_spec = pl.BlockSpec((blocks.batch, blocks.heads, rows, d), row_map)
+  lse_spec = pl.BlockSpec((blocks.batch, blocks.heads, rows, LANES), row_map)
+  kv_spec = pl.BlockSpec((blocks.batch, blocks.heads, blocks.keys, d), kv_map)
+  in_specs = [row_spec, kv_spec, kv_spec]
+  args = [lengths, block_length, q, k, v]
+  if prior is not None:
+    in_specs += [row_spec, lse_spec]
+    args += list(prior)
+  state = (blocks.batch, blocks.heads, rows)
+  itemsize = q.dtype.itemsize
+  cost = pl.CostEstimate(
+      flops=4 * b * hkv * rows * s * d, transcendentals=b * hkv * rows * s,
+      bytes_accessed=b * hkv * (2 * s * d * itemsize + rows * d * itemsize
+                                + (2 if prior is not None else 1) * rows * (d + LANES) * 4))
+  kernel = functools.partial(_suffix_kernel, scale=scale, causal=causal, q_len=q_len, group=group,
+                             has_prior=prior is not None)
+
+  def build(interpret_value):
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((b, hkv, rows, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, rows, LANES), jnp.float32)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=[row_spec, lse_spec],
+            scratch_shapes=[pltpu.VMEM(state + (LANES,), jnp.float32),
+                            pltpu.VMEM(state + (LANES,), jnp.float32),
+                            pltpu.VMEM(state + (d,), jnp.float32)]),
+        compiler_params=common.compiler_params(("parallel", "parallel", "arbitrary")),
+        cost_estimate=cost, interpret=interpret_value, name="hydragen_suffix_attention")
+
+  return common.dispatch(build, tuple(args), interpret)
+
+
+def to_rows(x: jax.Array, hkv: int) -> jax.Array:
+  """``[B, Tq, Hq, ...] -> [B, Hkv, Tq*G, ...]`` (a pure reshape when Tq == 1)."""
+  b, tq, hq = x.shape[:3]
+  rest = x.shape[3:]
+  x = x.reshape(b, tq, hkv, hq // hkv, *rest)
+  return jnp.moveaxis(x, 2, 1).reshape(b, hkv, tq * (hq // hkv), *rest)
+
+
+def from_rows(x: jax.Array, tq: int) -> jax.Array:
+  """Inverse of :func:`to_rows`."""
+  b, hkv, rows = x.shape[:3]
+  rest = x.shape[3:]
+  x = x.reshape(b, hkv, tq, rows // tq, *rest)
+  return jnp.moveaxis(x, 1, 2).reshape(b, tq, hkv * (rows // tq), *rest)
+
+
+def suffix_attention(
+    q: jax.Array,  # [B, Tq, Hq, D]
+    k: jax.Array,  # [B, S, Hkv, D]
+    v: jax.Array,  # [B, S, Hkv, D]
+    *,
+    kv_lengths: jax.Array,  # int32 [B]
+    causal: bool,
+    scale: float,
+    prior: Optional[Tuple[jax.Array, jax.Array]] = None,  # (out f32 [B,Tq,Hq,D], lse [B,Tq,Hq])
+    block_sizes: Optional[BlockSizes] = None,
+    interpret: Optional[bool] = None,
+):
+  """Per-sequence attention over each sequence's own ragged K/V, on TPU.
+
+  Same signature and semantics as :func:`jax_shared_attn.reference.suffix_attention`:
+  keys past ``kv_lengths[b]`` are invisible; with ``causal`` query ``i`` sits at
+  position ``kv_lengths[b] - Tq + i``. With ``prior`` (a partial result over other
+  keys) the result is its exact LSE merge, fused into the kernel. Returns float32
+  ``out [B, Tq, Hq, D]`` and float32 natural-log ``lse [B, Tq, Hq]``
+  (``log(sum_j exp(scale * q . k_j))`` over all visible keys, prior's included);
+  ``(0, -inf)`` for rows that see nothing.
+
+  Example:
+    >>> out, lse = suffix_attention(q, k, v, kv_lengths=lens, causal=True, scale=0.125)
+  """
+  b, tq, hq, d = q.shape
+  _, s, hkv, _ = k.shape
+  dv = v.shape[-1]
+  if b * tq == 0:
+    return empty_state(q, dv)
+  if s == 0:  # no own keys: the result is the prior (normalised), or nothing
+    if prior is None:
+      return empty_state(q, dv)
+    lse = prior[1].astype(jnp.float32)
+    return jnp.where((lse > -jnp.inf)[..., None], prior[0].astype(jnp.float32), 0.0), lse
+  bs = block_sizes or common.default_block_sizes()
+  dtype = common.compute_dtype(q, k, v)
+  rows = tq * (hq // hkv)
+  dp = common.round_up(d, LANES)
+  blocks = suffix_blocks(b, hkv, s, rows, dp, dtype.itemsize, bs, prior is not None)
+  bp, sp = common.round_up(b, blocks.batch), common.round_up(s, blocks.keys)
+  qr = common.pad_to(to_rows(q.astype(dtype), hkv), (bp, hkv, rows, dp))
+  kh = common.pad_to(jnp.swapaxes(k.astype(dtype), 1, 2), (bp, hkv, sp, dp))
+  vh = common.pad_to(jnp.swapaxes(v.astype(dtype), 1, 2), (bp, hkv, sp, dp))
+  lengths = common.pad_to(jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, s), (bp,))
+  state = None
+  if prior is not None:
+    p_out = common.pad_to(to_rows(prior[0].astype(jnp.float32), hkv), (bp, hkv, rows, dp))
+    p_lse = to_rows(prior[1].astype(jnp.float32), hkv)  # [B, Hkv, rows]
+    p_lse = common.pad_to(p_lse, (bp, hkv, rows))
+    p_lse = jnp.where(jnp.arange(bp)[:, None, None] < b, p_lse, -jnp.inf)
+    state = (p_out, jnp.broadcast_to(p_lse[..., None], (bp, hkv, rows, LANES)))
+  out, lse = suffix_attention_head_major(qr, kh, vh, lengths, state, causal=bool(causal),
+                                         scale=scale, q_len=tq, blocks=blocks,
+                                         interpret=interpret)
+  return from_rows(out[:b, :, :, :dv], tq), from_rows(lse[:b, :, :, 0], tq)

@@ -1,0 +1,378 @@
+"""Generation: prefill each shared segment once, then decode in ONE jitted loop.
+
+    >>> tokens = generate(model, prompt, num_samples=16, max_new_tokens=64)     # [16, 64]
+    >>> tokens = generate(model, [few_shot + p1, few_shot + p2], num_samples=[8, 4],
+    ...                   max_new_tokens=64, temperature=0.7, top_p=0.9)          # [12, 64]
+
+Three attention modes (the paper's Sec. 4.1 comparison):
+
+``"hydragen"``  every prompt segment's K/V stored once (:mod:`models.cache`);
+                decoding attends to it with the queries of all the samples
+                that share it (:func:`jax_shared_attn.hierarchical_attention`).
+``"standard"``  the baseline: the prompt is prefilled once (batch 1) and its
+                K/V copied into every sample's own cache, which each sample
+                attends to on its own (:func:`jax_shared_attn.attention_with_lse`).
+``"none"``      no attention at all (the throughput ceiling; wrong tokens,
+                for benchmarks only): no prefill, no K/V.
+
+The lower-level API separates the phases, for benchmarks that time decoding
+only (paper App. D.1)::
+
+    state = prefill(model, prompt, num_samples=1024, max_new_tokens=128)
+    state = decode(model, state, 1)           # compiles; steps is a runtime value
+    state = decode(model, state, 127)         # the same program, no host call per token
+    tokens = state.completions()              # [1024, 128] in the caller's order
+
+``decode`` donates the state: its cache is updated in place and the state
+passed in must not be used again.
+
+Output: int32 ``[num_samples, max_new_tokens]``. After a sample emits
+``eos_id`` (kept in the output) the rest of its row is ``pad_id``
+(default :data:`PAD_ID` = -1, never a real token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from models import cache as cache_lib
+from models.cache import KVCache, SegmentLevel
+from models.llama import Llama
+from models.prompt_tree import PromptTree
+from models.sampling import SamplingParams, sample, sampling_keys
+
+Array = jax.Array
+ATTENTION_MODES = ("hydragen", "standard", "none")
+PAD_ID = -1
+
+Prompts = Union[PromptTree, Sequence[int], Sequence[Sequence[int]], np.ndarray, Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+  """Everything the decode loop carries (a pytree; rows in decode order).
+
+  Attributes:
+    cache: the :class:`models.cache.KVCache`.
+    tokens: int32 ``[B]``: the token each row feeds next (at step 0 the
+      prompt's last token).
+    out: int32 ``[B, max_new_tokens]``: sampled tokens so far, ``pad_id`` elsewhere.
+    finished: bool ``[B]``: the row has emitted ``eos_id``.
+    step: int32 scalar: decode steps done.
+    sample_ids: int32 ``[B]``: each row's index in the caller's order.
+    seed: uint32 scalar: the sampling seed.
+    attention: the mode it was prefilled for (static).
+  """
+
+  cache: KVCache
+  tokens: Array
+  out: Array
+  finished: Array
+  step: Array
+  sample_ids: Array
+  seed: Array
+  attention: str = dataclasses.field(default="hydragen", metadata=dict(static=True))
+
+  @property
+  def batch_size(self) -> int:
+    return self.tokens.shape[0]
+
+  @property
+  def max_new_tokens(self) -> int:
+    return self.out.shape[1]
+
+  def completions(self) -> Array:
+    """int32 ``[num_samples, max_new_tokens]`` in the caller's sample order."""
+    return self.out[jnp.argsort(self.sample_ids)]
+
+
+# -- the public entry points ----------------------------------------------------------------------
+
+def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Sequence[int], None] = 1,
+             max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,
+             top_p: Optional[float] = None, eos_id: Optional[int] = None, seed: int = 0,
+             attention: str = "hydragen", impl: str = "auto", pad_id: int = PAD_ID,
+             progress: Optional[Callable[[int], None]] = None) -> Array:
+  """Samples ``max_new_tokens`` tokens for each of ``num_samples`` samples per prompt.
+
+  Args:
+    model: a :class:`models.llama.Llama`.
+    prompt_ids: one prompt (a sequence of token ids); or a list of prompts
+      that share a first part (the shared part is prefilled once at batch 1,
+      each distinct remainder once, causally over it); or a
+      :class:`models.prompt_tree.PromptTree` describing any sharing tree.
+    num_samples: samples per prompt: an int, or one int per prompt (ignored
+      for a PromptTree, which lists its samples).
+    max_new_tokens: tokens to generate per sample (>= 1).
+    temperature, top_k, top_p: see :mod:`models.sampling` (0 = greedy).
+    eos_id: a sample stops after emitting it; the rest of its row is ``pad_id``.
+    seed: sampling seed; the token of sample b at step t depends only on
+      (seed, b, t), so every attention mode draws with the same randomness.
+    attention: ``"hydragen"``, ``"standard"`` or ``"none"`` (module docstring).
+    impl: attention implementation for :mod:`jax_shared_attn` (``"auto"``, ``"xla"``, ...).
+    pad_id: the id written after EOS (default -1).
+    progress: called on the host with the number of decode steps done,
+      every few steps (None: no host callback in the compiled loop).
+
+  Returns:
+    int32 ``[total samples, max_new_tokens]``; samples in the caller's order
+    (prompt 0's samples first).
+  """
+  state = prefill(model, prompt_ids, num_samples=num_samples, max_new_tokens=max_new_tokens,
+                  attention=attention, impl=impl, seed=seed)
+  state = decode(model, state, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
+                 pad_id=pad_id, impl=impl, progress=progress)
+  return state.completions()
+
+
+def as_prompt_tree(prompt_ids: Prompts, num_samples=1) -> PromptTree:
+  """Normalises ``generate``'s prompt forms to a :class:`PromptTree`."""
+  if isinstance(prompt_ids, PromptTree):
+    return prompt_ids
+  if isinstance(prompt_ids, (np.ndarray, jax.Array)):
+    arr = np.asarray(prompt_ids)
+    if arr.ndim not in (1, 2):
+      raise ValueError(f"prompt_ids must be 1-D (one prompt) or 2-D (several); got shape {arr.shape}")
+    prompts = [arr.tolist()] if arr.ndim == 1 else arr.tolist()
+  else:
+    prompt_ids = list(prompt_ids)
+    if not prompt_ids:
+      raise ValueError("prompt_ids is empty: give at least one token")
+    single = all(isinstance(t, (int, np.integer)) for t in prompt_ids)
+    prompts = [prompt_ids] if single else [list(p) for p in prompt_ids]
+  if num_samples is None:
+    num_samples = 1
+  if len(prompts) == 1 and np.ndim(num_samples) == 1 and len(num_samples) != 1:
+    raise ValueError(f"num_samples has {len(num_samples)} entries for 1 prompt")
+  return PromptTree.from_prompts(prompts, num_samples)
+
+
+def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens: int,
+            attention: str = "hydragen", impl: str = "auto", seed: int = 0,
+            own_capacity: Optional[int] = None,
+            progress: Optional[Callable[[int], None]] = None) -> DecodeState:
+  """Prefills every prompt segment once and returns the state the decode loop starts from.
+
+  Args:
+    model, prompt_ids, num_samples, attention, impl, seed: as in :func:`generate`.
+    max_new_tokens: the decode steps the state has room for.
+    own_capacity: per-sample K/V capacity (default: exactly what is needed:
+      ``max_new_tokens`` for hydragen, the longest prompt plus that for standard).
+    progress: called with the number of prompt tokens prefilled so far.
+
+  Raises:
+    ValueError: bad arguments, token ids outside the vocabulary, a prompt
+      plus ``max_new_tokens`` beyond ``config.max_position_embeddings``, or
+      ``own_capacity`` too small.
+  """
+  config = model.config
+  if attention not in ATTENTION_MODES:
+    raise ValueError(f"attention must be one of {ATTENTION_MODES}; got {attention!r}")
+  if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}")
+  tree = as_prompt_tree(prompt_ids, num_samples)
+  _check_tokens(tree, config.vocab_size)
+  contexts = tree.context_lengths()
+  longest = int(contexts.max()) + 1
+  if longest + max_new_tokens > config.max_position_embeddings:
+    raise ValueError(
+        f"max_new_tokens: a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} "
+        f"exceeds the model's context of {config.max_position_embeddings} tokens "
+        "(config.max_position_embeddings; raise it with config.replace(...) if you mean it)")
+
+  order = tree.decode_order()
+  graphdef, params = nnx.split(model)
+  if attention == "none":
+    needed, lengths = 0, contexts[order]
+    levels = ()
+  else:
+    stored = _prefill_levels(graphdef, params, tree, impl, progress)
+    levels = tuple(SegmentLevel(k, v, jnp.asarray(lens), jnp.asarray(tree.node_of_sample(l)[order]))
+                   for l, (k, v, lens) in enumerate(stored))
+    if attention == "hydragen":
+      needed, lengths = max_new_tokens, np.zeros(len(order), np.int32)
+    else:
+      needed = sum(k.shape[2] for k, _, _ in stored) + max_new_tokens
+      lengths = contexts[order]
+  capacity = needed if own_capacity is None else int(own_capacity)
+  if capacity < needed:
+    raise ValueError(f"own_capacity={own_capacity} is too small: attention={attention!r} with "
+                     f"max_new_tokens={max_new_tokens} needs {needed} tokens per sample")
+  if attention == "standard":
+    k, v = _copy_prompts_per_sample(levels, capacity)
+    cache = KVCache((), k, v, jnp.asarray(lengths, jnp.int32))
+  else:
+    cache = cache_lib.empty(config, len(order), capacity, levels=levels, lengths=lengths)
+  b = len(order)
+  return DecodeState(
+      cache=cache,
+      tokens=jnp.asarray(np.asarray(tree.last_tokens, np.int32)[order]),
+      out=jnp.full((b, max_new_tokens), PAD_ID, jnp.int32),
+      finished=jnp.zeros((b,), bool),
+      step=jnp.zeros((), jnp.int32),
+      sample_ids=jnp.asarray(order, jnp.int32),
+      seed=jnp.asarray(np.uint32(seed % 2**32)),
+      attention=attention)
+
+
+def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
+           temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+           eos_id: Optional[int] = None, pad_id: int = PAD_ID, impl: str = "auto",
+           progress: Optional[Callable[[int], None]] = None,
+           progress_every: int = 8) -> DecodeState:
+  """Runs ``num_steps`` decode steps (default: all that remain) in one jitted program.
+
+  The loop is a ``lax.while_loop`` that also stops once every sample has
+  emitted ``eos_id``. ``num_steps`` is a runtime value: one compiled program
+  serves every count. ``state`` is donated (updated in place; do not reuse it).
+
+  Args:
+    progress: None (no host callback in the program: the benchmark path), or
+      a function called on the host with the number of steps done, every
+      ``progress_every`` steps and at the end.
+  """
+  remaining = state.max_new_tokens - int(state.step)
+  num_steps = remaining if num_steps is None else int(num_steps)
+  if not 0 <= num_steps <= remaining:
+    raise ValueError(f"num_steps must lie in [0, {remaining}] (the state was prefilled for "
+                     f"max_new_tokens={state.max_new_tokens} and has done {int(state.step)}); "
+                     f"got {num_steps}")
+  if state.attention != "none":
+    worst = int(jnp.max(state.cache.lengths)) + num_steps
+    if worst > state.cache.capacity:
+      raise ValueError(f"num_steps={num_steps} would exceed the per-sample cache capacity of "
+                       f"{state.cache.capacity} tokens ({worst} needed)")
+  if int(progress_every) < 1:
+    raise ValueError(f"progress_every must be >= 1; got {progress_every}")
+  sampling = SamplingParams(temperature, top_k, top_p)
+  graphdef, params = nnx.split(model)
+  stop = state.step + num_steps
+  return _decode_loop(graphdef, params, state, stop, sampling=sampling, eos_id=eos_id,
+                      pad_id=int(pad_id), impl=impl, progress=progress,
+                      progress_every=int(progress_every))
+
+
+def lower_decode(model: Llama, state: DecodeState, *, temperature: float = 0.0,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 eos_id: Optional[int] = None, pad_id: int = PAD_ID, impl: str = "auto"):
+  """The decode program, lowered (``.compile()`` it to inspect HLO or memory)."""
+  graphdef, params = nnx.split(model)
+  return _decode_loop.lower(graphdef, params, state, state.step,
+                            sampling=SamplingParams(temperature, top_k, top_p), eos_id=eos_id,
+                            pad_id=int(pad_id), impl=impl, progress=None, progress_every=1)
+
+
+# -- prefill -------------------------------------------------------------------------------------
+
+def _check_tokens(tree: PromptTree, vocab_size: int) -> None:
+  ids = [t for level in tree.segments for seg in level for t in seg] + list(tree.last_tokens)
+  lo, hi = min(ids), max(ids)
+  if lo < 0 or hi >= vocab_size:
+    raise ValueError(f"prompt_ids: token ids must lie in [0, {vocab_size}) (the vocabulary); "
+                     f"got values in [{lo}, {hi}]")
+
+
+def _prefill_levels(graphdef, params, tree: PromptTree, impl: str, progress):
+  """K/V of every segment, level by level, each causally over its ancestors.
+
+  Level l's N segments run as one batch ``[N, T_l]`` (right-padded): the
+  ancestors are shared levels of a prefill cache, the segments' own tokens
+  its per-sequence part. The K/V left in that part IS the level.
+
+  Returns ``[(k, v [L, N, T, Hkv, D], lengths int32 [N]), ...]``.
+  """
+  stored, done = [], 0
+  for l in range(tree.num_levels):
+    lengths = tree.lengths(l)
+    tokens = np.zeros((len(lengths), int(lengths.max())), np.int32)
+    for n, seg in enumerate(tree.segments[l]):
+      tokens[n, :len(seg)] = seg
+    ancestors = tuple(SegmentLevel(k, v, jnp.asarray(lens), jnp.asarray(tree.ancestor(a, l)))
+                      for a, (k, v, lens) in enumerate(stored))
+    k, v = _prefill_segments(graphdef, params, jnp.asarray(tokens), ancestors, impl=impl)
+    stored.append((k, v, lengths))
+    if progress is not None:
+      done += int(lengths.sum())
+      progress(done)
+  return stored
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("impl",))
+def _prefill_segments(graphdef, params, tokens, ancestors, *, impl):
+  """One level: ``tokens [N, T]`` over their ``ancestors`` -> K/V ``[L, N, T, Hkv, D]``."""
+  model = nnx.merge(graphdef, params)
+  n, t = tokens.shape
+  cache = cache_lib.empty(model.config, n, t, levels=ancestors)
+  # Padded positions hold garbage K/V past each segment's length; no valid query
+  # sees them (causal), and the stored lengths mask them afterwards.
+  _, cache = model(tokens, cache=cache, impl=impl)
+  return cache.k, cache.v
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _copy_prompts_per_sample(levels: tuple[SegmentLevel, ...], capacity: int):
+  """The standard baseline's cache: each sample's path of segments, concatenated.
+
+  Returns own ``k, v [L, B, capacity, Hkv, D]``. Segments are written level by
+  level at the running context end, so a level's padding is overwritten by the
+  next level or lies past the sample's length (masked): valid tokens are never
+  overwritten, and ``capacity >= sum of level widths`` means nothing is clamped.
+  """
+  def one_sample(nodes):  # nodes: int32 [num_levels]
+    k = v = None
+    offset = jnp.zeros((), jnp.int32)
+    for level, node in zip(levels, nodes):
+      seg_k = level.k[:, jnp.maximum(node, 0)]  # [L, T, Hkv, D]
+      seg_v = level.v[:, jnp.maximum(node, 0)]
+      if k is None:
+        shape = (seg_k.shape[0], capacity) + seg_k.shape[2:]
+        k, v = jnp.zeros(shape, seg_k.dtype), jnp.zeros(shape, seg_v.dtype)
+      k = lax.dynamic_update_slice(k, seg_k, (0, offset, 0, 0))
+      v = lax.dynamic_update_slice(v, seg_v, (0, offset, 0, 0))
+      offset = offset + jnp.where(node >= 0, level.lengths[jnp.maximum(node, 0)], 0)
+    return k, v
+
+  nodes = jnp.stack([level.node_of_seq for level in levels], axis=1)  # [B, num_levels]
+  return jax.vmap(one_sample, out_axes=1)(nodes)
+
+
+# -- the decode loop ------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnums=0,
+                   static_argnames=("sampling", "eos_id", "pad_id", "impl", "progress",
+                                    "progress_every"),
+                   donate_argnames=("state",))
+def _decode_loop(graphdef, params, state: DecodeState, stop, *, sampling: SamplingParams,
+                 eos_id: Optional[int], pad_id: int, impl: str, progress, progress_every: int):
+  model = nnx.merge(graphdef, params)
+  skip_attention = state.attention == "none"
+
+  def running(s: DecodeState):
+    return (s.step < stop) & ~jnp.all(s.finished)
+
+  def step(s: DecodeState) -> DecodeState:
+    logits, cache = model(s.tokens[:, None], cache=s.cache, skip_attention=skip_attention,
+                          impl=impl)
+    keys = sampling_keys(s.seed, s.sample_ids, s.step)
+    new = jnp.where(s.finished, pad_id, sample(logits[:, 0], keys, sampling))
+    out = lax.dynamic_update_slice(s.out, new[:, None], (0, s.step))
+    finished = s.finished if eos_id is None else s.finished | (new == eos_id)
+    done = s.step + 1
+    if progress is not None:  # a host call every `progress_every` steps, never per token
+      report = (done % progress_every == 0) | (done == stop) | jnp.all(finished)
+      lax.cond(report, lambda: jax.debug.callback(lambda n: progress(int(n)), done),
+               lambda: None)
+    # Finished rows keep running (static shapes) on a valid dummy token.
+    return dataclasses.replace(s, cache=cache, tokens=jnp.maximum(new, 0), out=out,
+                               finished=finished, step=done)
+
+  return lax.while_loop(running, step, state)

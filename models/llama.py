@@ -1,0 +1,201 @@
+"""The Llama decoder in Flax NNX: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+
+Covers Llama 2, Llama 3.x, CodeLlama and SmolLM2 (see :mod:`models.config`).
+Layout ``[batch, seq, heads, head_dim]``; parameters and activations in
+``config.dtype``; RMSNorm statistics, RoPE angles and the logits in float32.
+
+Weights keep PyTorch's ``[out, in]`` orientation (q_proj ``[Hq, D, hidden]``,
+gate ``[F, hidden]``, ...), so loading a checkpoint is a reshape, never a
+transpose of a multi-GB tensor.
+
+    >>> model = Llama(preset("tiny"), rngs=nnx.Rngs(0))     # random weights
+    >>> logits = model(tokens)                               # [B, T] -> float32 [B, T, vocab]
+    >>> logits, cache = model(tokens, cache=cache)           # with a KV cache (models.cache)
+
+With a cache, attention goes through :mod:`jax_shared_attn`: shared levels
+(the Hydragen tree) with :func:`hierarchical_attention`, or only own K/V
+(the standard baseline) with :func:`attention_with_lse`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jax_shared_attn import attention_with_lse, hierarchical_attention
+from models.cache import KVCache
+from models.config import LlamaConfig
+from models.rope import apply_rope, inverse_frequencies
+
+Array = jax.Array
+
+
+def _precision(dtype) -> lax.Precision:
+  # float32 weights get true float32 products (TF32 on GPUs costs ~1e-3
+  # relative error and would break the float32 parity checks).
+  return lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else lax.Precision.DEFAULT
+
+
+def _einsum(spec: str, x: Array, w: nnx.Param) -> Array:
+  w = w[...]
+  return jnp.einsum(spec, x, w, precision=_precision(w.dtype))
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02) -> nnx.Param:
+  return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+
+class RMSNorm(nnx.Module):
+  """``weight * x / sqrt(mean(x^2) + eps)``, statistics in float32 (as transformers)."""
+
+  def __init__(self, dim: int, eps: float, dtype):
+    self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    self.eps = eps
+
+  def __call__(self, x: Array) -> Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.weight[...] * normed.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with RoPE over a (shared-segment) KV cache."""
+
+  def __init__(self, config: LlamaConfig, layer: int, *, rngs: nnx.Rngs):
+    c, dt = config, config.param_dtype
+    self.q_proj = _normal(rngs, (c.num_heads, c.head_dim, c.hidden_size), dt)
+    self.k_proj = _normal(rngs, (c.num_kv_heads, c.head_dim, c.hidden_size), dt)
+    self.v_proj = _normal(rngs, (c.num_kv_heads, c.head_dim, c.hidden_size), dt)
+    self.o_proj = _normal(rngs, (c.hidden_size, c.num_heads, c.head_dim), dt)
+    self.layer = layer
+    self.inv_freq = tuple(float(f) for f in inverse_frequencies(config))
+
+  def __call__(self, x: Array, positions: Array, cache: Optional[KVCache], *,
+               skip_attention: bool, impl: str) -> tuple[Array, Optional[KVCache]]:
+    xq = _einsum("btd,hkd->bthk", x, self.q_proj)  # (bs, seqlen, n_heads, head_dim)
+    keys = _einsum("btd,hkd->bthk", x, self.k_proj)  # (bs, seqlen, n_kv_heads, head_dim)
+    values = _einsum("btd,hkd->bthk", x, self.v_proj)
+    inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
+    xq, keys = apply_rope(xq, positions, inv_freq), apply_rope(keys, positions, inv_freq)
+    if skip_attention:
+      out = _no_attention(xq, keys, values)
+    elif cache is None:
+      out, _ = attention_with_lse(xq, keys, values, causal=True, impl=impl)
+    else:
+      cache = cache.write(self.layer, keys, values)
+      out = _cached_attention(xq, cache, self.layer, x.shape[1], impl)
+    return _einsum("bthk,dhk->btd", out, self.o_proj), cache
+
+
+def _no_attention(xq: Array, keys: Array, values: Array) -> Array:
+  """The "no attention" ceiling (paper Sec. 4.1): no scores, no cache.
+
+  Returns something cheap that depends on q, k and v, so that XLA keeps the
+  q/k/v projections (and RoPE) the paper keeps in this baseline.
+  """
+  group = xq.shape[2] // keys.shape[2]
+  return xq + jnp.repeat(keys + values, group, axis=2)
+
+
+def _cached_attention(xq: Array, cache: KVCache, layer: int, t: int, impl: str) -> Array:
+  """Causal attention of the T new queries over shared levels + own K/V (just written)."""
+  own_k, own_v = cache.k[layer], cache.v[layer]  # [B, S, Hkv, D]
+  own_lengths = cache.lengths + t
+  if cache.levels:  # Hydragen: each shared segment attended once by all its sequences' queries
+    return hierarchical_attention(xq, cache.shared_levels(layer), own_k, own_v,
+                                  suffix_lengths=own_lengths, causal=True, impl=impl)
+  out, _ = attention_with_lse(xq, own_k, own_v, kv_lengths=own_lengths, causal=True, impl=impl)
+  return out
+
+
+class MLP(nnx.Module):
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    c, dt = config, config.param_dtype
+    self.gate_proj = _normal(rngs, (c.intermediate_size, c.hidden_size), dt)
+    self.up_proj = _normal(rngs, (c.intermediate_size, c.hidden_size), dt)
+    self.down_proj = _normal(rngs, (c.hidden_size, c.intermediate_size), dt)
+
+  def __call__(self, x: Array) -> Array:
+    hidden = jax.nn.silu(_einsum("btd,fd->btf", x, self.gate_proj))
+    hidden = hidden * _einsum("btd,fd->btf", x, self.up_proj)
+    return _einsum("btf,df->btd", hidden, self.down_proj)
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+
+  def __init__(self, config: LlamaConfig, layer: int, *, rngs: nnx.Rngs):
+    dt = config.param_dtype
+    self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+    self.self_attn = Attention(config, layer, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+    self.mlp = MLP(config, rngs=rngs)
+
+  def __call__(self, x, positions, cache, *, skip_attention, impl):
+    attn_out, cache = self.self_attn(self.input_layernorm(x), positions, cache,
+                                     skip_attention=skip_attention, impl=impl)
+    h = x + attn_out
+    return h + self.mlp(self.post_attention_layernorm(h)), cache
+
+
+class Llama(nnx.Module):
+  """The decoder: embedding, ``num_layers`` blocks, final norm, output projection.
+
+  Parameter names follow transformers' (``embed_tokens``, ``layers[i].self_attn.q_proj``,
+  ...) so that checkpoints map one to one.
+  """
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    dt = config.param_dtype
+    self.config = config
+    self.embed_tokens = _normal(rngs, (config.vocab_size, config.hidden_size), dt)
+    self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)])
+    self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+    self.lm_head = (None if config.tie_word_embeddings
+                    else _normal(rngs, (config.vocab_size, config.hidden_size), dt))
+
+  def __call__(self, tokens: Array, *, positions: Optional[Array] = None,
+               cache: Optional[KVCache] = None, skip_attention: bool = False,
+               impl: str = "auto"):
+    """Runs the decoder on int ``tokens [B, T]``.
+
+    Args:
+      tokens: int32 ``[B, T]``.
+      positions: int32 ``[B, T]`` absolute positions; default ``arange(T)``
+        without a cache, and each sequence's context length onward with one.
+      cache: a :class:`models.cache.KVCache`; the T new tokens' K/V are written
+        at each sequence's own length and attend causally over its shared
+        levels and own tokens. ``None``: plain causal attention over ``tokens``.
+      skip_attention: the "no attention" throughput ceiling (wrong outputs;
+        benchmarks only): no K/V is written or read, only the lengths (and so
+        the positions) advance.
+      impl: attention implementation passed to :mod:`jax_shared_attn`.
+
+    Returns:
+      float32 logits ``[B, T, vocab]``; with a cache, ``(logits, new_cache)``
+      with the cache's lengths advanced by T.
+    """
+    b, t = tokens.shape
+    if positions is None:
+      start = cache.context_lengths() if cache is not None else jnp.zeros((b,), jnp.int32)
+      positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    x = self.embed_tokens[...][tokens]  # [B, T, hidden]
+    for layer in self.layers:
+      x, cache = layer(x, positions, cache, skip_attention=skip_attention, impl=impl)
+    logits = self.logits(self.norm(x))
+    if cache is None:
+      return logits
+    return logits, cache.advance(t)
+
+  def logits(self, h: Array) -> Array:
+    """float32 ``[B, T, vocab]`` from final hidden states ``[B, T, hidden]``."""
+    w = self.embed_tokens if self.lm_head is None else self.lm_head
+    w = w[...]
+    return jnp.einsum("btd,vd->btv", h, w, precision=_precision(w.dtype),
+                      preferred_element_type=jnp.float32)

@@ -98,7 +98,9 @@ def _jax_pallas_hydragen(q, pk, pv, sk, sv):
   out_p = out_p.reshape(b, g, hkv, d).transpose(0, 2, 1, 3).reshape(b, 1, hq, d)
   lse_p = (lse2[0] * math.log(2.0)).reshape(hkv, b, g).transpose(1, 0, 2).reshape(b, 1, hq)
   lens = jnp.full((b,), sk.shape[1], jnp.int32)
-  out_s, (l, m) = decode_attention.gqa(q[:, 0], sk, sv, kv_seq_len=lens, return_residuals=True)
+  splits = max(1, sk.shape[1] // 256)  # gqa needs >= 16 keys per split and whole blocks
+  out_s, (l, m) = decode_attention.gqa(q[:, 0], sk, sv, kv_seq_len=lens, k_splits=splits,
+                                       return_residuals=True)
   lse_s = (m + jnp.log(l))[:, None]
   out, _ = merge_states([out_p, out_s[:, None]], [lse_p, lse_s])
   return out.astype(q.dtype)

@@ -131,10 +131,32 @@ def prefix_attention_head_major(
   return common.dispatch(build, (kv_length, q, k, v), interpret)
 
 
-def prefix_blocks(rows: int, keys: int, block_sizes: BlockSizes) -> tuple[int, int]:
-  """``(block_rows, block_keys)`` for ``rows`` query rows and ``keys`` prefix keys."""
-  return (common.balanced_block(rows, block_sizes.prefix_rows),
-          common.balanced_block(keys, block_sizes.prefix_keys))
+def vmem_bytes(block_rows: int, block_keys: int, d: int, itemsize: int) -> int:
+  """VMEM of one prefix/segment grid step: double-buffered q, k, v, out, lse blocks, the
+  float32 state scratch and ~3 float32 score-sized temporaries (s, p, and p's cast)."""
+  buffers = 2 * (block_rows * d * itemsize + 2 * block_keys * d * itemsize
+                 + block_rows * (d + LANES) * 4)
+  scratch = block_rows * (d + 2 * LANES) * 4
+  return buffers + scratch + 3 * block_rows * block_keys * 4
+
+
+def prefix_blocks(rows: int, keys: int, d: int, itemsize: int,
+                  block_sizes: BlockSizes) -> tuple[int, int]:
+  """``(block_rows, block_keys)`` for ``rows`` query rows and ``keys`` prefix keys:
+  balanced blocks of at most ``prefix_rows x prefix_keys``, halved (keys first) while
+  a step would exceed the VMEM budget."""
+  max_rows, max_keys = block_sizes.prefix_rows, block_sizes.prefix_keys
+  while True:
+    block_rows = common.balanced_block(rows, max_rows)
+    block_keys = common.balanced_block(keys, max_keys)
+    if vmem_bytes(block_rows, block_keys, d, itemsize) <= block_sizes.vmem_budget_bytes:
+      return block_rows, block_keys
+    if max_keys > 128:
+      max_keys //= 2
+    elif max_rows > ROW_ALIGN:
+      max_rows = common.round_up(max_rows // 2, ROW_ALIGN)
+    else:
+      return block_rows, block_keys
 
 
 def fold_rows(q: jax.Array, hkv: int) -> jax.Array:
@@ -189,8 +211,8 @@ def prefix_attention(
   bs = block_sizes or common.default_block_sizes()
   dtype = common.compute_dtype(q, k, v)
   rows = b * tq * (hq // hkv)
-  block_rows, block_keys = prefix_blocks(rows, p, bs)
   dp = common.round_up(d, LANES)
+  block_rows, block_keys = prefix_blocks(rows, p, dp, dtype.itemsize, bs)
   qh = common.pad_to(fold_rows(q.astype(dtype), hkv), (hkv, common.round_up(rows, block_rows), dp))
   pp = common.round_up(p, block_keys)
   kh = common.pad_to(k.astype(dtype).transpose(1, 0, 2), (hkv, pp, dp))

@@ -40,7 +40,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax_shared_attn import reference
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import LANES, BlockSizes
-from pallas_kernels.tpu.prefix import empty_state, fold_rows, last_block, unfold_rows
+from pallas_kernels.tpu.prefix import (empty_state, fold_rows, last_block, prefix_blocks,
+                                       unfold_rows)
 
 segment_attention_reference = reference.segment_attention
 
@@ -122,7 +123,8 @@ def group_metadata(node_of_seq: jax.Array, num_segments: int, rows_per_seq: int,
   cum = jnp.cumsum(visits)
   v = jnp.arange(tiles + n, dtype=jnp.int32)
   vv = jnp.minimum(v, cum[-1] - 1)  # padding visits repeat the last real one
-  group = jnp.searchsorted(cum, vv, side="right").astype(jnp.int32)
+  # compare_all: no while loop in the program (V x (N + 1) compares, tiny)
+  group = jnp.searchsorted(cum, vv, side="right", method="compare_all").astype(jnp.int32)
   tile = first[group] + vv - (cum[group] - visits[group])
   return GroupMetadata(order, group, tile.astype(jnp.int32), (v < cum[-1]).astype(jnp.int32),
                        start, end)
@@ -191,13 +193,12 @@ def segment_attention_head_major(
   return common.dispatch(build, args, interpret)
 
 
-def segment_blocks(rows: int, num_segments: int, keys: int,
+def segment_blocks(rows: int, num_segments: int, keys: int, d: int, itemsize: int,
                    block_sizes: BlockSizes) -> tuple[int, int]:
-  """``(block_rows, block_keys)``: row tiles sized to the mean group (rows / N), so a
-  tree level with many small groups does not pay a full prefix-sized tile per group."""
-  per_group = common.cdiv(rows, num_segments)
-  return (common.balanced_block(per_group, block_sizes.prefix_rows),
-          common.balanced_block(keys, block_sizes.prefix_keys))
+  """``(block_rows, block_keys)``: as the prefix's, but row tiles are sized to the mean
+  group (rows / N), so a level with many small groups does not pay a prefix-sized
+  tile per group."""
+  return prefix_blocks(common.cdiv(rows, num_segments), keys, d, itemsize, block_sizes)
 
 
 def segment_attention(
@@ -233,9 +234,9 @@ def segment_attention(
   dtype = common.compute_dtype(q, k, v)
   rows_per_seq = tq * (hq // hkv)
   rows = b * rows_per_seq
-  block_rows, block_keys = segment_blocks(rows, n, t, bs)
-  meta = group_metadata(jnp.asarray(node_of_seq), n, rows_per_seq, block_rows)
   dp = common.round_up(d, LANES)
+  block_rows, block_keys = segment_blocks(rows, n, t, dp, dtype.itemsize, bs)
+  meta = group_metadata(jnp.asarray(node_of_seq), n, rows_per_seq, block_rows)
   qs = fold_rows(q.astype(dtype)[meta.order], hkv)  # [Hkv, R, D], sorted by group
   qs = common.pad_to(qs, (hkv, common.round_up(rows, block_rows), dp))
   tp = common.round_up(t, block_keys)

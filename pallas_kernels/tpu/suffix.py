@@ -78,7 +78,9 @@ def _suffix_kernel(
       key = start + lax.broadcasted_iota(jnp.int32, (rows, block_keys), 1)
       valid = key < length
       if causal:  # query t sits at position length - Tq + t
-        t = lax.broadcasted_iota(jnp.int32, (rows, block_keys), 0) // group
+        # lax.div (truncating) on non-negative rows: floor division lowers via sign(), which
+        # Mosaic lowering resolves by querying the chip (impossible when exporting from a CPU).
+        t = lax.div(lax.broadcasted_iota(jnp.int32, (rows, block_keys), 0), jnp.int32(group))
         valid = valid & (key <= length - q_len + t)
       for h in range(block_heads):
         common.update_state(q_ref[c, h], k_ref[c, h], v_ref[c, h], valid, m_ref.at[c, h],
@@ -126,8 +128,13 @@ def suffix_blocks(b: int, hkv: int, s: int, rows: int, d: int, itemsize: int,
   heads = max([h for h in range(1, hkv + 1)
                if hkv % h == 0 and h * per_head <= block_sizes.suffix_step_bytes] or [1])
   batch = max(1, min(b, block_sizes.suffix_step_bytes // (heads * per_head)))
-  while batch > 1 and common.cdiv(b, batch) * (hkv // heads) < block_sizes.min_parallel_steps:
-    batch = common.cdiv(batch, 2)
+  while common.cdiv(b, batch) * (hkv // heads) < block_sizes.min_parallel_steps:
+    if batch > 1:
+      batch = common.cdiv(batch, 2)
+    elif heads > 1:
+      heads = max(h for h in range(1, heads) if hkv % h == 0)
+    else:
+      break
   batch = common.cdiv(b, common.cdiv(b, batch))  # balanced: least batch padding
   blocks = SuffixBlocks(batch, heads, keys)
   while vmem_bytes(blocks, rows, d, itemsize, has_prior) > block_sizes.vmem_budget_bytes:

@@ -8,7 +8,7 @@ Weights keep PyTorch's ``[out, in]`` orientation (q_proj ``[Hq, D, hidden]``,
 gate ``[F, hidden]``, ...), so loading a checkpoint is a reshape, never a
 transpose of a multi-GB tensor.
 
-    >>> model = Llama(preset("tiny"), rngs=nnx.Rngs(0))     # random weights
+    >>> model = random_init(preset("tiny"), seed=0)           # random weights
     >>> logits = model(tokens)                               # [B, T] -> float32 [B, T, vocab]
     >>> logits, cache = model(tokens, cache=cache)           # with a KV cache (models.cache)
 
@@ -19,10 +19,11 @@ With a cache, attention goes through :mod:`jax_shared_attn`: shared levels
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
@@ -199,3 +200,71 @@ class Llama(nnx.Module):
     w = w[...]
     return jnp.einsum("btd,vd->btv", h, w, precision=_precision(w.dtype),
                       preferred_element_type=jnp.float32)
+
+
+
+# -- building models from arrays ---------------------------------------------------------------
+
+def param_shapes(config: LlamaConfig) -> dict[str, jax.ShapeDtypeStruct]:
+  """Dotted parameter path (``layers.0.self_attn.q_proj``) -> shape and dtype."""
+  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  return _flatten(nnx.to_pure_dict(nnx.state(abstract)))
+
+
+def flat_params(model: Llama) -> dict[str, jax.Array]:
+  """The model's parameters as dotted path -> array (what :func:`build` takes)."""
+  return _flatten(nnx.to_pure_dict(nnx.state(model)))
+
+
+def build(config: LlamaConfig, params: Mapping[str, Any]) -> Llama:
+  """A :class:`Llama` holding ``params`` (dotted path -> array, every parameter).
+
+  Raises ValueError naming a missing, unexpected or mis-shaped parameter.
+  Arrays are converted to ``config.dtype``.
+  """
+  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  tree = nnx.to_pure_dict(state)
+  expected = _flatten(tree)
+  missing, extra = sorted(set(expected) - set(params)), sorted(set(params) - set(expected))
+  if missing or extra:
+    raise ValueError(f"build: parameters do not match the config: missing {missing[:4]}, "
+                     f"unexpected {extra[:4]}")
+  for path, value in params.items():
+    if tuple(value.shape) != tuple(expected[path].shape):
+      raise ValueError(f"build: {path} has shape {tuple(value.shape)}; the config needs "
+                       f"{tuple(expected[path].shape)}")
+    node, keys = tree, [int(k) if k.isdigit() else k for k in path.split(".")]
+    for key in keys[:-1]:
+      node = node[key]
+    node[keys[-1]] = jnp.asarray(value, config.param_dtype)
+  nnx.replace_by_pure_dict(state, tree)
+  return nnx.merge(graphdef, state)
+
+
+def random_init(config: LlamaConfig, seed: int = 0, *, std: float = 0.02) -> Llama:
+  """Random weights drawn on the host with NumPy (normal(0, std); norms at 1).
+
+  Nothing is compiled, so small models (tests, CI) appear instantly. For
+  large shapes on an accelerator, initialise on the device instead:
+  ``nnx.jit(lambda: Llama(config, rngs=nnx.Rngs(seed)))()``.
+  """
+  rng = np.random.default_rng(seed)
+  params = {}
+  for path, spec in param_shapes(config).items():
+    if path.endswith("norm.weight"):
+      params[path] = np.ones(spec.shape, np.float32)
+    else:
+      params[path] = (std * rng.standard_normal(spec.shape, np.float32)).astype(np.float32)
+  return build(config, params)
+
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, Mapping):
+      out.update(_flatten(value, name + "."))
+    else:
+      out[name] = value
+  return out

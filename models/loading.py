@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import LlamaConfig
-from models.llama import Llama
+from models.llama import Llama, build, flat_params
 from models.tokenizer import Tokenizer
 
 HYDRAGEN_CONFIG = "hydragen_config.json"
@@ -124,26 +124,8 @@ def model_from_tensors(config: LlamaConfig, tensors: Mapping[str, Any], *,
     if int(np.prod(t.shape)) != int(np.prod(shape)):
       raise ValueError(f"model_from_tensors: {name} has shape {tuple(t.shape)}; the config needs "
                        f"{int(np.prod(shape))} values, as {shape}")
-    values[path] = jnp.asarray(np.asarray(t).reshape(shape), config.param_dtype)
-  return _assemble(config, values)
-
-
-def _assemble(config: LlamaConfig, values: Mapping[str, jax.Array]) -> Llama:
-  """Puts ``values`` (dotted path -> array) into an abstract model's state; merges."""
-  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
-  tree = nnx.to_pure_dict(state)
-  for path, value in values.items():
-    node, keys = tree, [int(k) if k.isdigit() else k for k in path.split(".")]
-    for key in keys[:-1]:
-      node = node[key]
-    expected = node[keys[-1]]
-    if tuple(expected.shape) != tuple(value.shape):
-      raise ValueError(f"model_from_tensors: {path} has shape {tuple(value.shape)}; expected "
-                       f"{tuple(expected.shape)}")
-    node[keys[-1]] = value
-  nnx.replace_by_pure_dict(state, tree)
-  return nnx.merge(graphdef, state)
+    values[path] = np.asarray(t).reshape(shape)
+  return build(config, values)
 
 
 # -- Hugging Face directories -------------------------------------------------------------------
@@ -350,20 +332,7 @@ def restore(path: str, *, dtype: Optional[str] = None) -> Pretrained:
 def cast(model: Llama, dtype) -> Llama:
   """A copy of ``model`` with parameters (and ``config.dtype``) in ``dtype``."""
   dtype = jnp.dtype(dtype)
-  flat = _flatten(nnx.to_pure_dict(nnx.state(model)))
-  return _assemble(model.config.replace(dtype=str(dtype)),
-                   {path: jnp.asarray(x, dtype) for path, x in flat.items()})
-
-
-def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for key, value in tree.items():
-    name = f"{prefix}{key}"
-    if isinstance(value, Mapping):
-      out.update(_flatten(value, name + "."))
-    else:
-      out[name] = value
-  return out
+  return build(model.config.replace(dtype=str(dtype)), flat_params(model))
 
 
 def _iter_progress(items, progress: bool, desc: str, total=None):

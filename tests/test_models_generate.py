@@ -1,0 +1,216 @@
+"""Generation: hydragen == standard == full-forward greedy; sharing trees; one jitted loop; capacity."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import cache as cache_lib
+from models.config import preset
+from models.generate import PAD_ID, decode, generate, lower_decode, prefill
+from models.llama import random_init
+from models.prompt_tree import PromptTree
+
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  config = preset("tiny").replace(num_heads=6, num_kv_heads=2, head_dim=16)
+  return random_init(config, seed=3, std=0.12)
+
+
+@nnx.jit
+def _last_logits(model, ids, lengths):
+  logits = model(ids)  # causal: the right padding is never seen by position lengths - 1
+  return logits[jnp.arange(ids.shape[0]), lengths - 1]
+
+
+def greedy_reference(model, prompt, n):
+  """Greedy decoding by re-running the plain full forward (no cache) for every token."""
+  seq = np.zeros((1, 64), np.int32)
+  seq[0, :len(prompt)] = prompt
+  length = len(prompt)
+  for _ in range(n):
+    logits = _last_logits(model, jnp.asarray(seq), jnp.asarray([length]))
+    seq[0, length] = int(jnp.argmax(logits[0]))
+    length += 1
+  return seq[0, len(prompt):length]
+
+
+def prompt_of(n, seed):
+  return [int(t) for t in np.random.default_rng(seed).integers(0, 256, n)]
+
+
+def test_hydragen_and_standard_equal_the_full_forward_greedy(tiny):
+  prompt = prompt_of(19, 0)
+  ref = greedy_reference(tiny, prompt, NEW)
+  for attention in ("hydragen", "standard"):
+    out = np.asarray(generate(tiny, prompt, num_samples=3, max_new_tokens=NEW,
+                              attention=attention))
+    assert out.shape == (3, NEW) and out.dtype == np.int32
+    np.testing.assert_array_equal(out, np.broadcast_to(ref, (3, NEW)), err_msg=attention)
+
+
+def test_multi_prompt_generation_equals_each_prompt_alone(tiny):
+  shared = prompt_of(13, 1)
+  prompts = [shared + [7, 9, 11, 2], shared + [5], shared[:6], shared + [7, 9, 11, 2],
+             shared + [7, 9, 11, 2, 4, 4, 8]]  # a repeat, a prefix of others, a longer one
+  counts = [2, 1, 1, 2, 1]
+  out = np.asarray(generate(tiny, prompts, num_samples=counts, max_new_tokens=NEW))
+  assert out.shape == (sum(counts), NEW)
+  row = 0
+  for prompt, n in zip(prompts, counts):
+    alone = np.asarray(generate(tiny, prompt, num_samples=1, max_new_tokens=NEW))[0]
+    np.testing.assert_array_equal(out[row:row + n], np.broadcast_to(alone, (n, NEW)))
+    row += n
+  np.testing.assert_array_equal(out[2], greedy_reference(tiny, prompts[1], NEW))
+
+
+def test_two_level_tree_stores_each_segment_once(tiny):
+  shared = prompt_of(13, 1)
+  prompts = [shared + [7, 9, 11, 2], shared + [5, 6], shared + [7, 9, 11, 2]]
+  state = prefill(tiny, prompts, num_samples=[4, 3, 2], max_new_tokens=NEW)
+  per_token = cache_lib.kv_bytes_per_token(tiny.config)
+  level0, level1 = state.cache.levels
+  assert level0.k.shape[1:3] == (1, 13)  # the common prefix, once
+  assert level1.k.shape[1:3] == (2, 3)  # two distinct remainders (prompt minus last token)
+  np.testing.assert_array_equal(np.asarray(level1.lengths), [3, 1])
+  assert state.cache.shared_nbytes == (13 + 2 * 3) * per_token
+  assert state.cache.own_nbytes == 9 * NEW * per_token
+  # Decode order groups each segment's samples; completions come back in the caller's order.
+  nodes = np.asarray(level1.node_of_seq)
+  assert list(nodes) == sorted(nodes)
+
+
+def test_hydragen_cache_holds_the_prompt_once(tiny):
+  prompt, b = prompt_of(40, 2), 16
+  per_token = cache_lib.kv_bytes_per_token(tiny.config)
+  hyd = prefill(tiny, prompt, num_samples=b, max_new_tokens=NEW)
+  std = prefill(tiny, prompt, num_samples=b, max_new_tokens=NEW, attention="standard")
+  none = prefill(tiny, prompt, num_samples=b, max_new_tokens=NEW, attention="none")
+  assert hyd.cache.shared_nbytes == 39 * per_token  # the last token is fed by decode step 0
+  assert hyd.cache.own_nbytes == b * NEW * per_token
+  assert std.cache.shared_nbytes == 0 and std.cache.own_nbytes == b * (39 + NEW) * per_token
+  assert none.cache.nbytes == 0
+
+
+def test_same_seed_same_tokens_on_every_path_and_in_chunks(tiny):
+  prompts = [prompt_of(15, 4), prompt_of(15, 4)[:9] + [1, 2, 3]]
+  kw = dict(num_samples=[3, 2], max_new_tokens=NEW, temperature=1.0, top_k=50, top_p=0.9)
+  hyd = np.asarray(generate(tiny, prompts, seed=5, **kw))
+  std = np.asarray(generate(tiny, prompts, seed=5, attention="standard", **kw))
+  np.testing.assert_array_equal(hyd, std)
+  np.testing.assert_array_equal(hyd, np.asarray(generate(tiny, prompts, seed=5, **kw)))
+  assert len({tuple(r) for r in hyd}) > 1  # samples of one prompt differ
+  assert not np.array_equal(hyd, np.asarray(generate(tiny, prompts, seed=6, **kw)))
+  # Decoding in two calls (one compiled program, a runtime step count) changes nothing.
+  sampling = {k: kw[k] for k in ("temperature", "top_k", "top_p")}
+  state = prefill(tiny, prompts, num_samples=[3, 2], max_new_tokens=NEW, seed=5)
+  state = decode(tiny, state, 5, **sampling)
+  assert int(state.step) == 5
+  state = decode(tiny, state, **sampling)
+  np.testing.assert_array_equal(np.asarray(state.completions()), hyd)
+
+
+def test_eos_pads_the_rest_and_ends_the_loop_early(tiny):
+  prompt = prompt_of(19, 0)
+  free = np.asarray(generate(tiny, prompt, num_samples=2, max_new_tokens=NEW))[0]
+  eos = int(free[4])
+  first = int(np.argmax(free == eos))
+  state = prefill(tiny, prompt, num_samples=2, max_new_tokens=NEW)
+  state = decode(tiny, state, eos_id=eos)
+  out = np.asarray(state.completions())
+  np.testing.assert_array_equal(out[:, :first + 1], np.broadcast_to(free[:first + 1], (2, first + 1)))
+  assert (out[:, first + 1:] == PAD_ID).all()
+  assert int(state.step) == first + 1  # the while loop stopped when every sample was done
+
+
+def test_no_attention_mode_runs_without_kv(tiny):
+  out = np.asarray(generate(tiny, prompt_of(19, 0), num_samples=4, max_new_tokens=NEW,
+                            attention="none"))
+  assert out.shape == (4, NEW) and ((out >= 0) & (out < 256)).all()
+
+
+def test_capacity_and_argument_errors_name_the_argument(tiny):
+  prompt = prompt_of(10, 0)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    prefill(tiny, prompt, max_new_tokens=tiny.config.max_position_embeddings)
+  with pytest.raises(ValueError, match="own_capacity"):
+    prefill(tiny, prompt, max_new_tokens=8, own_capacity=7)
+  with pytest.raises(ValueError, match="prompt_ids"):
+    prefill(tiny, prompt + [256], max_new_tokens=4)
+  with pytest.raises(ValueError, match="attention"):
+    prefill(tiny, prompt, max_new_tokens=4, attention="flash")
+  with pytest.raises(ValueError, match="num_samples"):
+    prefill(tiny, [prompt, prompt], num_samples=[1, 2, 3], max_new_tokens=4)
+  with pytest.raises(ValueError, match="top_p"):
+    generate(tiny, prompt, num_samples=1, max_new_tokens=2, temperature=1.0, top_p=0.0)
+  state = prefill(tiny, prompt, num_samples=2, max_new_tokens=4)
+  with pytest.raises(ValueError, match="num_steps"):
+    decode(tiny, state, 5)
+  cache = cache_lib.empty(tiny.config, 2, 3)
+  with pytest.raises(ValueError, match="capacity"):
+    cache.write(0, jnp.zeros((2, 4, 2, 16)), jnp.zeros((2, 4, 2, 16)))
+
+
+# -- the compiled decode program -----------------------------------------------------------------
+
+# Distinct sizes so that the stacked caches [L, B, S, Hkv, D] are recognisable in the HLO.
+L, B, NEW_BIG, HKV, D = 4, 7, 41, 1, 48
+
+
+@pytest.fixture(scope="module")
+def odd_model():
+  config = preset("tiny").replace(num_layers=L, num_heads=4, num_kv_heads=HKV, head_dim=D)
+  return random_init(config, seed=0)
+
+
+def producers(hlo: str, shape: str) -> set[tuple[str, str]]:
+  """(op, instruction name) of every instruction whose result has exactly ``shape``."""
+  pattern = rf"%(\S+) = {re.escape(shape)}\{{[^}}]*\}} ([\w-]+)\("
+  return {(op, name) for name, op in re.findall(pattern, hlo)}
+
+
+def only_scattered_into(instructions) -> bool:
+  """Buffers of this shape are parameters, loop plumbing or in-place scatters, nothing else."""
+  plumbing = {"parameter", "get-tuple-element"}
+  return all(op in plumbing or op == "scatter" or (op == "fusion" and "scatter" in name)
+             for op, name in instructions)
+
+
+def test_decode_loop_is_one_program_updating_the_cache_in_place(odd_model):
+  state = prefill(odd_model, prompt_of(200, 0), num_samples=B, max_new_tokens=NEW_BIG)
+  compiled = lower_decode(odd_model, state).compile()
+  hlo = compiled.as_text()
+  assert len(re.findall(r" while\(", hlo)) == 1  # every step inside one while loop
+  assert "callback" not in hlo  # no host round trip per token
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  assert compiled.memory_analysis().alias_size_in_bytes >= state_bytes  # donated, aliased
+  # The stacked own cache [L, B, S, Hkv, D] is only ever scattered into in place (no copy,
+  # no transpose, no rebuilt buffer); the shared prefix [L, 1, P, Hkv, D] is never rewritten.
+  own = producers(hlo, f"f32[{L},{B},{NEW_BIG},{HKV},{D}]")
+  assert only_scattered_into(own), own
+  assert any(op == "scatter" for op, _ in own)
+  shared = producers(hlo, f"f32[{L},1,199,{HKV},{D}]")
+  assert {op for op, _ in shared} <= {"parameter", "get-tuple-element"}, shared
+
+
+def test_the_in_place_check_can_fail(odd_model):
+  """Without donation the same inspection sees the cache rebuilt as a new buffer."""
+  state = prefill(odd_model, prompt_of(200, 0), num_samples=B, max_new_tokens=NEW_BIG)
+  compiled = jax.jit(lambda c: c.k * 2.0).lower(state.cache).compile()
+  own = producers(compiled.as_text(), f"f32[{L},{B},{NEW_BIG},{HKV},{D}]")
+  assert not only_scattered_into(own), own
+
+
+def test_progress_is_reported_every_k_steps_from_inside_the_loop(odd_model):
+  seen = []
+  state = prefill(odd_model, prompt_of(20, 0), num_samples=2, max_new_tokens=NEW_BIG)
+  state = decode(odd_model, state, 20, progress=seen.append, progress_every=8)
+  jax.block_until_ready(state)
+  jax.effects_barrier()
+  assert seen == [8, 16, 20]

@@ -140,19 +140,13 @@ def _decomposed(fn, q, parts, suffix_k, suffix_v, suffix_lengths, causal, scale,
                 return_lse):
   """Shared parts first, then the suffix with the shared result merged in."""
   ops = ops_lib.resolve(impl, fn)
-  states = []
-  for kind, k, v, lengths, nodes in parts:
-    if kind == "prefix":
-      states.append(ops.prefix_attention(q, k, v, kv_length=lengths, scale=scale))
-    else:
-      states.append(ops.segment_attention(q, k, v, lengths=lengths, node_of_seq=nodes,
-                                          scale=scale))
-  prior = None
-  if states:
-    from jax_shared_attn.merge import merge_states
-    prior = merge_states([s[0] for s in states], [s[1] for s in states])
-  out, lse = ops.suffix_attention(q, suffix_k, suffix_v, kv_lengths=suffix_lengths,
-                                  causal=bool(causal), scale=scale, prior=prior)
+  if ops.shared_attention is not None:  # the family fuses the whole decomposition
+    out, lse = ops.shared_attention(q, parts, suffix_k, suffix_v, kv_lengths=suffix_lengths,
+                                    causal=bool(causal), scale=scale)
+  else:
+    out, lse = ops_lib.reference_shared_attention(q, parts, suffix_k, suffix_v,
+                                                  kv_lengths=suffix_lengths, causal=bool(causal),
+                                                  scale=scale, ops=ops)
   out = out.astype(q.dtype)
   return (out, lse) if return_lse else out
 

@@ -10,10 +10,14 @@ imported only when asked for (data flows one way: API -> kernels).
 ``"auto"``           the fastest correct path for the default backend: Pallas
                      kernels on GPU and TPU, ``"xla"`` on CPU.
 ``"xla"``            pure JAX (any backend, differentiable).
-``"pallas"``         the Pallas family for the backend (GPU: Triton; TPU: Mosaic);
-                     an error on CPU, where no kernel runs natively.
+``"pallas"``         the Pallas family for the backend: on a Hopper GPU (sm_90)
+                     ``"pallas:mosaic_gpu"``, on other GPUs ``"pallas:triton"``,
+                     on a TPU ``"pallas:tpu"``; an error on CPU.
 ``"pallas:triton"``  the portable GPU (Triton) kernels; lowered for a CPU they
                      run in Pallas interpret mode (slow, for testing).
+``"pallas:mosaic_gpu"`` Hopper: the prefix product on wgmma/TMA (Mosaic GPU),
+                     the rest Triton. Mosaic GPU has no interpret mode: lowered
+                     for a CPU, the Triton kernels run interpreted instead.
 ``"pallas:tpu"``     the TPU (Mosaic) kernels; interpret mode when lowered for a
                      CPU, native when lowered (or exported) for a TPU.
 
@@ -31,14 +35,24 @@ import jax
 
 from jax_shared_attn import reference
 
-IMPLS = ("auto", "xla", "pallas", "pallas:triton", "pallas:tpu")
+IMPLS = ("auto", "xla", "pallas", "pallas:triton", "pallas:mosaic_gpu", "pallas:tpu")
 
 
 class AttentionOps(NamedTuple):
+  """An implementation of the three primitives (see :mod:`jax_shared_attn.reference`).
+
+  ``shared_attention`` is optional: a family may compute the whole
+  decomposition itself, ``shared_attention(q, parts, suffix_k, suffix_v, *,
+  kv_lengths, causal, scale) -> (out, lse)`` with ``parts`` a list of
+  ``("prefix", k, v, length, None)`` / ``("segments", k, v, lengths,
+  node_of_seq)``, to keep intermediates in its own layout and fuse merges.
+  """
+
   name: str
   prefix_attention: Callable[..., Any]
   segment_attention: Callable[..., Any]
   suffix_attention: Callable[..., Any]
+  shared_attention: Callable[..., Any] | None = None
 
 
 XLA_OPS = AttentionOps("xla", reference.prefix_attention, reference.segment_attention,
@@ -77,15 +91,67 @@ def _with_reference_vjp(kernel: Callable, ref: Callable) -> Callable:
   return call
 
 
+def reference_shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale,
+                               ops: AttentionOps = XLA_OPS):
+  """The decomposition from primitives: shared parts, merged, then the suffix merged in."""
+  from jax_shared_attn.merge import merge_states
+  states = []
+  for kind, k, v, lengths, nodes in parts:
+    if kind == "prefix":
+      states.append(ops.prefix_attention(q, k, v, kv_length=lengths, scale=scale))
+    else:
+      states.append(ops.segment_attention(q, k, v, lengths=lengths, node_of_seq=nodes,
+                                          scale=scale))
+  prior = merge_states([s[0] for s in states], [s[1] for s in states]) if states else None
+  return ops.suffix_attention(q, suffix_k, suffix_v, kv_lengths=kv_lengths, causal=causal,
+                              scale=scale, prior=prior)
+
+
+def _shared_with_reference_vjp(kernel: Callable) -> Callable:
+  """``shared_attention`` forward from the kernels, backward from the XLA decomposition."""
+
+  def call(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale):
+    kinds = [p[0] for p in parts]
+    arrays = [p[1:] for p in parts]
+
+    def rebuild(arrs):
+      return [(kind,) + tuple(a) for kind, a in zip(kinds, arrs)]
+
+    @jax.custom_vjp
+    def f(q, arrs, sk, sv, lens):
+      return kernel(q, rebuild(arrs), sk, sv, kv_lengths=lens, causal=causal, scale=scale)
+
+    def fwd(*xs):
+      return f(*xs), xs
+
+    def bwd(xs, ct):
+      ref = lambda q, arrs, sk, sv, lens: reference_shared_attention(
+          q, rebuild(arrs), sk, sv, kv_lengths=lens, causal=causal, scale=scale)
+      return jax.vjp(ref, *xs)[1](ct)
+
+    f.defvjp(fwd, bwd)
+    return f(q, arrays, suffix_k, suffix_v, kv_lengths)
+
+  return call
+
+
 def differentiable(ops: AttentionOps) -> AttentionOps:
   if ops is XLA_OPS:
     return ops
+  shared = ops.shared_attention
   return AttentionOps(
       ops.name,
       _with_reference_vjp(ops.prefix_attention, reference.prefix_attention),
       _with_reference_vjp(ops.segment_attention, reference.segment_attention),
       _with_reference_vjp(ops.suffix_attention, reference.suffix_attention),
+      _shared_with_reference_vjp(shared) if shared is not None else None,
   )
+
+
+def _gpu_family() -> str:
+  """Mosaic GPU (wgmma) on Hopper, Triton on every other CUDA GPU."""
+  cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+  return "mosaic_gpu" if cc.startswith("9") else "triton"
 
 
 def resolve(impl: str, fn: str) -> AttentionOps:
@@ -101,10 +167,10 @@ def resolve(impl: str, fn: str) -> AttentionOps:
           f"{fn}: impl='pallas' needs a GPU or TPU backend (the default backend is {backend!r}); "
           "use impl='xla', or impl='pallas:triton' / 'pallas:tpu' to run the kernels in "
           "interpret mode")
-    family = "triton" if backend == "gpu" else "tpu"
+    family = _gpu_family() if backend == "gpu" else "tpu"
   else:
     family = impl.split(":", 1)[1]
-    native = {"triton": "gpu", "tpu": "tpu"}[family]
+    native = {"triton": "gpu", "mosaic_gpu": "gpu", "tpu": "tpu"}[family]
     if backend not in ("cpu", native):
       raise ValueError(f"{fn}: impl={impl!r} runs on {native} (or cpu, interpreted); the default "
                        f"backend is {backend!r}")

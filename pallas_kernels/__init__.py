@@ -11,20 +11,21 @@ for the family's platform (so ``jax.export(..., platforms=["tpu"])`` on a CPU
 machine yields the Mosaic kernel), Pallas interpret mode anywhere else (so the
 same call runs on a CPU). ``True``/``False`` force one or the other.
 
-``pallas_kernels.gpu``  Triton kernels (any CUDA GPU; interpret mode on CPU).
+``pallas_kernels.gpu``  Triton kernels (any CUDA GPU; interpret mode on CPU), and
+                        on Hopper a Mosaic GPU (wgmma/TMA) prefix kernel.
 ``pallas_kernels.tpu``  Mosaic TPU kernels (interpret mode on CPU).
 """
 
 from __future__ import annotations
 
-FAMILIES = ("triton", "tpu")
+FAMILIES = ("triton", "mosaic_gpu", "tpu")
 
 
 def get_ops(family: str, *, interpret: bool | None = None):
-  """Returns the ``AttentionOps`` of a kernel family ("triton" or "tpu")."""
-  if family == "triton":
+  """Returns the ``AttentionOps`` of a kernel family ("triton", "mosaic_gpu" or "tpu")."""
+  if family in ("triton", "mosaic_gpu"):
     from pallas_kernels import gpu
-    return gpu.get_ops(interpret=interpret)
+    return gpu.get_ops(interpret=interpret, mosaic=(family == "mosaic_gpu"))
   if family == "tpu":
     from pallas_kernels import tpu
     return tpu.get_ops(interpret=interpret)

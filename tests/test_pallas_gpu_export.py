@@ -14,13 +14,13 @@ import pytest
 from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_attention
 
 TRITON = "__gpu$xla.gpu.triton"
+MOSAIC = "mosaic_gpu_v2"
 S = jax.ShapeDtypeStruct
 
 
 def export_cuda(fn, *args):
-  exp = jax.export.export(jax.jit(fn), platforms=["cuda"],
-                          disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
-  return exp.mlir_module()
+  checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (TRITON, MOSAIC)]
+  return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
 
 
 # (B, Hq, Hkv, D, P, S, Tq): B 1..1024 and G 1..8 select different tiles and splits;
@@ -40,6 +40,26 @@ def test_shared_prefix_attention_exports_for_cuda(b, hq, hkv, d, p, s, tq):
   text = export_cuda(fn, S((b, tq, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
                      S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
   assert text.count(TRITON) >= 2  # prefix kernel + suffix kernel, one program
+
+
+# The Hopper family: the prefix on Mosaic GPU where P is a whole number of 128-key
+# (D <= 128) or 64-key (D = 256) tiles, Triton otherwise.
+MOSAIC_SWEEP = [(b, hkv * g, hkv, d, p, 128 + b % 29, 1)
+                for b, (hkv, g), d, p in itertools.product(
+                    [1, 16, 256, 1024], [(1, 8), (8, 4)], [64, 128, 256], [1024, 16384])]
+MOSAIC_SWEEP += [(3, 8, 1, 128, 777, 61, 2), (40, 32, 8, 80, 1024, 100, 1)]  # Triton fallback
+
+
+@pytest.mark.parametrize("b,hq,hkv,d,p,s,tq", MOSAIC_SWEEP)
+def test_hopper_family_exports_for_cuda(b, hq, hkv, d, p, s, tq):
+  dt = jnp.bfloat16
+  fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
+                                                             impl="pallas:mosaic_gpu")
+  text = export_cuda(fn, S((b, tq, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
+                     S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
+  mosaic = d % 64 == 0 and p % (64 if d > 128 else 128) == 0
+  assert (MOSAIC in text) == mosaic
+  assert text.count(TRITON) == (1 if mosaic else 2)
 
 
 @pytest.mark.parametrize("b,n,d", [(8, 3, 128), (1024, 16, 128), (96, 40, 64)])

@@ -134,7 +134,7 @@ class TestInterpret:
         lambda data, seed: self.run_segment(data, seed, case)))()
 
   def test_public_api_through_triton(self):
-    """shared_prefix_attention and hierarchical_attention with impl='pallas:triton'."""
+    """shared_prefix_attention and hierarchical_attention through the fused GPU path."""
     rng = np.random.default_rng(0)
     b, tq, hq, hkv, d, p, s = 5, 2, 8, 2, 80, 45, 11
     for dtype in ("float32", "bfloat16"):
@@ -165,3 +165,44 @@ class TestInterpret:
 class TestNative(TestInterpret):
   interpret = False
   examples = 6  # every example of a new static config compiles on the GPU
+
+
+# Hopper: the Mosaic GPU prefix kernel (wgmma/TMA). No interpret mode exists for it, so
+# these run only on an sm_90 GPU; CI lowers it with jax.export (test_pallas_gpu_export.py).
+MOSAIC_CASES = (
+    (3, 1, 8, 1, 128, 256, "bfloat16"),
+    (2, 2, 6, 2, 64, 384, "float16"),
+    (40, 1, 4, 1, 256, 128, "bfloat16"),
+    (64, 1, 32, 8, 128, 1024, "bfloat16"),
+)
+IS_HOPPER = HAS_GPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
+class TestNativeMosaic:
+  examples = 6
+
+  def setup_method(self):
+    self.prefix = jax.jit(functools.partial(prefix_attention, mosaic=True),
+                          static_argnames=("scale",))
+
+  @pytest.mark.parametrize("case", MOSAIC_CASES)
+  def test_prefix_attention(self, case):
+    given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples)(
+        lambda data, seed: TestInterpret.run_prefix(self, data, seed, case)))()
+
+  def test_public_api(self):
+    rng = np.random.default_rng(0)
+    b, hq, hkv, d, p, s = 33, 32, 8, 128, 512, 70
+    q, q64 = rand(rng, (b, 1, hq, d), "bfloat16")
+    pk, pk64 = rand(rng, (p, hkv, d), "bfloat16")
+    pv, pv64 = rand(rng, (p, hkv, d), "bfloat16")
+    sk, sk64 = rand(rng, (b, s, hkv, d), "bfloat16")
+    sv, sv64 = rand(rng, (b, s, hkv, d), "bfloat16")
+    lens = rng.integers(1, s + 1, size=b).astype(np.int32)
+    for impl in ("pallas:mosaic_gpu", "pallas", "auto"):
+      out, lse = shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=500, suffix_lengths=lens,
+                                         impl=impl, return_lse=True)
+      ref = oracle_tree(q64, [[pk64[:500]]] * b, [[pv64[:500]]] * b, sk64, sv64, lens)
+      check(out, lse, *ref, "bfloat16")

@@ -1,27 +1,68 @@
-"""GPU kernel family (Pallas Triton): any CUDA GPU; interpret mode elsewhere.
+"""GPU kernel family (Pallas): Triton kernels for any CUDA GPU, Mosaic GPU on Hopper.
 
 ``prefix_attention``   batched prefix attention, rows = B * Tq * G per KV head
-                       on the tensor cores, key splits for small batches.
+                       on the tensor cores (Triton ``tl.dot``, or on Hopper a
+                       wgmma/TMA Mosaic GPU kernel), key splits for small batches.
 ``suffix_attention``   ragged per-sequence attention (flash-decoding splits for
-                       small batches), with the prefix state merged in-kernel.
+                       small batches) that merges the shared parts in-kernel.
 ``segment_attention``  a tree level: rows grouped by segment in tiles.
+``shared_attention``   the whole decomposition in the folded row layout: the
+                       shared parts' partial states (every key split, every
+                       tree level) go straight into the suffix kernel's
+                       epilogue, which writes the final output once.
 """
 
 from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
+
 from jax_shared_attn.ops import AttentionOps
-from pallas_kernels.gpu.prefix_attention import prefix_attention
-from pallas_kernels.gpu.segment_attention import segment_attention
-from pallas_kernels.gpu.suffix_attention import suffix_attention
+from pallas_kernels.gpu import _common
+from pallas_kernels.gpu.prefix_attention import prefix_attention, prefix_attention_rows
+from pallas_kernels.gpu.segment_attention import segment_attention, segment_rows
+from pallas_kernels.gpu.suffix_attention import suffix_attention, suffix_rows
 
 
-def get_ops(interpret: bool | None = None) -> AttentionOps:
-  """The Triton family; ``interpret=None`` picks native vs interpret mode at lowering."""
+def shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, mosaic=False,
+                     interpret=None):
+  """Shared parts + suffix, fused (see :class:`jax_shared_attn.ops.AttentionOps`).
+
+  Returns ``out [B, Tq, Hq, D]`` in q's dtype and natural-log ``lse [B, Tq, Hq]``.
+  """
+  b, tq, hq, d = q.shape
+  hkv = suffix_k.shape[2]
+  m = tq * (hq // hkv)
+  q_rows = _common.fold_rows(q, hkv)  # [Hkv, B * M, D]; a reshape when Hkv == 1
+  priors = []
+  for kind, k, v, lengths, nodes in parts:
+    if kind == "prefix":
+      out, lse = prefix_attention_rows(q_rows, k, v, kv_length=lengths, scale=scale,
+                                       mosaic=mosaic, interpret=interpret)
+    else:
+      out, lse = segment_rows(q_rows, k, v, rows_per_seq=m, lengths=lengths, node_of_seq=nodes,
+                              scale=scale, interpret=interpret)
+      out, lse = out[None], lse[None]
+    priors.append((out.reshape(out.shape[0], hkv, b, m, d), lse.reshape(lse.shape[0], hkv, b, m)))
+  out, lse = suffix_rows(q_rows.reshape(hkv, b, m, d), suffix_k, suffix_v, kv_lengths, priors,
+                         q_len=tq, causal=causal, scale=scale, out_dtype=q.dtype,
+                         interpret=interpret)
+  return (_common.unfold_rows(out.reshape(hkv, b * m, d), b, tq),
+          _common.unfold_rows(lse.reshape(hkv, b * m), b, tq))
+
+
+def get_ops(interpret: bool | None = None, mosaic: bool = False) -> AttentionOps:
+  """The GPU family; ``mosaic`` uses the Hopper prefix kernel where it applies.
+
+  ``interpret=None`` picks native vs interpret mode when lowering.
+  """
+  name = "pallas:mosaic_gpu" if mosaic else "pallas:triton"
   return AttentionOps(
-      "pallas:triton",
-      functools.partial(prefix_attention, interpret=interpret),
+      name,
+      functools.partial(prefix_attention, mosaic=mosaic, interpret=interpret),
       functools.partial(segment_attention, interpret=interpret),
       functools.partial(suffix_attention, interpret=interpret),
+      functools.partial(shared_attention, mosaic=mosaic, interpret=interpret),
   )

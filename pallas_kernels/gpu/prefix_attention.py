@@ -48,13 +48,13 @@ def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int,
   make the kernel L2-bound, so rows per tile shrink only when there are few
   rows at all. Splits make ``tiles * splits * heads`` at least one wave.
   """
-  block_m = min(128, max(_common.MIN_DOT, _common.next_pow2(rows)))
-  block_n = 64 if head_dim > 128 else 128
+  big = head_dim > 128  # shared memory: halve the tiles for D = 256
+  block_m = min(64 if big else 128, max(_common.MIN_DOT, _common.next_pow2(rows)))
+  block_n = 32 if big else 64  # 64-key steps were fastest on an H100 (tools/device/tune.py)
   tiles = pl.cdiv(rows, block_m) * kv_heads
   max_splits = max(1, pl.cdiv(prefix, 4 * block_n))  # >= 4 key blocks per split
   splits = max(1, min(max_splits, pl.cdiv(num_sms, tiles)))
-  num_warps = 8 if block_m >= 128 else 4
-  return PrefixConfig(block_m, block_n, splits, num_warps, num_stages=3 if head_dim <= 128 else 2)
+  return PrefixConfig(block_m, block_n, splits, num_warps=4, num_stages=2 if big else 3)
 
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, head_dim: int,
@@ -97,7 +97,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, head_
 
 
 def _call(kv_length, q_rows, k, v, *, scale, cfg: PrefixConfig, head_dim: int, interpret: bool):
-  hkv, r, dp = q_rows.shape
+  hkv, r, dp = q_rows.shape  # r: a multiple of block_m; dp: a power of two
   p = k.shape[0]
   keys_per_split = pl.cdiv(pl.cdiv(p, cfg.splits), cfg.block_n) * cfg.block_n
   grid = (pl.cdiv(r, cfg.block_m), cfg.splits, hkv)
@@ -126,6 +126,16 @@ def _call(kv_length, q_rows, k, v, *, scale, cfg: PrefixConfig, head_dim: int, i
   )(kv_length, q_rows, k, v)
 
 
+def _triton_rows(kv_length, q_rows, k, v, *, scale, cfg: PrefixConfig, interpret: bool):
+  hkv, r, d = q_rows.shape
+  dp = _common.padded_head_dim(d)
+  if dp != d:  # blocks are powers of two: pad the (small) queries; K/V loads are masked
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, dp - d)))
+  out, lse = _call(kv_length, q_rows, k, v, scale=scale, cfg=cfg, head_dim=d,
+                   interpret=interpret)
+  return out[..., :d], lse
+
+
 def prefix_attention_rows(
     q_rows: jax.Array,  # [Hkv, R, D]: all query rows of each KV head
     k: jax.Array,  # [P, Hkv, D]
@@ -134,29 +144,47 @@ def prefix_attention_rows(
     kv_length: jax.Array,  # int32 scalar
     scale: float,
     config: PrefixConfig | None = None,
+    mosaic: bool = False,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Prefix attention on folded rows; returns per-split partial states.
+  """Prefix attention on folded rows; returns the per-split partial states.
 
-  Returns float32 ``out [splits, Hkv, R, D]`` and natural-log
-  ``lse [splits, Hkv, R]`` (merge the splits with
-  :func:`jax_shared_attn.merge.merge_states`).
+  Returns ``out [splits, Hkv, R, D]`` (float32 from Triton, q's dtype from
+  the Mosaic kernel) and natural-log float32 ``lse [splits, Hkv, R]``; merge
+  the splits with :func:`jax_shared_attn.merge.merge_states` (or let the
+  suffix kernel do it). With ``mosaic`` the Hopper kernel is lowered for CUDA
+  when it supports the shape; elsewhere the Triton kernel runs.
   """
+  from pallas_kernels.gpu import prefix_attention_mgpu as mg
   hkv, r, d = q_rows.shape
   p = k.shape[0]
-  cfg = config or default_config(r, hkv, p, d)
-  dp = _common.padded_head_dim(d)
   if p == 0 or r == 0:
     return (jnp.zeros((1, hkv, r, d), jnp.float32), jnp.full((1, hkv, r), -jnp.inf, jnp.float32))
-  # Only the (small) query rows are padded: to whole row tiles and to a power-of-two
-  # head dim. K/V are never copied: their blocks are masked at load time.
-  r_pad = pl.cdiv(r, cfg.block_m) * cfg.block_m
-  if dp != d or r_pad != r:
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, r_pad - r), (0, dp - d)))
   length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
-  call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d)
-  out, lse = _common.run(call, length, q_rows, k, v, interpret=interpret)
-  return out[:, :, :r, :d], lse[:, :, :r]
+  mcfg = mg.default_config(r, hkv, p, d) if mosaic else None
+  use_mosaic = mosaic and interpret is not True and mg.supported(q_rows.dtype, d, p, mcfg)
+  if use_mosaic:
+    cfg = dataclasses.replace(config or default_config(r, hkv, p, d), splits=mcfg.splits)
+    tile = 2 * mcfg.block_q
+  else:
+    cfg = config or default_config(r, hkv, p, d)
+    tile = cfg.block_m
+  # Only the (small) query rows are padded, to whole row tiles; K/V are never copied.
+  r_pad = pl.cdiv(r, tile) * tile
+  if r_pad != r:
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, r_pad - r), (0, 0)))
+  triton = functools.partial(_triton_rows, scale=scale, cfg=cfg)
+  if use_mosaic:
+    native = lambda n, q, k, v: mg.prefix_attention_rows_mgpu(q, k, v, n[0], scale=scale,
+                                                               config=mcfg)
+    fallback = lambda n, q, k, v: tuple(
+        x.astype(y) for x, y in zip(triton(n, q, k, v, interpret=True), (q.dtype, jnp.float32)))
+    out, lse = jax.lax.platform_dependent(length, q_rows, k, v, cuda=native, default=fallback)
+  else:
+    out, lse = _common.run(triton, length, q_rows, k, v, interpret=interpret)
+  if r_pad != r:
+    out, lse = out[:, :, :r], lse[:, :, :r]
+  return out, lse
 
 
 def prefix_attention(
@@ -166,12 +194,13 @@ def prefix_attention(
     *,
     kv_length: jax.Array,
     scale: float,
+    mosaic: bool = False,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Same signature and result as the reference: float32 out ``[B, Tq, Hq, D]``, lse ``[B, Tq, Hq]``."""
   b, t, _, _ = q.shape
   hkv = k.shape[1]
   out, lse = prefix_attention_rows(_common.fold_rows(q, hkv), k, v, kv_length=kv_length,
-                                   scale=scale, interpret=interpret)
-  out, lse = merge_states(list(out), list(lse)) if out.shape[0] > 1 else (out[0], lse[0])
+                                   scale=scale, mosaic=mosaic, interpret=interpret)
+  out, lse = merge_states(list(out), list(lse))
   return _common.unfold_rows(out, b, t), _common.unfold_rows(lse, b, t)

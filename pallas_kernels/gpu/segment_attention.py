@@ -151,6 +151,41 @@ def tile_layout(node_of_seq: jax.Array, n: int, rows_per_seq: int, block_m: int)
   return jnp.where(used, tile_node, -1), gather, slot_of_row
 
 
+def segment_rows(
+    q_rows: jax.Array,  # [Hkv, B * M, D], M = Tq * G rows per sequence
+    k: jax.Array,  # [N, T, Hkv, D]
+    v: jax.Array,  # [N, T, Hkv, D]
+    *,
+    rows_per_seq: int,
+    lengths: jax.Array,  # int32 [N]
+    node_of_seq: jax.Array,  # int32 [B]
+    scale: float,
+    config: SegmentConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """One tree level in the folded row layout: float32 ``out [Hkv, R, D]``, ``lse [Hkv, R]``."""
+  hkv, r, d = q_rows.shape
+  n, t = k.shape[:2]
+  b = node_of_seq.shape[0]
+  if t == 0 or r == 0:
+    return jnp.zeros((hkv, r, d), jnp.float32), jnp.full((hkv, r), -jnp.inf, jnp.float32)
+  cfg = config or default_config(r, n, d)
+  dp = _common.padded_head_dim(d)
+  tile_node, gather, slot_of_row = tile_layout(node_of_seq, n, rows_per_seq, cfg.block_m)
+  tiles = tile_node.shape[0]
+  rows = jnp.pad(q_rows, ((0, 0), (0, 1), (0, dp - d)))  # row R is the zero row for padding
+  q_tiles = rows[:, jnp.where(gather >= 0, gather, b * rows_per_seq)]
+  q_tiles = q_tiles.reshape(hkv, tiles, cfg.block_m, dp)
+  call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d)
+  out, lse = _common.run(call, tile_node, jnp.asarray(lengths, jnp.int32), q_tiles, k, v,
+                         interpret=interpret)
+  has = slot_of_row >= 0
+  idx = jnp.maximum(slot_of_row, 0)
+  out = jnp.where(has[None, :, None], out.reshape(hkv, -1, dp)[:, idx, :d], 0.0)
+  lse = jnp.where(has[None, :], lse.reshape(hkv, -1)[:, idx], -jnp.inf)
+  return out, lse
+
+
 def segment_attention(
     q: jax.Array,  # [B, Tq, Hq, D]
     k: jax.Array,  # [N, T, Hkv, D]
@@ -164,23 +199,8 @@ def segment_attention(
 ) -> tuple[jax.Array, jax.Array]:
   """Same signature and result as the reference: float32 out, natural-log lse."""
   b, tq, hq, d = q.shape
-  n, t, hkv, _ = k.shape
-  g = hq // hkv
-  m = tq * g
-  rows = _common.fold_rows(q, hkv)  # [Hkv, B * M, D]
-  if t == 0 or b == 0:
-    return jnp.zeros((b, tq, hq, d), jnp.float32), jnp.full((b, tq, hq), -jnp.inf, jnp.float32)
-  cfg = config or default_config(b * m, n, d)
-  dp = _common.padded_head_dim(d)
-  tile_node, gather, slot_of_row = tile_layout(node_of_seq, n, m, cfg.block_m)
-  tiles = tile_node.shape[0]
-  rows = jnp.pad(rows, ((0, 0), (0, 1), (0, dp - d)))  # row B*M is the zero row for padding
-  q_tiles = rows[:, jnp.where(gather >= 0, gather, b * m)].reshape(hkv, tiles, cfg.block_m, dp)
-  call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d)
-  out, lse = _common.run(call, tile_node, jnp.asarray(lengths, jnp.int32), q_tiles, k, v,
-                         interpret=interpret)
-  has = slot_of_row >= 0
-  idx = jnp.maximum(slot_of_row, 0)
-  out = jnp.where(has[None, :, None], out.reshape(hkv, -1, dp)[:, idx, :d], 0.0)
-  lse = jnp.where(has[None, :], lse.reshape(hkv, -1)[:, idx], -jnp.inf)
+  hkv = k.shape[2]
+  out, lse = segment_rows(_common.fold_rows(q, hkv), k, v, rows_per_seq=tq * (hq // hkv),
+                          lengths=lengths, node_of_seq=node_of_seq, scale=scale, config=config,
+                          interpret=interpret)
   return _common.unfold_rows(out, b, tq), _common.unfold_rows(lse, b, tq)

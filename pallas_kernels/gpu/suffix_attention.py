@@ -6,11 +6,11 @@ streams only the sequence's valid keys: blocks past ``kv_lengths[b]`` are
 never loaded or computed (the loop bound is the length). Causal inside the
 suffix when ``Tq > 1`` (query i sits at ``kv_lengths[b] - Tq + i``).
 
-With one key split, the ``prior`` state (e.g. the shared-prefix result) is
-merged into the result in the kernel's epilogue, so the prefix output is
-read once and the final output written once. With several splits
-(flash-decoding, for small batches) the split partials and the prior are
-merged by LSE afterwards.
+With one key split, the prior states (the shared-prefix result, every key
+split of it, and every tree level) are merged into the result in the
+kernel's epilogue: each is read once and the final output is written once,
+in the query dtype. With several splits (flash-decoding, for small batches)
+the split partials and the priors are merged by LSE afterwards.
 
 Reference with the same signature: :func:`jax_shared_attn.reference.suffix_attention`.
 LSE is natural log.
@@ -52,20 +52,31 @@ def default_config(batch: int, kv_heads: int, capacity: int, head_dim: int,
   return SuffixConfig(block_n, splits, num_warps=4, num_stages=3 if head_dim <= 128 else 2)
 
 
+def _merge2(out, lse, p_out, p_lse):
+  """Exact LSE merge of two row states (float32); (0, -inf) parts are ignored."""
+  m = jnp.maximum(lse, p_lse)
+  m = jnp.where(m == -jnp.inf, 0.0, m)
+  w, w_p = jnp.exp(lse - m), jnp.exp(p_lse - m)
+  denom = w + w_p
+  has = denom > 0
+  safe = jnp.where(has, denom, 1.0)
+  out = (out * w[:, None] + p_out * w_p[:, None]) / safe[:, None]
+  return out, jnp.where(has, m + jnp.log(safe), -jnp.inf)
+
+
 def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, rows: int,
             q_len: int, group: int, causal: bool, block_n: int, keys_per_split: int,
-            has_prior: bool):
-  # len_ref: [B] int32; q_ref: [Mp, Dp] (rows of one sequence and KV head); k_ref/v_ref: [S, Dp]
-  if has_prior:
-    prior_o_ref, prior_lse_ref, o_ref, lse_ref = refs
-  else:
-    o_ref, lse_ref = refs
+            prior_splits: tuple[int, ...]):
+  # len_ref: [B] int32; q_ref: [Mp, Dp] (one sequence, one KV head); k_ref/v_ref: [S, Dp];
+  # then per prior: out [n, Mp, Dp], lse [n, Mp]; then o_ref [Mp, Dp], lse_ref [Mp].
+  prior_refs = refs[:2 * len(prior_splits)]
+  o_ref, lse_ref = refs[2 * len(prior_splits):]
   b, split = pl.program_id(0), pl.program_id(2)
   mp, dp = q_ref.shape
   row = jnp.arange(mp)
   row_ok = row < rows
-  d_ok = jnp.arange(dp) < head_dim
-  q_mask = row_ok[:, None] & d_ok[None, :]
+  d_mask = (jnp.arange(dp) < head_dim)[None, :] if dp != head_dim else None
+  q_mask = row_ok[:, None] if d_mask is None else row_ok[:, None] & d_mask
   kv_len = len_ref[b]
   lo = split * keys_per_split
   hi = jnp.minimum(lo + keys_per_split, kv_len)
@@ -74,15 +85,15 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
   visible_to_all = kv_len - (q_len - 1) if causal else kv_len
   n_full = jnp.clip(jnp.minimum(hi, visible_to_all) - lo, 0, None) // block_n
   limit = kv_len - q_len + row // group  # last visible key of each row (causal)
-  q = _common.load(q_ref, q_mask)
+  q = _common.load(q_ref, q_mask if mp != rows or d_mask is not None else None)
   qk_scale = scale * _common.LOG2E
 
   def step(j, carry, masked):
     start = lo + j * block_n
     keys = start + jnp.arange(block_n)
-    kv_mask = d_ok[None, :]
+    kv_mask = d_mask
     if masked:
-      kv_mask = kv_mask & (keys < hi)[:, None]
+      kv_mask = (keys < hi)[:, None] if d_mask is None else (keys < hi)[:, None] & d_mask
     k = _common.load(k_ref.at[pl.ds(start, block_n), :], kv_mask)
     v = _common.load(v_ref.at[pl.ds(start, block_n), :], kv_mask)
     s = _common.dot(q, k, trans_b=True) * qk_scale
@@ -99,37 +110,35 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
   carry = lax.fori_loop(n_full, pl.cdiv(n_keys, block_n), functools.partial(step, masked=True),
                         carry)
   out, lse = _common.finalize(*carry)
-  if has_prior:  # fused LSE merge with the shared-prefix state
-    p_out = _common.load(prior_o_ref, q_mask)
-    p_lse = plgpu.load(prior_lse_ref, mask=row_ok, other=-jnp.inf)
-    m = jnp.maximum(lse, p_lse)
-    m = jnp.where(m == -jnp.inf, 0.0, m)
-    w, w_p = jnp.exp(lse - m), jnp.exp(p_lse - m)
-    denom = w + w_p
-    has = denom > 0
-    safe = jnp.where(has, denom, 1.0)
-    out = (out * w[:, None] + p_out * w_p[:, None]) / safe[:, None]
-    lse = jnp.where(has, m + jnp.log(safe), -jnp.inf)
+  # Fused LSE merge with the shared parts (every split of every prior), in registers.
+  for i, n in enumerate(prior_splits):
+    p_out_ref, p_lse_ref = prior_refs[2 * i], prior_refs[2 * i + 1]
+    for j in range(n):
+      jj = jnp.int32(j)
+      p_out = _common.load(p_out_ref.at[jj], q_mask).astype(jnp.float32)
+      p_lse = plgpu.load(p_lse_ref.at[jj], mask=row_ok, other=-jnp.inf)
+      out, lse = _merge2(out, lse, p_out, p_lse)
   plgpu.store(o_ref, out.astype(o_ref.dtype), mask=q_mask)
   plgpu.store(lse_ref, lse, mask=row_ok)
 
 
-def _call(lengths, q_rows, k, v, *prior, scale, cfg: SuffixConfig, head_dim: int, q_len: int,
-          group: int, causal: bool, interpret: bool):
+def _call(lengths, q_rows, k, v, *priors, scale, cfg: SuffixConfig, head_dim: int, q_len: int,
+          group: int, causal: bool, out_dtype, interpret: bool):
   hkv, b, m, _ = q_rows.shape
   s = k.shape[1]
   mp = max(_common.MIN_DOT, _common.next_pow2(m))
   dp = _common.padded_head_dim(head_dim)
   keys_per_split = pl.cdiv(pl.cdiv(s, cfg.splits), cfg.block_n) * cfg.block_n
+  prior_splits = tuple(x.shape[0] for x in priors[::2])
   kernel = functools.partial(
       _kernel, scale=scale, head_dim=head_dim, rows=m, q_len=q_len, group=group, causal=causal,
-      block_n=cfg.block_n, keys_per_split=keys_per_split, has_prior=bool(prior))
-  rows_spec = pl.BlockSpec((None, None, mp, dp), lambda i, h, j: (h, i, 0, 0))
-  lse_spec = pl.BlockSpec((None, None, mp), lambda i, h, j: (h, i, 0))
+      block_n=cfg.block_n, keys_per_split=keys_per_split, prior_splits=prior_splits)
   kv_spec = pl.BlockSpec((None, s, None, dp), lambda i, h, j: (i, 0, h, 0))
-  in_specs = [pl.BlockSpec((b,), lambda i, h, j: (0,)), rows_spec, kv_spec, kv_spec]
-  if prior:
-    in_specs += [rows_spec, lse_spec]
+  in_specs = [pl.BlockSpec((b,), lambda i, h, j: (0,)),
+              pl.BlockSpec((None, None, mp, dp), lambda i, h, j: (h, i, 0, 0)), kv_spec, kv_spec]
+  for n in prior_splits:
+    in_specs += [pl.BlockSpec((n, None, None, mp, dp), lambda i, h, j: (0, h, i, 0, 0)),
+                 pl.BlockSpec((n, None, None, mp), lambda i, h, j: (0, h, i, 0))]
   return pl.pallas_call(
       kernel,
       grid=(b, hkv, cfg.splits),
@@ -139,13 +148,55 @@ def _call(lengths, q_rows, k, v, *prior, scale, cfg: SuffixConfig, head_dim: int
           pl.BlockSpec((None, None, None, mp), lambda i, h, j: (j, h, i, 0)),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((cfg.splits, hkv, b, m, head_dim), jnp.float32),
+          jax.ShapeDtypeStruct((cfg.splits, hkv, b, m, head_dim), out_dtype),
           jax.ShapeDtypeStruct((cfg.splits, hkv, b, m), jnp.float32),
       ],
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name="hydragen_suffix_attention",
-  )(lengths, q_rows, k, v, *prior)
+  )(lengths, q_rows, k, v, *priors)
+
+
+def suffix_rows(
+    q_rows: jax.Array,  # [Hkv, B, M, D], M = Tq * G rows per sequence
+    k: jax.Array,  # [B, S, Hkv, D]
+    v: jax.Array,  # [B, S, Hkv, D]
+    lengths: jax.Array,  # int32 [B]
+    priors: list[tuple[jax.Array, jax.Array]],  # [(out [n, Hkv, B, M, D], lse [n, Hkv, B, M])]
+    *,
+    q_len: int,
+    causal: bool,
+    scale: float,
+    out_dtype,
+    config: SuffixConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Suffix attention in the folded row layout, every prior state merged in.
+
+  Returns ``out [Hkv, B, M, D]`` (``out_dtype``) and natural-log ``lse [Hkv, B, M]``.
+  """
+  hkv, b, m, d = q_rows.shape
+  s = k.shape[1]
+  group = m // q_len
+  if s == 0 or b == 0:  # no suffix keys: only the priors
+    parts = [(o[j], l[j]) for o, l in priors for j in range(o.shape[0])]
+    if not parts:
+      return (jnp.zeros((hkv, b, m, d), out_dtype), jnp.full((hkv, b, m), -jnp.inf, jnp.float32))
+    out, lse = merge_states([p[0] for p in parts], [p[1] for p in parts])
+    return out.astype(out_dtype), lse
+  cfg = config or default_config(b, hkv, s, d)
+  fused = cfg.splits == 1
+  flat = [x for pr in priors for x in pr] if fused else []
+  call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, q_len=q_len, group=group,
+                           causal=causal, out_dtype=out_dtype if fused else jnp.float32)
+  out, lse = _common.run(call, jnp.asarray(lengths, jnp.int32), q_rows, k, v, *flat,
+                         interpret=interpret)
+  if fused:
+    return out[0], lse[0]
+  outs = list(out) + [o[j] for o, _ in priors for j in range(o.shape[0])]
+  lses = list(lse) + [l[j] for _, l in priors for j in range(l.shape[0])]
+  out, lse = merge_states(outs, lses)
+  return out.astype(out_dtype), lse
 
 
 def suffix_attention(
@@ -162,30 +213,14 @@ def suffix_attention(
 ) -> tuple[jax.Array, jax.Array]:
   """Same signature and result as the reference: float32 out, natural-log lse."""
   b, tq, hq, d = q.shape
-  s, hkv = k.shape[1], k.shape[2]
-  g = hq // hkv
-  cfg = config or default_config(b, hkv, s, d)
-  rows = _common.fold_rows(q, hkv).reshape(hkv, b, tq * g, d)
-  if s == 0 or b == 0:
-    out = jnp.zeros((b, tq, hq, d), jnp.float32)
-    lse = jnp.full((b, tq, hq), -jnp.inf, jnp.float32)
-    return merge_states([prior[0], out], [prior[1], lse]) if prior is not None else (out, lse)
-  fused = prior is not None and cfg.splits == 1
-  prior_rows = ()
-  if fused:
-    prior_rows = (_common.fold_rows(prior[0].astype(jnp.float32), hkv).reshape(hkv, b, tq * g, d),
-                  _common.fold_rows(prior[1][..., None], hkv).reshape(hkv, b, tq * g))
-  call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, q_len=tq, group=g,
-                           causal=causal)
-  out, lse = _common.run(call, jnp.asarray(kv_lengths, jnp.int32), rows, k, v, *prior_rows,
+  hkv = k.shape[2]
+  m = tq * (hq // hkv)
+  priors = []
+  if prior is not None:
+    priors.append((_common.fold_rows(prior[0].astype(jnp.float32), hkv).reshape(1, hkv, b, m, d),
+                   _common.fold_rows(prior[1][..., None], hkv).reshape(1, hkv, b, m)))
+  out, lse = suffix_rows(_common.fold_rows(q, hkv).reshape(hkv, b, m, d), k, v, kv_lengths, priors,
+                         q_len=tq, causal=causal, scale=scale, out_dtype=jnp.float32, config=config,
                          interpret=interpret)
-  out = out.reshape(cfg.splits, hkv, b * tq * g, d)
-  lse = lse.reshape(cfg.splits, hkv, b * tq * g)
-  outs = [_common.unfold_rows(o, b, tq) for o in out]
-  lses = [_common.unfold_rows(l, b, tq) for l in lse]
-  if prior is not None and not fused:
-    outs.append(prior[0])
-    lses.append(prior[1])
-  if len(outs) == 1:
-    return outs[0], lses[0]
-  return merge_states(outs, lses)
+  return (_common.unfold_rows(out.reshape(hkv, b * m, d), b, tq),
+          _common.unfold_rows(lse.reshape(hkv, b * m), b, tq))

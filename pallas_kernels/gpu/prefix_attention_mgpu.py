@@ -1,0 +1,243 @@
+"""Batched prefix attention for Hopper GPUs (Pallas Mosaic GPU: wgmma + TMA).
+
+The same function as :mod:`pallas_kernels.gpu.prefix_attention` (reference:
+:func:`jax_shared_attn.reference.prefix_attention`), written for the H100/H200's
+tensor cores the way FlashAttention-3 is: per CTA, two consumer warpgroups
+each own ``block_q`` query rows and run ``wgmma`` on K/V tiles that a third,
+producer warpgroup streams into shared memory with TMA, ``max_concurrent_steps``
+deep; a schedule barrier makes the two consumers alternate between the
+tensor cores and the softmax. Adapted from JAX's
+``pallas/ops/gpu/attention_mgpu.py`` (forward pass) with: the score scale,
+the prefix length as a runtime value (blocks past it are never loaded; the
+last one is masked), key splits as a grid axis (flash-decoding for small
+batches), bf16 as well as f16 scratch buffers, natural-log LSE, and
+``(0, -inf)`` for splits without keys.
+
+Constraints (checked by :func:`supported`; otherwise the Triton kernel runs):
+bf16/f16, ``D % 64 == 0``, ``P % block_kv == 0``. Rows are padded to whole
+tiles by the wrapper. There is no interpret mode for Mosaic GPU: the kernel
+is lowered in CI with ``jax.export(platforms=["cuda"])`` and checked against
+the oracle on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicPrefixConfig:
+  block_q: int = 64  # rows per consumer warpgroup (the CTA holds 2 * block_q rows)
+  block_kv: int = 128
+  max_concurrent_steps: int = 2
+  splits: int = 1
+
+
+def supported(dtype, head_dim: int, prefix: int, cfg: MosaicPrefixConfig) -> bool:
+  return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+          and head_dim % 64 == 0 and head_dim <= 256 and prefix > 0 and prefix % cfg.block_kv == 0)
+
+
+def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int = 128,
+                   num_sms: int = 132) -> MosaicPrefixConfig:
+  """128-row CTAs (2 x 64); key splits until the grid covers the SMs once.
+
+  Shared memory holds q (2 x 64 rows) and ``max_concurrent_steps`` K and V
+  tiles: with D = 256, 64-key tiles keep it under the 227 KiB of a Hopper SM.
+  """
+  cfg = MosaicPrefixConfig(block_kv=64 if head_dim > 128 else 128)
+  tiles = pl.cdiv(rows, 2 * cfg.block_q) * kv_heads
+  kv_blocks = prefix // cfg.block_kv
+  splits = max(1, min(pl.cdiv(num_sms, tiles), kv_blocks // 4 or 1))
+  return dataclasses.replace(cfg, splits=splits)
+
+
+def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
+                               config: MosaicPrefixConfig):
+  """``q_rows [Hkv, R, D]`` (R a multiple of 2*block_q), ``k, v [P, Hkv, D]``.
+
+  Returns ``out [splits, Hkv, R, D]`` in q's dtype and natural-log float32
+  ``lse [splits, Hkv, R]``.
+  """
+  hkv, r, d = q_rows.shape
+  p = k.shape[0]
+  dtype = q_rows.dtype
+  cfg = config
+  block_q, block_kv = cfg.block_q, cfg.block_kv
+  if r % (2 * block_q):
+    raise ValueError(f"rows ({r}) must be a multiple of 2 * block_q ({2 * block_q})")
+  kv_blocks = p // block_kv
+  blocks_per_split = pl.cdiv(kv_blocks, cfg.splits)
+  steps_buf = max(2, min(cfg.max_concurrent_steps, blocks_per_split))
+  qk_scale = scale * LOG2E
+
+  def kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
+    head = lax.axis_index("heads")
+    split = lax.axis_index("split")
+    smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
+    wg_idx = lax.axis_index("wg")
+    qo_smem2, k_smem, v_smem, lse_smem2 = smem_buffers
+    k_barriers, v_barriers, q_barriers = buffer_barriers
+    k_consumed_barriers, v_consumed_barriers = consumed_barriers
+    kv_len = len_ref[0]
+    first_block = split * blocks_per_split
+    valid_blocks = lax.div(kv_len + (block_kv - 1), jnp.int32(block_kv))
+    end_block = jnp.minimum(first_block + blocks_per_split, valid_blocks)
+    kv_steps = jnp.maximum(end_block - first_block, 0)
+    # Steps whose keys are all valid need no mask; only the last may be partial.
+    full_steps = jnp.clip(jnp.minimum(end_block, lax.div(kv_len, jnp.int32(block_kv)))
+                          - first_block, 0, None)
+
+    def perform_schedule_barrier():
+      plgpu.barrier_arrive(schedule_barrier)
+      plgpu.barrier_wait(schedule_barrier)
+
+    @pl.when(wg_idx < 2)
+    def _compute_wg():
+      plgpu.set_max_registers(232, action="increase")
+      qo_smem = qo_smem2.at[wg_idx]
+      lse_smem = lse_smem2.at[wg_idx]
+      q_base = lax.axis_index("q_seq") * (2 * block_q) + wg_idx * block_q
+      plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem,
+                              q_barriers.at[wg_idx])
+      plgpu.barrier_wait(q_barriers.at[wg_idx])
+      m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+      l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+      acc = plgpu.layout_cast(jnp.full((block_q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+      @pl.when(kv_steps > 0)
+      def _():
+        plgpu.barrier_wait(k_barriers.at[0])
+
+      pl.when(wg_idx == 1)(perform_schedule_barrier)
+
+      def kv_loop(step, carry, masked: bool = False):
+        acc, m_i, l_i = carry
+        slot = lax.rem(step, jnp.array(steps_buf, step.dtype))
+
+        def compute_qk(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          perform_schedule_barrier()
+          return acc_ref[...]
+
+        qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+        plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+        if masked:
+          kv_ids = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
+                                          layout=plgpu.Layout.WGMMA)
+          key = kv_ids + (first_block + step) * block_kv
+          qk = jnp.where(key < kv_len, qk, -jnp.inf)
+        m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
+        alpha = jnp.exp2(m_i - m_ij)
+        m_i = m_ij
+        p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i *= alpha
+        p16 = p.astype(dtype)
+
+        def end_softmax_barriers():
+          plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
+          plgpu.barrier_wait(v_barriers.at[slot])
+          plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
+
+        if d <= 128:
+          l_i += p.sum(axis=1)
+          acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
+          end_softmax_barriers()
+        else:
+          end_softmax_barriers()
+          l_i += p.sum(axis=1)
+
+        def compute_pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          wait_step = step + 1
+          wait_slot = lax.rem(wait_step, jnp.array(steps_buf, step.dtype))
+
+          @pl.when(wait_step < kv_steps)
+          def _wait():
+            plgpu.barrier_wait(k_barriers.at[wait_slot])
+
+        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_consumed_barriers.at[slot])
+        return acc, m_i, l_i
+
+      acc, m_i, l_i = lax.fori_loop(0, full_steps, kv_loop, (acc, m_i, l_i))
+      acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps, functools.partial(kv_loop, masked=True),
+                                    (acc, m_i, l_i))
+      pl.when(wg_idx == 0)(perform_schedule_barrier)
+
+      has = l_i > 0  # a split without keys gives (0, -inf), not 0/0
+      safe_l = jnp.where(has, l_i, 1.0)
+      acc /= lax.broadcast_in_dim(safe_l, (block_q, d), [0])
+      qo_smem[...] = acc.astype(dtype)
+      lse_smem[...] = jnp.where(has, (m_i + jnp.log(safe_l) * (1 / LN2)) * LN2, -jnp.inf)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[split, head, pl.ds(q_base, block_q)])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, head, pl.ds(q_base, block_q)])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg_idx == 2)
+    def _memory_wg():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def issue(step, slot):
+        s = (pl.ds((first_block + step) * block_kv, block_kv), head)
+        plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[slot], k_barriers.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[slot], v_barriers.at[slot])
+
+      for i in range(steps_buf):
+        pl.when(i < kv_steps)(functools.partial(issue, i, i))
+
+      @pl.loop(0, jnp.maximum(kv_steps - steps_buf, 0))
+      def _kv_loop(step):
+        tma_step = step + steps_buf
+        tma_slot = lax.rem(step, jnp.array(steps_buf, step.dtype))
+        s = (pl.ds((first_block + tma_step) * block_kv, block_kv), head)
+        plgpu.barrier_wait(k_consumed_barriers.at[tma_slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[tma_slot], k_barriers.at[tma_slot])
+        plgpu.barrier_wait(v_consumed_barriers.at[tma_slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[tma_slot], v_barriers.at[tma_slot])
+
+  def entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref):
+    compute_wgs = 2
+    tiling = plgpu.TilingTransform((8, 64))
+    swizzle = plgpu.SwizzleTransform(128)
+    qo_scratch = plgpu.SMEM((compute_wgs, block_q, d), dtype, transforms=(tiling, swizzle))
+    k_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
+    v_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
+    lse_scratch = plgpu.SMEM((compute_wgs, block_q), jnp.float32)
+    pl.run_scoped(
+        lambda *args: kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, args),
+        [qo_scratch, k_scratch, v_scratch, lse_scratch],
+        (plgpu.Barrier(num_barriers=steps_buf), plgpu.Barrier(num_barriers=steps_buf),
+         plgpu.Barrier(num_barriers=compute_wgs)),
+        (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf),) * 2,
+        plgpu.Barrier(num_arrivals=compute_wgs),
+        collective_axes="wg",
+    )
+
+  out_shape = [jax.ShapeDtypeStruct((cfg.splits, hkv, r, d), dtype),
+               jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32)]
+  length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
+  out, lse = plgpu.kernel(
+      entry,
+      out_type=out_shape,
+      grid=(hkv, r // (2 * block_q), cfg.splits),
+      grid_names=("heads", "q_seq", "split"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(length, q_rows, k, v)
+  return out, lse

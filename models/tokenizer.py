@@ -133,7 +133,7 @@ class Tokenizer:
     if kind != "gpt2":
       raise ValueError(f"Tokenizer.from_gguf_fields: only byte-level BPE ('gpt2') vocabularies "
                        f"are supported; tokenizer.ggml.model is {kind!r}")
-    backend = _byte_level_bpe(fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.merges"],
+    backend = _byte_level_bpe(fields["tokenizer.ggml.tokens"], fields.get("tokenizer.ggml.merges", ()),
                               fields.get("tokenizer.ggml.token_type") or (),
                               fields.get("tokenizer.ggml.pre", "default"))
     return cls(backend, bos_id=fields.get("tokenizer.ggml.bos_token_id"),

@@ -123,6 +123,10 @@ class Tokenizer:
     template = cfg.get("chat_template")
     if isinstance(template, list):  # several named templates: take the default
       template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    jinja_file = os.path.join(path, "chat_template.jinja")  # transformers >= 4.50 writes it apart
+    if template is None and os.path.exists(jinja_file):
+      with open(jinja_file) as f:
+        template = f.read()
     return cls(backend, bos_id=token_id("bos_token"), eos_id=token_id("eos_token"),
                add_bos=bool(add_bos), chat_template=template)
 

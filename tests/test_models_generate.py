@@ -214,3 +214,26 @@ def test_progress_is_reported_every_k_steps_from_inside_the_loop(odd_model):
   jax.block_until_ready(state)
   jax.effects_barrier()
   assert seen == [8, 16, 20]
+
+
+def test_smollm2_greedy_hydragen_equals_standard_for_64_tokens():
+  from models.loading import from_pretrained
+  from test_models_loading import smollm2_gguf
+
+  model, tokenizer, config = from_pretrained(smollm2_gguf())  # float32
+  text = tokenizer.apply_chat_template(
+      [{"role": "user", "content": "Tell a short story about a robot who learns to paint."}])
+  prompt, b, new = tokenizer.encode(text), 2, 64
+  per_token = cache_lib.kv_bytes_per_token(config)
+  tokens = {}
+  for attention in ("hydragen", "standard"):
+    state = prefill(model, prompt, num_samples=b, max_new_tokens=new, attention=attention)
+    if attention == "hydragen":  # the prompt's K/V once, not once per sample
+      assert state.cache.shared_nbytes == (len(prompt) - 1) * per_token
+      assert state.cache.own_nbytes == b * new * per_token
+    else:
+      assert state.cache.own_nbytes == b * (len(prompt) - 1 + new) * per_token
+    tokens[attention] = np.asarray(decode(model, state).completions())
+  np.testing.assert_array_equal(tokens["hydragen"], tokens["standard"])
+  assert len(set(tokens["hydragen"][0].tolist())) > 16  # a real completion, not a loop
+  assert tokenizer.decode(tokens["hydragen"][0]).strip()

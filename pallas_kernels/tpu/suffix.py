@@ -10,9 +10,13 @@ A grid step holds ``block_batch`` sequences x ``block_heads`` KV heads x
 ``block_keys`` keys, sized so that a step moves about
 ``BlockSizes.suffix_step_bytes`` of K/V (decode steps are tiny: one query row
 per query head, so per-step overhead, not the MXU, is what to amortise). Grid
-``(B / block_batch, Hkv / block_heads, S / block_keys)``, semantics (parallel,
-parallel, arbitrary): sequences and heads are split across the TensorCores of
+``(Hkv / block_heads, B / block_batch, S / block_keys)``, semantics (parallel,
+parallel, arbitrary): heads and sequences are split across the TensorCores of
 megacore chips.
+
+Layouts: K/V ``[B, Hkv, S, D]``; queries, prior, out and LSE ``[Hkv, B, Tq*G, .]``,
+which is the prefix kernel's ``[Hkv, B*Tq*G, .]`` reshaped for free, so a prefix
+result feeds this kernel with no copy (:mod:`pallas_kernels.tpu.shared`).
 
 ``prior`` (the shared-prefix result) is fused: it is the initial state of the
 online softmax, ``(m, l, acc) = (lse_prior, 1, out_prior)``, so the final
@@ -40,7 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax_shared_attn import reference
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import LANES, BlockSizes
-from pallas_kernels.tpu.prefix import empty_state, last_block
+from pallas_kernels.tpu.prefix import fold_rows, last_block, unfold_rows
 
 suffix_attention_reference = reference.suffix_attention
 
@@ -48,18 +52,19 @@ suffix_attention_reference = reference.suffix_attention
 def _suffix_kernel(
     lengths_ref,  # SMEM int32 [B_pad]: valid keys per sequence (scalar prefetch)
     block_length_ref,  # SMEM int32 [B_pad / block_batch]: longest sequence of each batch block
-    q_ref,  # [block_batch, block_heads, rows, D], rows = (t, g) of Tq x G
+    q_ref,  # [block_heads, block_batch, rows, D], rows = (t, g) of Tq x G
     k_ref,  # [block_batch, block_heads, block_keys, D]
     v_ref,  # [block_batch, block_heads, block_keys, D]
     *refs,  # [prior_out_ref, prior_lse_ref,] out_ref, lse_ref, m_ref, l_ref, acc_ref
+    # (prior/out/scratch: [block_heads, block_batch, rows, D or 128], float32)
     scale: float, causal: bool, q_len: int, group: int, has_prior: bool,
 ):
   if has_prior:
     prior_out_ref, prior_lse_ref, out_ref, lse_ref, m_ref, l_ref, acc_ref = refs
   else:
     out_ref, lse_ref, m_ref, l_ref, acc_ref = refs
-  i, s = pl.program_id(0), pl.program_id(2)
-  block_batch, block_heads, rows, _ = q_ref.shape
+  i, s = pl.program_id(1), pl.program_id(2)
+  block_heads, block_batch, rows, _ = q_ref.shape
   block_keys = k_ref.shape[2]
   start = s * block_keys
 
@@ -83,8 +88,8 @@ def _suffix_kernel(
         t = lax.div(lax.broadcasted_iota(jnp.int32, (rows, block_keys), 0), jnp.int32(group))
         valid = valid & (key <= length - q_len + t)
       for h in range(block_heads):
-        common.update_state(q_ref[c, h], k_ref[c, h], v_ref[c, h], valid, m_ref.at[c, h],
-                            l_ref.at[c, h], acc_ref.at[c, h], scale=scale)
+        common.update_state(q_ref[h, c], k_ref[c, h], v_ref[c, h], valid, m_ref.at[h, c],
+                            l_ref.at[h, c], acc_ref.at[h, c], scale=scale)
 
     return carry
 
@@ -95,7 +100,7 @@ def _suffix_kernel(
   @pl.when(s == pl.num_programs(2) - 1)
   def _finish():
     out, lse = common.final_state(m_ref, l_ref, acc_ref)
-    out_ref[...] = out
+    out_ref[...] = out.astype(out_ref.dtype)
     lse_ref[...] = lse
 
 
@@ -151,49 +156,54 @@ def suffix_blocks(b: int, hkv: int, s: int, rows: int, d: int, itemsize: int,
 
 
 def suffix_attention_head_major(
-    q: jax.Array,  # [B, Hkv, rows, D]: rows (t, g); B % block_batch == 0; D % 128 == 0
+    q: jax.Array,  # [Hkv, B, rows, D]: rows (t, g); B % block_batch == 0; D % 128 == 0
     k: jax.Array,  # [B, Hkv, S, D]; S % block_keys == 0
     v: jax.Array,  # [B, Hkv, S, D]
     lengths: jax.Array,  # int32 [B] in [0, S]
-    prior: Optional[Tuple[jax.Array, jax.Array]] = None,  # f32 [B, Hkv, rows, D], [B, Hkv, rows, 128]
+    prior: Optional[Tuple[jax.Array, jax.Array]] = None,  # f32 [Hkv, B, rows, D], [.., 128]
     *,
     causal: bool,
     scale: float,
     q_len: int,
     blocks: SuffixBlocks,
+    out_dtype=jnp.float32,
     interpret: Optional[bool] = None,
 ):
   """The suffix kernel on kernel-native arrays.
 
-  Returns float32 ``out [B, Hkv, rows, D]`` and ``lse [B, Hkv, rows, 128]``: the
-  natural-log log-sum-exp (merged with ``prior`` if given), replicated over the 128
-  lanes; ``(0, -inf)`` for rows with no visible key and no prior.
+  Returns ``out [Hkv, B, rows, D]`` (``out_dtype``, float32 by default) and float32
+  ``lse [Hkv, B, rows, 128]``: the natural-log log-sum-exp (merged with ``prior`` if
+  given), replicated over the 128 lanes; ``(0, -inf)`` for rows with no visible key
+  and no prior.
   """
-  b, hkv, rows, d = q.shape
+  hkv, b, rows, d = q.shape
   s = k.shape[2]
+  if k.shape[:2] != (b, hkv) or v.shape != k.shape:
+    raise ValueError(f"suffix_attention_head_major: q {q.shape}, k {k.shape}, v {v.shape} must "
+                     "be [Hkv, B, rows, D], [B, Hkv, S, D], [B, Hkv, S, D]")
   group = rows // q_len
   if b % blocks.batch or hkv % blocks.heads or s % blocks.keys or d % LANES:
     raise ValueError(f"suffix_attention_head_major: B={b}, Hkv={hkv}, S={s}, D={d} must be "
                      f"multiples of {blocks} and {LANES}")
   nb = b // blocks.batch
-  grid = (nb, hkv // blocks.heads, s // blocks.keys)
+  grid = (hkv // blocks.heads, nb, s // blocks.keys)
   block_length = jnp.max(lengths.reshape(nb, blocks.batch), axis=1)
 
-  def row_map(i, hh, j, lengths_ref, block_length_ref):
-    return (i, hh, 0, 0)
+  def row_map(hh, i, j, lengths_ref, block_length_ref):
+    return (hh, i, 0, 0)
 
-  def kv_map(i, hh, j, lengths_ref, block_length_ref):
+  def kv_map(hh, i, j, lengths_ref, block_length_ref):
     return (i, hh, jnp.minimum(j, last_block(block_length_ref[i], blocks.keys)), 0)
 
-  row_spec = pl.BlockSpec((blocks.batch, blocks.heads, rows, d), row_map)
-  lse_spec = pl.BlockSpec((blocks.batch, blocks.heads, rows, LANES), row_map)
+  row_spec = pl.BlockSpec((blocks.heads, blocks.batch, rows, d), row_map)
+  lse_spec = pl.BlockSpec((blocks.heads, blocks.batch, rows, LANES), row_map)
   kv_spec = pl.BlockSpec((blocks.batch, blocks.heads, blocks.keys, d), kv_map)
   in_specs = [row_spec, kv_spec, kv_spec]
   args = [lengths, block_length, q, k, v]
   if prior is not None:
     in_specs += [row_spec, lse_spec]
     args += list(prior)
-  state = (blocks.batch, blocks.heads, rows)
+  state = (blocks.heads, blocks.batch, rows)
   itemsize = q.dtype.itemsize
   cost = pl.CostEstimate(
       flops=4 * b * hkv * rows * s * d, transcendentals=b * hkv * rows * s,
@@ -205,8 +215,8 @@ def suffix_attention_head_major(
   def build(interpret_value):
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((b, hkv, rows, d), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, rows, LANES), jnp.float32)),
+        out_shape=(jax.ShapeDtypeStruct((hkv, b, rows, d), out_dtype),
+                   jax.ShapeDtypeStruct((hkv, b, rows, LANES), jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=[row_spec, lse_spec],
             scratch_shapes=[pltpu.VMEM(state + (LANES,), jnp.float32),
@@ -216,22 +226,6 @@ def suffix_attention_head_major(
         cost_estimate=cost, interpret=interpret_value, name="hydragen_suffix_attention")
 
   return common.dispatch(build, tuple(args), interpret)
-
-
-def to_rows(x: jax.Array, hkv: int) -> jax.Array:
-  """``[B, Tq, Hq, ...] -> [B, Hkv, Tq*G, ...]`` (a pure reshape when Tq == 1)."""
-  b, tq, hq = x.shape[:3]
-  rest = x.shape[3:]
-  x = x.reshape(b, tq, hkv, hq // hkv, *rest)
-  return jnp.moveaxis(x, 2, 1).reshape(b, hkv, tq * (hq // hkv), *rest)
-
-
-def from_rows(x: jax.Array, tq: int) -> jax.Array:
-  """Inverse of :func:`to_rows`."""
-  b, hkv, rows = x.shape[:3]
-  rest = x.shape[3:]
-  x = x.reshape(b, hkv, tq, rows // tq, *rest)
-  return jnp.moveaxis(x, 1, 2).reshape(b, tq, hkv * (rows // tq), *rest)
 
 
 def suffix_attention(
@@ -259,34 +253,71 @@ def suffix_attention(
   Example:
     >>> out, lse = suffix_attention(q, k, v, kv_lengths=lens, causal=True, scale=0.125)
   """
-  b, tq, hq, d = q.shape
-  _, s, hkv, _ = k.shape
-  dv = v.shape[-1]
-  if b * tq == 0:
-    return empty_state(q, dv)
+  b, tq, hq, _ = q.shape
+  hkv = k.shape[2]
+  state = None
+  if prior is not None:
+    state = (fold_rows(prior[0].astype(jnp.float32), hkv),
+             fold_rows(prior[1].astype(jnp.float32)[..., None], hkv)[..., 0])
+  out, lse = suffix_rows(fold_rows(q, hkv), k, v, kv_lengths, state, q_len=tq, causal=causal,
+                         scale=scale, d_out=v.shape[-1], block_sizes=block_sizes,
+                         interpret=interpret)
+  return unfold_rows(out, b, tq), unfold_rows(lse, b, tq)
+
+
+def suffix_rows(
+    q_rows: jax.Array,  # [Hkv, B*Tq*G, D] (prefix.fold_rows), any float dtype
+    k: jax.Array,  # [B, S, Hkv, D]
+    v: jax.Array,  # [B, S, Hkv, D]
+    kv_lengths: jax.Array,  # int32 [B]
+    prior=None,  # (out f32 [Hkv, B*Tq*G, D or Dp], lse f32 [Hkv, B*Tq*G] or [.., 128])
+    *,
+    q_len: int,
+    causal: bool,
+    scale: float,
+    d_out: int,
+    out_dtype=jnp.float32,
+    block_sizes: Optional[BlockSizes] = None,
+    interpret: Optional[bool] = None,
+):
+  """The suffix kernel on folded query rows: pads, runs, slices.
+
+  Returns ``out [Hkv, B*Tq*G, d_out]`` (``out_dtype``) and float32 natural-log
+  ``lse [Hkv, B*Tq*G]``. A lane-replicated prior LSE (``[..., 128]``, as the prefix and
+  segment kernels return it) is used as is.
+  """
+  hkv, r, d = q_rows.shape
+  b, s = k.shape[:2]
+  rows = r // b
+  if b * rows == 0:
+    return jnp.zeros((hkv, r, d_out), out_dtype), jnp.full((hkv, r), -jnp.inf, jnp.float32)
   if s == 0:  # no own keys: the result is the prior (normalised), or nothing
     if prior is None:
-      return empty_state(q, dv)
-    lse = prior[1].astype(jnp.float32)
-    return jnp.where((lse > -jnp.inf)[..., None], prior[0].astype(jnp.float32), 0.0), lse
+      return jnp.zeros((hkv, r, d_out), out_dtype), jnp.full((hkv, r), -jnp.inf, jnp.float32)
+    lse = prior[1] if prior[1].ndim == 2 else prior[1][..., 0]
+    out = jnp.where((lse > -jnp.inf)[..., None], prior[0][..., :d_out], 0.0)
+    return out.astype(out_dtype), lse
   bs = block_sizes or common.default_block_sizes()
-  dtype = common.compute_dtype(q, k, v)
-  rows = tq * (hq // hkv)
+  dtype = common.compute_dtype(q_rows, k, v)
   dp = common.round_up(d, LANES)
   blocks = suffix_blocks(b, hkv, s, rows, dp, dtype.itemsize, bs, prior is not None)
   bp, sp = common.round_up(b, blocks.batch), common.round_up(s, blocks.keys)
-  qr = common.pad_to(to_rows(q.astype(dtype), hkv), (bp, hkv, rows, dp))
+  qr = common.pad_to(q_rows.astype(dtype).reshape(hkv, b, rows, d), (hkv, bp, rows, dp))
   kh = common.pad_to(jnp.swapaxes(k.astype(dtype), 1, 2), (bp, hkv, sp, dp))
   vh = common.pad_to(jnp.swapaxes(v.astype(dtype), 1, 2), (bp, hkv, sp, dp))
   lengths = common.pad_to(jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, s), (bp,))
   state = None
   if prior is not None:
-    p_out = common.pad_to(to_rows(prior[0].astype(jnp.float32), hkv), (bp, hkv, rows, dp))
-    p_lse = to_rows(prior[1].astype(jnp.float32), hkv)  # [B, Hkv, rows]
-    p_lse = common.pad_to(p_lse, (bp, hkv, rows))
-    p_lse = jnp.where(jnp.arange(bp)[:, None, None] < b, p_lse, -jnp.inf)
-    state = (p_out, jnp.broadcast_to(p_lse[..., None], (bp, hkv, rows, LANES)))
+    p_out = common.pad_to(prior[0].astype(jnp.float32).reshape(hkv, b, rows, -1),
+                          (hkv, bp, rows, dp))
+    p_lse = prior[1].astype(jnp.float32)
+    if p_lse.ndim == 2:
+      p_lse = jnp.broadcast_to(p_lse[..., None], (hkv, r, LANES))
+    p_lse = p_lse.reshape(hkv, b, rows, LANES)
+    if bp > b:  # padding sequences: an empty prior
+      p_lse = jnp.pad(p_lse, [(0, 0), (0, bp - b), (0, 0), (0, 0)], constant_values=-jnp.inf)
+    state = (p_out, p_lse)
   out, lse = suffix_attention_head_major(qr, kh, vh, lengths, state, causal=bool(causal),
-                                         scale=scale, q_len=tq, blocks=blocks,
-                                         interpret=interpret)
-  return from_rows(out[:b, :, :, :dv], tq), from_rows(lse[:b, :, :, 0], tq)
+                                         scale=scale, q_len=q_len, blocks=blocks,
+                                         out_dtype=out_dtype, interpret=interpret)
+  return (out[:, :b, :, :d_out].reshape(hkv, r, d_out), lse[:, :b, :, 0].reshape(hkv, r))

@@ -1,0 +1,95 @@
+"""The whole decomposition on TPU, intermediates kept in kernel layout (Hydragen Sec. 3).
+
+``shared_attention(q, parts, suffix_k, suffix_v, ...)`` computes what
+:func:`jax_shared_attn.ops.reference_shared_attention` computes from the three
+primitives -- every shared part (a prefix or a tree level), their LSE merge, and the
+suffix with the merged result fused in -- but folds the queries ONCE into the rows
+``[Hkv, B*Tq*G, D]`` that all three kernels read, and hands each partial state to the
+next kernel in the layout it was written in: the prefix kernel's ``out``/``lse``
+``[Hkv, B*Tq*G, .]`` are the suffix kernel's prior ``[Hkv, B, Tq*G, .]`` after a free
+reshape. With one shared part there is no XLA pass over the states at all; with
+several, one elementwise merge. The suffix kernel writes ``out`` in q's dtype.
+
+Per decode step and query row this moves: q (read by each kernel), the prefix state
+(float32 out + lane-replicated LSE, written once and read once) and the output, on top
+of the K/V bytes of the IO model (see docs/tpu.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.tpu import common
+from pallas_kernels.tpu.common import BlockSizes
+from pallas_kernels.tpu.prefix import fold_rows, prefix_rows, unfold_rows
+from pallas_kernels.tpu.segment import segment_rows
+from pallas_kernels.tpu.suffix import suffix_rows
+
+
+def merge_rows(states):
+  """Exact LSE merge of kernel-layout states ``(out [..., Dp], lse [..., 128])`` (natural
+  log, lane-replicated): ``lse = log(sum_i exp(lse_i))``, ``out = sum_i exp(lse_i - lse)
+  * out_i``; parts with ``lse = -inf`` weigh 0 and all-empty rows stay ``(0, -inf)``."""
+  if len(states) == 1:
+    return states[0]
+  lses = [s[1][..., :1] for s in states]  # one lane carries the value
+  m = lses[0]
+  for x in lses[1:]:
+    m = jnp.maximum(m, x)
+  m = jnp.where(m > -jnp.inf, m, 0.0)
+  w = [jnp.exp(x - m) for x in lses]
+  denom = sum(w)
+  has = denom > 0
+  safe = jnp.where(has, denom, 1.0)
+  out = sum(wi * s[0] for wi, s in zip(w, states)) / safe
+  lse = jnp.where(has, m + jnp.log(safe), -jnp.inf)
+  return out, jnp.broadcast_to(lse, states[0][1].shape)
+
+
+def shared_attention(
+    q: jax.Array,  # [B, Tq, Hq, D]
+    parts: Sequence[tuple],  # ("prefix", k [P,Hkv,D], v, length, None) | ("segments", k [N,T,Hkv,D], v, lengths [N], node_of_seq [B])
+    suffix_k: jax.Array,  # [B, S, Hkv, D]
+    suffix_v: jax.Array,  # [B, S, Hkv, D]
+    *,
+    kv_lengths: jax.Array,  # int32 [B]
+    causal: bool,
+    scale: float,
+    block_sizes: Optional[BlockSizes] = None,
+    interpret: Optional[bool] = None,
+):
+  """Attention over shared parts then each sequence's suffix, merged exactly by LSE.
+
+  Equals :func:`jax_shared_attn.ops.reference_shared_attention` (the decomposition of
+  Hydragen Sec. 3.1-3.3). Returns ``out [B, Tq, Hq, D]`` in q's dtype and float32
+  natural-log ``lse [B, Tq, Hq] = log(sum_j exp(scale * q . k_j))`` over every visible
+  key (all valid shared keys; with ``causal``, suffix keys up to the query's position
+  ``kv_lengths[b] - Tq + i``); ``(0, -inf)`` for rows that see nothing.
+
+  Example:
+    >>> parts = [("prefix", pk, pv, jnp.int32(P), None)]
+    >>> out, lse = shared_attention(q, parts, sk, sv, kv_lengths=lens, causal=True, scale=0.125)
+  """
+  b, tq = q.shape[:2]
+  hkv = suffix_k.shape[2]
+  dtype = common.compute_dtype(q, suffix_k, suffix_v, *[p[1] for p in parts])
+  rows = fold_rows(q.astype(dtype), hkv)  # the one fold every kernel reads
+  states = []
+  for kind, k, v, lengths, nodes in parts:
+    if kind == "prefix":
+      states.append(prefix_rows(rows, k, v, lengths, scale=scale, block_sizes=block_sizes,
+                                interpret=interpret))
+    elif kind == "segments":
+      states.append(segment_rows(rows, k, v, lengths, nodes, scale=scale,
+                                 block_sizes=block_sizes, interpret=interpret))
+    else:
+      raise ValueError(f"shared_attention: a part's kind must be 'prefix' or 'segments'; "
+                       f"got {kind!r}")
+  prior = merge_rows(states) if states else None
+  out, lse = suffix_rows(rows, suffix_k, suffix_v, kv_lengths, prior, q_len=tq, causal=causal,
+                         scale=scale, d_out=suffix_v.shape[-1], out_dtype=q.dtype,
+                         block_sizes=block_sizes, interpret=interpret)
+  return unfold_rows(out, b, tq), unfold_rows(lse, b, tq)

@@ -29,32 +29,45 @@ def ours():
   return Tokenizer.from_gguf_fields(gguf_fields(_gguf_reader(smollm2_gguf())))
 
 
-@pytest.fixture(scope="module")
-def theirs():
+def transformers_gguf_tokenizer():
   transformers = pytest.importorskip("transformers")
   path = smollm2_gguf()
   return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
                                                     gguf_file=os.path.basename(path))
 
 
-@pytest.mark.parametrize("text", TEXTS)
-def test_gguf_tokenizer_encodes_and_decodes_like_transformers(ours, theirs, text):
-  ids = ours.encode(text)
-  assert ids == theirs.encode(text, add_special_tokens=True)
-  assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids) == text
-  assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+CHATS = [
+    [{"role": "user", "content": "Write a haiku."}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}],
+]
 
 
-def test_every_unicode_numeral_is_its_own_pre_token(ours, theirs):
-  """SmolLM2's rule (llama.cpp "smollm" pre-tokenizer; the model's own tokenizer.json splits
-  digits the same way): every \\p{N} character stands alone before byte-level BPE. For ASCII
-  digits transformers' GGUF tokenizer agrees (the vocabulary has no merges across them); for
-  other numerals after a space it differs, because transformers has no "smollm" split and
-  merges the space with the numeral's first byte."""
-  ids = ours.encode(" ½ 7")
-  assert [ours.backend.id_to_token(i) for i in ids] == ["Ġ", "Â½", "Ġ", "7"]
-  assert theirs.encode(" 7") == ours.encode(" 7")
-  assert theirs.encode(" ½") != ours.encode(" ½")  # the known difference, pinned
+def test_gguf_tokenizer_and_chat_template_match_transformers(ours, tmp_path):
+  """One test, so that transformers' (slow) GGUF tokenizer is built once per run."""
+  theirs = transformers_gguf_tokenizer()
+  for text in TEXTS:
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text, add_special_tokens=True), text
+    assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids) == text
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+  assert ours.chat_template is not None
+  for messages in CHATS:
+    expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(messages) == expected
+  # SmolLM2's rule (llama.cpp "smollm" pre-tokenizer; the model's own tokenizer.json splits the
+  # same way with Digits(individual_digits)): every \\p{N} character stands alone before
+  # byte-level BPE. For ASCII digits transformers' GGUF tokenizer agrees (the vocabulary has no
+  # merges across them); for other numerals after a space it differs, because transformers has
+  # no "smollm" split and merges the space with the numeral's first byte. Pinned here:
+  assert [ours.backend.id_to_token(i) for i in ours.encode(" ½ 7")] == ["Ġ", "Â½", "Ġ", "7"]
+  assert theirs.encode(" 7") == ours.encode(" 7") and theirs.encode(" ½") != ours.encode(" ½")
+  # A transformers tokenizer directory (tokenizer.json, tokenizer_config.json, chat_template.jinja).
+  theirs.save_pretrained(tmp_path / "hf")
+  loaded = Tokenizer.from_dir(str(tmp_path / "hf"))
+  assert (loaded.bos_id, loaded.eos_id) == (ours.bos_id, ours.eos_id)
+  assert loaded.chat_template == ours.chat_template
+  assert all(loaded.encode(t) == ours.encode(t) for t in TEXTS)
 
 
 def test_special_tokens_and_ids(ours):
@@ -63,15 +76,14 @@ def test_special_tokens_and_ids(ours):
   assert ours.decode([2, 19556, PAD_ID, PAD_ID]) == "Hello"  # pad ids dropped, special skipped
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": "Write a haiku."}],
-    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
-     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}],
-])
-def test_chat_template_renders_like_transformers(ours, theirs, messages):
-  assert ours.chat_template is not None
-  expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-  assert ours.apply_chat_template(messages) == expected
+def test_round_trip_and_save(ours, tmp_path):
+  for text in TEXTS:
+    assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
+  ours.save(str(tmp_path / "ours"))
+  again = Tokenizer.from_dir(str(tmp_path / "ours"))
+  assert (again.bos_id, again.eos_id, again.add_bos, again.chat_template) == \
+      (ours.bos_id, ours.eos_id, ours.add_bos, ours.chat_template)
+  assert all(again.encode(t) == ours.encode(t) for t in TEXTS)
 
 
 def test_chatml_fallback_without_template_or_jinja2(ours, monkeypatch):
@@ -90,14 +102,3 @@ def test_chatml_fallback_without_template_or_jinja2(ours, monkeypatch):
   monkeypatch.setattr(builtins, "__import__", no_jinja)
   assert ours.apply_chat_template(messages) == expected  # the documented fallback
   assert "im_start" in CHATML_FALLBACK
-
-
-def test_tokenizer_json_directories(ours, theirs, tmp_path):
-  theirs.save_pretrained(tmp_path / "hf")  # tokenizer.json + tokenizer_config.json
-  loaded = Tokenizer.from_dir(str(tmp_path / "hf"))
-  assert (loaded.bos_id, loaded.eos_id) == (ours.bos_id, ours.eos_id)
-  assert loaded.chat_template == ours.chat_template
-  ours.save(str(tmp_path / "ours"))
-  again = Tokenizer.from_dir(str(tmp_path / "ours"))
-  for text in TEXTS:
-    assert loaded.encode(text) == again.encode(text) == ours.encode(text)

@@ -30,6 +30,7 @@ SWEEP = [(b, hkv * g, hkv, d, 1000 + 17 * b % 93, 100 + b % 29, 1)
                                                  [128])]
 SWEEP += [(b, 8, 1, d, 777, 61, tq) for b, d, tq in itertools.product([3, 300], [64, 80, 256],
                                                                         [1, 4])]
+SWEEP += [(1, 32, 8, 128, 2048, 2048, 2048), (4, 8, 1, 64, 100, 300, 257)]  # chunked prefill
 
 
 @pytest.mark.parametrize("b,hq,hkv,d,p,s,tq", SWEEP)

@@ -31,6 +31,7 @@ CASES = (
     (1, 1, 1, 1, 256, 70, "bfloat16"),
     (4, 2, 16, 2, 128, 1, "float32"),
     (2, 1, 3, 1, 64, 0, "bfloat16"),
+    (2, 40, 4, 2, 64, 90, "float32"),  # prefill-sized: Tq * G = 80 rows -> row tiles
 )
 
 

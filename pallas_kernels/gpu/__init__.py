@@ -41,6 +41,11 @@ def shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale,
     if kind == "prefix":
       out, lse = prefix_attention_rows(q_rows, k, v, kv_length=lengths, scale=scale,
                                        mosaic=mosaic, interpret=interpret)
+    elif k.shape[0] == 1:  # one segment: the batched prefix kernel; rows without it drop out
+      out, lse = prefix_attention_rows(q_rows, k[0], v[0], kv_length=lengths[0], scale=scale,
+                                       mosaic=mosaic, interpret=interpret)
+      mine = jnp.repeat(nodes == 0, m)  # [B * M]
+      lse = jnp.where(mine[None, None, :], lse, -jnp.inf)
     else:
       out, lse = segment_rows(q_rows, k, v, rows_per_seq=m, lengths=lengths, node_of_seq=nodes,
                               scale=scale, interpret=interpret)

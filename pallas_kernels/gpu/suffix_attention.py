@@ -1,10 +1,11 @@
 """Per-sequence (suffix) attention on GPUs (Pallas Triton), with the merge fused in.
 
-One program per (sequence, KV head, key split) holds that sequence's
-``Tq * G`` query rows (all query heads of the KV head: GQA folding) and
-streams only the sequence's valid keys: blocks past ``kv_lengths[b]`` are
-never loaded or computed (the loop bound is the length). Causal inside the
-suffix when ``Tq > 1`` (query i sits at ``kv_lengths[b] - Tq + i``).
+One program per (sequence, KV head, row tile, key split) holds up to 64 of
+that sequence's ``Tq * G`` query rows (all query heads of the KV head: GQA
+folding; in decoding one tile holds them all) and streams only the
+sequence's valid keys: blocks past ``kv_lengths[b]`` (and, when causal, past
+the tile's last query position) are never loaded or computed. Causal inside
+the suffix when ``Tq > 1`` (query i sits at ``kv_lengths[b] - Tq + i``).
 
 With one key split, the prior states (the shared-prefix result, every key
 split of it, and every tree level) are merged into the result in the
@@ -32,6 +33,8 @@ from jax_shared_attn.reference import suffix_attention as suffix_attention_refer
 from pallas_kernels.gpu import _common
 
 NUM_SMS_DEFAULT = 132
+MAX_ROWS = 64  # rows of a sequence held by one program (decode: Tq * G is small)
+PREFILL_ROWS = 64  # row tile when Tq * G is larger (prefill, chunked prefill)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +45,13 @@ class SuffixConfig:
   num_stages: int
 
 
-def default_config(batch: int, kv_heads: int, capacity: int, head_dim: int,
+def default_config(batch: int, kv_heads: int, capacity: int, head_dim: int, rows: int = 1,
                    num_sms: int = NUM_SMS_DEFAULT) -> SuffixConfig:
   """128-key steps, 4 warps, 2 stages (the best or within 5% of it for every shape of
   tools/device/tune.py on an H100, 2026-11-22); the keys are split only when
   ``batch * kv_heads`` programs cannot fill the GPU."""
   block_n = 64 if head_dim > 128 else 128
-  programs = batch * kv_heads
+  programs = batch * kv_heads * (1 if rows <= MAX_ROWS else pl.cdiv(rows, PREFILL_ROWS))
   max_splits = max(1, pl.cdiv(capacity, block_n))
   splits = 1 if programs >= num_sms else max(1, min(max_splits, pl.cdiv(2 * num_sms, programs)))
   return SuffixConfig(block_n, splits, num_warps=4, num_stages=2)
@@ -69,25 +72,27 @@ def _merge2(out, lse, p_out, p_lse):
 def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, rows: int,
             q_len: int, group: int, causal: bool, block_n: int, keys_per_split: int,
             prior_splits: tuple[int, ...]):
-  # len_ref: [B] int32; q_ref: [Mp, Dp] (one sequence, one KV head); k_ref/v_ref: [S, Dp];
-  # then per prior: out [n, Mp, Dp], lse [n, Mp]; then o_ref [Mp, Dp], lse_ref [Mp].
+  # len_ref: [B] int32; q_ref: [Mp, Dp] (a tile of one sequence's rows for one KV head);
+  # k_ref/v_ref: [S, Dp]; then per prior: out [n, Mp, Dp], lse [n, Mp]; then o_ref, lse_ref.
   prior_refs = refs[:2 * len(prior_splits)]
   o_ref, lse_ref = refs[2 * len(prior_splits):]
-  b, split = pl.program_id(0), pl.program_id(2)
+  b, tile, split = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   mp, dp = q_ref.shape
-  row = jnp.arange(mp)
+  row = tile * mp + jnp.arange(mp)  # row index within the sequence: t * G + g
   row_ok = row < rows
   d_mask = (jnp.arange(dp) < head_dim)[None, :] if dp != head_dim else None
   q_mask = row_ok[:, None] if d_mask is None else row_ok[:, None] & d_mask
   kv_len = len_ref[b]
   lo = split * keys_per_split
   hi = jnp.minimum(lo + keys_per_split, kv_len)
-  n_keys = jnp.maximum(hi - lo, 0)
-  # Keys below `visible_to_all` are seen by every row; later ones need the causal mask.
-  visible_to_all = kv_len - (q_len - 1) if causal else kv_len
-  n_full = jnp.clip(jnp.minimum(hi, visible_to_all) - lo, 0, None) // block_n
   limit = kv_len - q_len + row // group  # last visible key of each row (causal)
-  q = _common.load(q_ref, q_mask if mp != rows or d_mask is not None else None)
+  visible_to_all = kv_len  # keys below it are seen by every row of the tile
+  if causal:  # the tile's last row sees nothing past its position: stop there
+    hi = jnp.minimum(hi, kv_len - q_len + (tile * mp + mp - 1) // group + 1)
+    visible_to_all = kv_len - q_len + (tile * mp) // group + 1
+  n_keys = jnp.maximum(hi - lo, 0)
+  n_full = jnp.clip(jnp.minimum(hi, visible_to_all) - lo, 0, None) // block_n
+  q = _common.load(q_ref, q_mask if rows % mp or d_mask is not None else None)
   qk_scale = scale * _common.LOG2E
 
   def step(j, carry, masked):
@@ -128,26 +133,28 @@ def _call(lengths, q_rows, k, v, *priors, scale, cfg: SuffixConfig, head_dim: in
           group: int, causal: bool, out_dtype, interpret: bool):
   hkv, b, m, _ = q_rows.shape
   s = k.shape[1]
-  mp = max(_common.MIN_DOT, _common.next_pow2(m))
+  # Decode (few rows): one tile of all rows. Prefill (Tq * G rows): flash-attention row tiles.
+  mp = max(_common.MIN_DOT, _common.next_pow2(m)) if m <= MAX_ROWS else PREFILL_ROWS
+  tiles = pl.cdiv(m, mp)
   dp = _common.padded_head_dim(head_dim)
   keys_per_split = pl.cdiv(pl.cdiv(s, cfg.splits), cfg.block_n) * cfg.block_n
   prior_splits = tuple(x.shape[0] for x in priors[::2])
   kernel = functools.partial(
       _kernel, scale=scale, head_dim=head_dim, rows=m, q_len=q_len, group=group, causal=causal,
       block_n=cfg.block_n, keys_per_split=keys_per_split, prior_splits=prior_splits)
-  kv_spec = pl.BlockSpec((None, s, None, dp), lambda i, h, j: (i, 0, h, 0))
-  in_specs = [pl.BlockSpec((b,), lambda i, h, j: (0,)),
-              pl.BlockSpec((None, None, mp, dp), lambda i, h, j: (h, i, 0, 0)), kv_spec, kv_spec]
+  kv_spec = pl.BlockSpec((None, s, None, dp), lambda i, h, t, j: (i, 0, h, 0))
+  in_specs = [pl.BlockSpec((b,), lambda i, h, t, j: (0,)),
+              pl.BlockSpec((None, None, mp, dp), lambda i, h, t, j: (h, i, t, 0)), kv_spec, kv_spec]
   for n in prior_splits:
-    in_specs += [pl.BlockSpec((n, None, None, mp, dp), lambda i, h, j: (0, h, i, 0, 0)),
-                 pl.BlockSpec((n, None, None, mp), lambda i, h, j: (0, h, i, 0))]
+    in_specs += [pl.BlockSpec((n, None, None, mp, dp), lambda i, h, t, j: (0, h, i, t, 0)),
+                 pl.BlockSpec((n, None, None, mp), lambda i, h, t, j: (0, h, i, t))]
   return pl.pallas_call(
       kernel,
-      grid=(b, hkv, cfg.splits),
+      grid=(b, hkv, tiles, cfg.splits),
       in_specs=in_specs,
       out_specs=[
-          pl.BlockSpec((None, None, None, mp, dp), lambda i, h, j: (j, h, i, 0, 0)),
-          pl.BlockSpec((None, None, None, mp), lambda i, h, j: (j, h, i, 0)),
+          pl.BlockSpec((None, None, None, mp, dp), lambda i, h, t, j: (j, h, i, t, 0)),
+          pl.BlockSpec((None, None, None, mp), lambda i, h, t, j: (j, h, i, t)),
       ],
       out_shape=[
           jax.ShapeDtypeStruct((cfg.splits, hkv, b, m, head_dim), out_dtype),
@@ -186,7 +193,7 @@ def suffix_rows(
       return (jnp.zeros((hkv, b, m, d), out_dtype), jnp.full((hkv, b, m), -jnp.inf, jnp.float32))
     out, lse = merge_states([p[0] for p in parts], [p[1] for p in parts])
     return out.astype(out_dtype), lse
-  cfg = config or default_config(b, hkv, s, d)
+  cfg = config or default_config(b, hkv, s, d, rows=m)
   fused = cfg.splits == 1
   flat = [x for pr in priors for x in pr] if fused else []
   call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, q_len=q_len, group=group,

@@ -1,0 +1,240 @@
+"""``hydragen bench decode``: end-to-end decode throughput (Hydragen Figures 1, 4 and 6).
+
+Runs the Llama decoder with random bf16 weights of a named shape and
+measures decode-only throughput (prefill excluded, paper App. D.1) for the
+attention modes
+
+* ``hydragen``: the prompt's K/V stored once, attended by all samples' queries at once;
+* ``standard``: every sample holds the whole prompt in its own cache (the paper's
+  FlashAttention baseline);
+* ``none``: attention skipped (the throughput ceiling; q/k/v/o projections kept).
+
+Sweeps: ``batch`` (Figure 1: batch 32..1024 at a 2048-token prompt),
+``prefix`` (Figure 4: prompt 1K..16K at batch 1024), ``document`` (Figure 6:
+one long shared document and many short questions, time per batch of
+questions). Each point: prefill, one decode step (compiles), one more step
+alone, then ``new_tokens - 2`` steps in ONE call of the same compiled
+program; tokens/s = batch * steps / time of that call. The per-step time of
+the 1-step call next to the long call's shows that no host round-trip
+happens per token. Points that do not fit in memory are reported as "x".
+Writes JSON, a Markdown table and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+from models.cli import register
+
+MODES = ("hydragen", "standard", "none")
+SWEEPS = {
+    "batch": dict(batch=[32, 64, 128, 256, 512, 1024], prefix=[2048]),
+    "prefix": dict(batch=[1024], prefix=[1024, 2048, 4096, 8192, 16384]),
+    "document": dict(batch=[64, 256, 1024], prefix=[20480]),
+}
+
+
+def _ints(text: str) -> list[int]:
+  return [int(x) for x in text.split(",") if x]
+
+
+@register("bench", help="Benchmarks (hydragen bench decode ...).")
+def _configure_bench(p: argparse.ArgumentParser) -> None:
+  sub = p.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+  d = sub.add_parser("decode", help="End-to-end decode throughput: hydragen vs standard vs none.",
+                     description=__doc__.split("\n\n")[0])
+  d.add_argument("--model", default="llama-3-8b", help="a preset name (random weights)")
+  d.add_argument("--sweep", default="batch", choices=sorted(SWEEPS))
+  d.add_argument("--batch", type=_ints, help="override the sweep's batch sizes")
+  d.add_argument("--prefix", type=_ints, help="override the sweep's prompt lengths")
+  d.add_argument("--new-tokens", type=int, default=128)
+  d.add_argument("--question-tokens", type=int, default=32, help="document sweep: tokens per question")
+  d.add_argument("--modes", default=",".join(MODES))
+  d.add_argument("--dtype", default="bfloat16")
+  d.add_argument("--impl", default="auto", help="attention implementation (jax_shared_attn impl)")
+  d.add_argument("--out", default="runs/decode")
+  d.add_argument("--no-progress", action="store_true")
+  d.set_defaults(handler=_run)
+
+
+def _device_bytes() -> int:
+  import jax
+  stats = jax.devices()[0].memory_stats() or {}
+  return int(stats.get("bytes_limit", 0)) or 64 * 2**30
+
+
+def _estimate_bytes(config, mode: str, batch: int, prefix: int, suffix: int) -> int:
+  """Weights + KV cache + logits: a lower bound used to skip hopeless points."""
+  from models.cache import kv_bytes_per_token
+  from models.llama import param_shapes
+  import numpy as np
+  weights = sum(int(np.prod(s.shape)) for s in param_shapes(config).values()) * 2
+  per_token = kv_bytes_per_token(config)
+  if mode == "hydragen":
+    cache = (prefix + batch * suffix) * per_token
+  elif mode == "standard":
+    cache = batch * (prefix + suffix) * per_token
+  else:
+    cache = 0
+  return weights + cache + batch * config.vocab_size * 4 * 2
+
+
+def _is_oom(e: Exception) -> bool:
+  text = str(e)
+  return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "OOM" in text
+
+
+def run_point(model, mode: str, batch: int, prefix: int, new_tokens: int, *, impl: str,
+              question_tokens: int = 0, seed: int = 0) -> dict:
+  """One (mode, batch, prompt) point; see the module docstring for the method."""
+  import jax
+  import numpy as np
+
+  from models.generate import decode, prefill
+
+  config = model.config
+  row = dict(mode=mode, batch=batch, prefix=prefix, new_tokens=new_tokens)
+  if new_tokens < 4:
+    raise ValueError("--new-tokens must be >= 4 (compile, one step, a timed run)")
+  suffix = question_tokens + new_tokens
+  need = _estimate_bytes(config, mode, batch, prefix, suffix)
+  row["est_GB"] = need / 1e9
+  if need > 0.95 * _device_bytes():
+    row["tokens_per_s"] = "x"
+    return row
+  rng = np.random.default_rng(seed)
+  doc = rng.integers(3, config.vocab_size, size=prefix).tolist()
+  if question_tokens:  # one shared document, a distinct question per sequence (2 levels)
+    prompts = [doc + rng.integers(3, config.vocab_size, size=question_tokens).tolist()
+               for _ in range(batch)]
+    num_samples = 1
+  else:
+    prompts, num_samples = doc, batch
+  state = None
+  try:
+    t0 = time.perf_counter()
+    state = prefill(model, prompts, num_samples=num_samples, max_new_tokens=new_tokens,
+                    attention=mode, impl=impl, seed=seed)
+    jax.block_until_ready(state)
+    row["prefill_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(decode(model, state, 1, impl=impl))
+    row["compile_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(decode(model, state, 1, impl=impl))
+    row["one_step_call_ms"] = (time.perf_counter() - t0) * 1e3
+    steps = new_tokens - 2
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(decode(model, state, steps, impl=impl))
+    dt = time.perf_counter() - t0
+    row.update(steps=steps, decode_s=dt, step_ms=dt / steps * 1e3,
+               tokens_per_s=batch * steps / dt)
+    if question_tokens:
+      row["s_per_batch"] = new_tokens * dt / steps  # answering the batch of questions
+  except Exception as e:  # noqa: BLE001 -- a point that cannot run is reported, not fatal
+    if not _is_oom(e):
+      raise
+    row["tokens_per_s"] = "x"
+  finally:
+    del state
+    gc.collect()
+  return row
+
+
+def _plot(rows, sweep: str, path: str, title: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  x_key = {"batch": "batch", "prefix": "prefix", "document": "batch"}[sweep]
+  y_key = "s_per_batch" if sweep == "document" else "tokens_per_s"
+  fig, ax = plt.subplots(figsize=(6.5, 4.2))
+  for mode, style in zip(MODES, ("o-", "s--", "^:")):
+    pts = sorted((r[x_key], r[y_key]) for r in rows if r["mode"] == mode)
+    ok = [(x, y) for x, y in pts if isinstance(y, float)]
+    if ok:
+      ax.plot(*zip(*ok), style, label=mode)
+    for x, y in pts:
+      if y == "x":
+        ax.plot([x], [0], "rx", markersize=9)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel({"batch": "batch size", "prefix": "shared prompt length",
+                 "document": "questions in the batch"}[sweep])
+  ax.set_ylabel("seconds per batch (decode)" if sweep == "document" else "decode tokens / s")
+  ax.set_title(title, fontsize=9)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def _markdown(rows, info) -> str:
+  cols = ["mode", "batch", "prefix", "new_tokens", "tokens_per_s", "step_ms", "one_step_call_ms",
+          "s_per_batch", "vs_none", "vs_standard", "prefill_s", "compile_s"]
+  cols = [c for c in cols if any(c in r for r in rows)]
+  fmt = lambda v: f"{v:.1f}" if isinstance(v, float) and abs(v) >= 10 else (
+      f"{v:.3f}" if isinstance(v, float) else str(v))
+  lines = [f"{info['model']} ({info['dtype']}, random weights) on {info['device']}, jax "
+           f"{info['jax']}, {info['date']}; decode only, prefill excluded.", "",
+           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  for r in rows:
+    lines.append("| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def _run(args: argparse.Namespace) -> int:
+  import jax
+  from flax import nnx
+  from tqdm.auto import tqdm
+
+  from models.config import preset
+  from models.llama import Llama
+
+  modes = args.modes.split(",")
+  bad = set(modes) - set(MODES)
+  if bad:
+    raise SystemExit(f"hydragen bench decode: --modes: unknown {sorted(bad)}; choose from {MODES}")
+  sweep = SWEEPS[args.sweep]
+  batches = args.batch or sweep["batch"]
+  prefixes = args.prefix or sweep["prefix"]
+  questions = args.question_tokens if args.sweep == "document" else 0
+  longest = max(prefixes) + questions + args.new_tokens + 1
+  config = preset(args.model)
+  # Random weights: the context limit of the named checkpoint is not a property of the shape.
+  config = config.replace(dtype=args.dtype,
+                          max_position_embeddings=max(config.max_position_embeddings, longest))
+  os.makedirs(args.out, exist_ok=True)
+  # Weights drawn on the device (an 8B model in seconds, not minutes on the host).
+  model = nnx.jit(lambda: Llama(config, rngs=nnx.Rngs(0)))()
+  info = dict(model=args.model, dtype=args.dtype, device=jax.devices()[0].device_kind,
+              backend=jax.default_backend(), jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+              sweep=args.sweep, impl=args.impl)
+  points = [(m, b, p) for p in prefixes for b in batches for m in modes]
+  rows = []
+  stem = os.path.join(args.out, f"decode_{args.model}_{args.sweep}")
+  for mode, b, p in tqdm(points, desc=f"decode {args.sweep}", disable=args.no_progress,
+                         file=sys.stderr):
+    rows.append(run_point(model, mode, b, p, args.new_tokens, impl=args.impl,
+                          question_tokens=questions))
+    with open(stem + ".json", "w") as f:
+      json.dump(dict(info=info, rows=rows), f, indent=1)
+  by = {(r["mode"], r["batch"], r["prefix"]): r for r in rows}
+  for r in rows:  # ratios against the ceiling and the baseline at the same point
+    for base in ("none", "standard"):
+      other = by.get((base, r["batch"], r["prefix"]), {}).get("tokens_per_s")
+      if isinstance(r.get("tokens_per_s"), float) and isinstance(other, float) and r["mode"] != base:
+        r[f"vs_{base}"] = r["tokens_per_s"] / other
+  with open(stem + ".json", "w") as f:
+    json.dump(dict(info=info, rows=rows), f, indent=1)
+  md = _markdown(rows, info)
+  with open(stem + ".md", "w") as f:
+    f.write(md)
+  _plot(rows, args.sweep, stem + ".png",
+        f"{args.model} decode, {info['device']}, {info['date']} ({args.sweep} sweep)")
+  print(md)
+  return 0

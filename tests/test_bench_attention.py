@@ -1,0 +1,26 @@
+"""`python -m jax_shared_attn.bench attention` runs end to end on a CPU (tiny sizes)."""
+
+import json
+import os
+
+from jax_shared_attn.bench import attention
+from jax_shared_attn.iomodel import AttentionShape
+
+
+def test_attention_benchmark_tiny(tmp_path):
+  rows = attention.main(["--batch", "2", "--prefix", "40", "--suffix", "8", "--shapes", "paper",
+                         "--impls", "ours,xla", "--trials", "1", "--out", str(tmp_path),
+                         "--ceiling-bytes", str(2**22), "--matmul-n", "128"])
+  assert len(rows) == 1 and isinstance(rows[0]["ours_us"], float)
+  assert rows[0]["err_xla"] < 2e-2  # bf16: ours and the XLA path agree
+  data = json.load(open(os.path.join(tmp_path, "attention.json")))
+  assert data["info"]["bandwidth_GBps"] > 0 and data["info"]["matmul_TFLOPs"] > 0
+  assert os.path.getsize(os.path.join(tmp_path, "attention.png")) > 0
+
+
+def test_io_model_matches_the_paper_floor():
+  """B=1024, P=16384, S=128, 8/1 heads, D=128, bf16: FLOPs 69.2 G -> 87 us at ~800 TFLOP/s."""
+  s = AttentionShape(1024, 16384, 128, 8, 1, 128)
+  assert s.flops() == 4 * 1024 * 8 * (16384 + 128) * 128
+  assert abs(s.floor_s(3.0e12, 795e12) * 1e6 - 87.0) < 1.0
+  assert s.per_sequence_bytes() > 90 * s.shared_bytes()

@@ -1,0 +1,28 @@
+"""`hydragen bench decode` runs end to end (tiny model, CPU) and writes its reports."""
+
+import json
+import os
+
+from models.cli import main
+
+
+def test_bench_decode_tiny(tmp_path):
+  out = str(tmp_path)
+  assert main(["bench", "decode", "--model", "tiny", "--sweep", "batch", "--batch", "3",
+               "--prefix", "12", "--new-tokens", "5", "--out", out, "--no-progress"]) == 0
+  stem = os.path.join(out, "decode_tiny_batch")
+  rows = json.load(open(stem + ".json"))["rows"]
+  assert {r["mode"] for r in rows} == {"hydragen", "standard", "none"}
+  for r in rows:
+    assert isinstance(r["tokens_per_s"], float) and r["tokens_per_s"] > 0
+    assert r["steps"] == 3
+  assert os.path.getsize(stem + ".png") > 0 and "tokens_per_s" in open(stem + ".md").read()
+
+
+def test_bench_decode_document_sweep(tmp_path):
+  out = str(tmp_path)
+  assert main(["bench", "decode", "--model", "tiny", "--sweep", "document", "--batch", "2",
+               "--prefix", "20", "--question-tokens", "3", "--new-tokens", "4",
+               "--modes", "hydragen,none", "--out", out, "--no-progress"]) == 0
+  rows = json.load(open(os.path.join(out, "decode_tiny_document.json")))["rows"]
+  assert all(r["s_per_batch"] > 0 for r in rows)

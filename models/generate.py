@@ -101,6 +101,7 @@ def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Seque
              max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,
              top_p: Optional[float] = None, eos_id: Optional[int] = None, seed: int = 0,
              attention: str = "hydragen", impl: str = "auto", pad_id: int = PAD_ID,
+             prefill_chunk: Optional[int] = None,
              progress: Optional[Callable[[int], None]] = None) -> Array:
   """Samples ``max_new_tokens`` tokens for each of ``num_samples`` samples per prompt.
 
@@ -120,6 +121,7 @@ def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Seque
     attention: ``"hydragen"``, ``"standard"`` or ``"none"`` (module docstring).
     impl: attention implementation for :mod:`jax_shared_attn` (``"auto"``, ``"xla"``, ...).
     pad_id: the id written after EOS (default -1).
+    prefill_chunk: prefill long prompt segments this many tokens at a time.
     progress: called on the host with the number of decode steps done,
       every few steps (None: no host callback in the compiled loop).
 
@@ -128,7 +130,7 @@ def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Seque
     (prompt 0's samples first).
   """
   state = prefill(model, prompt_ids, num_samples=num_samples, max_new_tokens=max_new_tokens,
-                  attention=attention, impl=impl, seed=seed)
+                  attention=attention, impl=impl, seed=seed, prefill_chunk=prefill_chunk)
   state = decode(model, state, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
                  pad_id=pad_id, impl=impl, progress=progress)
   return state.completions()
@@ -158,7 +160,7 @@ def as_prompt_tree(prompt_ids: Prompts, num_samples=1) -> PromptTree:
 
 def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens: int,
             attention: str = "hydragen", impl: str = "auto", seed: int = 0,
-            own_capacity: Optional[int] = None,
+            own_capacity: Optional[int] = None, prefill_chunk: Optional[int] = None,
             progress: Optional[Callable[[int], None]] = None) -> DecodeState:
   """Prefills every prompt segment once and returns the state the decode loop starts from.
 
@@ -167,6 +169,8 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
     max_new_tokens: the decode steps the state has room for.
     own_capacity: per-sample K/V capacity (default: exactly what is needed:
       ``max_new_tokens`` for hydragen, the longest prompt plus that for standard).
+    prefill_chunk: feed prompt segments this many tokens at a time (bounds
+      prefill memory for long prompts; default: each segment in one pass).
     progress: called with the number of prompt tokens prefilled so far.
 
   Raises:
@@ -179,6 +183,8 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
     raise ValueError(f"attention must be one of {ATTENTION_MODES}; got {attention!r}")
   if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}")
+  if prefill_chunk is not None and (int(prefill_chunk) != prefill_chunk or prefill_chunk < 1):
+    raise ValueError(f"prefill_chunk must be a positive int or None; got {prefill_chunk!r}")
   tree = as_prompt_tree(prompt_ids, num_samples)
   _check_tokens(tree, config.vocab_size)
   contexts = tree.context_lengths()
@@ -195,7 +201,7 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
     needed, lengths = 0, contexts[order]
     levels = ()
   else:
-    stored = _prefill_levels(graphdef, params, tree, impl, progress)
+    stored = _prefill_levels(config, graphdef, params, tree, impl, progress, prefill_chunk)
     levels = tuple(SegmentLevel(k, v, jnp.asarray(lens), jnp.asarray(tree.node_of_sample(l)[order]))
                    for l, (k, v, lens) in enumerate(stored))
     if attention == "hydragen":
@@ -281,39 +287,53 @@ def _check_tokens(tree: PromptTree, vocab_size: int) -> None:
                      f"got values in [{lo}, {hi}]")
 
 
-def _prefill_levels(graphdef, params, tree: PromptTree, impl: str, progress):
+def _prefill_levels(config, graphdef, params, tree: PromptTree, impl: str, progress,
+                    chunk: Optional[int] = None):
   """K/V of every segment, level by level, each causally over its ancestors.
 
   Level l's N segments run as one batch ``[N, T_l]`` (right-padded): the
   ancestors are shared levels of a prefill cache, the segments' own tokens
-  its per-sequence part. The K/V left in that part IS the level.
+  its per-sequence part. The K/V left in that part IS the level. With
+  ``chunk``, the segments are fed ``chunk`` tokens at a time (each chunk
+  attends to the earlier ones through the cache), bounding the attention
+  scores at ``[N, chunk, T_l]`` for long prompts.
 
   Returns ``[(k, v [L, N, T, Hkv, D], lengths int32 [N]), ...]``.
   """
   stored, done = [], 0
   for l in range(tree.num_levels):
     lengths = tree.lengths(l)
-    tokens = np.zeros((len(lengths), int(lengths.max())), np.int32)
+    width = int(lengths.max())
+    step = width if chunk is None else min(int(chunk), width)
+    width = -(-width // step) * step  # a whole number of chunks: one compiled chunk shape
+    tokens = np.zeros((len(lengths), width), np.int32)
     for n, seg in enumerate(tree.segments[l]):
       tokens[n, :len(seg)] = seg
     ancestors = tuple(SegmentLevel(k, v, jnp.asarray(lens), jnp.asarray(tree.ancestor(a, l)))
                       for a, (k, v, lens) in enumerate(stored))
-    k, v = _prefill_segments(graphdef, params, jnp.asarray(tokens), ancestors, impl=impl)
+    own = cache_lib.empty(config, len(lengths), width)
+    k, v = own.k, own.v
+    for start in range(0, width, step):
+      k, v = _prefill_chunk(graphdef, params, jnp.asarray(tokens[:, start:start + step]),
+                            ancestors, k, v, jnp.int32(start), impl=impl)
+      if progress is not None:
+        done += int(np.clip(lengths - start, 0, step).sum())
+        progress(done)
     stored.append((k, v, lengths))
-    if progress is not None:
-      done += int(lengths.sum())
-      progress(done)
   return stored
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("impl",))
-def _prefill_segments(graphdef, params, tokens, ancestors, *, impl):
-  """One level: ``tokens [N, T]`` over their ``ancestors`` -> K/V ``[L, N, T, Hkv, D]``."""
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("impl",),
+                   donate_argnames=("k", "v"))
+def _prefill_chunk(graphdef, params, tokens, ancestors, k, v, start, *, impl):
+  """Segment tokens ``[N, C]`` at own positions ``start..start+C`` -> updated own K/V.
+
+  Padded positions hold garbage K/V past each segment's length; no valid query
+  sees them (causal), and the stored lengths mask them afterwards.
+  """
   model = nnx.merge(graphdef, params)
-  n, t = tokens.shape
-  cache = cache_lib.empty(model.config, n, t, levels=ancestors)
-  # Padded positions hold garbage K/V past each segment's length; no valid query
-  # sees them (causal), and the stored lengths mask them afterwards.
+  lengths = jnp.full((tokens.shape[0],), start, jnp.int32)
+  cache = KVCache(tuple(ancestors), k, v, lengths)
   _, cache = model(tokens, cache=cache, impl=impl)
   return cache.k, cache.v
 

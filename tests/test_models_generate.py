@@ -48,9 +48,9 @@ def prompt_of(n, seed):
 def test_hydragen_and_standard_equal_the_full_forward_greedy(tiny):
   prompt = prompt_of(19, 0)
   ref = greedy_reference(tiny, prompt, NEW)
-  for attention in ("hydragen", "standard"):
+  for attention, chunk in (("hydragen", None), ("standard", None), ("hydragen", 5)):
     out = np.asarray(generate(tiny, prompt, num_samples=3, max_new_tokens=NEW,
-                              attention=attention))
+                              attention=attention, prefill_chunk=chunk))
     assert out.shape == (3, NEW) and out.dtype == np.int32
     np.testing.assert_array_equal(out, np.broadcast_to(ref, (3, NEW)), err_msg=attention)
 
@@ -62,6 +62,8 @@ def test_multi_prompt_generation_equals_each_prompt_alone(tiny):
   counts = [2, 1, 1, 2, 1]
   out = np.asarray(generate(tiny, prompts, num_samples=counts, max_new_tokens=NEW))
   assert out.shape == (sum(counts), NEW)
+  chunked = generate(tiny, prompts, num_samples=counts, max_new_tokens=NEW, prefill_chunk=4)
+  np.testing.assert_array_equal(np.asarray(chunked), out)
   starts = np.cumsum([0] + counts)
   for prompt, n, row in zip(prompts, counts, starts):
     alone = greedy_reference(tiny, prompt, NEW)  # the plain forward, one prompt at a time

@@ -80,7 +80,7 @@ def test_shipped_block_sizes_fit_vmem(chip):
   """The VMEM estimate of every exported configuration stays under the chip's budget."""
   from pallas_kernels.tpu import prefix, suffix
   bs = common.block_sizes_for(chip)
-  assert bs.vmem_budget_bytes < common.CHIPS[chip].scoped_vmem_bytes
+  assert bs.vmem_budget_bytes < bs.vmem_limit_bytes <= common.CHIPS[chip].vmem_bytes // 2
   for (b, tq, (hkv, g), d, p, s, n, _), itemsize in itertools.product(KERNEL_SWEEP, (2, 4)):
     dp = common.round_up(d, common.LANES)
     rows, keys = prefix.prefix_blocks(b * tq * g, p, dp, itemsize, bs)

@@ -74,15 +74,15 @@ class TestNative(TestInterpret):
 def test_blocks_are_balanced_and_fit():
   """Rows and keys pad by less than one 16-row group per block; blocks never exceed the
   knobs; a VMEM-heavy shape is shrunk under the budget."""
-  bs = BlockSizes(prefix_rows=512, prefix_keys=512, vmem_budget_bytes=12 << 20)
+  bs = BlockSizes(prefix_rows=512, prefix_keys=512, vmem_limit_bytes=16 << 20)
   for rows, keys in [(1, 1), (24, 40), (513, 1000), (8192, 16385)]:
     r, k = prefix.prefix_blocks(rows, keys, 128, 2, bs)
     assert r <= 512 and k <= 512 and r % 16 == 0 and k % 16 == 0
     assert -(-rows // r) * r - rows < 16 * -(-rows // r)
     assert -(-keys // k) * k - keys < 16 * -(-keys // k)
-  tight = BlockSizes(prefix_rows=1024, prefix_keys=1024, vmem_budget_bytes=4 << 20)
+  tight = BlockSizes(prefix_rows=1024, prefix_keys=1024, vmem_limit_bytes=4 << 20)
   r, k = prefix.prefix_blocks(4096, 4096, 256, 4, tight)
-  assert prefix.vmem_bytes(r, k, 256, 4) <= 4 << 20
+  assert prefix.vmem_bytes(r, k, 256, 4) <= tight.vmem_budget_bytes
 
 
 def test_head_major_kernel_rejects_unpadded_shapes():

@@ -19,15 +19,14 @@ from jax_shared_attn.testing import lse_err, oracle_tree, rel_err, tolerance
 from pallas_kernels.tpu import BlockSizes, segment
 from strategies import SEEDS, count_case, lengths, rand
 
-# (B, Tq, Hq, Hkv, D, N, T, dtype): G = 8, 3, 2, 1, 2, 6; N 1..5; T off the blocks and 0.
+# (B, Tq, Hq, Hkv, D, N, T, dtype): G = 8, 3, 2, 1, 6, 3; N 1..5; T off the blocks and 0.
 CASES = (
     (7, 1, 8, 1, 128, 3, 40, "bfloat16"),
     (6, 2, 6, 2, 80, 4, 23, "float32"),
     (5, 1, 4, 2, 64, 2, 33, "float16"),
     (3, 1, 1, 1, 256, 1, 20, "bfloat16"),
-    (9, 3, 8, 4, 64, 5, 9, "float32"),
+    (9, 3, 12, 2, 64, 5, 9, "float32"),
     (2, 1, 3, 1, 64, 2, 0, "bfloat16"),
-    (4, 1, 12, 2, 128, 2, 17, "float32"),
 )
 SMALL = BlockSizes(prefix_rows=16, prefix_keys=16)
 
@@ -56,7 +55,7 @@ class TestInterpret:
                                              interpret=self.interpret),
                            static_argnames=("scale",))
 
-  @settings(max_examples=24)
+  @settings(max_examples=20)
   @given(data=st.data(), seed=SEEDS, case=st.sampled_from(CASES))
   def test_segment_attention(self, data, seed, case):
     count_case("tpu_segment")

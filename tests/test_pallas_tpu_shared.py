@@ -21,8 +21,7 @@ SMALL = BlockSizes(prefix_rows=16, prefix_keys=16, suffix_keys=16, suffix_step_b
 CASES = (
     ((5, 1, 8, 1, 128, 21), 37, (), "bfloat16", True),
     ((6, 2, 6, 2, 80, 9), 20, ((3, 17),), "float32", True),
-    ((4, 3, 4, 2, 64, 0), None, ((2, 5), (3, 18)), "bfloat16", False),
-    ((3, 1, 2, 2, 256, 17), 0, ((1, 16),), "float16", True),
+    ((4, 3, 4, 2, 256, 0), None, ((2, 5), (3, 18)), "float16", False),
 )
 
 
@@ -38,7 +37,7 @@ def run(kinds, causal, scale):
   return jax.jit(fn)
 
 
-@settings(max_examples=10)
+@settings(max_examples=8)
 @given(data=st.data(), seed=SEEDS, case=st.sampled_from(CASES))
 def test_shared_attention(data, seed, case):
   count_case("tpu_shared")

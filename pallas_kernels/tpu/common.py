@@ -69,7 +69,7 @@ class Chip:
   bf16_flops_per_s: float  # peak bf16 matmul rate per chip
   mxu: int  # systolic array width (128 x 128 or 256 x 256)
   tensorcores: int  # 2 = megacore: "parallel" grid dims are split across the two cores
-  scoped_vmem_bytes: int  # the compiler's default scoped-VMEM limit for a kernel
+  vmem_bytes: int  # VMEM per TensorCore (jax/_src/pallas/mosaic/tpu_info.py)
 
   @property
   def ridge(self) -> float:
@@ -78,9 +78,9 @@ class Chip:
 
 
 CHIPS = {
-    "v5e": Chip("v5e", 819e9, 197e12, 128, 1, 16 << 20),
-    "v5p": Chip("v5p", 2765e9, 459e12, 128, 2, 16 << 20),
-    "v6e": Chip("v6e", 1640e9, 918e12, 256, 1, 32 << 20),
+    "v5e": Chip("v5e", 819e9, 197e12, 128, 1, 128 << 20),
+    "v5p": Chip("v5p", 2765e9, 459e12, 128, 2, 64 << 20),
+    "v6e": Chip("v6e", 1640e9, 918e12, 256, 1, 128 << 20),
 }
 DEFAULT_CHIP = "v5e"  # used when the chip is unknown (CPU, export): the smallest limits
 
@@ -98,16 +98,23 @@ class BlockSizes:
     suffix_step_bytes: K+V bytes one suffix grid step should move: sequences and KV heads
       are packed into a step until it moves about this much, so that the ~0.35 us fixed
       cost of a grid step stays small against its DMA time.
-    vmem_budget_bytes: what the blocks (double-buffered) plus scratch may use; kept under
-      the chip's default scoped-VMEM limit so no ``vmem_limit_bytes`` is needed.
+    vmem_limit_bytes: the scoped-VMEM limit each kernel asks Mosaic for
+      (``CompilerParams.vmem_limit_bytes``), so nothing depends on the compiler's default;
+      the blocks (double-buffered), scratch and score temporaries must fit in 3/4 of it
+      (:attr:`vmem_budget_bytes`), the rest is left to Mosaic's own scratch.
+    min_parallel_steps: 2 on megacore chips: keep both TensorCores busy.
   """
 
   prefix_rows: int = 512
   prefix_keys: int = 512
   suffix_keys: int = 512
   suffix_step_bytes: int = 1 << 20
-  vmem_budget_bytes: int = 12 << 20
-  min_parallel_steps: int = 1  # 2 on megacore chips: keep both TensorCores busy
+  vmem_limit_bytes: int = 32 << 20
+  min_parallel_steps: int = 1
+
+  @property
+  def vmem_budget_bytes(self) -> int:
+    return self.vmem_limit_bytes * 3 // 4
 
   def __post_init__(self):
     for name in ("prefix_rows", "prefix_keys", "suffix_keys"):
@@ -127,13 +134,25 @@ def block_sizes_for(chip: str) -> BlockSizes:
     score tile ``rows x 512`` (2 MiB at 1024 rows) stays far below the VMEM budget.
   * ``suffix_step_bytes``: ~3x (bandwidth x 0.35 us step overhead): 1 MiB on v5e,
     2 MiB on v5p and v6e.
+  * ``vmem_limit_bytes``: 32 MiB, at most half a TensorCore's VMEM (v5p: 64 MiB).
   """
   c = CHIPS[chip]
   rows = round_up(int(2 * c.ridge), c.mxu)
   step = 1 << 20 if c.hbm_bytes_per_s < 1e12 else 2 << 20
-  budget = min(c.scoped_vmem_bytes * 3 // 4, 24 << 20)
   return BlockSizes(prefix_rows=rows, prefix_keys=512, suffix_keys=512, suffix_step_bytes=step,
-                    vmem_budget_bytes=budget, min_parallel_steps=c.tensorcores)
+                    vmem_limit_bytes=min(32 << 20, c.vmem_bytes // 2),
+                    min_parallel_steps=c.tensorcores)
+
+
+def chip_of_device_kind(kind: str) -> str:
+  """``"TPU v5 lite"``/``"TPU v5e"`` -> v5e, ``"TPU v5"``/``"TPU v5p"`` -> v5p,
+  ``"TPU v6 lite"``/``"TPU v6e"`` -> v6e; anything else -> ``DEFAULT_CHIP``."""
+  kind = kind.lower()
+  if "v6" in kind:
+    return "v6e"
+  if "v5" in kind:
+    return "v5e" if ("lite" in kind or "v5e" in kind) else "v5p"
+  return DEFAULT_CHIP
 
 
 def detect_chip() -> str:
@@ -141,14 +160,9 @@ def detect_chip() -> str:
   try:
     if jax.default_backend() != "tpu":
       return DEFAULT_CHIP
-    kind = jax.devices()[0].device_kind.lower()
+    return chip_of_device_kind(jax.devices()[0].device_kind)
   except RuntimeError:
     return DEFAULT_CHIP
-  if "v6" in kind:
-    return "v6e"
-  if "v5" in kind:  # "TPU v5 lite" / "TPU v5e" are v5e; "TPU v5" / "TPU v5p" are v5p
-    return "v5e" if ("lite" in kind or "v5e" in kind) else "v5p"
-  return DEFAULT_CHIP
 
 
 def default_block_sizes() -> BlockSizes:
@@ -156,10 +170,16 @@ def default_block_sizes() -> BlockSizes:
 
 
 def balanced_block(n: int, max_block: int, align: int = ROW_ALIGN) -> int:
-  """Block size for ``n`` items: as few blocks as ``max_block`` allows, equally sized,
-  rounded up to ``align`` (so ``n`` pads by less than ``align`` per block)."""
-  blocks = cdiv(max(n, 1), max_block)
-  return round_up(cdiv(max(n, 1), blocks), align)
+  """Block size for ``n`` items, at most ``max_block``: an exact divisor of ``n`` (no
+  padding copy) if one that is a multiple of ``align`` needs at most twice the fewest
+  blocks; else as few blocks as possible, equally sized, rounded up to ``align`` (so
+  ``n`` pads by less than ``align`` per block)."""
+  n = max(n, 1)
+  fewest = cdiv(n, max_block)
+  for blocks in range(fewest, 2 * fewest + 1):
+    if n % blocks == 0 and (n // blocks) % align == 0:
+      return n // blocks
+  return round_up(cdiv(n, fewest), align)
 
 
 # ------------------------------------------------------------------------------------------
@@ -199,8 +219,9 @@ def dispatch(build: Callable[[object], Callable], args, interpret: Optional[bool
   return build(pltpu.InterpretParams() if interpret else False)(*args)
 
 
-def compiler_params(semantics):
-  return pltpu.CompilerParams(dimension_semantics=tuple(semantics))
+def compiler_params(semantics, vmem_limit_bytes: Optional[int] = None):
+  return pltpu.CompilerParams(dimension_semantics=tuple(semantics),
+                              vmem_limit_bytes=vmem_limit_bytes)
 
 
 # ------------------------------------------------------------------------------------------

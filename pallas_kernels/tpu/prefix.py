@@ -83,6 +83,7 @@ def prefix_attention_head_major(
     scale: float,
     block_rows: int,
     block_keys: int,
+    vmem_limit_bytes: Optional[int] = None,
     interpret: Optional[bool] = None,
 ):
   """The prefix kernel on kernel-native arrays.
@@ -125,7 +126,8 @@ def prefix_attention_head_major(
             scratch_shapes=[pltpu.VMEM((block_rows, LANES), jnp.float32),
                             pltpu.VMEM((block_rows, LANES), jnp.float32),
                             pltpu.VMEM((block_rows, d), jnp.float32)]),
-        compiler_params=common.compiler_params(("parallel", "parallel", "arbitrary")),
+        compiler_params=common.compiler_params(("parallel", "parallel", "arbitrary"),
+                                               vmem_limit_bytes),
         cost_estimate=cost, interpret=interpret_value, name="hydragen_prefix_attention")
 
   return common.dispatch(build, (kv_length, q, k, v), interpret)
@@ -235,5 +237,7 @@ def prefix_rows(
   vh = common.pad_to(v.astype(dtype).transpose(1, 0, 2), (hkv, pp, dp))
   length = jnp.clip(jnp.asarray(kv_length, jnp.int32), 0, p).reshape(1)
   out, lse = prefix_attention_head_major(qh, kh, vh, length, scale=scale, block_rows=block_rows,
-                                         block_keys=block_keys, interpret=interpret)
+                                         block_keys=block_keys,
+                                         vmem_limit_bytes=bs.vmem_limit_bytes,
+                                         interpret=interpret)
   return out[:, :rows], lse[:, :rows]

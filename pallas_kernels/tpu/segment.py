@@ -139,6 +139,7 @@ def segment_attention_head_major(
     scale: float,
     block_rows: int,
     block_keys: int,
+    vmem_limit_bytes: Optional[int] = None,
     interpret: Optional[bool] = None,
 ):
   """The grouped kernel on kernel-native arrays.
@@ -184,7 +185,8 @@ def segment_attention_head_major(
             scratch_shapes=[pltpu.VMEM((block_rows, LANES), jnp.float32),
                             pltpu.VMEM((block_rows, LANES), jnp.float32),
                             pltpu.VMEM((block_rows, d), jnp.float32)]),
-        compiler_params=common.compiler_params(("parallel", "arbitrary", "arbitrary")),
+        compiler_params=common.compiler_params(("parallel", "arbitrary", "arbitrary"),
+                                               vmem_limit_bytes),
         cost_estimate=cost, interpret=interpret_value, name="hydragen_segment_attention")
 
   args = (meta.visit_group, meta.visit_tile, meta.visit_active, meta.group_start, meta.group_end,
@@ -267,6 +269,7 @@ def segment_rows(
   group_length = jnp.concatenate([seg_len, jnp.zeros((1,), jnp.int32)])
   out, lse = segment_attention_head_major(qs, kh, vh, group_length, meta, scale=scale,
                                           block_rows=block_rows, block_keys=block_keys,
+                                          vmem_limit_bytes=bs.vmem_limit_bytes,
                                           interpret=interpret)
   inverse = jnp.argsort(meta.order)
 

@@ -167,6 +167,7 @@ def suffix_attention_head_major(
     q_len: int,
     blocks: SuffixBlocks,
     out_dtype=jnp.float32,
+    vmem_limit_bytes: Optional[int] = None,
     interpret: Optional[bool] = None,
 ):
   """The suffix kernel on kernel-native arrays.
@@ -208,7 +209,8 @@ def suffix_attention_head_major(
   cost = pl.CostEstimate(
       flops=4 * b * hkv * rows * s * d, transcendentals=b * hkv * rows * s,
       bytes_accessed=b * hkv * (2 * s * d * itemsize + rows * d * itemsize
-                                + (2 if prior is not None else 1) * rows * (d + LANES) * 4))
+                                + rows * d * jnp.dtype(out_dtype).itemsize + rows * LANES * 4
+                                + (rows * (d + LANES) * 4 if prior is not None else 0)))
   kernel = functools.partial(_suffix_kernel, scale=scale, causal=causal, q_len=q_len, group=group,
                              has_prior=prior is not None)
 
@@ -222,7 +224,8 @@ def suffix_attention_head_major(
             scratch_shapes=[pltpu.VMEM(state + (LANES,), jnp.float32),
                             pltpu.VMEM(state + (LANES,), jnp.float32),
                             pltpu.VMEM(state + (d,), jnp.float32)]),
-        compiler_params=common.compiler_params(("parallel", "parallel", "arbitrary")),
+        compiler_params=common.compiler_params(("parallel", "parallel", "arbitrary"),
+                                               vmem_limit_bytes),
         cost_estimate=cost, interpret=interpret_value, name="hydragen_suffix_attention")
 
   return common.dispatch(build, tuple(args), interpret)
@@ -319,5 +322,7 @@ def suffix_rows(
     state = (p_out, p_lse)
   out, lse = suffix_attention_head_major(qr, kh, vh, lengths, state, causal=bool(causal),
                                          scale=scale, q_len=q_len, blocks=blocks,
-                                         out_dtype=out_dtype, interpret=interpret)
+                                         out_dtype=out_dtype,
+                                         vmem_limit_bytes=bs.vmem_limit_bytes,
+                                         interpret=interpret)
   return (out[:, :b, :, :d_out].reshape(hkv, r, d_out), lse[:, :b, :, 0].reshape(hkv, r))

@@ -7,8 +7,8 @@ configures its argparse subparser with :func:`register` and sets
 ``handler`` with ``parser.set_defaults(handler=...)``; its module path goes
 into :data:`COMMAND_MODULES` (imported when the parser is built). A nested
 command such as ``hydragen bench decode`` registers ``bench`` and adds its
-own subparsers there. Heavy imports (jax, the model) happen inside
-handlers, so ``hydragen --help`` is instant.
+own subparsers there. Model loading and compilation happen inside
+handlers, so ``hydragen --help`` only costs the imports.
 """
 
 from __future__ import annotations

@@ -45,6 +45,14 @@ def prompt_of(n, seed):
   return [int(t) for t in np.random.default_rng(seed).integers(0, 256, n)]
 
 
+def test_package_exports_resolve_to_the_api():
+  import models
+  import models.generate
+  assert models.generate is generate and models.PAD_ID == PAD_ID == -1
+  assert callable(models.from_pretrained) and models.PromptTree is PromptTree
+  assert set(models.__all__) >= {"generate", "prefill", "decode", "from_pretrained", "preset"}
+
+
 def test_hydragen_and_standard_equal_the_full_forward_greedy(tiny):
   prompt = prompt_of(19, 0)
   ref = greedy_reference(tiny, prompt, NEW)

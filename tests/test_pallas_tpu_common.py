@@ -23,13 +23,18 @@ def test_block_sizes_follow_the_ridge_and_the_mxu():
     assert bs.prefix_rows % chip.mxu == 0
     assert 2 * chip.ridge <= bs.prefix_rows < 2 * chip.ridge + chip.mxu
     assert bs.min_parallel_steps == chip.tensorcores
-    assert bs.vmem_limit_bytes <= chip.vmem_bytes // 2
+    assert bs.vmem_limit_bytes is None and bs.vmem_budget_bytes < chip.vmem_bytes // 4
+    # A full row block of keys is >= 0.75 us of MXU work at D = 128 (>> the step cost).
+    assert 4 * bs.prefix_rows * bs.prefix_keys * 128 / chip.bf16_flops_per_s >= 0.75e-6
   assert [common.block_sizes_for(c).prefix_rows for c in ("v5e", "v5p", "v6e")] == [512, 384, 1280]
+  assert [common.block_sizes_for(c).prefix_keys for c in ("v5e", "v5p", "v6e")] == [1024, 2048, 2048]
 
 
 def test_block_sizes_reject_misaligned_blocks():
   with pytest.raises(ValueError, match="prefix_keys must be a positive multiple of 16"):
     BlockSizes(prefix_keys=100)
+  with pytest.raises(ValueError, match="multiple of compute_keys"):
+    BlockSizes(prefix_keys=768, compute_keys=512)
 
 
 @pytest.mark.parametrize("n,max_block", [(1, 512), (24, 16), (513, 512), (1000, 512), (8192, 1280),

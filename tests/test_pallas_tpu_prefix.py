@@ -31,7 +31,7 @@ CASES = (
     (2, 1, 3, 1, 64, 0, "bfloat16"),
     (1, 3, 7, 1, 64, 17, "float32"),
 )
-SMALL = BlockSizes(prefix_rows=16, prefix_keys=16)
+SMALL = BlockSizes(prefix_rows=16, prefix_keys=32, compute_keys=16)  # 2 chunks per block
 
 
 def check(out, lse, ref_out, ref_lse, dtype):
@@ -74,15 +74,15 @@ class TestNative(TestInterpret):
 def test_blocks_are_balanced_and_fit():
   """Rows and keys pad by less than one 16-row group per block; blocks never exceed the
   knobs; a VMEM-heavy shape is shrunk under the budget."""
-  bs = BlockSizes(prefix_rows=512, prefix_keys=512, vmem_limit_bytes=16 << 20)
-  for rows, keys in [(1, 1), (24, 40), (513, 1000), (8192, 16385)]:
-    r, k = prefix.prefix_blocks(rows, keys, 128, 2, bs)
-    assert r <= 512 and k <= 512 and r % 16 == 0 and k % 16 == 0
+  bs = BlockSizes(prefix_rows=512, prefix_keys=1024, compute_keys=512)
+  for rows, keys in [(1, 1), (24, 40), (513, 1000), (8192, 16385), (100, 300)]:
+    r, k, c = prefix.prefix_blocks(rows, keys, 128, 2, bs)
+    assert r <= 512 and k <= 1024 and r % 16 == 0 and k % c == 0 and c % 16 == 0
     assert -(-rows // r) * r - rows < 16 * -(-rows // r)
-    assert -(-keys // k) * k - keys < 16 * -(-keys // k)
-  tight = BlockSizes(prefix_rows=1024, prefix_keys=1024, vmem_limit_bytes=4 << 20)
-  r, k = prefix.prefix_blocks(4096, 4096, 256, 4, tight)
-  assert prefix.vmem_bytes(r, k, 256, 4) <= tight.vmem_budget_bytes
+    assert -(-keys // k) * k - keys < c * -(-keys // k)  # a multi-chunk block pads < a chunk
+  tight = BlockSizes(prefix_rows=1024, prefix_keys=1024, vmem_budget_bytes=4 << 20)
+  r, k, c = prefix.prefix_blocks(4096, 4096, 256, 4, tight)
+  assert prefix.vmem_bytes(r, k, c, 256, 4) <= tight.vmem_budget_bytes
 
 
 def test_head_major_kernel_rejects_unpadded_shapes():

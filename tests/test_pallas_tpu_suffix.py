@@ -118,7 +118,7 @@ def test_step_packing_heuristic():
   assert 8 // blocks.heads >= 2
   assert suffix.suffix_blocks(10, 1, 100, 8, 128, 2, bs).batch == 10
   assert suffix.suffix_blocks(17, 1, 128, 8, 128, 2, bs).batch == 9  # 2 balanced blocks
-  tight = BlockSizes(suffix_keys=512, suffix_step_bytes=8 << 20, vmem_limit_bytes=2 << 20)
+  tight = BlockSizes(suffix_keys=512, suffix_step_bytes=8 << 20, vmem_budget_bytes=2 << 20)
   blocks = suffix.suffix_blocks(64, 8, 4096, 32, 256, 4, tight)
   assert suffix.vmem_bytes(blocks, 32, 256, 4, True) <= tight.vmem_budget_bytes
 

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 LANES = 128  # vreg lanes: the minor block dim is a multiple of this
@@ -85,6 +86,10 @@ CHIPS = {
 DEFAULT_CHIP = "v5e"  # used when the chip is unknown (CPU, export): the smallest limits
 
 
+STEP_OVERHEAD_S = 0.35e-6  # fixed cost of one pipelined grid step (order of magnitude)
+DEFAULT_SCOPED_VMEM = 16 << 20  # the smallest default scoped-VMEM limit (v5e, v5p)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Tuning knobs of the three kernels (static; a different value compiles a new kernel).
@@ -93,55 +98,58 @@ class BlockSizes:
     prefix_rows: query rows (``B * Tq * G`` of one KV head) per prefix/segment block: the M
       dim of both matrix products. At least ~2x the chip's ridge point (FLOPs per K/V byte)
       so that a full block is matmul-bound, and a multiple of the MXU width.
-    prefix_keys: keys per prefix/segment block (K dim of ``QK^T``, N dim of ``PV``).
+    prefix_keys: keys per prefix/segment block, i.e. per DMA and grid step.
+    compute_keys: keys per matrix product inside a block (the float32 score tile is
+      ``prefix_rows x compute_keys``): decouples the step size from the score tile's VMEM.
     suffix_keys: keys per suffix block.
     suffix_step_bytes: K+V bytes one suffix grid step should move: sequences and KV heads
-      are packed into a step until it moves about this much, so that the ~0.35 us fixed
-      cost of a grid step stays small against its DMA time.
-    vmem_limit_bytes: the scoped-VMEM limit each kernel asks Mosaic for
-      (``CompilerParams.vmem_limit_bytes``), so nothing depends on the compiler's default;
-      the blocks (double-buffered), scratch and score temporaries must fit in 3/4 of it
-      (:attr:`vmem_budget_bytes`), the rest is left to Mosaic's own scratch.
+      are packed into a step until it moves about this much, so that the fixed cost of a
+      grid step stays small against its DMA time.
+    vmem_budget_bytes: what the double-buffered blocks, scratch and score temporaries of a
+      step may use; 3/4 of the smallest default scoped-VMEM limit, so no kernel needs
+      ``vmem_limit_bytes`` (which also needs ``--xla_tpu_scoped_vmem_limit_kib``).
+    vmem_limit_bytes: forwarded to ``CompilerParams`` when set (None: the compiler's).
     min_parallel_steps: 2 on megacore chips: keep both TensorCores busy.
   """
 
   prefix_rows: int = 512
   prefix_keys: int = 512
+  compute_keys: int = 512
   suffix_keys: int = 512
   suffix_step_bytes: int = 1 << 20
-  vmem_limit_bytes: int = 32 << 20
+  vmem_budget_bytes: int = DEFAULT_SCOPED_VMEM * 3 // 4
+  vmem_limit_bytes: Optional[int] = None
   min_parallel_steps: int = 1
 
-  @property
-  def vmem_budget_bytes(self) -> int:
-    return self.vmem_limit_bytes * 3 // 4
-
   def __post_init__(self):
-    for name in ("prefix_rows", "prefix_keys", "suffix_keys"):
+    for name in ("prefix_rows", "prefix_keys", "compute_keys", "suffix_keys"):
       value = getattr(self, name)
       if value <= 0 or value % ROW_ALIGN:
         raise ValueError(f"BlockSizes: {name} must be a positive multiple of {ROW_ALIGN}; "
                          f"got {value}")
+    if self.prefix_keys > self.compute_keys and self.prefix_keys % self.compute_keys:
+      raise ValueError(f"BlockSizes: prefix_keys ({self.prefix_keys}) must be a multiple of "
+                       f"compute_keys ({self.compute_keys}) when larger")
 
 
 def block_sizes_for(chip: str) -> BlockSizes:
   """The heuristic, per chip (docs/tpu.md explains each number).
 
   * ``prefix_rows``: the smallest multiple of the MXU width that is >= 2x the ridge point
-    (v5e 240, v5p 166, v6e 560 FLOPs per K/V byte): 512, 384, 1280 rows. The row count
-    actually used is balanced (:func:`balanced_block`) so padding stays < 16 rows/block.
-  * ``prefix_keys = suffix_keys = 512``: a bf16 K+V block of 512 x 128 is 256 KiB; the f32
-    score tile ``rows x 512`` (2 MiB at 1024 rows) stays far below the VMEM budget.
-  * ``suffix_step_bytes``: ~3x (bandwidth x 0.35 us step overhead): 1 MiB on v5e,
-    2 MiB on v5p and v6e.
-  * ``vmem_limit_bytes``: 32 MiB, at most half a TensorCore's VMEM (v5p: 64 MiB).
+    (v5e 241, v5p 166, v6e 560 FLOPs per K/V byte): 512, 384, 1280 rows.
+  * ``prefix_keys``: the power of two (>= 512) that gives a full row block >= 0.75 us of
+    MXU work per step at D = 128, ~2x the fixed step cost: 1024, 2048, 2048.
+  * ``compute_keys`` = 512, halved by :func:`pallas_kernels.tpu.prefix.prefix_blocks`
+    while a step's VMEM estimate exceeds the budget (v6e's 1280-row tile: 256).
+  * ``suffix_keys`` = 512; ``suffix_step_bytes`` ~3x (bandwidth x step cost): 1 MiB on
+    v5e, 2 MiB on v5p and v6e.
   """
   c = CHIPS[chip]
   rows = round_up(int(2 * c.ridge), c.mxu)
-  step = 1 << 20 if c.hbm_bytes_per_s < 1e12 else 2 << 20
-  return BlockSizes(prefix_rows=rows, prefix_keys=512, suffix_keys=512, suffix_step_bytes=step,
-                    vmem_limit_bytes=min(32 << 20, c.vmem_bytes // 2),
-                    min_parallel_steps=c.tensorcores)
+  keys = max(512, pow2_ceil(int(0.75e-6 * c.bf16_flops_per_s / (4 * rows * LANES))))
+  step = 1 << 20 if 3 * c.hbm_bytes_per_s * STEP_OVERHEAD_S < (1 << 20) else 2 << 20
+  return BlockSizes(prefix_rows=rows, prefix_keys=keys, compute_keys=512, suffix_keys=512,
+                    suffix_step_bytes=step, min_parallel_steps=c.tensorcores)
 
 
 def chip_of_device_kind(kind: str) -> str:
@@ -220,6 +228,7 @@ def dispatch(build: Callable[[object], Callable], args, interpret: Optional[bool
 
 
 def compiler_params(semantics, vmem_limit_bytes: Optional[int] = None):
+  """Grid semantics; a VMEM limit only when one was asked for."""
   return pltpu.CompilerParams(dimension_semantics=tuple(semantics),
                               vmem_limit_bytes=vmem_limit_bytes)
 
@@ -278,6 +287,23 @@ def update_state(q, k, v, valid, m_ref, l_ref, acc_ref, *, scale: float):
   l_ref[...] = alpha * l_ref[...] + beta * l_blk
   width = acc_ref.shape[-1]
   acc_ref[...] = _widen(alpha, width) * acc_ref[...] + _widen(beta, width) * pv
+
+
+def key_chunks(q_ref, k_ref, v_ref, start, length, chunk: int, m_ref, l_ref, acc_ref, *,
+               scale: float):
+  """Online-softmax updates over a ``[block_keys, D]`` K/V block whose first key is key
+  ``start``, ``chunk`` keys per matrix product; chunks at or past ``length`` (the valid
+  keys) are skipped. Static slices at multiples of 16 rows: tile-aligned."""
+  block_rows, block_keys = q_ref.shape[0], k_ref.shape[0]
+  for c in range(block_keys // chunk):
+    first = start + c * chunk
+
+    @pl.when(first < length)
+    def _chunk():
+      key = first + lax.broadcasted_iota(jnp.int32, (block_rows, chunk), 1)
+      rows = slice(c * chunk, (c + 1) * chunk)
+      update_state(q_ref[...], k_ref[rows, :], v_ref[rows, :], key < length, m_ref, l_ref,
+                   acc_ref, scale=scale)
 
 
 def final_state(m_ref, l_ref, acc_ref):

@@ -77,7 +77,7 @@ def kernel_cost(shape: AttentionShape, chip: str) -> KernelCost:
   rows = b * rows_seq
   dp = common.round_up(d, LANES)
   # Prefix kernel.
-  br, bk = prefix_blocks(rows, p, dp, item, bs)
+  br, bk, _ = prefix_blocks(rows, p, dp, item, bs)
   rp, pp = common.round_up(rows, br), common.round_up(p, bk)
   state = rows * (dp + LANES) * 4  # float32 out + lane-replicated LSE, per KV head
   prefix_bytes = hkv * (rp * dp * item + (rp // br) * 2 * pp * dp * item + rp * (dp + LANES) * 4)

@@ -46,7 +46,7 @@ def _prefix_kernel(
     out_ref,  # [block_rows, D] float32
     lse_ref,  # [block_rows, 128] float32, lane-replicated natural-log LSE
     m_ref, l_ref, acc_ref,  # scratch: [block_rows, 128] x2, [block_rows, D] float32
-    *, scale: float,
+    *, scale: float, chunk: int,
 ):
   j = pl.program_id(2)
   block_keys = k_ref.shape[0]
@@ -56,11 +56,8 @@ def _prefix_kernel(
   def _init():
     common.init_state(m_ref, l_ref, acc_ref)
 
-  @pl.when(j * block_keys < length)
-  def _step():
-    key = j * block_keys + lax.broadcasted_iota(jnp.int32, (q_ref.shape[0], block_keys), 1)
-    common.update_state(q_ref[...], k_ref[...], v_ref[...], key < length, m_ref, l_ref,
-                        acc_ref, scale=scale)
+  common.key_chunks(q_ref, k_ref, v_ref, j * block_keys, length, chunk, m_ref, l_ref, acc_ref,
+                    scale=scale)
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _finish():
@@ -83,10 +80,12 @@ def prefix_attention_head_major(
     scale: float,
     block_rows: int,
     block_keys: int,
+    chunk: Optional[int] = None,
     vmem_limit_bytes: Optional[int] = None,
     interpret: Optional[bool] = None,
 ):
-  """The prefix kernel on kernel-native arrays.
+  """The prefix kernel on kernel-native arrays (``chunk``: keys per matrix product,
+  dividing ``block_keys``; default the whole block).
 
   Returns float32 ``out [Hkv, R, D]`` and ``lse [Hkv, R, 128]``: the natural-log
   log-sum-exp of the scaled scores, replicated over the 128 lanes (take
@@ -116,7 +115,7 @@ def prefix_attention_head_major(
 
   def build(interpret_value):
     return pl.pallas_call(
-        functools.partial(_prefix_kernel, scale=scale),
+        functools.partial(_prefix_kernel, scale=scale, chunk=chunk or block_keys),
         out_shape=(jax.ShapeDtypeStruct((hkv, rows, d), jnp.float32),
                    jax.ShapeDtypeStruct((hkv, rows, LANES), jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -133,32 +132,41 @@ def prefix_attention_head_major(
   return common.dispatch(build, (kv_length, q, k, v), interpret)
 
 
-def vmem_bytes(block_rows: int, block_keys: int, d: int, itemsize: int) -> int:
+def vmem_bytes(block_rows: int, block_keys: int, chunk: int, d: int, itemsize: int) -> int:
   """VMEM of one prefix/segment grid step: double-buffered q, k, v, out, lse blocks, the
-  float32 state scratch and ~3 float32 score-sized temporaries (s, p, and p's cast)."""
+  float32 state scratch and ~3 float32 ``rows x chunk`` temporaries (s, p, p's cast)."""
   buffers = 2 * (block_rows * d * itemsize + 2 * block_keys * d * itemsize
                  + block_rows * (d + LANES) * 4)
   scratch = block_rows * (d + 2 * LANES) * 4
-  return buffers + scratch + 3 * block_rows * block_keys * 4
+  return buffers + scratch + 3 * block_rows * chunk * 4
 
 
 def prefix_blocks(rows: int, keys: int, d: int, itemsize: int,
-                  block_sizes: BlockSizes) -> tuple[int, int]:
-  """``(block_rows, block_keys)`` for ``rows`` query rows and ``keys`` prefix keys:
-  balanced blocks of at most ``prefix_rows x prefix_keys``, halved (keys first) while
-  a step would exceed the VMEM budget."""
-  max_rows, max_keys = block_sizes.prefix_rows, block_sizes.prefix_keys
+                  block_sizes: BlockSizes) -> tuple[int, int, int]:
+  """``(block_rows, block_keys, chunk)`` for ``rows`` query rows and ``keys`` keys.
+
+  Balanced blocks of at most ``prefix_rows x prefix_keys``; a block of several chunks
+  is a multiple of the chunk. While a step's VMEM estimate exceeds the budget: halve the
+  chunk (down to 128), then the keys, then the rows.
+  """
+  max_rows, max_keys, chunk = (block_sizes.prefix_rows, block_sizes.prefix_keys,
+                               min(block_sizes.compute_keys, block_sizes.prefix_keys))
   while True:
     block_rows = common.balanced_block(rows, max_rows)
-    block_keys = common.balanced_block(keys, max_keys)
-    if vmem_bytes(block_rows, block_keys, d, itemsize) <= block_sizes.vmem_budget_bytes:
-      return block_rows, block_keys
-    if max_keys > 128:
+    if keys <= chunk:
+      block_keys = c = common.balanced_block(keys, chunk)
+    else:
+      block_keys, c = common.balanced_block(keys, max_keys, align=chunk), chunk
+    if vmem_bytes(block_rows, block_keys, c, d, itemsize) <= block_sizes.vmem_budget_bytes:
+      return block_rows, block_keys, c
+    if chunk > 128:
+      chunk //= 2
+    elif max_keys > 128:
       max_keys //= 2
     elif max_rows > ROW_ALIGN:
       max_rows = common.round_up(max_rows // 2, ROW_ALIGN)
     else:
-      return block_rows, block_keys
+      return block_rows, block_keys, c
 
 
 def fold_rows(q: jax.Array, hkv: int) -> jax.Array:
@@ -230,14 +238,14 @@ def prefix_rows(
             jnp.full((hkv, rows, LANES), -jnp.inf, jnp.float32))
   bs = block_sizes or common.default_block_sizes()
   dtype = common.compute_dtype(q_rows, k, v)
-  block_rows, block_keys = prefix_blocks(rows, p, dp, dtype.itemsize, bs)
+  block_rows, block_keys, chunk = prefix_blocks(rows, p, dp, dtype.itemsize, bs)
   qh = common.pad_to(q_rows.astype(dtype), (hkv, common.round_up(rows, block_rows), dp))
   pp = common.round_up(p, block_keys)
   kh = common.pad_to(k.astype(dtype).transpose(1, 0, 2), (hkv, pp, dp))
   vh = common.pad_to(v.astype(dtype).transpose(1, 0, 2), (hkv, pp, dp))
   length = jnp.clip(jnp.asarray(kv_length, jnp.int32), 0, p).reshape(1)
   out, lse = prefix_attention_head_major(qh, kh, vh, length, scale=scale, block_rows=block_rows,
-                                         block_keys=block_keys,
+                                         block_keys=block_keys, chunk=chunk,
                                          vmem_limit_bytes=bs.vmem_limit_bytes,
                                          interpret=interpret)
   return out[:, :rows], lse[:, :rows]

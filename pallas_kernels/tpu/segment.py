@@ -58,7 +58,7 @@ def _segment_kernel(
     out_ref,  # [block_rows, D] float32 (revisited by the visits of one tile)
     lse_ref,  # [block_rows, 128] float32, natural log, lane-replicated
     m_ref, l_ref, acc_ref,  # scratch: [block_rows, 128] x2, [block_rows, D] float32
-    *, scale: float,
+    *, scale: float, chunk: int,
 ):
   v, j = pl.program_id(1), pl.program_id(2)
   block_rows, block_keys = q_ref.shape[0], k_ref.shape[0]
@@ -70,11 +70,9 @@ def _segment_kernel(
   def _init():
     common.init_state(m_ref, l_ref, acc_ref)
 
-  @pl.when(jnp.logical_and(active, j * block_keys < length))
-  def _step():
-    key = j * block_keys + lax.broadcasted_iota(jnp.int32, (block_rows, block_keys), 1)
-    common.update_state(q_ref[...], k_ref[...], v_ref[...], key < length, m_ref, l_ref, acc_ref,
-                        scale=scale)
+  # An inactive visit computes nothing: its "length" is 0.
+  common.key_chunks(q_ref, k_ref, v_ref, j * block_keys, jnp.where(active, length, 0), chunk,
+                    m_ref, l_ref, acc_ref, scale=scale)
 
   @pl.when(jnp.logical_and(active, j == pl.num_programs(2) - 1))
   def _finish():
@@ -139,10 +137,11 @@ def segment_attention_head_major(
     scale: float,
     block_rows: int,
     block_keys: int,
+    chunk: Optional[int] = None,
     vmem_limit_bytes: Optional[int] = None,
     interpret: Optional[bool] = None,
 ):
-  """The grouped kernel on kernel-native arrays.
+  """The grouped kernel on kernel-native arrays (``chunk`` as in the prefix kernel).
 
   Returns float32 ``out [Hkv, R, D]`` and ``lse [Hkv, R, 128]`` for the sorted rows:
   natural-log LSE replicated over the lanes; ``(0, -inf)`` for rows of group N.
@@ -175,7 +174,7 @@ def segment_attention_head_major(
 
   def build(interpret_value):
     return pl.pallas_call(
-        functools.partial(_segment_kernel, scale=scale),
+        functools.partial(_segment_kernel, scale=scale, chunk=chunk or block_keys),
         out_shape=(jax.ShapeDtypeStruct((hkv, rows, d), jnp.float32),
                    jax.ShapeDtypeStruct((hkv, rows, LANES), jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -195,8 +194,8 @@ def segment_attention_head_major(
 
 
 def segment_blocks(rows: int, num_segments: int, keys: int, d: int, itemsize: int,
-                   block_sizes: BlockSizes) -> tuple[int, int]:
-  """``(block_rows, block_keys)``: as the prefix's, but row tiles are sized to the mean
+                   block_sizes: BlockSizes) -> tuple[int, int, int]:
+  """``(block_rows, block_keys, chunk)``: as the prefix's, but row tiles are sized to the mean
   group (rows / N), so a level with many small groups does not pay a prefix-sized
   tile per group."""
   return prefix_blocks(common.cdiv(rows, num_segments), keys, d, itemsize, block_sizes)
@@ -258,7 +257,7 @@ def segment_rows(
   bs = block_sizes or common.default_block_sizes()
   dtype = common.compute_dtype(q_rows, k, v)
   rows_per_seq = rows // b
-  block_rows, block_keys = segment_blocks(rows, n, t, dp, dtype.itemsize, bs)
+  block_rows, block_keys, chunk = segment_blocks(rows, n, t, dp, dtype.itemsize, bs)
   meta = group_metadata(jnp.asarray(node_of_seq), n, rows_per_seq, block_rows)
   qs = q_rows.astype(dtype).reshape(hkv, b, rows_per_seq, d)[:, meta.order]
   qs = common.pad_to(qs.reshape(hkv, rows, d), (hkv, common.round_up(rows, block_rows), dp))
@@ -269,7 +268,7 @@ def segment_rows(
   group_length = jnp.concatenate([seg_len, jnp.zeros((1,), jnp.int32)])
   out, lse = segment_attention_head_major(qs, kh, vh, group_length, meta, scale=scale,
                                           block_rows=block_rows, block_keys=block_keys,
-                                          vmem_limit_bytes=bs.vmem_limit_bytes,
+                                          chunk=chunk, vmem_limit_bytes=bs.vmem_limit_bytes,
                                           interpret=interpret)
   inverse = jnp.argsort(meta.order)
 

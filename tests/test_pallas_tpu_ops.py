@@ -177,3 +177,32 @@ def test_grad_through_the_tpu_family_is_the_reference_vjp():
       q, pk, pk, sk, sk, suffix_lengths=lens, impl=impl) ** 2)
   np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(loss("pallas:tpu")))(q)),
                              np.asarray(jax.jit(jax.grad(loss("xla")))(q)), rtol=1e-5, atol=1e-6)
+
+
+def test_empty_batch_and_query_length():
+  ops = tpu.get_ops()
+  ones = lambda *s: jnp.ones(s, jnp.float32)
+  for b, tq in ((2, 0), (0, 1)):
+    out, lse = ops.prefix_attention(ones(b, tq, 4, 64), ones(5, 2, 64), ones(5, 2, 64),
+                                    kv_length=jnp.int32(3), scale=1.0)
+    assert out.shape == (b, tq, 4, 64) and lse.shape == (b, tq, 4)
+    out, lse = ops.suffix_attention(ones(b, tq, 4, 64), ones(b, 5, 2, 64), ones(b, 5, 2, 64),
+                                    kv_lengths=jnp.ones((b,), jnp.int32), causal=True, scale=1.0)
+    assert out.shape == (b, tq, 4, 64) and lse.shape == (b, tq, 4)
+    out, lse = ops.segment_attention(ones(b, tq, 4, 64), ones(1, 5, 2, 64), ones(1, 5, 2, 64),
+                                     lengths=jnp.array([3]), node_of_seq=jnp.zeros((b,), jnp.int32),
+                                     scale=1.0)
+    assert out.shape == (b, tq, 4, 64) and lse.shape == (b, tq, 4)
+
+
+def test_traced_lengths_out_of_range_are_clamped_like_the_api():
+  rng = np.random.default_rng(6)
+  q, _ = rand(rng, (2, 1, 4, 64), "float32")
+  k, _ = rand(rng, (2, 5, 2, 64), "float32")
+  lens = jnp.array([9, -3], jnp.int32)
+  ops = tpu.get_ops()
+  out, lse = jax.jit(lambda n: ops.suffix_attention(q, k, k, kv_lengths=n, causal=False,
+                                                    scale=1.0))(lens)
+  ref_out, ref_lse = oracle_full(np.asarray(q, np.float64), np.asarray(k, np.float64),
+                                 np.asarray(k, np.float64), np.array([5, 0]))
+  assert_close(out, lse, ref_out, ref_lse, "float32")

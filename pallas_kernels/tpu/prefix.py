@@ -176,10 +176,10 @@ def fold_rows(q: jax.Array, hkv: int) -> jax.Array:
   return q.reshape(b * tq, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, b * tq * g, d)
 
 
-def unfold_rows(x: jax.Array, b: int, tq: int) -> jax.Array:
-  """Inverse of :func:`fold_rows` for ``[Hkv, B*Tq*G, ...]``."""
-  hkv, rows = x.shape[:2]
-  g = rows // (b * tq)
+def unfold_rows(x: jax.Array, b: int, tq: int, hq: int) -> jax.Array:
+  """Inverse of :func:`fold_rows` for ``[Hkv, B*Tq*G, ...]`` -> ``[B, Tq, Hq, ...]``."""
+  hkv = x.shape[0]
+  g = hq // hkv
   rest = x.shape[2:]
   x = x.reshape(hkv, b * tq, g, *rest)
   x = jnp.moveaxis(x, 0, 1)  # [B*Tq, Hkv, G, ...]
@@ -208,10 +208,10 @@ def prefix_attention(
   Example:
     >>> out, lse = prefix_attention(q, pk, pv, kv_length=jnp.int32(100), scale=0.125)
   """
-  b, tq = q.shape[:2]
+  b, tq, hq = q.shape[:3]
   out, lse = prefix_rows(fold_rows(q, k.shape[1]), k, v, kv_length, scale=scale,
                          block_sizes=block_sizes, interpret=interpret)
-  return unfold_rows(out[..., :v.shape[-1]], b, tq), unfold_rows(lse[..., 0], b, tq)
+  return unfold_rows(out[..., :v.shape[-1]], b, tq, hq), unfold_rows(lse[..., 0], b, tq, hq)
 
 
 def prefix_rows(

@@ -225,10 +225,10 @@ def segment_attention(
     >>> out, lse = segment_attention(q, k, v, lengths=jnp.array([9, 4]),
     ...                              node_of_seq=jnp.array([0, 0, 1, -1]), scale=0.125)
   """
-  b, tq = q.shape[:2]
+  b, tq, hq = q.shape[:3]
   out, lse = segment_rows(fold_rows(q, k.shape[2]), k, v, lengths, node_of_seq, scale=scale,
                           block_sizes=block_sizes, interpret=interpret)
-  return unfold_rows(out[..., :v.shape[-1]], b, tq), unfold_rows(lse[..., 0], b, tq)
+  return unfold_rows(out[..., :v.shape[-1]], b, tq, hq), unfold_rows(lse[..., 0], b, tq, hq)
 
 
 def segment_rows(

@@ -73,7 +73,7 @@ def shared_attention(
     >>> parts = [("prefix", pk, pv, jnp.int32(P), None)]
     >>> out, lse = shared_attention(q, parts, sk, sv, kv_lengths=lens, causal=True, scale=0.125)
   """
-  b, tq = q.shape[:2]
+  b, tq, hq = q.shape[:3]
   hkv = suffix_k.shape[2]
   dtype = common.compute_dtype(q, suffix_k, suffix_v, *[p[1] for p in parts])
   rows = fold_rows(q.astype(dtype), hkv)  # the one fold every kernel reads
@@ -92,4 +92,4 @@ def shared_attention(
   out, lse = suffix_rows(rows, suffix_k, suffix_v, kv_lengths, prior, q_len=tq, causal=causal,
                          scale=scale, d_out=suffix_v.shape[-1], out_dtype=q.dtype,
                          block_sizes=block_sizes, interpret=interpret)
-  return unfold_rows(out, b, tq), unfold_rows(lse, b, tq)
+  return unfold_rows(out, b, tq, hq), unfold_rows(lse, b, tq, hq)

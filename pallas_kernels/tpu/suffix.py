@@ -265,7 +265,7 @@ def suffix_attention(
   out, lse = suffix_rows(fold_rows(q, hkv), k, v, kv_lengths, state, q_len=tq, causal=causal,
                          scale=scale, d_out=v.shape[-1], block_sizes=block_sizes,
                          interpret=interpret)
-  return unfold_rows(out, b, tq), unfold_rows(lse, b, tq)
+  return unfold_rows(out, b, tq, hq), unfold_rows(lse, b, tq, hq)
 
 
 def suffix_rows(
@@ -291,8 +291,7 @@ def suffix_rows(
   """
   hkv, r, d = q_rows.shape
   b, s = k.shape[:2]
-  rows = r // b
-  if b * rows == 0:
+  if b * r == 0:
     return jnp.zeros((hkv, r, d_out), out_dtype), jnp.full((hkv, r), -jnp.inf, jnp.float32)
   if s == 0:  # no own keys: the result is the prior (normalised), or nothing
     if prior is None:
@@ -300,6 +299,7 @@ def suffix_rows(
     lse = prior[1] if prior[1].ndim == 2 else prior[1][..., 0]
     out = jnp.where((lse > -jnp.inf)[..., None], prior[0][..., :d_out], 0.0)
     return out.astype(out_dtype), lse
+  rows = r // b
   bs = block_sizes or common.default_block_sizes()
   dtype = common.compute_dtype(q_rows, k, v)
   dp = common.round_up(d, LANES)

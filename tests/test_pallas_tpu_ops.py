@@ -204,5 +204,5 @@ def test_traced_lengths_out_of_range_are_clamped_like_the_api():
   out, lse = jax.jit(lambda n: ops.suffix_attention(q, k, k, kv_lengths=n, causal=False,
                                                     scale=1.0))(lens)
   ref_out, ref_lse = oracle_full(np.asarray(q, np.float64), np.asarray(k, np.float64),
-                                 np.asarray(k, np.float64), np.array([5, 0]))
+                                 np.asarray(k, np.float64), np.array([5, 0]), scale=1.0)
   assert_close(out, lse, ref_out, ref_lse, "float32")

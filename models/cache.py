@@ -109,11 +109,10 @@ class KVCache:
     capacity before running (and so does this method on concrete lengths).
     """
     b, t = k_new.shape[:2]
-    if _is_concrete(self.lengths):
-      worst = int(jnp.max(self.lengths)) + t if b else t
-      if worst > self.capacity:
-        raise ValueError(f"KVCache.write: {t} new token(s) after {worst - t} exceed the cache "
-                         f"capacity of {self.capacity} tokens per sequence (k.shape[2])")
+    longest = _concrete_max(self.lengths)
+    if longest is not None and longest + t > self.capacity:
+      raise ValueError(f"KVCache.write: {t} new token(s) after {longest} exceed the cache "
+                       f"capacity of {self.capacity} tokens per sequence (k.shape[2])")
     rows = jnp.arange(b)[:, None]  # [B, 1]
     cols = self.lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
     k = self.k.at[layer, rows, cols].set(k_new.astype(self.k.dtype), mode="drop")
@@ -140,8 +139,14 @@ class KVCache:
     return self.shared_nbytes + self.own_nbytes
 
 
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
+def _concrete_max(lengths: Array):
+  """``max(lengths)`` as an int when the lengths are concrete (outside jit), else None."""
+  if lengths.size == 0:
+    return 0
+  try:
+    return int(jnp.max(lengths))
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+    return None  # traced: the entry points checked capacity before tracing
 
 
 def empty(config: LlamaConfig, batch_size: int, capacity: int, *,

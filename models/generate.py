@@ -213,11 +213,12 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
   if capacity < needed:
     raise ValueError(f"own_capacity={own_capacity} is too small: attention={attention!r} with "
                      f"max_new_tokens={max_new_tokens} needs {needed} tokens per sample")
-  if attention == "standard":
+  if attention == "standard" and levels:
     k, v = _copy_prompts_per_sample(levels, capacity)
     cache = KVCache((), k, v, jnp.asarray(lengths, jnp.int32))
   else:
-    cache = cache_lib.empty(config, len(order), capacity, levels=levels, lengths=lengths)
+    cache = cache_lib.empty(config, len(order), capacity,
+                            levels=levels if attention == "hydragen" else (), lengths=lengths)
   b = len(order)
   return DecodeState(
       cache=cache,

@@ -63,6 +63,13 @@ def test_hydragen_and_standard_equal_the_full_forward_greedy(tiny):
     np.testing.assert_array_equal(out, np.broadcast_to(ref, (3, NEW)), err_msg=attention)
 
 
+def test_one_token_prompt_has_nothing_to_share(tiny):
+  ref = greedy_reference(tiny, [5], 4)
+  for attention in ("hydragen", "standard"):
+    out = np.asarray(generate(tiny, [5], num_samples=2, max_new_tokens=4, attention=attention))
+    np.testing.assert_array_equal(out, np.broadcast_to(ref, (2, 4)), err_msg=attention)
+
+
 def test_multi_prompt_generation_equals_each_prompt_alone(tiny):
   shared = prompt_of(13, 1)
   prompts = [shared + [7, 9, 11, 2], shared + [5], shared[:6], shared + [7, 9, 11, 2],

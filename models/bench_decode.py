@@ -84,6 +84,34 @@ def _estimate_bytes(config, mode: str, batch: int, prefix: int, suffix: int) -> 
   return weights + cache + batch * config.vocab_size * 4 * 2
 
 
+def device_random_init(config, seed: int = 0, std: float = 0.02):
+  """Random weights drawn on the device, one small jitted draw per parameter shape.
+
+  (One jitted program initialising a whole 8B model took XLA minutes to
+  compile on an H100; per-shape draws compile a handful of tiny programs.)
+  """
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+
+  from models.llama import build, param_shapes
+
+  @functools.partial(jax.jit, static_argnums=(1, 2))
+  def draw(key, shape, dtype):
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+  key = jax.random.key(seed)
+  dtype = config.param_dtype
+  params = {}
+  for i, (path, spec) in enumerate(sorted(param_shapes(config).items())):
+    if path.endswith("norm.weight"):
+      params[path] = jnp.ones(spec.shape, dtype)
+    else:
+      params[path] = draw(jax.random.fold_in(key, i), tuple(spec.shape), dtype)
+  return build(config, params)
+
+
 def _is_oom(e: Exception) -> bool:
   text = str(e)
   return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "OOM" in text
@@ -189,11 +217,9 @@ def _markdown(rows, info) -> str:
 
 def _run(args: argparse.Namespace) -> int:
   import jax
-  from flax import nnx
   from tqdm.auto import tqdm
 
   from models.config import preset
-  from models.llama import Llama
 
   modes = args.modes.split(",")
   bad = set(modes) - set(MODES)
@@ -209,8 +235,10 @@ def _run(args: argparse.Namespace) -> int:
   config = config.replace(dtype=args.dtype,
                           max_position_embeddings=max(config.max_position_embeddings, longest))
   os.makedirs(args.out, exist_ok=True)
-  # Weights drawn on the device (an 8B model in seconds, not minutes on the host).
-  model = nnx.jit(lambda: Llama(config, rngs=nnx.Rngs(0)))()
+  t0 = time.perf_counter()
+  model = device_random_init(config, seed=0)
+  print(f"random {args.model} weights on {jax.devices()[0].device_kind} in "
+        f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
   info = dict(model=args.model, dtype=args.dtype, device=jax.devices()[0].device_kind,
               backend=jax.default_backend(), jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
               sweep=args.sweep, impl=args.impl)
@@ -221,6 +249,7 @@ def _run(args: argparse.Namespace) -> int:
                          file=sys.stderr):
     rows.append(run_point(model, mode, b, p, args.new_tokens, impl=args.impl,
                           question_tokens=questions))
+    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     with open(stem + ".json", "w") as f:
       json.dump(dict(info=info, rows=rows), f, indent=1)
   by = {(r["mode"], r["batch"], r["prefix"]): r for r in rows}

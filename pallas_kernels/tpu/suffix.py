@@ -68,40 +68,61 @@ def _suffix_kernel(
   block_keys = k_ref.shape[2]
   start = s * block_keys
 
+  def for_each_pair(fn, when=None):
+    """``fn(h, c)`` for every (KV head, sequence) of the step, on 2-D slices: heads
+    unrolled, sequences in a loop (``when(c)``: a condition per sequence)."""
+
+    def body(c, carry):
+      def pairs():
+        for h in range(block_heads):
+          fn(h, c)
+
+      if when is None:
+        pairs()
+      else:
+        pl.when(when(c))(pairs)
+      return carry
+
+    lax.fori_loop(0, block_batch, body, 0)
+
+  def state(h, c):
+    return m_ref.at[h, c], l_ref.at[h, c], acc_ref.at[h, c]
+
   @pl.when(s == 0)
   def _init():
     if has_prior:
-      common.init_state_from(m_ref, l_ref, acc_ref, prior_out_ref[...], prior_lse_ref[...])
+      for_each_pair(lambda h, c: common.init_state_from(*state(h, c), prior_out_ref[h, c],
+                                                        prior_lse_ref[h, c]))
     else:
       common.init_state(m_ref, l_ref, acc_ref)
 
-  def one_sequence(c, carry):
-    length = lengths_ref[i * block_batch + c]
+  def length_of(c):
+    return lengths_ref[i * block_batch + c]
 
-    @pl.when(start < length)
-    def _step():
-      key = start + lax.broadcasted_iota(jnp.int32, (rows, block_keys), 1)
-      valid = key < length
-      if causal:  # query t sits at position length - Tq + t
-        # lax.div (truncating) on non-negative rows: floor division lowers via sign(), which
-        # Mosaic lowering resolves by querying the chip (impossible when exporting from a CPU).
-        t = lax.div(lax.broadcasted_iota(jnp.int32, (rows, block_keys), 0), jnp.int32(group))
-        valid = valid & (key <= length - q_len + t)
-      for h in range(block_heads):
-        common.update_state(q_ref[h, c], k_ref[c, h], v_ref[c, h], valid, m_ref.at[h, c],
-                            l_ref.at[h, c], acc_ref.at[h, c], scale=scale)
+  def update(h, c):
+    length = length_of(c)
+    key = start + lax.broadcasted_iota(jnp.int32, (rows, block_keys), 1)
+    valid = key < length
+    if causal:  # query t sits at position length - Tq + t
+      # lax.div (truncating) on non-negative rows: floor division lowers via sign(), which
+      # Mosaic lowering resolves by querying the chip (impossible when exporting from a CPU).
+      t = lax.div(lax.broadcasted_iota(jnp.int32, (rows, block_keys), 0), jnp.int32(group))
+      valid = valid & (key <= length - q_len + t)
+    common.update_state(q_ref[h, c], k_ref[c, h], v_ref[c, h], valid, *state(h, c),
+                        scale=scale)
 
-    return carry
-
-  @pl.when(start < block_length_ref[i])
+  @pl.when(start < block_length_ref[i])  # some sequence of the step still has keys here
   def _blocks():
-    lax.fori_loop(0, block_batch, one_sequence, 0)
+    for_each_pair(update, when=lambda c: start < length_of(c))
 
   @pl.when(s == pl.num_programs(2) - 1)
   def _finish():
-    out, lse = common.final_state(m_ref, l_ref, acc_ref)
-    out_ref[...] = out.astype(out_ref.dtype)
-    lse_ref[...] = lse
+    def store(h, c):
+      out, lse = common.final_state(*state(h, c))
+      out_ref[h, c] = out.astype(out_ref.dtype)
+      lse_ref[h, c] = lse
+
+    for_each_pair(store)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,11 @@ XLA_OPS = AttentionOps("xla", reference.prefix_attention, reference.segment_atte
 _STATIC_KWARGS = frozenset({"scale", "causal"})
 
 
+def _cast_like(ct, out):
+  """A kernel may return bf16 where the reference returns float32: match the pullback's dtype."""
+  return jax.tree.map(lambda c, o: c.astype(o.dtype), ct, out)
+
+
 def _with_reference_vjp(kernel: Callable, ref: Callable) -> Callable:
   """Kernel forward, reference backward (kernels have no autodiff rules)."""
 
@@ -82,8 +87,8 @@ def _with_reference_vjp(kernel: Callable, ref: Callable) -> Callable:
       return bind(kernel, *xs), xs
 
     def bwd(xs, ct):
-      _, vjp = jax.vjp(lambda *ys: bind(ref, *ys), *xs)
-      return vjp(ct)
+      out, vjp = jax.vjp(lambda *ys: bind(ref, *ys), *xs)
+      return vjp(_cast_like(ct, out))
 
     f.defvjp(fwd, bwd)
     return f(*args, *dynamic)
@@ -127,7 +132,8 @@ def _shared_with_reference_vjp(kernel: Callable) -> Callable:
     def bwd(xs, ct):
       ref = lambda q, arrs, sk, sv, lens: reference_shared_attention(
           q, rebuild(arrs), sk, sv, kv_lengths=lens, causal=causal, scale=scale)
-      return jax.vjp(ref, *xs)[1](ct)
+      out, vjp = jax.vjp(ref, *xs)
+      return vjp(_cast_like(ct, out))
 
     f.defvjp(fwd, bwd)
     return f(q, arrays, suffix_k, suffix_v, kv_lengths)

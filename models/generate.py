@@ -207,7 +207,7 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
     if attention == "hydragen":
       needed, lengths = max_new_tokens, np.zeros(len(order), np.int32)
     else:
-      needed = sum(k.shape[2] for k, _, _ in stored) + max_new_tokens
+      needed = sum(k[0].shape[1] for k, _, _ in stored) + max_new_tokens
       lengths = contexts[order]
   capacity = needed if own_capacity is None else int(own_capacity)
   if capacity < needed:
@@ -299,7 +299,7 @@ def _prefill_levels(config, graphdef, params, tree: PromptTree, impl: str, progr
   attends to the earlier ones through the cache), bounding the attention
   scores at ``[N, chunk, T_l]`` for long prompts.
 
-  Returns ``[(k, v [L, N, T, Hkv, D], lengths int32 [N]), ...]``.
+  Returns ``[(k, v (per layer [N, T, Hkv, D]), lengths int32 [N]), ...]``.
   """
   stored, done = [], 0
   for l in range(tree.num_levels):
@@ -343,27 +343,32 @@ def _prefill_chunk(graphdef, params, tokens, ancestors, k, v, start, *, impl):
 def _copy_prompts_per_sample(levels: tuple[SegmentLevel, ...], capacity: int):
   """The standard baseline's cache: each sample's path of segments, concatenated.
 
-  Returns own ``k, v [L, B, capacity, Hkv, D]``. Segments are written level by
-  level at the running context end, so a level's padding is overwritten by the
-  next level or lies past the sample's length (masked): valid tokens are never
-  overwritten, and ``capacity >= sum of level widths`` means nothing is clamped.
+  Returns own ``k, v``: per layer ``[B, capacity, Hkv, D]``. Segments are
+  written level by level at the running context end, so a level's padding is
+  overwritten by the next level or lies past the sample's length (masked):
+  valid tokens are never overwritten, and ``capacity >= sum of level widths``
+  means nothing is clamped.
   """
-  def one_sample(nodes):  # nodes: int32 [num_levels]
-    k = v = None
-    offset = jnp.zeros((), jnp.int32)
-    for level, node in zip(levels, nodes):
-      seg_k = level.k[:, jnp.maximum(node, 0)]  # [L, T, Hkv, D]
-      seg_v = level.v[:, jnp.maximum(node, 0)]
-      if k is None:
-        shape = (seg_k.shape[0], capacity) + seg_k.shape[2:]
-        k, v = jnp.zeros(shape, seg_k.dtype), jnp.zeros(shape, seg_v.dtype)
-      k = lax.dynamic_update_slice(k, seg_k, (0, offset, 0, 0))
-      v = lax.dynamic_update_slice(v, seg_v, (0, offset, 0, 0))
-      offset = offset + jnp.where(node >= 0, level.lengths[jnp.maximum(node, 0)], 0)
-    return k, v
-
   nodes = jnp.stack([level.node_of_seq for level in levels], axis=1)  # [B, num_levels]
-  return jax.vmap(one_sample, out_axes=1)(nodes)
+
+  def one_layer(layer):
+    def one_sample(sample_nodes):  # int32 [num_levels]
+      k = v = None
+      offset = jnp.zeros((), jnp.int32)
+      for level, node in zip(levels, sample_nodes):
+        seg_k = level.k[layer][jnp.maximum(node, 0)]  # [T, Hkv, D]
+        seg_v = level.v[layer][jnp.maximum(node, 0)]
+        if k is None:
+          shape = (capacity,) + seg_k.shape[1:]
+          k, v = jnp.zeros(shape, seg_k.dtype), jnp.zeros(shape, seg_v.dtype)
+        k = lax.dynamic_update_slice(k, seg_k, (offset, 0, 0))
+        v = lax.dynamic_update_slice(v, seg_v, (offset, 0, 0))
+        offset = offset + jnp.where(node >= 0, level.lengths[jnp.maximum(node, 0)], 0)
+      return k, v
+    return jax.vmap(one_sample)(nodes)
+
+  per_layer = [one_layer(layer) for layer in range(len(levels[0].k))]
+  return tuple(k for k, _ in per_layer), tuple(v for _, v in per_layer)
 
 
 # -- the decode loop ------------------------------------------------------------------------------

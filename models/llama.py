@@ -104,7 +104,7 @@ def _no_attention(xq: Array, keys: Array, values: Array) -> Array:
 
 def _cached_attention(xq: Array, cache: KVCache, layer: int, t: int, impl: str) -> Array:
   """Causal attention of the T new queries over shared levels + own K/V (just written)."""
-  own_k, own_v = cache.k[layer], cache.v[layer]  # [B, S, Hkv, D]
+  own_k, own_v = cache.k[layer], cache.v[layer]  # [B, S, Hkv, D], this layer's own buffers
   own_lengths = cache.lengths + t
   if cache.levels:  # Hydragen: each shared segment attended once by all its sequences' queries
     return hierarchical_attention(xq, cache.shared_levels(layer), own_k, own_v,

@@ -11,14 +11,19 @@ from models.config import preset
 CONFIG = preset("tiny").replace(num_layers=3, num_kv_heads=2, head_dim=4, num_heads=4)
 
 
+def per_layer(shape):
+  """Zero K or V of a level: one ``shape[1:]`` buffer per layer (``shape[0]`` layers)."""
+  return tuple(jnp.zeros(shape[1:]) for _ in range(shape[0]))
+
+
 def test_write_lands_at_each_sequences_own_length_in_one_layer():
   cache = cache_lib.empty(CONFIG, 3, 6, lengths=[0, 2, 4])
   new = jnp.arange(3 * 2 * 2 * 4, dtype=jnp.float32).reshape(3, 2, 2, 4) + 1
   out = cache.write(1, new, -new).advance(2)
-  k = np.asarray(out.k)
+  k = np.stack([np.asarray(x) for x in out.k])  # [L, B, S, Hkv, D]
   for b, start in enumerate([0, 2, 4]):
     np.testing.assert_array_equal(k[1, b, start:start + 2], np.asarray(new[b]))
-    np.testing.assert_array_equal(np.asarray(out.v)[1, b, start:start + 2], -np.asarray(new[b]))
+    np.testing.assert_array_equal(np.asarray(out.v[1])[b, start:start + 2], -np.asarray(new[b]))
   written = np.zeros_like(k, bool)
   for b, start in enumerate([0, 2, 4]):
     written[1, b, start:start + 2] = True
@@ -34,9 +39,10 @@ def test_write_beyond_capacity_is_an_error_naming_the_capacity():
 
 def test_context_lengths_follow_each_sequences_path():
   shape = (CONFIG.num_layers, 2, 7, 2, 4)
-  level0 = SegmentLevel(jnp.zeros(shape[:1] + (1,) + shape[2:]), jnp.zeros(shape[:1] + (1,) + shape[2:]),
-                        jnp.asarray([7]), jnp.asarray([0, 0, 0, -1]))
-  level1 = SegmentLevel(jnp.zeros(shape), jnp.zeros(shape), jnp.asarray([3, 5]),
+  level0 = SegmentLevel(per_layer(shape[:1] + (1,) + shape[2:]),
+                        per_layer(shape[:1] + (1,) + shape[2:]), jnp.asarray([7]),
+                        jnp.asarray([0, 0, 0, -1]))
+  level1 = SegmentLevel(per_layer(shape), per_layer(shape), jnp.asarray([3, 5]),
                         jnp.asarray([1, -1, 0, -1]))
   cache = cache_lib.empty(CONFIG, 4, 2, levels=[level0, level1], lengths=[1, 2, 0, 1])
   np.testing.assert_array_equal(np.asarray(cache.context_lengths()), [7 + 5 + 1, 7 + 2, 7 + 3, 1])
@@ -47,7 +53,7 @@ def test_context_lengths_follow_each_sequences_path():
 def test_bytes_count_shared_segments_once():
   per_token = cache_lib.kv_bytes_per_token(CONFIG)
   assert per_token == 2 * 3 * 2 * 4 * 4
-  shared = jnp.zeros((3, 1, 10, 2, 4))
+  shared = per_layer((3, 1, 10, 2, 4))
   level = SegmentLevel(shared, shared, jnp.asarray([10]), jnp.zeros((64,), jnp.int32))
   cache = cache_lib.empty(CONFIG, 64, 5, levels=[level])
   assert cache.shared_nbytes == 10 * per_token

@@ -208,11 +208,8 @@ def test_traced_lengths_out_of_range_are_clamped_like_the_api():
   assert_close(out, lse, ref_out, ref_lse, "float32")
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "core: ops._shared_with_reference_vjp passes the cotangent of the family's output (in q's "
-    "dtype, as the TPU and GPU families write it) to the VJP of the float32 reference; it must "
-    "cast it to the reference output's dtype first. Remove this mark when that lands."))
-def test_grad_with_bfloat16_inputs():
+@pytest.mark.parametrize("impl", ["pallas:tpu", "pallas:triton"])
+def test_grad_with_bfloat16_inputs(impl):
   rng = np.random.default_rng(5)
   q, _ = rand(rng, (2, 1, 4, 64), "bfloat16")
   pk, _ = rand(rng, (9, 2, 64), "bfloat16")
@@ -220,7 +217,7 @@ def test_grad_with_bfloat16_inputs():
   lens = jnp.array([5, 2], jnp.int32)
   loss = lambda impl: lambda q: jnp.sum(shared_prefix_attention(
       q, pk, pk, sk, sk, suffix_lengths=lens, impl=impl).astype(jnp.float32) ** 2)
-  got = jax.jit(jax.grad(loss("pallas:tpu")))(q)
+  got = jax.jit(jax.grad(loss(impl)))(q)
   want = jax.jit(jax.grad(loss("xla")))(q)
   assert rel_err(np.asarray(got, np.float32), np.asarray(want, np.float32)) <= 2e-2
 

@@ -107,10 +107,12 @@ def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Seque
 
   Args:
     model: a :class:`models.llama.Llama`.
-    prompt_ids: one prompt (a sequence of token ids); or a list of prompts
-      that share a first part (the shared part is prefilled once at batch 1,
-      each distinct remainder once, causally over it); or a
-      :class:`models.prompt_tree.PromptTree` describing any sharing tree.
+    prompt_ids: one prompt (a sequence of token ids); or a list of prompts,
+      whose sharing tree is detected automatically (a radix tree,
+      :mod:`models.sharing`: every shared run of >= 16 tokens is prefilled and
+      stored once, at any depth); or a :class:`models.prompt_tree.PromptTree`
+      describing the sharing explicitly (e.g. ``PromptTree.from_prompts(prompts,
+      n, min_shared_tokens=4)``).
     num_samples: samples per prompt: an int, or one int per prompt (ignored
       for a PromptTree, which lists its samples).
     max_new_tokens: tokens to generate per sample (>= 1).
@@ -137,7 +139,7 @@ def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Seque
 
 
 def as_prompt_tree(prompt_ids: Prompts, num_samples=1) -> PromptTree:
-  """Normalises ``generate``'s prompt forms to a :class:`PromptTree`."""
+  """Normalises ``generate``'s prompt forms to a :class:`PromptTree` (lists: detected sharing)."""
   if isinstance(prompt_ids, PromptTree):
     return prompt_ids
   if isinstance(prompt_ids, (np.ndarray, jax.Array)):

@@ -15,17 +15,16 @@ The last token of each prompt is not part of the tree: it is the first token
 each sample feeds to the decode loop, so that the first new token is sampled
 by the same jitted step as all the others.
 
-:meth:`PromptTree.from_prompts` builds the two-level tree of ``generate``'s
-multi-prompt form (common prefix, then one segment per distinct prompt);
-automatic detection of deeper trees (a token trie) only has to produce a
-``PromptTree`` too.
+:meth:`PromptTree.from_prompts` detects the tree of a list of prompts
+automatically (a radix tree over the prompts, :mod:`models.sharing`): that is
+what ``generate`` does with a list of prompts. Build a ``PromptTree`` by hand
+to say exactly where sharing occurs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -97,13 +96,24 @@ class PromptTree:
 
   def path(self, b: int) -> list[tuple[int, int]]:
     """``[(0, n0), (1, n1), ...]``: the nodes of sample b's shared context, root first."""
-    level, node = self.leaves[b]
+    return self._path_of_leaf(self.leaves[b])
+
+  def _path_of_leaf(self, leaf: tuple[int, int]) -> list[tuple[int, int]]:
+    level, node = leaf
     out = []
     while level >= 0:
       out.append((level, node))
       node = self.parents[level][node]
       level -= 1
     return out[::-1]
+
+  def _per_leaf(self, fn) -> list:
+    """``[fn(path of sample b) for b]``, computed once per distinct leaf (many samples share one)."""
+    memo = {}
+    for leaf in self.leaves:
+      if leaf not in memo:
+        memo[leaf] = fn(self._path_of_leaf(leaf))
+    return [memo[leaf] for leaf in self.leaves]
 
   def context(self, b: int) -> list[int]:
     """Sample b's shared tokens (its prompt without the last token)."""
@@ -114,12 +124,8 @@ class PromptTree:
 
   def node_of_sample(self, level: int) -> np.ndarray:
     """int32 ``[num_samples]``: each sample's node at ``level`` (-1 if none)."""
-    out = np.full((self.num_samples,), -1, np.int32)
-    for b in range(self.num_samples):
-      for l, n in self.path(b):
-        if l == level:
-          out[b] = n
-    return out
+    nodes = self._per_leaf(lambda path: path[level][1] if level < len(path) else -1)
+    return np.asarray(nodes, np.int32)
 
   def ancestor(self, level: int, of_level: int) -> np.ndarray:
     """int32 ``[len(segments[of_level])]``: each node's ancestor at ``level`` (< of_level)."""
@@ -132,7 +138,8 @@ class PromptTree:
     return np.asarray([len(s) for s in self.segments[level]], np.int32)
 
   def context_lengths(self) -> np.ndarray:
-    return np.asarray([len(self.context(b)) for b in range(self.num_samples)], np.int32)
+    return np.asarray(self._per_leaf(lambda path: sum(len(self.segments[l][n]) for l, n in path)),
+                      np.int32)
 
   @property
   def shared_tokens(self) -> int:
@@ -143,58 +150,31 @@ class PromptTree:
     """A permutation of the samples that makes each node's samples contiguous.
 
     Samples sorted by their path (stable, so ties keep the caller's order):
-    the layout ChunkAttention and segment kernels prefer.
+    the samples under a node are those whose path starts with the node's own
+    path, and a lexicographic sort keeps every common start together. The
+    layout ChunkAttention and segment kernels prefer.
     """
-    keys = [tuple(n for _, n in self.path(b)) for b in range(self.num_samples)]
+    keys = self._per_leaf(lambda path: tuple(n for _, n in path))
     return np.asarray(sorted(range(self.num_samples), key=lambda b: keys[b]), np.int64)
 
   # -- building -------------------------------------------------------------------------------
 
   @classmethod
   def from_prompts(cls, prompts: Sequence[Sequence[int]],
-                   num_samples: Union[int, Sequence[int]] = 1) -> "PromptTree":
-    """The tree of ``generate``'s prompt forms, samples in the caller's order.
+                   num_samples: Union[int, Sequence[int]] = 1, *,
+                   min_shared_tokens: Optional[int] = None) -> "PromptTree":
+    """The sharing tree of a list of prompts, detected automatically; samples in the caller's order.
 
-    One prompt: one level holding the prompt minus its last token.
-    Several prompts: level 0 holds their longest common prefix, level 1 one
-    segment per distinct remainder (identical prompts share it); empty
-    levels and segments are left out.
+    A radix tree over the prompts (:func:`models.sharing.detect_sharing`):
+    every shared run of at least ``min_shared_tokens`` tokens (default 16)
+    becomes one segment, at any depth and fan-out; identical prompts share
+    everything; shorter shared runs are duplicated into their continuations.
+    One prompt gives one segment (the prompt minus its last token).
 
     Args:
       prompts: token-id sequences (each non-empty).
       num_samples: samples per prompt: an int for all, or one per prompt.
+      min_shared_tokens: see :mod:`models.sharing` (None: the default, 16).
     """
-    prompts = [list(int(t) for t in p) for p in prompts]
-    counts = ([int(num_samples)] * len(prompts) if np.ndim(num_samples) == 0
-              else [int(n) for n in num_samples])
-    if not prompts:
-      raise ValueError("PromptTree.from_prompts: prompts must hold at least one prompt")
-    if len(counts) != len(prompts):
-      raise ValueError(f"PromptTree.from_prompts: num_samples has {len(counts)} entries for "
-                       f"{len(prompts)} prompts")
-    for i, (p, n) in enumerate(zip(prompts, counts)):
-      if not p:
-        raise ValueError(f"PromptTree.from_prompts: prompt {i} is empty")
-      if n < 1:
-        raise ValueError(f"PromptTree.from_prompts: num_samples must be >= 1; got {n} for prompt {i}")
-    contexts = [p[:-1] for p in prompts]
-    common = os.path.commonprefix(contexts) if len(prompts) > 1 else contexts[0]
-    rests = [c[len(common):] for c in contexts]
-    levels, parents = [], []
-    if common:
-      levels.append([tuple(common)])
-      parents.append([-1])
-    distinct = list(dict.fromkeys(tuple(r) for r in rests if r))
-    if distinct:
-      levels.append(distinct)
-      parents.append([0 if common else -1] * len(distinct))
-    top = len(levels) - 1
-    leaves, last = [], []
-    for p, rest, n in zip(prompts, rests, counts):
-      if rest:
-        leaf = (top, distinct.index(tuple(rest)))
-      else:
-        leaf = (0, 0) if common else NO_NODE
-      leaves += [leaf] * n
-      last += [p[-1]] * n
-    return cls(tuple(map(tuple, levels)), tuple(map(tuple, parents)), tuple(leaves), tuple(last))
+    from models.sharing import detect_sharing  # models.sharing builds PromptTrees: import late
+    return detect_sharing(prompts, num_samples, min_shared_tokens=min_shared_tokens)

@@ -88,16 +88,16 @@ def test_multi_prompt_generation_equals_each_prompt_alone(tiny):
 
 
 def test_two_level_tree_stores_each_segment_once(tiny):
-  shared = prompt_of(13, 1)
+  shared = prompt_of(20, 1)  # >= 16 tokens: detected as a segment of its own (models.sharing)
   prompts = [shared + [7, 9, 11, 2], shared + [5, 6], shared + [7, 9, 11, 2]]
   state = prefill(tiny, prompts, num_samples=[4, 3, 2], max_new_tokens=NEW)
   per_token = cache_lib.kv_bytes_per_token(tiny.config)
   level0, level1 = state.cache.levels
   assert len(level0.k) == tiny.config.num_layers
-  assert level0.k[0].shape[:2] == (1, 13)  # the common prefix, once
+  assert level0.k[0].shape[:2] == (1, 20)  # the common prefix, once
   assert level1.k[0].shape[:2] == (2, 3)  # two distinct remainders (prompt minus last token)
   np.testing.assert_array_equal(np.asarray(level1.lengths), [3, 1])
-  assert state.cache.shared_nbytes == (13 + 2 * 3) * per_token
+  assert state.cache.shared_nbytes == (20 + 2 * 3) * per_token
   assert state.cache.own_nbytes == 9 * NEW * per_token
   # Decode order groups each segment's samples; completions come back in the caller's order.
   nodes = np.asarray(level1.node_of_seq)

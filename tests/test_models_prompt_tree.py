@@ -1,69 +1,49 @@
-"""The sharing tree: every sample's prompt is reconstructed exactly, each segment stored once."""
-
-import os
+"""PromptTree: reading an explicit sharing tree, validation, from_prompts (detection: test_models_sharing)."""
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
 
 from models.prompt_tree import NO_NODE, PromptTree
-from strategies import count_case
 
-TOKENS = st.integers(0, 5)  # a small alphabet: shared prefixes, repeats and prefixes happen often
-
-
-@st.composite
-def prompt_sets(draw):
-  common = draw(st.lists(TOKENS, max_size=6))
-  n = draw(st.integers(1, 5))
-  prompts = []
-  for _ in range(n):
-    if prompts and draw(st.booleans()):  # a repeat or a prefix of an earlier prompt
-      earlier = draw(st.sampled_from(prompts))
-      prompts.append(earlier[:draw(st.integers(1, len(earlier)))])
-    else:
-      prompts.append(common + draw(st.lists(TOKENS, min_size=0 if common else 1, max_size=5)))
-  counts = draw(st.one_of(st.integers(1, 3), st.lists(st.integers(1, 3), min_size=n, max_size=n)))
-  return prompts, counts
-
-
-@given(prompt_sets())
-def test_from_prompts_reconstructs_every_prompt_and_stores_segments_once(case):
-  count_case("prompt_tree")
-  prompts, counts = case
-  tree = PromptTree.from_prompts(prompts, counts)
-  per_prompt = [counts] * len(prompts) if isinstance(counts, int) else counts
-  expected = [p for p, n in zip(prompts, per_prompt) for _ in range(n)]
-  assert tree.num_samples == len(expected)
-  assert [tree.prompt(b) for b in range(tree.num_samples)] == expected
-  # No segment is stored twice (siblings differ), at most two levels (common part, remainders),
-  # and the shared tokens are the common part plus each distinct remainder, once.
-  assert tree.num_levels <= 2
-  for level, parents in zip(tree.segments, tree.parents):
-    assert len(set(zip(level, parents))) == len(level)
-  contexts = {tuple(p[:-1]) for p in prompts}
-  common = len(os.path.commonprefix([list(c) for c in contexts]))
-  assert tree.shared_tokens == common + sum(len(c) - common for c in contexts)
-  # The decode order makes every node's samples contiguous.
-  order = tree.decode_order()
-  assert sorted(order.tolist()) == list(range(tree.num_samples))
-  for level in range(tree.num_levels):
-    nodes = tree.node_of_sample(level)[order]
-    seen = [n for i, n in enumerate(nodes) if i == 0 or n != nodes[i - 1]]
-    assert len(seen) == len(set(seen))
+def test_reading_a_hand_built_three_level_tree():
+  #   level 0:  A=(1,2,3)            B=(4,)
+  #   level 1:  C=(5,) under A       D=(6,7) under A     E=(8,) under B
+  #   level 2:  F=(9,) under D
+  tree = PromptTree(segments=(((1, 2, 3), (4,)), ((5,), (6, 7), (8,)), ((9,),)),
+                    parents=((-1, -1), (0, 0, 1), (1,)),
+                    leaves=((2, 0), (0, 1), (1, 0), NO_NODE, (0, 0), (1, 2), (2, 0), (1, 0)),
+                    last_tokens=(10, 11, 12, 13, 14, 15, 16, 17))
+  assert tree.num_samples == 8 and tree.num_levels == 3 and tree.shared_tokens == 9
+  assert tree.path(0) == [(0, 0), (1, 1), (2, 0)] and tree.path(3) == []
+  assert tree.prompt(0) == [1, 2, 3, 6, 7, 9, 10] and tree.prompt(3) == [13]
+  assert tree.prompt(5) == [4, 8, 15] and tree.prompt(4) == [1, 2, 3, 14]
+  np.testing.assert_array_equal(tree.node_of_sample(0), [0, 1, 0, -1, 0, 1, 0, 0])
+  np.testing.assert_array_equal(tree.node_of_sample(1), [1, -1, 0, -1, -1, 2, 1, 0])
+  np.testing.assert_array_equal(tree.node_of_sample(2), [0, -1, -1, -1, -1, -1, 0, -1])
+  np.testing.assert_array_equal(tree.ancestor(0, 2), [0])
+  np.testing.assert_array_equal(tree.ancestor(0, 1), [0, 0, 1])
+  np.testing.assert_array_equal(tree.lengths(1), [1, 2, 1])
+  np.testing.assert_array_equal(tree.context_lengths(), [6, 1, 4, 0, 3, 2, 6, 4])
+  # Sorted by path: no context first, then A's samples (A alone, C, D/F), then B's.
+  assert tree.decode_order().tolist() == [3, 4, 2, 7, 0, 6, 1, 5]
 
 
-def test_two_level_example():
-  few_shot = [9, 9, 9, 9]
-  tree = PromptTree.from_prompts([few_shot + [1, 2, 3], few_shot + [4, 5], few_shot + [1, 2, 3]],
-                                 [2, 1, 1])
-  assert tree.segments == (((9, 9, 9, 9),), ((1, 2), (4,)))
+def test_from_prompts_detects_the_two_level_example():
+  few_shot = list(range(20, 40))  # 20 tokens: over the default min_shared_tokens (16)
+  prompts = [few_shot + [1, 2, 3], few_shot + [4, 5], few_shot + [1, 2, 3]]
+  tree = PromptTree.from_prompts(prompts, [2, 1, 1])
+  assert tree.segments == ((tuple(few_shot),), ((1, 2), (4,)))
   assert tree.parents == ((-1,), (0, 0))
   assert tree.leaves == ((1, 0), (1, 0), (1, 1), (1, 0))
   assert tree.last_tokens == (3, 3, 5, 3)
   np.testing.assert_array_equal(tree.node_of_sample(1), [0, 0, 1, 0])
   np.testing.assert_array_equal(tree.ancestor(0, 1), [0, 0])
   assert tree.decode_order().tolist() == [0, 1, 3, 2]
+  # A shorter common part is duplicated into one segment per prompt, unless asked otherwise.
+  short = [[9, 9, 9, 9, 1, 2, 3], [9, 9, 9, 9, 4, 5]]
+  assert PromptTree.from_prompts(short).segments == (((9, 9, 9, 9, 1, 2), (9, 9, 9, 9, 4)),)
+  assert PromptTree.from_prompts(short, min_shared_tokens=4).segments == (
+      ((9, 9, 9, 9),), ((1, 2), (4,)))
 
 
 def test_single_token_prompt_has_no_shared_context():

@@ -28,6 +28,7 @@ from flax import nnx
 from jax import lax
 
 from jax_shared_attn import attention_with_lse, hierarchical_attention
+from jax_shared_attn.sharding import AttentionSharding, sharded
 from models.cache import KVCache
 from models.config import LlamaConfig
 from models.rope import apply_rope, inverse_frequencies
@@ -76,7 +77,8 @@ class Attention(nnx.Module):
     self.inv_freq = tuple(float(f) for f in inverse_frequencies(config))
 
   def __call__(self, x: Array, positions: Array, cache: Optional[KVCache], *,
-               skip_attention: bool, impl: str) -> tuple[Array, Optional[KVCache]]:
+               skip_attention: bool, impl: str,
+               sharding: Optional[AttentionSharding] = None) -> tuple[Array, Optional[KVCache]]:
     xq = _einsum("btd,hkd->bthk", x, self.q_proj)  # (bs, seqlen, n_heads, head_dim)
     keys = _einsum("btd,hkd->bthk", x, self.k_proj)  # (bs, seqlen, n_kv_heads, head_dim)
     values = _einsum("btd,hkd->bthk", x, self.v_proj)
@@ -85,10 +87,10 @@ class Attention(nnx.Module):
     if skip_attention:
       out = _no_attention(xq, keys, values)
     elif cache is None:
-      out, _ = attention_with_lse(xq, keys, values, causal=True, impl=impl)
+      out, _ = _per_shard(attention_with_lse, sharding)(xq, keys, values, causal=True, impl=impl)
     else:
       cache = cache.write(self.layer, keys, values)
-      out = _cached_attention(xq, cache, self.layer, x.shape[1], impl)
+      out = _cached_attention(xq, cache, self.layer, x.shape[1], impl, sharding)
     return _einsum("bthk,dhk->btd", out, self.o_proj), cache
 
 
@@ -102,14 +104,23 @@ def _no_attention(xq: Array, keys: Array, values: Array) -> Array:
   return xq + jnp.repeat(keys + values, group, axis=2)
 
 
-def _cached_attention(xq: Array, cache: KVCache, layer: int, t: int, impl: str) -> Array:
+def _per_shard(fn, sharding: Optional[AttentionSharding]):
+  """``fn`` itself, or on a mesh ``fn`` under shard_map: each device runs it (kernels
+  included) on its sequences x heads block, with no communication (models.sharding)."""
+  return fn if sharding is None else sharded(fn, *sharding)
+
+
+def _cached_attention(xq: Array, cache: KVCache, layer: int, t: int, impl: str,
+                      sharding: Optional[AttentionSharding] = None) -> Array:
   """Causal attention of the T new queries over shared levels + own K/V (just written)."""
   own_k, own_v = cache.k[layer], cache.v[layer]  # [B, S, Hkv, D], this layer's own buffers
   own_lengths = cache.lengths + t
   if cache.levels:  # Hydragen: each shared segment attended once by all its sequences' queries
-    return hierarchical_attention(xq, cache.shared_levels(layer), own_k, own_v,
-                                  suffix_lengths=own_lengths, causal=True, impl=impl)
-  out, _ = attention_with_lse(xq, own_k, own_v, kv_lengths=own_lengths, causal=True, impl=impl)
+    return _per_shard(hierarchical_attention, sharding)(
+        xq, cache.shared_levels(layer), own_k, own_v, suffix_lengths=own_lengths, causal=True,
+        impl=impl)
+  out, _ = _per_shard(attention_with_lse, sharding)(xq, own_k, own_v, kv_lengths=own_lengths,
+                                                    causal=True, impl=impl)
   return out
 
 
@@ -138,9 +149,9 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
     self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, x, positions, cache, *, skip_attention, impl):
+  def __call__(self, x, positions, cache, *, skip_attention, impl, sharding=None):
     attn_out, cache = self.self_attn(self.input_layernorm(x), positions, cache,
-                                     skip_attention=skip_attention, impl=impl)
+                                     skip_attention=skip_attention, impl=impl, sharding=sharding)
     h = x + attn_out
     return h + self.mlp(self.post_attention_layernorm(h)), cache
 
@@ -163,7 +174,7 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens: Array, *, positions: Optional[Array] = None,
                cache: Optional[KVCache] = None, skip_attention: bool = False,
-               impl: str = "auto"):
+               impl: str = "auto", sharding: Optional[AttentionSharding] = None):
     """Runs the decoder on int ``tokens [B, T]``.
 
     Args:
@@ -177,6 +188,10 @@ class Llama(nnx.Module):
         benchmarks only): no K/V is written or read, only the lengths (and so
         the positions) advance.
       impl: attention implementation passed to :mod:`jax_shared_attn`.
+      sharding: on a device mesh, where the batch and heads live
+        (:func:`models.sharding.attention_sharding`); attention then runs
+        per shard under ``shard_map``. The parameters, tokens and cache must
+        be laid out by the rules of :mod:`models.sharding`. None: no mesh.
 
     Returns:
       float32 logits ``[B, T, vocab]``; with a cache, ``(logits, new_cache)``
@@ -188,7 +203,8 @@ class Llama(nnx.Module):
       positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     x = self.embed_tokens[...][tokens]  # [B, T, hidden]
     for layer in self.layers:
-      x, cache = layer(x, positions, cache, skip_attention=skip_attention, impl=impl)
+      x, cache = layer(x, positions, cache, skip_attention=skip_attention, impl=impl,
+                       sharding=sharding)
     logits = self.logits(self.norm(x))
     if cache is None:
       return logits
@@ -242,21 +258,29 @@ def build(config: LlamaConfig, params: Mapping[str, Any]) -> Llama:
   return nnx.merge(graphdef, state)
 
 
-def random_init(config: LlamaConfig, seed: int = 0, *, std: float = 0.02) -> Llama:
+def random_init(config: LlamaConfig, seed: int = 0, *, std: float = 0.02, mesh=None) -> Llama:
   """Random weights drawn on the host with NumPy (normal(0, std); norms at 1).
 
   Nothing is compiled, so small models (tests, CI) appear instantly. For
   large shapes on an accelerator, initialise on the device instead:
-  ``nnx.jit(lambda: Llama(config, rngs=nnx.Rngs(seed)))()``.
+  ``nnx.jit(lambda: Llama(config, rngs=nnx.Rngs(seed)))()``. With ``mesh``
+  (see :func:`models.sharding.make_mesh`) each tensor goes straight to its
+  shards as it is drawn (the same values as without a mesh).
   """
   rng = np.random.default_rng(seed)
+  place = lambda path, x: x
+  if mesh is not None:
+    from models import sharding
+    mesh = sharding.make_mesh(mesh)
+    place = lambda path, x: sharding.place_param(path, x, config, mesh)
   params = {}
   for path, spec in param_shapes(config).items():
     if path.endswith("norm.weight"):
-      params[path] = np.ones(spec.shape, np.float32)
+      params[path] = place(path, np.ones(spec.shape, np.float32))
     else:
-      params[path] = (std * rng.standard_normal(spec.shape, np.float32)).astype(np.float32)
-  return build(config, params)
+      params[path] = place(path, (std * rng.standard_normal(spec.shape, np.float32))
+                           .astype(np.float32))
+  return build(config if mesh is None else sharding.sharded_config(config, mesh), params)
 
 
 def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:

@@ -44,6 +44,7 @@ from flax import nnx
 from jax import lax
 
 from models import cache as cache_lib
+from models import sharding as sharding_lib
 from models.cache import KVCache, SegmentLevel
 from models.llama import Llama
 from models.prompt_tree import PromptTree
@@ -102,7 +103,7 @@ def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Seque
              top_p: Optional[float] = None, eos_id: Optional[int] = None, seed: int = 0,
              attention: str = "hydragen", impl: str = "auto", pad_id: int = PAD_ID,
              prefill_chunk: Optional[int] = None,
-             progress: Optional[Callable[[int], None]] = None) -> Array:
+             progress: Optional[Callable[[int], None]] = None, mesh=None) -> Array:
   """Samples ``max_new_tokens`` tokens for each of ``num_samples`` samples per prompt.
 
   Args:
@@ -126,15 +127,23 @@ def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Seque
     prefill_chunk: prefill long prompt segments this many tokens at a time.
     progress: called on the host with the number of decode steps done,
       every few steps (None: no host callback in the compiled loop).
+    mesh: run sharded on a device mesh: ``(data, model)`` sizes, ``"auto"``
+      or a ``jax.sharding.Mesh`` (:func:`models.sharding.make_mesh`; the
+      rules: docs/sharding.md). The samples are split over "data" (their
+      total must divide by it), heads and MLP over "model". None: one device.
 
   Returns:
     int32 ``[total samples, max_new_tokens]``; samples in the caller's order
     (prompt 0's samples first).
   """
+  if mesh is not None:  # placed once here, not again by prefill and decode
+    mesh = sharding_lib.make_mesh(mesh)
+    model = sharding_lib.shard_model(model, mesh)
   state = prefill(model, prompt_ids, num_samples=num_samples, max_new_tokens=max_new_tokens,
-                  attention=attention, impl=impl, seed=seed, prefill_chunk=prefill_chunk)
+                  attention=attention, impl=impl, seed=seed, prefill_chunk=prefill_chunk,
+                  mesh=mesh)
   state = decode(model, state, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
-                 pad_id=pad_id, impl=impl, progress=progress)
+                 pad_id=pad_id, impl=impl, progress=progress, mesh=mesh)
   return state.completions()
 
 
@@ -163,7 +172,7 @@ def as_prompt_tree(prompt_ids: Prompts, num_samples=1) -> PromptTree:
 def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens: int,
             attention: str = "hydragen", impl: str = "auto", seed: int = 0,
             own_capacity: Optional[int] = None, prefill_chunk: Optional[int] = None,
-            progress: Optional[Callable[[int], None]] = None) -> DecodeState:
+            progress: Optional[Callable[[int], None]] = None, mesh=None) -> DecodeState:
   """Prefills every prompt segment once and returns the state the decode loop starts from.
 
   Args:
@@ -174,12 +183,18 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
     prefill_chunk: feed prompt segments this many tokens at a time (bounds
       prefill memory for long prompts; default: each segment in one pass).
     progress: called with the number of prompt tokens prefilled so far.
+    mesh: as in :func:`generate`: the returned state (cache included) is laid
+      out on it, each buffer created on its shards; the segments are
+      prefilled with their batch replicated over "data" and heads on "model".
 
   Raises:
     ValueError: bad arguments, token ids outside the vocabulary, a prompt
       plus ``max_new_tokens`` beyond ``config.max_position_embeddings``, or
       ``own_capacity`` too small.
   """
+  if mesh is not None:
+    mesh = sharding_lib.make_mesh(mesh)
+    model = sharding_lib.shard_model(model, mesh)  # KV heads replicated where "model" needs it
   config = model.config
   if attention not in ATTENTION_MODES:
     raise ValueError(f"attention must be one of {ATTENTION_MODES}; got {attention!r}")
@@ -198,12 +213,15 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
         "(config.max_position_embeddings; raise it with config.replace(...) if you mean it)")
 
   order = tree.decode_order()
+  if mesh is not None:
+    sharding_lib.check_batch(len(order), mesh)
   graphdef, params = nnx.split(model)
   if attention == "none":
     needed, lengths = 0, contexts[order]
     levels = ()
   else:
-    stored = _prefill_levels(config, graphdef, params, tree, impl, progress, prefill_chunk)
+    stored = _prefill_levels(config, graphdef, params, tree, impl, progress, prefill_chunk,
+                             mesh)
     levels = tuple(SegmentLevel(k, v, jnp.asarray(lens), jnp.asarray(tree.node_of_sample(l)[order]))
                    for l, (k, v, lens) in enumerate(stored))
     if attention == "hydragen":
@@ -216,13 +234,15 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
     raise ValueError(f"own_capacity={own_capacity} is too small: attention={attention!r} with "
                      f"max_new_tokens={max_new_tokens} needs {needed} tokens per sample")
   if attention == "standard" and levels:
-    k, v = _copy_prompts_per_sample(levels, capacity)
+    k, v = _copy_prompts_per_sample(levels, capacity, mesh=mesh)
     cache = KVCache((), k, v, jnp.asarray(lengths, jnp.int32))
   else:
-    cache = cache_lib.empty(config, len(order), capacity,
-                            levels=levels if attention == "hydragen" else (), lengths=lengths)
+    empty = (cache_lib.empty if mesh is None
+             else functools.partial(sharding_lib.empty_cache, mesh=mesh))
+    cache = empty(config, len(order), capacity,
+                  levels=levels if attention == "hydragen" else (), lengths=lengths)
   b = len(order)
-  return DecodeState(
+  state = DecodeState(
       cache=cache,
       tokens=jnp.asarray(np.asarray(tree.last_tokens, np.int32)[order]),
       out=jnp.full((b, max_new_tokens), PAD_ID, jnp.int32),
@@ -231,13 +251,14 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
       sample_ids=jnp.asarray(order, jnp.int32),
       seed=jnp.asarray(np.uint32(seed % 2**32)),
       attention=attention)
+  return state if mesh is None else sharding_lib.shard_state(state, mesh)
 
 
 def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
            temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
            eos_id: Optional[int] = None, pad_id: int = PAD_ID, impl: str = "auto",
            progress: Optional[Callable[[int], None]] = None,
-           progress_every: int = 8) -> DecodeState:
+           progress_every: int = 8, mesh=None) -> DecodeState:
   """Runs ``num_steps`` decode steps (default: all that remain) in one jitted program.
 
   The loop is a ``lax.while_loop`` that also stops once every sample has
@@ -248,6 +269,9 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
     progress: None (no host callback in the program: the benchmark path), or
       a function called on the host with the number of steps done, every
       ``progress_every`` steps and at the end.
+    mesh: the mesh to run on (default: the one the state was prefilled on,
+      if any); the model is placed on it (:func:`models.sharding.shard_model`;
+      a no-op for a model placed already) and the loop runs sharded.
   """
   remaining = state.max_new_tokens - int(state.step)
   num_steps = remaining if num_steps is None else int(num_steps)
@@ -263,21 +287,33 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
   if int(progress_every) < 1:
     raise ValueError(f"progress_every must be >= 1; got {progress_every}")
   sampling = SamplingParams(temperature, top_k, top_p)
+  model, state, mesh = _on_mesh(model, state, mesh)
   graphdef, params = nnx.split(model)
   stop = state.step + num_steps
   return _decode_loop(graphdef, params, state, stop, sampling=sampling, eos_id=eos_id,
                       pad_id=int(pad_id), impl=impl, progress=progress,
-                      progress_every=int(progress_every))
+                      progress_every=int(progress_every), mesh=mesh)
 
 
 def lower_decode(model: Llama, state: DecodeState, *, temperature: float = 0.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
-                 eos_id: Optional[int] = None, pad_id: int = PAD_ID, impl: str = "auto"):
+                 eos_id: Optional[int] = None, pad_id: int = PAD_ID, impl: str = "auto",
+                 mesh=None):
   """The decode program, lowered (``.compile()`` it to inspect HLO or memory)."""
+  model, state, mesh = _on_mesh(model, state, mesh)
   graphdef, params = nnx.split(model)
   return _decode_loop.lower(graphdef, params, state, state.step,
                             sampling=SamplingParams(temperature, top_k, top_p), eos_id=eos_id,
-                            pad_id=int(pad_id), impl=impl, progress=None, progress_every=1)
+                            pad_id=int(pad_id), impl=impl, progress=None, progress_every=1,
+                            mesh=mesh)
+
+
+def _on_mesh(model: Llama, state: DecodeState, mesh):
+  """``(model, state, mesh)`` laid out on ``mesh`` (default: the state's own mesh, if any)."""
+  mesh = sharding_lib.mesh_of(state) if mesh is None else sharding_lib.make_mesh(mesh)
+  if mesh is None:
+    return model, state, None
+  return sharding_lib.shard_model(model, mesh), sharding_lib.shard_state(state, mesh), mesh
 
 
 # -- prefill -------------------------------------------------------------------------------------
@@ -291,7 +327,7 @@ def _check_tokens(tree: PromptTree, vocab_size: int) -> None:
 
 
 def _prefill_levels(config, graphdef, params, tree: PromptTree, impl: str, progress,
-                    chunk: Optional[int] = None):
+                    chunk: Optional[int] = None, mesh=None):
   """K/V of every segment, level by level, each causally over its ancestors.
 
   Level l's N segments run as one batch ``[N, T_l]`` (right-padded): the
@@ -299,7 +335,9 @@ def _prefill_levels(config, graphdef, params, tree: PromptTree, impl: str, progr
   its per-sequence part. The K/V left in that part IS the level. With
   ``chunk``, the segments are fed ``chunk`` tokens at a time (each chunk
   attends to the earlier ones through the cache), bounding the attention
-  scores at ``[N, chunk, T_l]`` for long prompts.
+  scores at ``[N, chunk, T_l]`` for long prompts. On a ``mesh`` the segments'
+  batch is replicated over "data" and their heads split over "model": the
+  result is laid out as the shared levels are (no communication).
 
   Returns ``[(k, v (per layer [N, T, Hkv, D]), lengths int32 [N]), ...]``.
   """
@@ -314,11 +352,15 @@ def _prefill_levels(config, graphdef, params, tree: PromptTree, impl: str, progr
       tokens[n, :len(seg)] = seg
     ancestors = tuple(SegmentLevel(k, v, jnp.asarray(lens), jnp.asarray(tree.ancestor(a, l)))
                       for a, (k, v, lens) in enumerate(stored))
-    own = cache_lib.empty(config, len(lengths), width)
+    if mesh is None:
+      own, sharding = cache_lib.empty(config, len(lengths), width), None
+    else:
+      own = sharding_lib.empty_cache(config, len(lengths), width, mesh, batch_sharded=False)
+      sharding = sharding_lib.attention_sharding(mesh, batch_sharded=False)
     k, v = own.k, own.v
     for start in range(0, width, step):
       k, v = _prefill_chunk(graphdef, params, jnp.asarray(tokens[:, start:start + step]),
-                            ancestors, k, v, jnp.int32(start), impl=impl)
+                            ancestors, k, v, jnp.int32(start), impl=impl, sharding=sharding)
       if progress is not None:
         done += int(np.clip(lengths - start, 0, step).sum())
         progress(done)
@@ -326,9 +368,9 @@ def _prefill_levels(config, graphdef, params, tree: PromptTree, impl: str, progr
   return stored
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("impl",),
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("impl", "sharding"),
                    donate_argnames=("k", "v"))
-def _prefill_chunk(graphdef, params, tokens, ancestors, k, v, start, *, impl):
+def _prefill_chunk(graphdef, params, tokens, ancestors, k, v, start, *, impl, sharding=None):
   """Segment tokens ``[N, C]`` at own positions ``start..start+C`` -> updated own K/V.
 
   Padded positions hold garbage K/V past each segment's length; no valid query
@@ -337,12 +379,15 @@ def _prefill_chunk(graphdef, params, tokens, ancestors, k, v, start, *, impl):
   model = nnx.merge(graphdef, params)
   lengths = jnp.full((tokens.shape[0],), start, jnp.int32)
   cache = KVCache(tuple(ancestors), k, v, lengths)
-  _, cache = model(tokens, cache=cache, impl=impl)
+  _, cache = model(tokens, cache=cache, impl=impl, sharding=sharding)
+  if sharding is not None:  # the donated buffers' layout (the shared-segment rule)
+    cache = lax.with_sharding_constraint(
+        cache, sharding_lib.cache_shardings(cache, sharding.mesh, batch_sharded=False))
   return cache.k, cache.v
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _copy_prompts_per_sample(levels: tuple[SegmentLevel, ...], capacity: int):
+@functools.partial(jax.jit, static_argnums=1, static_argnames=("mesh",))
+def _copy_prompts_per_sample(levels: tuple[SegmentLevel, ...], capacity: int, mesh=None):
   """The standard baseline's cache: each sample's path of segments, concatenated.
 
   Returns own ``k, v``: per layer ``[B, capacity, Hkv, D]``. Segments are
@@ -370,26 +415,33 @@ def _copy_prompts_per_sample(levels: tuple[SegmentLevel, ...], capacity: int):
     return jax.vmap(one_sample)(nodes)
 
   per_layer = [one_layer(layer) for layer in range(len(levels[0].k))]
-  return tuple(k for k, _ in per_layer), tuple(v for _, v in per_layer)
+  k, v = tuple(k for k, _ in per_layer), tuple(v for _, v in per_layer)
+  if mesh is not None:  # built on its shards: samples on "data", heads on "model"
+    k, v = lax.with_sharding_constraint((k, v), sharding_lib.own_kv_sharding(mesh))
+  return k, v
 
 
 # -- the decode loop ------------------------------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnums=0,
                    static_argnames=("sampling", "eos_id", "pad_id", "impl", "progress",
-                                    "progress_every"),
+                                    "progress_every", "mesh"),
                    donate_argnames=("state",))
 def _decode_loop(graphdef, params, state: DecodeState, stop, *, sampling: SamplingParams,
-                 eos_id: Optional[int], pad_id: int, impl: str, progress, progress_every: int):
+                 eos_id: Optional[int], pad_id: int, impl: str, progress, progress_every: int,
+                 mesh=None):
   model = nnx.merge(graphdef, params)
   skip_attention = state.attention == "none"
+  sharding = None if mesh is None else sharding_lib.attention_sharding(mesh)
+  layout = (lambda s: s) if mesh is None else (  # the loop carry keeps the state's layout
+      lambda s: lax.with_sharding_constraint(s, sharding_lib.state_shardings(s, mesh)))
 
   def running(s: DecodeState):
     return (s.step < stop) & ~jnp.all(s.finished)
 
   def step(s: DecodeState) -> DecodeState:
     logits, cache = model(s.tokens[:, None], cache=s.cache, skip_attention=skip_attention,
-                          impl=impl)
+                          impl=impl, sharding=sharding)
     keys = sampling_keys(s.seed, s.sample_ids, s.step)
     new = jnp.where(s.finished, pad_id, sample(logits[:, 0], keys, sampling))
     out = lax.dynamic_update_slice(s.out, new[:, None], (0, s.step))
@@ -400,7 +452,7 @@ def _decode_loop(graphdef, params, state: DecodeState, stop, *, sampling: Sampli
       lax.cond(report, lambda: jax.debug.callback(lambda n: progress(int(n)), done),
                lambda: None)
     # Finished rows keep running (static shapes) on a valid dummy token.
-    return dataclasses.replace(s, cache=cache, tokens=jnp.maximum(new, 0), out=out,
-                               finished=finished, step=done)
+    return layout(dataclasses.replace(s, cache=cache, tokens=jnp.maximum(new, 0), out=out,
+                                      finished=finished, step=done))
 
-  return lax.while_loop(running, step, state)
+  return layout(lax.while_loop(running, step, layout(state)))

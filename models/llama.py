@@ -31,6 +31,7 @@ from jax_shared_attn import attention_with_lse, hierarchical_attention
 from jax_shared_attn.sharding import AttentionSharding, sharded
 from models.cache import KVCache
 from models.config import LlamaConfig
+from models.sharding import write_per_shard
 from models.rope import apply_rope, inverse_frequencies
 
 Array = jax.Array
@@ -89,7 +90,8 @@ class Attention(nnx.Module):
     elif cache is None:
       out, _ = _per_shard(attention_with_lse, sharding)(xq, keys, values, causal=True, impl=impl)
     else:
-      cache = cache.write(self.layer, keys, values)
+      cache = (cache.write(self.layer, keys, values) if sharding is None
+               else write_per_shard(cache, self.layer, keys, values, sharding))
       out = _cached_attention(xq, cache, self.layer, x.shape[1], impl, sharding)
     return _einsum("bthk,dhk->btd", out, self.o_proj), cache
 

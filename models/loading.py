@@ -3,11 +3,15 @@
     >>> model, tokenizer, config = from_pretrained("path/to/SmolLM2-135M-Instruct.Q4_1.gguf")
     >>> model, tokenizer, config = from_pretrained("path/to/hf_dir", dtype="bfloat16")
     >>> save_pretrained("converted/", model, tokenizer)    # orbax; from_pretrained reads it back
+    >>> model, tokenizer, config = from_pretrained("path/to/hf_dir", mesh=(2, 4))  # on 8 devices
 
 Every format is first turned into a dict of NumPy arrays under transformers'
 parameter names (``model.layers.3.self_attn.q_proj.weight``, ``[out, in]``),
 then :func:`model_from_tensors` places them into the NNX model, checking
-every name and shape. Nothing is ever downloaded.
+every name and shape. Nothing is ever downloaded. With ``mesh=`` every tensor
+goes to its shards (:mod:`models.sharding`) as it is read: ``jax.device_put``
+of the host array with its ``NamedSharding`` sends each device its block
+only, so no device ever holds a whole copy it does not need.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import sharding as sharding_lib
 from models.config import LlamaConfig
 from models.llama import Llama, build, flat_params
 from models.tokenizer import Tokenizer
@@ -38,8 +43,8 @@ class Pretrained(NamedTuple):
   config: LlamaConfig
 
 
-def from_pretrained(path: str, *, dtype: Optional[str] = None,
-                    progress: bool = False) -> Pretrained:
+def from_pretrained(path: str, *, dtype: Optional[str] = None, progress: bool = False,
+                    mesh=None) -> Pretrained:
   """Loads a Llama-family model, its tokenizer and config from local files.
 
   Args:
@@ -51,6 +56,10 @@ def from_pretrained(path: str, *, dtype: Optional[str] = None,
     dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``);
       default: the checkpoint's own (``torch_dtype``), float32 for GGUF.
     progress: show a tqdm bar while reading tensors.
+    mesh: place every tensor on its shards of this device mesh as it is read
+      (``(data, model)``, ``"auto"`` or a Mesh: :func:`models.sharding.make_mesh`);
+      the returned config then has the KV heads the mesh needs
+      (:func:`models.sharding.sharded_config`). None: the default device.
 
   Returns:
     ``Pretrained(model, tokenizer, config)``; ``tokenizer`` is None when the
@@ -58,14 +67,14 @@ def from_pretrained(path: str, *, dtype: Optional[str] = None,
   """
   path = os.fspath(path)
   if os.path.isfile(path) and path.endswith(".gguf"):
-    return load_gguf(path, dtype=dtype, progress=progress)
+    return load_gguf(path, dtype=dtype, progress=progress, mesh=mesh)
   if not os.path.isdir(path):
     raise ValueError(f"from_pretrained: path must be a .gguf file or a checkpoint directory; "
                      f"{path!r} is neither")
   if os.path.exists(os.path.join(path, HYDRAGEN_CONFIG)):
-    return restore(path, dtype=dtype)
+    return restore(path, dtype=dtype, mesh=mesh)
   if os.path.exists(os.path.join(path, "config.json")):
-    return load_hf(path, dtype=dtype, progress=progress)
+    return load_hf(path, dtype=dtype, progress=progress, mesh=mesh)
   raise ValueError(f"from_pretrained: {path!r} has no config.json (Hugging Face) or "
                    f"{HYDRAGEN_CONFIG} (save_pretrained)")
 
@@ -101,47 +110,58 @@ def hf_name_map(config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
   return names
 
 
-def model_from_tensors(config: LlamaConfig, tensors: Mapping[str, Any], *,
-                       dtype: Optional[str] = None) -> Llama:
+def model_from_tensors(config: LlamaConfig,
+                       tensors: Union[Mapping[str, Any], Iterable[tuple[str, Any]]], *,
+                       dtype: Optional[str] = None, mesh=None) -> Llama:
   """Builds a :class:`Llama` from transformers-named tensors (``[out, in]`` each).
 
-  Raises ValueError naming any missing, unexpected or mis-shaped tensor.
-  ``lm_head.weight`` is ignored when the embeddings are tied.
+  ``tensors``: a mapping, or an iterable of ``(name, array)`` pairs consumed
+  one at a time (each tensor is converted, and with ``mesh`` placed on its
+  shards, before the next is read). Raises ValueError naming any missing,
+  unexpected or mis-shaped tensor. ``lm_head.weight`` is ignored when the
+  embeddings are tied.
   """
   if dtype is not None:
     config = config.replace(dtype=str(jnp.dtype(dtype)))
   names = hf_name_map(config)
-  extra = sorted(set(tensors) - set(names) - {"lm_head.weight"}
-                 - {n for n in tensors if n.endswith("rotary_emb.inv_freq")})
-  missing = sorted(set(names) - set(tensors))
+  if mesh is not None:
+    mesh = sharding_lib.make_mesh(mesh)
+  items = tensors.items() if isinstance(tensors, Mapping) else tensors
+  values, seen, extra = {}, set(), []
+  for name, t in items:
+    if name not in names:
+      if name != "lm_head.weight" and not name.endswith("rotary_emb.inv_freq"):
+        extra.append(name)
+      continue
+    path, shape = names[name]
+    if int(np.prod(t.shape)) != int(np.prod(shape)):
+      raise ValueError(f"model_from_tensors: {name} has shape {tuple(t.shape)}; the config needs "
+                       f"{int(np.prod(shape))} values, as {shape}")
+    value = np.asarray(t).reshape(shape)
+    values[path] = value if mesh is None else sharding_lib.place_param(path, value, config, mesh)
+    seen.add(name)
+  missing, extra = sorted(set(names) - seen), sorted(extra)
   if missing or extra:
     raise ValueError(f"model_from_tensors: tensors do not match the config ({config.name or 'llama'}"
                      f", {config.num_layers} layers): missing {missing[:5]}{'...' * (len(missing) > 5)}"
                      f", unexpected {extra[:5]}{'...' * (len(extra) > 5)}")
-  values = {}
-  for name, (path, shape) in names.items():
-    t = tensors[name]
-    if int(np.prod(t.shape)) != int(np.prod(shape)):
-      raise ValueError(f"model_from_tensors: {name} has shape {tuple(t.shape)}; the config needs "
-                       f"{int(np.prod(shape))} values, as {shape}")
-    values[path] = np.asarray(t).reshape(shape)
-  return build(config, values)
+  return build(config if mesh is None else sharding_lib.sharded_config(config, mesh), values)
 
 
 # -- Hugging Face directories -------------------------------------------------------------------
 
-def load_hf(path: str, *, dtype: Optional[str] = None, progress: bool = False) -> Pretrained:
+def load_hf(path: str, *, dtype: Optional[str] = None, progress: bool = False,
+            mesh=None) -> Pretrained:
   """A transformers checkpoint directory (safetensors, single file or sharded)."""
   with open(os.path.join(path, "config.json")) as f:
     config = LlamaConfig.from_hf(json.load(f))
   if dtype is not None:
     config = config.replace(dtype=str(jnp.dtype(dtype)))
-  tensors = dict(_iter_progress(read_safetensors_dir(path), progress, "loading tensors",
-                                total=None))
-  model = model_from_tensors(config, tensors)
+  tensors = _iter_progress(read_safetensors_dir(path), progress, "loading tensors", total=None)
+  model = model_from_tensors(config, tensors, mesh=mesh)  # one tensor at a time
   tokenizer = (Tokenizer.from_dir(path)
                if os.path.exists(os.path.join(path, "tokenizer.json")) else None)
-  return Pretrained(model, tokenizer, config)
+  return Pretrained(model, tokenizer, model.config)
 
 
 def read_safetensors_dir(path: str) -> Iterable[tuple[str, np.ndarray]]:
@@ -232,7 +252,8 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
           .swapaxes(1, 2).reshape(w.shape))
 
 
-def load_gguf(path: str, *, dtype: Optional[str] = None, progress: bool = False) -> Pretrained:
+def load_gguf(path: str, *, dtype: Optional[str] = None, progress: bool = False,
+              mesh=None) -> Pretrained:
   """A llama.cpp GGUF file: hyperparameters and tokenizer from its metadata."""
   reader = _gguf_reader(path)
   fields = gguf_fields(reader)
@@ -242,16 +263,18 @@ def load_gguf(path: str, *, dtype: Optional[str] = None, progress: bool = False)
     freq_factors = tuple(np.asarray(_dequantize(by_name.pop("rope_freqs.weight")), np.float64))
   config = gguf_config(fields, has_output="output.weight" in by_name,
                        rope_freq_factors=freq_factors)
-  tensors = {}
-  for t in _iter_progress(by_name.values(), progress, "loading tensors", total=len(by_name)):
-    name = _hf_name(t.name)
-    w = _dequantize(t)
-    if name.endswith("q_proj.weight"):
-      w = unpermute_rope_rows(w, config.num_heads)
-    elif name.endswith("k_proj.weight"):
-      w = unpermute_rope_rows(w, config.num_kv_heads)
-    tensors[name] = w
-  model = model_from_tensors(config, tensors, dtype=dtype or "float32")
+
+  def tensors():  # dequantized one at a time, each placed before the next is read
+    for t in _iter_progress(by_name.values(), progress, "loading tensors", total=len(by_name)):
+      name = _hf_name(t.name)
+      w = _dequantize(t)
+      if name.endswith("q_proj.weight"):
+        w = unpermute_rope_rows(w, config.num_heads)
+      elif name.endswith("k_proj.weight"):
+        w = unpermute_rope_rows(w, config.num_kv_heads)
+      yield name, w
+
+  model = model_from_tensors(config, tensors(), dtype=dtype or "float32", mesh=mesh)
   return Pretrained(model, Tokenizer.from_gguf_fields(fields), model.config)
 
 
@@ -311,8 +334,8 @@ def save_pretrained(path: str, model: Llama, tokenizer: Optional[Tokenizer] = No
     tokenizer.save(path)
 
 
-def restore(path: str, *, dtype: Optional[str] = None) -> Pretrained:
-  """Reads a directory written by :func:`save_pretrained`."""
+def restore(path: str, *, dtype: Optional[str] = None, mesh=None) -> Pretrained:
+  """Reads a directory written by :func:`save_pretrained` (with ``mesh``: into the shards)."""
   import orbax.checkpoint as ocp
 
   path = os.path.abspath(os.fspath(path))
@@ -320,13 +343,41 @@ def restore(path: str, *, dtype: Optional[str] = None) -> Pretrained:
     config = LlamaConfig.from_dict(json.load(f))
   abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
   graphdef, target = nnx.split(abstract)
+  if mesh is not None:  # orbax reads each parameter straight into its shards
+    mesh = sharding_lib.make_mesh(mesh)
+    target = _sharded_target(target, config, mesh)
   state = ocp.StandardCheckpointer().restore(os.path.join(path, ORBAX_PARAMS), target)
   model = nnx.merge(graphdef, state)
   if dtype is not None and jnp.dtype(dtype) != config.param_dtype:
     model = cast(model, dtype)
+  if mesh is not None:  # repeats KV heads where the model axis needs it (on the devices)
+    model = sharding_lib.shard_model(model, mesh)
   tokenizer = (Tokenizer.from_dir(path)
                if os.path.exists(os.path.join(path, "tokenizer.json")) else None)
   return Pretrained(model, tokenizer, model.config)
+
+
+def _sharded_target(target, config: LlamaConfig, mesh):
+  """The abstract state with each parameter's NamedSharding (KV projections that need
+  repeating first are read replicated, then repeated by shard_model)."""
+  tree = nnx.to_pure_dict(target)
+
+  def visit(node, prefix):
+    for key, value in node.items():
+      path = f"{prefix}{key}"
+      if isinstance(value, Mapping):
+        visit(value, path + ".")
+        continue
+      spec = sharding_lib.param_spec(path, config, mesh)
+      if (path.endswith(("k_proj", "v_proj"))
+          and sharding_lib.kv_replication(value.shape[0], mesh.shape[sharding_lib.MODEL]) > 1):
+        spec = sharding_lib.P()
+      node[key] = jax.ShapeDtypeStruct(value.shape, value.dtype,
+                                       sharding=sharding_lib.NamedSharding(mesh, spec))
+
+  visit(tree, "")
+  nnx.replace_by_pure_dict(target, tree)
+  return target
 
 
 def cast(model: Llama, dtype) -> Llama:

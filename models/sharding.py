@@ -71,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_shared_attn.sharding import AttentionSharding
+from jax_shared_attn.sharding import AttentionSharding, shard_map
 from models.cache import KVCache, SegmentLevel
 from models.config import LlamaConfig
 
@@ -278,11 +278,21 @@ def attention_sharding(mesh: Mesh, *, batch_sharded: bool = True) -> AttentionSh
   return AttentionSharding(mesh, DATA if batch_sharded else None, MODEL)
 
 
+def own_kv_sharding(mesh: Mesh, *, batch_sharded: bool = True) -> NamedSharding:
+  """Own K/V ``[B, S, Hkv, D]``: sequences on "data" (or replicated), KV heads on "model"."""
+  return NamedSharding(mesh, P(DATA if batch_sharded else None, None, MODEL, None))
+
+
+def shared_kv_sharding(mesh: Mesh) -> NamedSharding:
+  """Shared segments ``[N, T, Hkv, D]``: KV heads on "model", replicated over "data"."""
+  return NamedSharding(mesh, P(None, None, MODEL, None))
+
+
 def cache_shardings(cache: KVCache, mesh: Mesh, *, batch_sharded: bool = True) -> KVCache:
   """A KVCache-shaped pytree of NamedShardings (own K/V on data x model, shared on model)."""
   b = DATA if batch_sharded else None
   ns = lambda *spec: NamedSharding(mesh, P(*spec))
-  own, shared = ns(b, None, MODEL, None), ns(None, None, MODEL, None)
+  own, shared = own_kv_sharding(mesh, batch_sharded=batch_sharded), shared_kv_sharding(mesh)
   levels = tuple(SegmentLevel(tuple(shared for _ in lv.k), tuple(shared for _ in lv.v), ns(),
                               ns(b)) for lv in cache.levels)
   return KVCache(levels, tuple(own for _ in cache.k), tuple(own for _ in cache.v), ns(b))
@@ -315,12 +325,33 @@ def empty_cache(config: LlamaConfig, batch_size: int, capacity: int, mesh: Mesh,
                 batch_sharded: bool = True) -> KVCache:
   """:func:`models.cache.empty` with every own buffer created on its shards (never whole)."""
   dtype = config.param_dtype if dtype is None else jnp.dtype(dtype)
-  b = DATA if batch_sharded else None
-  own = NamedSharding(mesh, P(b, None, MODEL, None))
+  own = own_kv_sharding(mesh, batch_sharded=batch_sharded)
   shape = (batch_size, capacity, config.num_kv_heads, config.head_dim)
   lengths = (np.zeros((batch_size,), np.int32) if lengths is None
              else np.asarray(lengths, np.int32))
   layers = range(config.num_layers)
   return KVCache(tuple(levels), tuple(jnp.zeros(shape, dtype, device=own) for _ in layers),
                  tuple(jnp.zeros(shape, dtype, device=own) for _ in layers),
-                 jax.device_put(lengths, NamedSharding(mesh, P(b))))
+                 jax.device_put(lengths, NamedSharding(mesh, P(own.spec[0]))))
+
+
+def write_per_shard(cache: KVCache, layer: int, k_new: jax.Array, v_new: jax.Array,
+                    sharding: AttentionSharding) -> KVCache:
+  """:meth:`KVCache.write` with each device scattering its own block (sequences x KV heads).
+
+  Left to the SPMD partitioner, the scatter into a batch-sharded buffer
+  all-gathers the new tokens' K/V and indices over "data" every layer and
+  step; per shard it is a local in-place scatter with no communication.
+  """
+  own = P(sharding.batch_axis, None, sharding.head_axis, None)
+
+  def local(k_buf, v_buf, lengths, k, v):
+    shard = KVCache((), (k_buf,), (v_buf,), lengths).write(0, k, v)
+    return shard.k[0], shard.v[0]
+
+  k_layer, v_layer = shard_map(local, sharding.mesh, (own, own, P(sharding.batch_axis), own, own),
+                               (own, own))(cache.k[layer], cache.v[layer], cache.lengths,
+                                           k_new, v_new)
+  k, v = list(cache.k), list(cache.v)
+  k[layer], v[layer] = k_layer, v_layer
+  return dataclasses.replace(cache, k=tuple(k), v=tuple(v))

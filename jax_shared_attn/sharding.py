@@ -31,7 +31,8 @@ of groups: global query head h reads KV head ``h // G`` and local query head
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+import inspect
+from typing import Any, Callable, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -107,11 +108,20 @@ def sharded(fn: Callable, mesh: Mesh, batch_axis: AxisName = "data",
   batch4, heads3 = P(batch_axis, None, head_axis, None), P(batch_axis, None, head_axis)
   shared4, shared3 = P(None, None, head_axis, None), P(None, head_axis, None)
 
+  signature = inspect.signature(fn)
+
   @functools.wraps(fn)
   def call(*args, **kwargs):
-    # The API's own checks on the global shapes (and on concrete length values), traced
-    # abstractly through the XLA path: the shards only ever see valid local blocks.
-    jax.eval_shape(lambda: fn(*args, **{**kwargs, "impl": "xla"}))
+    bound = signature.bind(*args, **kwargs).arguments  # arrays given by keyword too
+    params = signature.parameters
+    args = [v for k, v in bound.items() if params[k].kind is params[k].POSITIONAL_OR_KEYWORD]
+    kwargs = {k: v for k, v in bound.items() if params[k].kind is params[k].KEYWORD_ONLY}
+    # The API's own shape checks on the global arrays, traced abstractly through the XLA
+    # path, so that errors name global shapes. Length values are not checked (they are
+    # traced in the shards, so clamped into their capacity: the API's traced semantics).
+    static = {k: v for k, v in kwargs.items() if k in _STATIC}
+    jax.eval_shape(lambda a, kw: fn(*a, **kw, **{**static, "impl": "xla"}), args,
+                   {k: v for k, v in kwargs.items() if k not in _STATIC})
     args, kwargs, in_specs = _SPECS[fn](list(args), dict(kwargs), batch4, shared4, shared3,
                                         P(batch_axis))
     q = args[0]
@@ -121,7 +131,6 @@ def sharded(fn: Callable, mesh: Mesh, batch_axis: AxisName = "data",
     _check_divisible(name, kv_name, kv.shape[2], "key/value heads", head_axis, nh)
     names = sorted(kwargs)
     dynamic = [n for n in names if n in in_specs]
-    static = {n: kwargs[n] for n in names if n not in in_specs}
     with_lse = fn is attention_with_lse or static.get("return_lse", False)
 
     def local(*xs):
@@ -132,6 +141,9 @@ def sharded(fn: Callable, mesh: Mesh, batch_axis: AxisName = "data",
     return shard_map(local, mesh, specs, out_specs)(*args, *(kwargs[n] for n in dynamic))
 
   return call
+
+
+_STATIC = frozenset({"causal", "scale", "impl", "return_lse"})
 
 
 def _check_divisible(fn: str, arg: str, n: int, what: str, axis: AxisName, size: int) -> None:

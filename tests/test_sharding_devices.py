@@ -301,6 +301,11 @@ def test_kernels_run_per_shard(impl):
     for a, b in zip(got, ref):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=2e-6,
                                  err_msg=f"{fn.__name__} {impl}")
+  if impl == "xla":  # called eagerly on concrete arrays, the arrays given by keyword
+    out = sharded(hierarchical_attention, mesh)(q=q, levels=level, suffix_k=sk, suffix_v=sv,
+                                                suffix_lengths=lens)
+    ref = hierarchical_attention(q, [level], sk, sv, suffix_lengths=lens, impl="xla")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-6, atol=2e-6)
 
 
 def test_wrapper_and_generate_errors_name_the_problem(model):

@@ -26,10 +26,10 @@ from models.generate import decode, generate, lower_decode, prefill
 from models.llama import flat_params, random_init
 from models.prompt_tree import PromptTree
 
-pytestmark = pytest.mark.skipif(
-    jax.device_count() < 8 or jax.default_backend() != "cpu",
-    reason="needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8); "
-           "tests/test_sharding.py runs this module in such a subprocess")
+if jax.device_count() < 8 or jax.default_backend() != "cpu":
+  pytest.skip("needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8); "
+              "tests/test_sharding.py runs this module in such a subprocess",
+              allow_module_level=True)
 
 MESHES = [(8, 1), (1, 8), (2, 4), (4, 2)]
 NEW = 8

@@ -264,10 +264,16 @@ def random_init(config: LlamaConfig, seed: int = 0, *, std: float = 0.02, mesh=N
   """Random weights drawn on the host with NumPy (normal(0, std); norms at 1).
 
   Nothing is compiled, so small models (tests, CI) appear instantly. For
-  large shapes on an accelerator, initialise on the device instead:
-  ``nnx.jit(lambda: Llama(config, rngs=nnx.Rngs(seed)))()``. With ``mesh``
-  (see :func:`models.sharding.make_mesh`) each tensor goes straight to its
-  shards as it is drawn (the same values as without a mesh).
+  large shapes on one accelerator, draw on the device instead with
+  :func:`models.bench_decode.device_random_init` ``(config, seed=0, std=0.02)``:
+  one small jitted ``jax.random`` draw per parameter shape, in
+  ``config.param_dtype`` (a single jitted program initialising a whole 8B
+  model took XLA minutes to compile on an H100). Its values differ from
+  these and it takes no ``mesh``; a model too large for one device is drawn
+  here with ``mesh`` instead. With ``mesh`` (see
+  :func:`models.sharding.make_mesh`) each tensor goes straight to its shards
+  as it is drawn, so no device receives more than its block (the same values
+  as without a mesh).
   """
   rng = np.random.default_rng(seed)
   place = lambda path, x: x

@@ -180,13 +180,14 @@ def _plot(rows, sweep: str, path: str, title: str) -> None:
   y_key = "s_per_batch" if sweep == "document" else "tokens_per_s"
   fig, ax = plt.subplots(figsize=(6.5, 4.2))
   for mode, style in zip(MODES, ("o-", "s--", "^:")):
-    pts = sorted((r[x_key], r[y_key]) for r in rows if r["mode"] == mode)
+    # a point that did not fit has only tokens_per_s == "x" (no time per batch)
+    pts = sorted((r[x_key], r.get(y_key, r["tokens_per_s"])) for r in rows if r["mode"] == mode)
     ok = [(x, y) for x, y in pts if isinstance(y, float)]
     if ok:
       ax.plot(*zip(*ok), style, label=mode)
-    for x, y in pts:
-      if y == "x":
-        ax.plot([x], [0], "rx", markersize=9)
+    bad = [x for x, y in pts if y == "x"]
+    if bad:
+      ax.plot(bad, [0] * len(bad), "rx", markersize=9, label=f"{mode}: does not fit")
   ax.set_xscale("log", base=2)
   ax.set_xlabel({"batch": "batch size", "prefix": "shared prompt length",
                  "document": "questions in the batch"}[sweep])

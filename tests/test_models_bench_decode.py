@@ -26,3 +26,18 @@ def test_bench_decode_document_sweep(tmp_path):
                "--modes", "hydragen,none", "--out", out, "--no-progress"]) == 0
   rows = json.load(open(os.path.join(out, "decode_tiny_document.json")))["rows"]
   assert all(r["s_per_batch"] > 0 for r in rows)
+
+
+def test_bench_decode_document_sweep_point_that_does_not_fit(tmp_path, monkeypatch):
+  """A mode over the memory budget is an "x" row in every report (the plot included)."""
+  from models import bench_decode
+  monkeypatch.setattr(bench_decode, "_device_bytes", lambda: 1)
+  out = str(tmp_path)
+  assert main(["bench", "decode", "--model", "tiny", "--sweep", "document", "--batch", "2",
+               "--prefix", "20", "--question-tokens", "3", "--new-tokens", "4",
+               "--modes", "hydragen,standard", "--out", out, "--no-progress"]) == 0
+  stem = os.path.join(out, "decode_tiny_document")
+  rows = json.load(open(stem + ".json"))["rows"]
+  assert [r["tokens_per_s"] for r in rows] == ["x", "x"]
+  assert all("s_per_batch" not in r for r in rows)
+  assert os.path.getsize(stem + ".png") > 0 and "| x |" in open(stem + ".md").read()

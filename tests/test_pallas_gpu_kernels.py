@@ -207,3 +207,24 @@ class TestNativeMosaic:
                                          impl=impl, return_lse=True)
       ref = oracle_tree(q64, [[pk64[:500]]] * b, [[pv64[:500]]] * b, sk64, sv64, lens)
       check(out, lse, *ref, "bfloat16")
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+def test_default_configs_fit_the_shared_memory(itemsize, head_dim):
+  """Every Triton kernel's default K/V staging fits the budget: the segment kernel's float32
+  config of 128 keys x 128 dims x 3 stages (256 KB) failed natively on an H100."""
+  import importlib
+  from pallas_kernels.gpu import _common
+  mods = {n: importlib.import_module(f"pallas_kernels.gpu.{n}_attention")
+          for n in ("prefix", "suffix", "segment")}
+  for rows in (1, 16, 1024):
+    configs = (mods["prefix"].default_config(rows, 1, 4096, head_dim, itemsize=itemsize),
+               mods["suffix"].default_config(rows, 8, 512, head_dim, itemsize=itemsize),
+               mods["segment"].default_config(rows, 2, head_dim, itemsize))
+    for cfg in configs:
+      staged = _common.kv_staging_bytes(cfg.block_n, head_dim, itemsize, cfg.num_stages)
+      assert staged <= _common.KV_STAGING_BYTES, (cfg, staged)
+      assert cfg.block_n >= _common.MIN_DOT
+  failed = _common.kv_staging_bytes(128, 128, 4, 3)
+  assert failed > _common.KV_STAGING_BYTES

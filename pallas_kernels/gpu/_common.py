@@ -15,6 +15,11 @@ from jax.experimental.pallas import triton as plgpu
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
+# Bytes of K/V tiles prefetched by Triton's software pipeline ((num_stages - 1) x (K + V)
+# tiles), which share the H100's 227 KB per block with the kernel's other buffers. On the
+# H100 (2026-11-22) 128 KB ran in every kernel; the segment kernel at 256 KB (float32,
+# 128 keys x 128 dims x 3 stages) failed its native tests.
+KV_STAGING_BYTES = 160 * 1024
 
 
 def next_pow2(n: int) -> int:
@@ -24,6 +29,23 @@ def next_pow2(n: int) -> int:
 def padded_head_dim(d: int) -> int:
   """Triton blocks are powers of two; D = 80 runs as 128 with masked loads."""
   return max(MIN_DOT, next_pow2(d))
+
+
+def kv_staging_bytes(block_n: int, head_dim: int, itemsize: int, num_stages: int) -> int:
+  """Shared memory for the K and V tiles a ``num_stages`` pipeline keeps in flight."""
+  return max(1, num_stages - 1) * 2 * block_n * padded_head_dim(head_dim) * itemsize
+
+
+def fit_block_n(block_n: int, head_dim: int, itemsize: int, num_stages: int) -> int:
+  """Halves ``block_n`` (not below 16) until the K/V staging fits :data:`KV_STAGING_BYTES`.
+
+  The 16-bit defaults were tuned on an H100 and already fit; float32 inputs
+  (twice the bytes per key) get shorter key steps where they would not.
+  """
+  while block_n > MIN_DOT and kv_staging_bytes(block_n, head_dim, itemsize,
+                                                num_stages) > KV_STAGING_BYTES:
+    block_n //= 2
+  return block_n
 
 
 def run(kernel_call: Callable, *args, interpret: bool | None):

@@ -41,7 +41,7 @@ class PrefixConfig:
 
 
 def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int,
-                   num_sms: int = NUM_SMS_DEFAULT) -> PrefixConfig:
+                   num_sms: int = NUM_SMS_DEFAULT, itemsize: int = 2) -> PrefixConfig:
   """Large row tiles when the batch is large (tensor-core bound), split keys otherwise.
 
   A 128-row tile gives 128 FLOPs per byte of K/V streamed from L2; fewer rows
@@ -50,11 +50,13 @@ def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int,
   """
   big = head_dim > 128  # shared memory: halve the tiles for D = 256
   block_m = min(64 if big else 128, max(_common.MIN_DOT, _common.next_pow2(rows)))
-  block_n = 32 if big else 64  # 64-key steps were fastest on an H100 (tools/device/tune.py)
+  stages = 2 if big else 3
+  # 64-key steps were fastest on an H100 (tools/device/tune.py); shorter for float32 D = 256
+  block_n = _common.fit_block_n(32 if big else 64, head_dim, itemsize, stages)
   tiles = pl.cdiv(rows, block_m) * kv_heads
   max_splits = max(1, pl.cdiv(prefix, 4 * block_n))  # >= 4 key blocks per split
   splits = max(1, min(max_splits, pl.cdiv(num_sms, tiles)))
-  return PrefixConfig(block_m, block_n, splits, num_warps=4, num_stages=2 if big else 3)
+  return PrefixConfig(block_m, block_n, splits, num_warps=4, num_stages=stages)
 
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, head_dim: int,
@@ -164,10 +166,11 @@ def prefix_attention_rows(
   mcfg = mg.default_config(r, hkv, p, d) if mosaic else None
   use_mosaic = mosaic and interpret is not True and mg.supported(q_rows.dtype, d, p, mcfg)
   if use_mosaic:
-    cfg = dataclasses.replace(config or default_config(r, hkv, p, d), splits=mcfg.splits)
+    cfg = config or default_config(r, hkv, p, d, itemsize=k.dtype.itemsize)
+    cfg = dataclasses.replace(cfg, splits=mcfg.splits)
     tile = 2 * mcfg.block_q
   else:
-    cfg = config or default_config(r, hkv, p, d)
+    cfg = config or default_config(r, hkv, p, d, itemsize=k.dtype.itemsize)
     tile = cfg.block_m
   # Only the (small) query rows are padded, to whole row tiles; K/V are never copied.
   r_pad = pl.cdiv(r, tile) * tile

@@ -35,13 +35,14 @@ class SegmentConfig:
   num_stages: int
 
 
-def default_config(rows: int, segments: int, head_dim: int) -> SegmentConfig:
-  """Tiles sized to the average number of rows per segment (16..128)."""
+def default_config(rows: int, segments: int, head_dim: int, itemsize: int = 2) -> SegmentConfig:
+  """Tiles sized to the average number of rows per segment (16..128); key steps sized to the
+  shared memory (``itemsize``: bytes per K/V element)."""
   avg = max(1, rows // max(1, segments))
   block_m = min(128, max(_common.MIN_DOT, _common.next_pow2(avg)))
-  return SegmentConfig(block_m, 64 if head_dim > 128 else 128,
-                       num_warps=8 if block_m >= 128 else 4,
-                       num_stages=3 if head_dim <= 128 else 2)
+  stages = 3 if head_dim <= 128 else 2
+  block_n = _common.fit_block_n(64 if head_dim > 128 else 128, head_dim, itemsize, stages)
+  return SegmentConfig(block_m, block_n, num_warps=8 if block_m >= 128 else 4, num_stages=stages)
 
 
 def _kernel(tile_node_ref, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float,
@@ -169,7 +170,7 @@ def segment_rows(
   b = node_of_seq.shape[0]
   if t == 0 or r == 0:
     return jnp.zeros((hkv, r, d), jnp.float32), jnp.full((hkv, r), -jnp.inf, jnp.float32)
-  cfg = config or default_config(r, n, d)
+  cfg = config or default_config(r, n, d, k.dtype.itemsize)
   dp = _common.padded_head_dim(d)
   tile_node, gather, slot_of_row = tile_layout(node_of_seq, n, rows_per_seq, cfg.block_m)
   tiles = tile_node.shape[0]

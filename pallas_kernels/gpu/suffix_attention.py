@@ -46,11 +46,12 @@ class SuffixConfig:
 
 
 def default_config(batch: int, kv_heads: int, capacity: int, head_dim: int, rows: int = 1,
-                   num_sms: int = NUM_SMS_DEFAULT) -> SuffixConfig:
+                   num_sms: int = NUM_SMS_DEFAULT, itemsize: int = 2) -> SuffixConfig:
   """128-key steps, 4 warps, 2 stages (the best or within 5% of it for every shape of
   tools/device/tune.py on an H100, 2026-11-22); the keys are split only when
-  ``batch * kv_heads`` programs cannot fill the GPU."""
-  block_n = 64 if head_dim > 128 else 128
+  ``batch * kv_heads`` programs cannot fill the GPU; shorter key steps where float32 tiles
+  would not fit the shared memory (``itemsize``: bytes per K/V element)."""
+  block_n = _common.fit_block_n(64 if head_dim > 128 else 128, head_dim, itemsize, 2)
   programs = batch * kv_heads * (1 if rows <= MAX_ROWS else pl.cdiv(rows, PREFILL_ROWS))
   max_splits = max(1, pl.cdiv(capacity, block_n))
   splits = 1 if programs >= num_sms else max(1, min(max_splits, pl.cdiv(2 * num_sms, programs)))
@@ -193,7 +194,7 @@ def suffix_rows(
       return (jnp.zeros((hkv, b, m, d), out_dtype), jnp.full((hkv, b, m), -jnp.inf, jnp.float32))
     out, lse = merge_states([p[0] for p in parts], [p[1] for p in parts])
     return out.astype(out_dtype), lse
-  cfg = config or default_config(b, hkv, s, d, rows=m)
+  cfg = config or default_config(b, hkv, s, d, rows=m, itemsize=k.dtype.itemsize)
   fused = cfg.splits == 1
   flat = [x for pr in priors for x in pr] if fused else []
   call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, q_len=q_len, group=group,

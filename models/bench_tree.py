@@ -21,7 +21,8 @@ excluded: each timed batch is prefilled (compiling), decoded one step
 (compiling the loop) and then ``new_tokens - 1`` steps in ONE call of the same
 program; decode time per batch = that call's time * new / (new - 1); the
 prefill is timed by running it again (compiled). Total time for the N problems
-= the measured batches plus the untimed ones at their mean (``--timed-batches
+= the measured batches plus the untimed ones at the mean of the measured full
+batches; a last batch with fewer problems is always measured (``--timed-batches
 0`` measures every batch; each batch's problem lengths differ, so each batch
 compiles anew). Greedy decoding (sampling adds the same cost to every mode),
 random bf16 weights of a named preset drawn on the device. Points that do not
@@ -71,7 +72,8 @@ def configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--no-max-batch", action="store_true",
                  help="skip the runs at the largest batch the budget allows")
   p.add_argument("--timed-batches", type=int, default=1,
-                 help="batches timed per point (0: all); the rest count at their mean")
+                 help="batches timed per point (0: all), plus a smaller last batch; the "
+                      "untimed ones count at the timed full batches' mean")
   p.add_argument("--min-shared-tokens", type=int, default=None,
                  help="sharing detection threshold (models.sharing; default 16)")
   p.add_argument("--seed", type=int, default=0)
@@ -99,6 +101,19 @@ class Dataset:
 
   def batches(self, b: int) -> list[list[list[int]]]:
     return [self.problems[i:i + b] for i in range(0, len(self.problems), b)]
+
+
+def timed_batch_indices(sizes: list[int], timed_batches: int) -> list[int]:
+  """The batches to time, given each batch's number of problems.
+
+  The first ``timed_batches`` (0: all), and a last, smaller batch always: it
+  runs at another batch size, so the full batches' mean would misstate it.
+  """
+  n = len(sizes)
+  idx = list(range(n)) if timed_batches <= 0 else list(range(min(timed_batches, n)))
+  if n > 1 and sizes[-1] < sizes[0] and n - 1 not in idx:
+    idx.append(n - 1)
+  return idx
 
 
 def single_level_tree(shots, problems, samples: int):
@@ -239,8 +254,8 @@ def run_point(model, data: Dataset, mode: str, b: int, *, samples: int, new_toke
   if need > HEADROOM * budget:
     row.update(total_s="x", tokens_per_s="x", why="memory estimate")
     return row
-  timed = batches if timed_batches <= 0 else batches[:timed_batches]
-  per_batch, rates, state = [], [], None
+  timed = [batches[i] for i in timed_batch_indices([len(x) for x in batches], timed_batches)]
+  per_batch, state = [], None
   try:
     for problems in timed:
       make = lambda: make_state(model, mode, data.shots, problems, samples, new_tokens,
@@ -263,8 +278,8 @@ def run_point(model, data: Dataset, mode: str, b: int, *, samples: int, new_toke
       prefill_s = time.perf_counter() - t0
       state = None
       decode_s = dt * new_tokens / steps
-      per_batch.append(dict(prefill_s=prefill_s, decode_s=decode_s))
-      rates.append(len(problems) * samples * steps / dt)
+      per_batch.append(dict(problems=len(problems), prefill_s=prefill_s, decode_s=decode_s,
+                            rate=len(problems) * samples * steps / dt))
       if on_batch is not None:
         on_batch()
   except Exception as e:  # noqa: BLE001 -- a point that cannot run is reported, not fatal
@@ -275,10 +290,14 @@ def run_point(model, data: Dataset, mode: str, b: int, *, samples: int, new_toke
   finally:
     state = None
     gc.collect()
-  mean = lambda key: sum(x[key] for x in per_batch) / len(per_batch)
+  # Per-batch figures are those of the full batches (b problems); every untimed batch is
+  # full (a smaller last batch is always timed) and counts at their mean.
+  full = [x for x in per_batch if x["problems"] == b] or per_batch
+  mean = lambda key: sum(x[key] for x in full) / len(full)
   untimed = len(batches) - len(per_batch)
+  row["timed"] = [{k: x[k] for k in ("problems", "prefill_s", "decode_s")} for x in per_batch]
   row.update(timed_batches=len(per_batch), prefill_s=mean("prefill_s"), decode_s=mean("decode_s"),
-             batch_s=mean("prefill_s") + mean("decode_s"), tokens_per_s=sum(rates) / len(rates))
+             batch_s=mean("prefill_s") + mean("decode_s"), tokens_per_s=mean("rate"))
   row["total_decode_s"] = sum(x["decode_s"] for x in per_batch) + untimed * mean("decode_s")
   row["total_s"] = row["total_decode_s"] + sum(x["prefill_s"] for x in per_batch) + \
       untimed * mean("prefill_s")
@@ -411,8 +430,8 @@ def _run(args: argparse.Namespace) -> int:
           at_max.add((mode, b))
           if (mode, b) not in points:
             points.append((mode, b))
-  n_batches = lambda b: len(data.batches(b)) if args.timed_batches <= 0 else min(
-      args.timed_batches, len(data.batches(b)))
+  n_batches = lambda b: len(timed_batch_indices([len(x) for x in data.batches(b)],
+                                                 args.timed_batches))
   rows = []
   stem = os.path.join(args.out, f"tree_{args.model}")
   with tqdm(total=sum(n_batches(b) for _, b in points), desc="bench tree", unit="batch",

@@ -8,7 +8,7 @@ import pytest
 
 from models import bench_tree
 from models.bench_tree import (HEADROOM, Dataset, kv_bytes, make_state, max_batch, memory_needed,
-                               run_point)
+                               run_point, timed_batch_indices)
 from models.cli import main
 from models.config import preset
 from models.generate import decode
@@ -108,9 +108,26 @@ def test_bench_tree_tiny_end_to_end(tmp_path):
   for key, batches in ((("single-level", 2), 2), (("two-level", 3), 1)):
     r = rows[key]
     assert r["tokens_per_s"] > 0 and r["decode_s"] > 0 and r["prefill_s"] > 0
-    assert r["timed_batches"] == 1 and r["batches"] == batches
-    assert r["total_s"] == pytest.approx(r["batch_s"] * batches)  # untimed batches at the mean
+    assert r["batches"] == batches
+  # 3 problems in batches of 2: the smaller last batch (1 problem) is timed too, not counted
+  # at the full batch's time; the per-batch figures are the full batch's.
+  r = rows[("single-level", 2)]
+  assert r["timed_batches"] == 2 and [t["problems"] for t in r["timed"]] == [2, 1]
+  full, last = r["timed"]
+  assert r["batch_s"] == pytest.approx(full["prefill_s"] + full["decode_s"])
+  assert r["total_s"] == pytest.approx(r["batch_s"] + last["prefill_s"] + last["decode_s"])
+  r = rows[("two-level", 3)]
+  assert r["timed_batches"] == 1 and r["total_s"] == pytest.approx(r["batch_s"])
   assert len(report["summary"]) == 1 and "two-level (3 problems)" in report["summary"][0]
   md = open(stem + ".md").read()
   assert "| two-level | 3 |" in md and "| single-level | 3 |" in md and "largest batch" in md
   assert os.path.getsize(stem + ".png") > 0
+
+
+def test_timed_batches_always_include_a_smaller_last_batch():
+  assert timed_batch_indices([12, 4], 1) == [0, 1]
+  assert timed_batch_indices([3] * 8, 1) == [0]
+  assert timed_batch_indices([3, 3, 3, 1], 2) == [0, 1, 3]
+  assert timed_batch_indices([3, 3, 1], 0) == [0, 1, 2]
+  assert timed_batch_indices([5], 1) == [0]
+  assert timed_batch_indices([2, 1], 5) == [0, 1]

@@ -106,7 +106,12 @@ def test_hierarchical_attention(data, seed, dtype, causal, shape):
        scale=st.sampled_from([1.0, 0.5]), b=st.sampled_from([1, 3]))
 def test_large_logits(data, seed, dtype, scale, b):
   """Scores near 1e4 built from small integers, so every input and score is exact in
-  float32 (and in 16-bit inputs): the tolerance stays the dtype's, not loosened."""
+  float32 (and in 16-bit inputs): no overflow, no NaN, and the result within the precision
+  the decomposition can have. That precision is not the dtype's usual 1e-5 in float32: each
+  part's LSE (~1e4) is a float32 number, rounded to half an ulp, eps32 / 2 * |lse| (~5e-4
+  here), and the merge weights exp(lse_i - lse) inherit that relative error (a fresh CI run
+  found 4e-5 in the output). So the float32 bound is 2 * eps32 * max|lse| (~2e-3 at 1e4;
+  it is below 1e-5 for |lse| < 42, i.e. every other test); 16-bit inputs keep 2e-2."""
   count_case("large_logits")
   rng = np.random.default_rng(seed)
   p, s, d = 16, 8, 64
@@ -130,7 +135,12 @@ def test_large_logits(data, seed, dtype, scale, b):
                                  scale=scale)
   finite = ref_lse[np.isfinite(ref_lse)]
   assert finite.size == 0 or finite.max() > 3e3  # really a case of large logits
-  assert_close(out, lse, ref_out, ref_lse, dtype)
+  assert not np.isnan(np.asarray(out, np.float32)).any(), "NaN in out"
+  tol = tolerance(dtype)
+  if np.dtype(dtype) == np.float32 and finite.size:
+    tol = max(tol, 2 * float(np.finfo(np.float32).eps) * float(np.abs(finite).max()))
+  assert rel_err(out, ref_out) <= tol, (rel_err(out, ref_out), tol)
+  assert lse_err(lse, ref_lse) <= (1e-5 if np.dtype(dtype) == np.float32 else 1e-2)
 
 
 def test_fully_masked_rows_are_zero_and_neg_inf():

@@ -54,6 +54,9 @@ def _configure_bench(d: argparse.ArgumentParser) -> None:
   d.add_argument("--modes", default=",".join(MODES))
   d.add_argument("--dtype", default="bfloat16")
   d.add_argument("--impl", default="auto", help="attention implementation (jax_shared_attn impl)")
+  d.add_argument("--profile-steps", type=int, default=0,
+                 help="after each timed run, profile this many more steps: device time per step "
+                      "by kernel category (attention, matmul, ...) in the JSON and Markdown")
   d.add_argument("--out", default="runs/decode")
   d.add_argument("--no-progress", action="store_true")
   d.set_defaults(handler=_run)
@@ -115,8 +118,13 @@ def _is_oom(e: Exception) -> bool:
 
 
 def run_point(model, mode: str, batch: int, prefix: int, new_tokens: int, *, impl: str,
-              question_tokens: int = 0, seed: int = 0) -> dict:
-  """One (mode, batch, prompt) point; see the module docstring for the method."""
+              question_tokens: int = 0, seed: int = 0, profile_steps: int = 0) -> dict:
+  """One (mode, batch, prompt) point; see the module docstring for the method.
+
+  ``profile_steps > 0``: after the timed run, that many more steps run under
+  the profiler (the cache is sized for them) and the row gets their device
+  time per step by kernel category and the busiest kernels (``profile``).
+  """
   import jax
   import numpy as np
 
@@ -143,8 +151,9 @@ def run_point(model, mode: str, batch: int, prefix: int, new_tokens: int, *, imp
   state = None
   try:
     t0 = time.perf_counter()
-    state = prefill(model, prompts, num_samples=num_samples, max_new_tokens=new_tokens,
-                    attention=mode, impl=impl, seed=seed)
+    state = prefill(model, prompts, num_samples=num_samples,
+                    max_new_tokens=new_tokens + profile_steps, attention=mode, impl=impl,
+                    seed=seed)
     jax.block_until_ready(state)
     row["prefill_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -161,6 +170,18 @@ def run_point(model, mode: str, batch: int, prefix: int, new_tokens: int, *, imp
                tokens_per_s=batch * steps / dt)
     if question_tokens:
       row["s_per_batch"] = new_tokens * dt / steps  # answering the batch of questions
+    if profile_steps:
+      from jax_shared_attn.bench import profile
+
+      holder = [state]
+
+      def run():
+        holder[0] = jax.block_until_ready(decode(model, holder[0], profile_steps, impl=impl))
+
+      events = profile.device_events(run)
+      state = holder[0]
+      if events:
+        row["profile"] = profile.breakdown(events, per=profile_steps)
   except Exception as e:  # noqa: BLE001 -- a point that cannot run is reported, not fatal
     if not _is_oom(e):
       raise
@@ -210,6 +231,17 @@ def _markdown(rows, info) -> str:
            "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   for r in rows:
     lines.append("| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |")
+  profiled = [r for r in rows if "profile" in r]
+  if profiled:  # device time per step by kernel category (the profiler's, --profile-steps)
+    cats = sorted({c for r in profiled for c in r["profile"]["by_category_us"]})
+    pcols = ["mode", "batch", "prefix", "device_ms_per_step"] + [f"{c}_ms" for c in cats]
+    lines += ["", "Device time per decode step by kernel category (profiler, ms):", "",
+              "| " + " | ".join(pcols) + " |", "|" + "---|" * len(pcols)]
+    for r in profiled:
+      p = r["profile"]
+      vals = [r["mode"], r["batch"], r["prefix"], p["busy_us"] / 1e3]
+      vals += [p["by_category_us"].get(c, 0.0) / 1e3 for c in cats]
+      lines.append("| " + " | ".join(fmt(v) for v in vals) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -246,7 +278,7 @@ def _run(args: argparse.Namespace) -> int:
   for mode, b, p in tqdm(points, desc=f"decode {args.sweep}", disable=args.no_progress,
                          file=sys.stderr):
     rows.append(run_point(model, mode, b, p, args.new_tokens, impl=args.impl,
-                          question_tokens=questions))
+                          question_tokens=questions, profile_steps=args.profile_steps))
     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     with open(stem + ".json", "w") as f:
       json.dump(dict(info=info, rows=rows), f, indent=1)

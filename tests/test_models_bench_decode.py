@@ -41,3 +41,25 @@ def test_bench_decode_document_sweep_point_that_does_not_fit(tmp_path, monkeypat
   assert [r["tokens_per_s"] for r in rows] == ["x", "x"]
   assert all("s_per_batch" not in r for r in rows)
   assert os.path.getsize(stem + ".png") > 0 and "| x |" in open(stem + ".md").read()
+
+
+def test_bench_decode_profile_steps(tmp_path):
+  """--profile-steps runs extra steps after the timed ones (the cache is sized for them); a CPU
+  trace has no device plane, so the rows carry no profile there."""
+  out = str(tmp_path)
+  assert main(["bench", "decode", "--model", "tiny", "--sweep", "batch", "--batch", "2",
+               "--prefix", "8", "--new-tokens", "4", "--modes", "hydragen", "--profile-steps", "2",
+               "--out", out, "--no-progress"]) == 0
+  rows = json.load(open(os.path.join(out, "decode_tiny_batch.json")))["rows"]
+  assert rows[0]["steps"] == 2 and isinstance(rows[0]["tokens_per_s"], float)
+
+
+def test_bench_decode_markdown_profile_table():
+  from models.bench_decode import _markdown
+  info = dict(model="m", dtype="bfloat16", device="d", jax="0", date="today")
+  rows = [dict(mode="hydragen", batch=8, prefix=16, tokens_per_s=10.0,
+               profile=dict(busy_us=2000.0, by_category_us={"attention": 500.0, "matmul": 1500.0})),
+          dict(mode="none", batch=8, prefix=16, tokens_per_s=12.0)]
+  md = _markdown(rows, info)
+  assert "| mode | batch | prefix | device_ms_per_step | attention_ms | matmul_ms |" in md
+  assert "| hydragen | 8 | 16 | 2.000 | 0.500 | 1.500 |" in md

@@ -129,7 +129,14 @@ def run_config(shape: AttentionShape, impls, dtype, ceilings, trials: int) -> di
       return
     n = min(timing.sets_needed(set_bytes), max(1, int(0.45 * mem // max(1, set_bytes))))
     try:
-      row[f"{name}_us"] = timing.device_time(op, make, n_sets=n, trials=trials) * 1e6
+      m = timing.measure(op, make, n_sets=n, trials=trials)
+      row[f"{name}_us"] = m["seconds"] * 1e6
+      row[f"{name}_wall_us"] = m["wall_s"] * 1e6
+      row["timing"] = m["method"]
+      if "breakdown" in m:
+        row[f"{name}_kernels"] = m["breakdown"]["kernels"]
+      if "profile_error" in m:
+        row[f"{name}_profile_error"] = m["profile_error"]
       outputs[name] = jax.jit(op)(*make(0))
     except Exception as e:  # a baseline that cannot run this shape is reported, not fatal
       if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
@@ -184,10 +191,13 @@ def to_markdown(rows, info) -> str:
   cols = [("B", 0), ("P", 0), ("S", 0), ("Hq", 0), ("Hkv", 0), ("D", 0), ("floor_us", 1),
           ("ours_us", 1), ("roofline", 2), ("triton_us", 1), ("cudnn_us", 1), ("pallas_decode_us", 1),
           ("jax_pallas_hydragen_us", 1), ("xla_us", 1), ("speedup_vs_cudnn", 1),
-          ("speedup_vs_best_per_seq", 1)]
+          ("speedup_vs_best_per_seq", 1), ("ours_wall_us", 1)]
+  method = {r.get("timing") for r in rows} - {None}
+  clock = ("device time from the profiler (kernel busy time per call); ours_wall_us is the host "
+           "clock's" if method == {"profiler"} else "host clock (median per call)")
   head = (f"Device: {info['device']} ({info['backend']}), jax {info['jax']}, {info['date']}; "
           f"copy bandwidth {info['bandwidth_GBps']:.0f} GB/s, bf16 matmul "
-          f"{info['matmul_TFLOPs']:.0f} TFLOP/s (measured in this run).\n\n")
+          f"{info['matmul_TFLOPs']:.0f} TFLOP/s (measured in this run). Times: {clock}.\n\n")
   lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
   for r in rows:
     lines.append("| " + " | ".join(_fmt(r.get(c), dg) for c, dg in cols) + " |")

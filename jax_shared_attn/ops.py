@@ -160,6 +160,23 @@ def _gpu_family() -> str:
   return "mosaic_gpu" if cc.startswith("9") else "triton"
 
 
+def segment_alignment(impl: str = "auto") -> int:
+  """Token multiple that shared-segment K/V buffers should be padded to for ``impl``.
+
+  The Hopper (Mosaic GPU) prefix kernel streams whole 128-token TMA blocks and
+  masks the keys past the segment's length in the last one; a buffer of any
+  other size runs on the Triton kernel instead (correct, slower). Callers that
+  allocate segment buffers (``models.generate``) round their width up to this
+  multiple; the padding is never read as keys (the lengths mask it). 1 where
+  any length runs at full speed.
+  """
+  if jax.default_backend() != "gpu":
+    return 1
+  if impl == "pallas:mosaic_gpu" or (impl in ("auto", "pallas") and _gpu_family() == "mosaic_gpu"):
+    return 128
+  return 1
+
+
 def resolve(impl: str, fn: str) -> AttentionOps:
   """Maps an ``impl`` string to the ops that run it on the default backend."""
   if not isinstance(impl, str) or impl not in IMPLS:

@@ -49,6 +49,7 @@ from models.cache import KVCache, SegmentLevel
 from models.llama import Llama
 from models.prompt_tree import PromptTree
 from models.sampling import SamplingParams, sample, sampling_keys
+from jax_shared_attn.ops import segment_alignment
 
 Array = jax.Array
 ATTENTION_MODES = ("hydragen", "standard", "none")
@@ -339,12 +340,16 @@ def _prefill_levels(config, graphdef, params, tree: PromptTree, impl: str, progr
   batch is replicated over "data" and their heads split over "model": the
   result is laid out as the shared levels are (no communication).
 
+  The width ``T`` of a level is its longest segment, rounded up to
+  :func:`jax_shared_attn.ops.segment_alignment` (128 tokens on Hopper GPUs).
+
   Returns ``[(k, v (per layer [N, T, Hkv, D]), lengths int32 [N]), ...]``.
   """
   stored, done = [], 0
+  align = segment_alignment(impl)  # 128 on Hopper: whole blocks for the Mosaic GPU kernel
   for l in range(tree.num_levels):
     lengths = tree.lengths(l)
-    width = int(lengths.max())
+    width = -(-int(lengths.max()) // align) * align
     step = width if chunk is None else min(int(chunk), width)
     width = -(-width // step) * step  # a whole number of chunks: one compiled chunk shape
     tokens = np.zeros((len(lengths), width), np.int32)

@@ -104,6 +104,27 @@ def test_two_level_tree_stores_each_segment_once(tiny):
   assert list(nodes) == sorted(nodes)
 
 
+def test_segment_buffers_padded_to_the_alignment_give_the_same_tokens(tiny, monkeypatch):
+  """On Hopper the segment buffers are padded to 128-token blocks (the Mosaic kernel streams
+  whole blocks); the padding must never act as keys: same tokens, widths whole blocks."""
+  import sys
+  gen = sys.modules["models.generate"]  # the module (the package exports a function of its name)
+  shared = prompt_of(21, 1)
+  prompts = [shared + [7, 9, 11, 2], shared + [5, 6]]
+  plain = np.asarray(generate(tiny, prompts, num_samples=[3, 2], max_new_tokens=NEW))
+  monkeypatch.setattr(gen, "segment_alignment", lambda impl: 16)
+  state = prefill(tiny, prompts, num_samples=[3, 2], max_new_tokens=NEW)
+  assert [lv.k[0].shape[1] for lv in state.cache.levels] == [32, 16]
+  padded = np.asarray(generate(tiny, prompts, num_samples=[3, 2], max_new_tokens=NEW))
+  np.testing.assert_array_equal(padded, plain)
+
+
+def test_segment_alignment_is_one_off_hopper():
+  from jax_shared_attn.ops import segment_alignment
+  if jax.default_backend() == "cpu":
+    assert segment_alignment("auto") == segment_alignment("pallas:mosaic_gpu") == 1
+
+
 def test_hydragen_cache_holds_the_prompt_once(tiny):
   prompt, b = prompt_of(40, 2), 16
   per_token = cache_lib.kv_bytes_per_token(tiny.config)

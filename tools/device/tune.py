@@ -18,8 +18,16 @@ from pallas_kernels.gpu.prefix_attention import PrefixConfig, prefix_attention_r
 from pallas_kernels.gpu.suffix_attention import SuffixConfig, suffix_rows
 
 bf16 = jnp.bfloat16
-PREFIX_SHAPES = [("paper", 1024, 8, 1, 16384), ("llama", 1024, 32, 8, 4096)]
-SUFFIX_SHAPES = [("paper", 1024, 8, 1, 128), ("llama", 1024, 32, 8, 128), ("paper", 64, 8, 1, 512)]
+PREFIX_SHAPES = [("paper", 1024, 8, 1, 16384), ("paper", 256, 8, 1, 4096),
+                 ("llama", 1024, 32, 8, 2048), ("llama", 256, 32, 8, 2048)]
+# (name, B, Hq, Hkv, capacity, lengths): "full", or "ragged" (uniform in [1, capacity], as in
+# the middle of a decode run), or an int. Each suffix call merges one bf16 prior (the prefix).
+SUFFIX_SHAPES = [("paper", 1024, 8, 1, 128, "full"), ("llama", 1024, 32, 8, 136, "ragged"),
+                 ("llama", 1024, 32, 8, 24, 18), ("llama", 256, 32, 8, 136, "ragged"),
+                 ("paper", 64, 8, 1, 512, "full")]
+SUFFIX_CONFIGS = [(128, 4, 2, 1), (128, 4, 1, 1), (64, 4, 2, 1), (64, 4, 1, 1), (64, 8, 2, 1),
+                  (32, 4, 2, 1), (32, 4, 3, 1), (32, 2, 2, 1), (16, 4, 2, 1), (16, 2, 3, 1),
+                  (64, 4, 2, 2), (32, 4, 2, 4)]
 
 
 def rnd(i, shape):
@@ -47,7 +55,8 @@ def main(what):
     group = f"prefix {name} B={b} P={p} (TFLOP/s)"
     if "mosaic" in what:
       base = mg.default_config(r, hkv, p, d)
-      for bkv, steps, splits in itertools.product([128], [2, 3], sorted({1, 2, base.splits})):
+      for (bkv, steps), splits in itertools.product([(128, 2), (64, 3), (64, 4)],
+                                                    sorted({1, 2, base.splits})):
         cfg = mg.MosaicPrefixConfig(64, bkv, steps, splits)
         fn = functools.partial(lambda q, k, v, cfg: mg.prefix_attention_rows_mgpu(
             q, k, v, jnp.int32(p), scale=d**-0.5, config=cfg), cfg=cfg)
@@ -59,19 +68,24 @@ def main(what):
         record(group, f"triton {cfg}", fn, make, n_sets, flops, 1e12)
 
   if "suffix" in what:
-    for name, b, hq, hkv, s in SUFFIX_SHAPES:
+    for name, b, hq, hkv, s, lens in SUFFIX_SHAPES:
       d, g = 128, hq // hkv
-      nbytes = 2 * b * s * hkv * d * 2
-      make = lambda i: (rnd(3 * i, (hkv, b, g, d)), rnd(3 * i + 1, (b, s, hkv, d)), rnd(3 * i + 2, (b, s, hkv, d)))
-      for bn, warps, stages, splits in [(128, 4, 1, 1), (128, 8, 1, 1), (128, 4, 2, 1),
-                                        (128, 8, 2, 1), (64, 4, 1, 1), (64, 4, 2, 1), (64, 8, 2, 1),
-                                        (64, 2, 2, 1), (32, 4, 2, 1), (32, 2, 3, 1), (64, 4, 2, 2),
-                                        (128, 4, 2, 2)]:
+      if lens == "full":
+        lengths = jnp.full((b,), s, jnp.int32)
+      elif lens == "ragged":
+        lengths = jax.random.randint(jax.random.key(7), (b,), 1, s + 1, jnp.int32)
+      else:
+        lengths = jnp.full((b,), lens, jnp.int32)
+      nbytes = 2 * int(lengths.sum()) * hkv * d * 2
+      make = lambda i: (rnd(5 * i, (hkv, b, g, d)), rnd(5 * i + 1, (b, s, hkv, d)),
+                        rnd(5 * i + 2, (b, s, hkv, d)), rnd(5 * i + 3, (1, hkv, b, g, d)),
+                        jax.random.normal(jax.random.key(5 * i + 4), (1, hkv, b, g)))
+      for bn, warps, stages, splits in SUFFIX_CONFIGS:
         cfg = SuffixConfig(bn, splits, warps, stages)
-        fn = functools.partial(lambda q, k, v, cfg: suffix_rows(
-            q, k, v, jnp.full((b,), s, jnp.int32), [], q_len=1, causal=True, scale=d**-0.5,
-            out_dtype=bf16, config=cfg), cfg=cfg)
-        record(f"suffix {name} B={b} S={s} (GB/s)", str(cfg), fn, make,
+        fn = functools.partial(lambda q, k, v, po, pl_, cfg, lengths: suffix_rows(
+            q, k, v, lengths, [(po, pl_)], q_len=1, causal=True, scale=d**-0.5,
+            out_dtype=bf16, config=cfg), cfg=cfg, lengths=lengths)
+        record(f"suffix {name} B={b} S={s} len={lens} (GB/s)", str(cfg), fn, make,
                timing.sets_needed(nbytes), nbytes, 1e9)
 
   groups = {}

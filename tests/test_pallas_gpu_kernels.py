@@ -228,3 +228,29 @@ def test_default_configs_fit_the_shared_memory(itemsize, head_dim):
       assert cfg.block_n >= _common.MIN_DOT
   failed = _common.kv_staging_bytes(128, 128, 4, 3)
   assert failed > _common.KV_STAGING_BYTES
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_many_prefix_splits_are_merged_before_the_suffix_kernel(monkeypatch, dtype):
+  """A prior with more splits than the epilogue merges is reduced by XLA first: same result."""
+  import dataclasses
+  import sys
+
+  import pallas_kernels.gpu as gpu
+  mod = sys.modules["pallas_kernels.gpu.prefix_attention"]
+  base = mod.default_config
+  monkeypatch.setattr(mod, "default_config",
+                      lambda *a, **k: dataclasses.replace(base(*a, **k), block_n=16, splits=5))
+  monkeypatch.setattr(gpu, "MAX_FUSED_PRIOR_SPLITS", 2)
+  rng = np.random.default_rng(3)
+  b, tq, hq, hkv, d, p, s = 3, 1, 4, 2, 64, 90, 7
+  q, q64 = rand(rng, (b, tq, hq, d), dtype)
+  pk, pk64 = rand(rng, (p, hkv, d), dtype)
+  pv, pv64 = rand(rng, (p, hkv, d), dtype)
+  sk, sk64 = rand(rng, (b, s, hkv, d), dtype)
+  sv, sv64 = rand(rng, (b, s, hkv, d), dtype)
+  lens = np.array([7, 0, 3], np.int32)
+  out, lse = shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=83, suffix_lengths=lens,
+                                     impl="pallas:triton", return_lse=True)
+  ref = oracle_tree(q64, [[pk64[:83]]] * b, [[pv64[:83]]] * b, sk64, sv64, lens)
+  check(out, lse, *ref, dtype)

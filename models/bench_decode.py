@@ -259,7 +259,7 @@ def _run(args: argparse.Namespace) -> int:
   batches = args.batch or sweep["batch"]
   prefixes = args.prefix or sweep["prefix"]
   questions = args.question_tokens if args.sweep == "document" else 0
-  longest = max(prefixes) + questions + args.new_tokens + 1
+  longest = max(prefixes) + questions + args.new_tokens + args.profile_steps + 1
   config = preset(args.model)
   # Random weights: the context limit of the named checkpoint is not a property of the shape.
   config = config.replace(dtype=args.dtype,

@@ -52,6 +52,10 @@ def test_bench_decode_profile_steps(tmp_path):
                "--out", out, "--no-progress"]) == 0
   rows = json.load(open(os.path.join(out, "decode_tiny_batch.json")))["rows"]
   assert rows[0]["steps"] == 2 and isinstance(rows[0]["tokens_per_s"], float)
+  # The context limit makes room for the profiled steps too (the tiny preset allows 1024).
+  assert main(["bench", "decode", "--model", "tiny", "--sweep", "batch", "--batch", "1",
+               "--prefix", "1016", "--new-tokens", "5", "--modes", "hydragen", "--profile-steps",
+               "4", "--out", out, "--no-progress"]) == 0
 
 
 def test_bench_decode_markdown_profile_table():

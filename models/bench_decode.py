@@ -251,6 +251,8 @@ def _run(args: argparse.Namespace) -> int:
 
   from models.config import preset
 
+  if args.profile_steps < 0:
+    raise SystemExit(f"hydragen bench decode: --profile-steps must be >= 0; got {args.profile_steps}")
   modes = args.modes.split(",")
   bad = set(modes) - set(MODES)
   if bad:

@@ -67,3 +67,9 @@ def test_bench_decode_markdown_profile_table():
   md = _markdown(rows, info)
   assert "| mode | batch | prefix | device_ms_per_step | attention_ms | matmul_ms |" in md
   assert "| hydragen | 8 | 16 | 2.000 | 0.500 | 1.500 |" in md
+
+
+def test_bench_decode_rejects_negative_profile_steps(tmp_path):
+  import pytest
+  with pytest.raises(SystemExit, match="--profile-steps must be >= 0"):
+    main(["bench", "decode", "--model", "tiny", "--profile-steps", "-1", "--out", str(tmp_path)])

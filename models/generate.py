@@ -43,13 +43,13 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jax_shared_attn.ops import segment_alignment
 from models import cache as cache_lib
 from models import sharding as sharding_lib
 from models.cache import KVCache, SegmentLevel
 from models.llama import Llama
 from models.prompt_tree import PromptTree
 from models.sampling import SamplingParams, sample, sampling_keys
-from jax_shared_attn.ops import segment_alignment
 
 Array = jax.Array
 ATTENTION_MODES = ("hydragen", "standard", "none")

@@ -179,8 +179,9 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
   Args:
     model, prompt_ids, num_samples, attention, impl, seed: as in :func:`generate`.
     max_new_tokens: the decode steps the state has room for.
-    own_capacity: per-sample K/V capacity (default: exactly what is needed:
-      ``max_new_tokens`` for hydragen, the longest prompt plus that for standard).
+    own_capacity: per-sample K/V capacity (default: what is needed: ``max_new_tokens``
+      for hydragen, rounded up to :func:`jax_shared_attn.ops.segment_alignment`; the
+      longest prompt plus that for standard).
     prefill_chunk: feed prompt segments this many tokens at a time (bounds
       prefill memory for long prompts; default: each segment in one pass).
     progress: called with the number of prompt tokens prefilled so far.
@@ -230,7 +231,13 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
     else:
       needed = sum(k[0].shape[1] for k, _, _ in stored) + max_new_tokens
       lengths = contexts[order]
-  capacity = needed if own_capacity is None else int(own_capacity)
+  if own_capacity is None:
+    # Hopper: whole 128-token blocks let decoding run prefix and suffixes in one kernel (the
+    # positions past each sample's length stay zero and are masked).
+    align = segment_alignment(impl) if attention == "hydragen" and levels else 1
+    capacity = -(-needed // align) * align
+  else:
+    capacity = int(own_capacity)
   if capacity < needed:
     raise ValueError(f"own_capacity={own_capacity} is too small: attention={attention!r} with "
                      f"max_new_tokens={max_new_tokens} needs {needed} tokens per sample")

@@ -75,6 +75,66 @@ def test_hierarchical_attention_exports_for_cuda(b, n, d):
   assert text.count(TRITON) >= 3
 
 
+# Decoding with one prefix whose buffers are whole blocks (P % 128, S % 64): ONE Mosaic GPU
+# kernel for prefix and suffixes (no Triton kernel); otherwise the split path above.
+FUSED_SWEEP = [(b, hkv * g, hkv, d, p, s)
+               for b, (hkv, g), d, (p, s) in itertools.product(
+                   [1, 16, 1024], [(1, 8), (8, 4), (2, 1), (1, 16)], [64, 128],
+                   [(1024, 64), (16384, 192)])]
+
+
+@pytest.mark.parametrize("b,hq,hkv,d,p,s", FUSED_SWEEP)
+def test_fused_decode_exports_for_cuda(b, hq, hkv, d, p, s):
+  dt = jnp.bfloat16
+  fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
+                                                             impl="pallas:mosaic_gpu")
+  text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
+                     S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
+  assert text.count(f"custom_call @{MOSAIC}") == 1 and "private @_fused_jit" in text
+  assert TRITON not in text
+
+
+def test_fused_decode_off_switch_and_limits():
+  """``fused_decode(False)`` and shapes outside the kernel's limits take the split path."""
+  import pallas_kernels.gpu as gpu
+  dt = jnp.bfloat16
+
+  def export(b, tq, p, s, d=128):
+    fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv,
+                                                               suffix_lengths=n,
+                                                               impl="pallas:mosaic_gpu")
+    return export_cuda(fn, S((b, tq, 8, d), dt), S((p, 1, d), dt), S((p, 1, d), dt),
+                       S((b, s, 1, d), dt), S((b, s, 1, d), dt), S((b,), jnp.int32))
+
+  assert "_fused_jit" in export(64, 1, 1024, 128)
+  with gpu.fused_decode(False):
+    assert "_fused_jit" not in export(64, 1, 1024, 128)
+  assert gpu.FUSED_DECODE
+  for b, tq, p, s, d in [(64, 2, 1024, 128, 128),  # Tq > 1
+                         (64, 1, 1024, 100, 128),  # suffix capacity not whole 64-key blocks
+                         (64, 1, 1000, 128, 128),  # prefix not whole 128-key blocks
+                         (64, 1, 1024, 128, 256)]:  # D = 256
+    text = export(b, tq, p, s, d)
+    assert "_fused_jit" not in text and TRITON in text
+
+
+def test_fused_decode_kernel_lowered_once_per_shape():
+  dt = jnp.bfloat16
+
+  def layers(q, pk, pv, sk, sv, n):
+    outs = []
+    for _ in range(4):
+      out = shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n, impl="pallas:mosaic_gpu")
+      outs.append(out)
+      q = out.astype(dt)
+    return outs
+
+  text = export_cuda(layers, S((64, 1, 8, 128), dt), S((1024, 1, 128), dt), S((1024, 1, 128), dt),
+                     S((64, 128, 1, 128), dt), S((64, 128, 1, 128), dt), S((64,), jnp.int32))
+  assert text.count("private @_fused_jit") == 1, "the kernel's function is not shared"
+  assert text.count(f"custom_call @{MOSAIC}") == 1
+
+
 def test_mosaic_kernel_lowered_once_per_shape():
   """A model calls the prefix kernel once per layer with the same shapes: the compiled module
   holds one copy of the Mosaic GPU kernel (one lowering, one GPU compilation), not one per

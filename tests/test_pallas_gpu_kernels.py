@@ -209,6 +209,54 @@ class TestNativeMosaic:
       check(out, lse, *ref, "bfloat16")
 
 
+# The one-kernel decode path (prefix + suffixes in one Mosaic GPU kernel): (B, Hq, Hkv, D, P,
+# suffix capacity). G 1..16, D 64/128, one to many row tiles, key splits (few rows) and none.
+FUSED_CASES = (
+    (3, 8, 1, 128, 256, 64),
+    (17, 4, 2, 64, 128, 192),
+    (1, 16, 1, 128, 1024, 128),
+    (40, 32, 8, 128, 512, 128),
+    (300, 8, 1, 64, 384, 64),
+    (1024, 8, 1, 128, 2048, 128),
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
+class TestNativeFusedDecode:
+  examples = 5
+
+  def run(self, data, seed, case, dtype="bfloat16"):
+    b, hq, hkv, d, p, s = case
+    count_case("fused_decode")
+    rng = np.random.default_rng(seed)
+    q, q64 = rand(rng, (b, 1, hq, d), dtype)
+    pk, pk64 = rand(rng, (p, hkv, d), dtype)
+    pv, pv64 = rand(rng, (p, hkv, d), dtype)
+    sk, sk64 = rand(rng, (b, s, hkv, d), dtype)
+    sv, sv64 = rand(rng, (b, s, hkv, d), dtype)
+    plen = data.draw(st.one_of(st.sampled_from([0, 1, p - 1, p]), st.integers(0, p)))
+    lens = lengths(data.draw, b, s)  # empty contexts included: (0, -inf)
+    out, lse = shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=plen,
+                                       suffix_lengths=lens, impl="pallas:mosaic_gpu",
+                                       return_lse=True)
+    ref = oracle_tree(q64, [[pk64[:plen]]] * b, [[pv64[:plen]]] * b, sk64, sv64, lens)
+    check(out, lse, *ref, dtype)
+
+  @pytest.mark.parametrize("case", FUSED_CASES)
+  def test_against_oracle(self, case):
+    import pallas_kernels.gpu as gpu
+    from pallas_kernels.gpu import shared_attention_mgpu as fm
+    b, hq, hkv, d, p, s = case
+    assert gpu.FUSED_DECODE and fm.supported(jnp.bfloat16, d, p, s, hq // hkv, fm.FusedConfig())
+    given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples, deadline=None)(
+        lambda data, seed: self.run(data, seed, case)))()
+
+  def test_float16(self):
+    given(data=st.data(), seed=SEEDS)(settings(max_examples=3, deadline=None)(
+        lambda data, seed: self.run(data, seed, (9, 8, 2, 128, 256, 128), "float16")))()
+
+
 @pytest.mark.parametrize("itemsize", [2, 4])
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 def test_default_configs_fit_the_shared_memory(itemsize, head_dim):

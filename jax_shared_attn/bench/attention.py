@@ -4,6 +4,8 @@ One run measures the copy bandwidth and the matmul rate, then for each
 configuration (one decode step, all suffixes full) times
 
 * ``ours``: ``shared_prefix_attention(impl="auto")`` (the Pallas kernels on a GPU),
+* ``split``: ours with the prefix and suffix kernels run one after the other (on
+  Hopper, decoding with one prefix otherwise runs both in one kernel),
 * ``triton``: the same with ``impl="pallas:triton"`` (no Hopper-specific kernel),
 * ``xla``: the pure-JAX path of the same function,
 * ``cudnn``: per-sequence ``jax.nn.dot_product_attention(implementation="cudnn")``
@@ -42,7 +44,7 @@ SHAPES = {  # name: (Hq, Hkv, D)
     "paper": (8, 1, 128),  # Hydragen's microbenchmark: CodeLlama-34b over 8 GPUs
     "llama-3-8b": (32, 8, 128),
 }
-IMPLS = ("ours", "triton", "xla", "cudnn", "pallas_decode", "jax_pallas_hydragen")
+IMPLS = ("ours", "split", "triton", "xla", "cudnn", "pallas_decode", "jax_pallas_hydragen")
 
 
 def _inputs(shape: AttentionShape, dtype, seed: int):
@@ -74,6 +76,14 @@ def _ours(impl):
   def op(q, pk, pv, sk, sv):
     return shared_prefix_attention(q, pk, pv, sk, sv, impl=impl)
   return op
+
+
+def _ours_split(q, pk, pv, sk, sv):
+  """Ours with the prefix and suffix kernels apart (no one-kernel decode path): the comparison
+  that shows what running them in one kernel buys."""
+  import pallas_kernels.gpu as gpu
+  with gpu.fused_decode(False):
+    return shared_prefix_attention(q, pk, pv, sk, sv, impl="auto")
 
 
 def _cudnn(q, k, v):
@@ -148,6 +158,8 @@ def run_config(shape: AttentionShape, impls, dtype, ceilings, trials: int) -> di
   make_shared = functools.partial(_inputs, shape, dtype)
   if "ours" in impls:
     timed("ours", _ours("auto"), make_shared, shared_set)
+  if on_gpu and "split" in impls:
+    timed("split", _ours_split, make_shared, shared_set)
   if on_gpu and "triton" in impls:
     timed("triton", _ours("pallas:triton"), make_shared, shared_set)
   if "xla" in impls:
@@ -189,7 +201,7 @@ def _fmt(x, digits=1):
 
 def to_markdown(rows, info) -> str:
   cols = [("B", 0), ("P", 0), ("S", 0), ("Hq", 0), ("Hkv", 0), ("D", 0), ("floor_us", 1),
-          ("ours_us", 1), ("roofline", 2), ("triton_us", 1), ("cudnn_us", 1), ("pallas_decode_us", 1),
+          ("ours_us", 1), ("roofline", 2), ("split_us", 1), ("triton_us", 1), ("cudnn_us", 1), ("pallas_decode_us", 1),
           ("jax_pallas_hydragen_us", 1), ("xla_us", 1), ("speedup_vs_cudnn", 1),
           ("speedup_vs_best_per_seq", 1), ("ours_wall_us", 1)]
   method = {r.get("timing") for r in rows} - {None}

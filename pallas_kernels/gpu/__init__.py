@@ -9,11 +9,16 @@
 ``shared_attention``   the whole decomposition in the folded row layout: the
                        shared parts' partial states (every key split, every
                        tree level) go straight into the suffix kernel's
-                       epilogue, which writes the final output once.
+                       epilogue, which writes the final output once. On
+                       Hopper, decoding with one shared prefix runs prefix and
+                       suffixes in ONE Mosaic GPU kernel instead
+                       (``shared_attention_mgpu``: the suffix bytes stream
+                       while the tensor cores run the prefix product).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -33,12 +38,66 @@ from pallas_kernels.gpu.suffix_attention import suffix_attention, suffix_rows
 MAX_FUSED_PRIOR_SPLITS = 4
 
 
+# Decoding with one shared prefix on Hopper runs prefix and suffixes in one Mosaic GPU kernel
+# (shared_attention_mgpu); False keeps them apart (benchmark comparisons). Read when tracing.
+FUSED_DECODE = True
+
+
+@contextlib.contextmanager
+def fused_decode(enabled: bool):
+  """Temporarily turns the one-kernel decode path on or off (for calls traced inside)."""
+  global FUSED_DECODE
+  before, FUSED_DECODE = FUSED_DECODE, bool(enabled)
+  try:
+    yield
+  finally:
+    FUSED_DECODE = before
+
+
+def _fused_decode_applies(q, parts, suffix_k, mosaic, interpret) -> bool:
+  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  if not (FUSED_DECODE and mosaic and interpret is not True and len(parts) == 1
+          and parts[0][0] == "prefix" and q.shape[1] == 1 and q.shape[0] > 0):
+    return False
+  b, _, hq, d = q.shape
+  k = parts[0][1]
+  hkv = k.shape[1]
+  return fm.supported(q.dtype, d, k.shape[0], suffix_k.shape[1], hq // hkv,
+                      fm.default_config(b * hq // hkv, hkv, k.shape[0])) and (
+                          suffix_k.dtype == q.dtype == k.dtype)
+
+
 def shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, mosaic=False,
                      interpret=None):
   """Shared parts + suffix, fused (see :class:`jax_shared_attn.ops.AttentionOps`).
 
   Returns ``out [B, Tq, Hq, D]`` in q's dtype and natural-log ``lse [B, Tq, Hq]``.
   """
+  if _fused_decode_applies(q, parts, suffix_k, mosaic, interpret):
+    from pallas_kernels.gpu import shared_attention_mgpu as fm
+    _, k, v, length, _ = parts[0]
+    b, tq, hq, _ = q.shape
+    hkv = k.shape[1]
+
+    def native(q, k, v, length, sk, sv, lens):
+      out, lse = fm.fused_decode_rows(_common.fold_rows(q, hkv), k, v, length, sk, sv, lens,
+                                      rows_per_seq=hq // hkv, scale=scale)
+      return _common.unfold_rows(out, b, tq), _common.unfold_rows(lse, b, tq)
+
+    def elsewhere(q, k, v, length, sk, sv, lens):  # no Mosaic interpret mode: Triton, interpreted
+      return _split_shared_attention(q, [("prefix", k, v, length, None)], sk, sv, kv_lengths=lens,
+                                     causal=causal, scale=scale, mosaic=False, interpret=True)
+
+    return jax.lax.platform_dependent(q, k, v, jnp.asarray(length, jnp.int32), suffix_k, suffix_v,
+                                      jnp.asarray(kv_lengths, jnp.int32), cuda=native,
+                                      default=elsewhere)
+  return _split_shared_attention(q, parts, suffix_k, suffix_v, kv_lengths=kv_lengths,
+                                 causal=causal, scale=scale, mosaic=mosaic, interpret=interpret)
+
+
+def _split_shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, mosaic,
+                            interpret):
+  """The shared parts' kernels, then the suffix kernel merging their states in its epilogue."""
   b, tq, hq, d = q.shape
   hkv = suffix_k.shape[2]
   m = tq * (hq // hkv)

@@ -1,0 +1,336 @@
+"""Shared prefix and per-sequence suffixes in ONE Hopper kernel (Pallas Mosaic GPU).
+
+The split kernels run one after the other: the batched prefix product is
+compute-bound (wgmma at ~90% of the measured matmul rate) and the suffix pass
+is memory-bound (2.0-2.6 TB/s), so neither hides the other and the sum sits
+well above ``max(FLOPs / rate, bytes / bandwidth)``. Here every CTA of
+:mod:`pallas_kernels.gpu.prefix_attention_mgpu`'s design (two consumer
+warpgroups of 64 query rows, one TMA producer warpgroup) continues, after the
+prefix's K/V blocks, with the suffix K/V of the sequences its 128 rows belong
+to, in the same online softmax: the producer streams the suffix bytes while
+the tensor cores are busy, and the result is final (no merge pass) when the
+CTA runs every step.
+
+Decoding only (``Tq == 1``: ``G`` rows per sequence, ``128 % G == 0``). A
+suffix step holds ``block_s`` keys of ONE sequence and both warpgroups multiply
+it against all 128 rows, masking the rows of other sequences: the tensor cores
+do ``128 / G`` times the suffix's useful FLOPs, which they have to spare while
+the suffix bytes stream (the suffix FLOPs are ~1/16 of the prefix's at the
+paper's shape). The CTA streams ``cdiv(max length of its sequences, block_s)``
+blocks of each of its sequences (keys past a sequence's length are masked;
+decoding sequences that share a prompt have equal lengths).
+
+Key splits (flash-decoding, when the row tiles do not fill the SMs) cut the
+CTA's step list -- prefix blocks then suffix blocks -- into contiguous ranges;
+their partial states are merged by LSE afterwards.
+
+Keys and values past ``kv_length`` / ``suffix_lengths[b]`` (inside the buffers)
+are multiplied by a zero probability: they must be finite, which the model's
+zero-initialised caches guarantee (this is also true of the prefix kernel's
+last block).
+
+Reference: :func:`jax_shared_attn.reference.prefix_attention` merged with
+:func:`jax_shared_attn.reference.suffix_attention`. LSE is natural log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+CTA_ROWS = 128  # two consumer warpgroups of 64 rows
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedConfig:
+  block_q: int = 64  # rows per consumer warpgroup
+  block_kv: int = 128  # prefix keys per step
+  block_s: int = 64  # suffix keys per step (one sequence)
+  max_concurrent_steps: int = 2
+  splits: int = 1
+
+
+def supported(dtype, head_dim: int, prefix: int, capacity: int, rows_per_seq: int,
+              cfg: FusedConfig) -> bool:
+  """Shapes the fused kernel takes (otherwise the prefix and suffix kernels run apart)."""
+  return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+          and head_dim in (64, 128) and prefix > 0 and prefix % cfg.block_kv == 0
+          and capacity > 0 and capacity % cfg.block_s == 0
+          and 0 < rows_per_seq <= CTA_ROWS and CTA_ROWS % rows_per_seq == 0)
+
+
+def default_config(rows: int, kv_heads: int, prefix: int, num_sms: int = 132) -> FusedConfig:
+  """Key splits only while the row tiles leave SMs idle (as the prefix kernel's)."""
+  cfg = FusedConfig()
+  tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
+  splits = max(1, min(num_sms // tiles, (prefix // cfg.block_kv) // 4 or 1))
+  return dataclasses.replace(cfg, splits=splits)
+
+
+def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *,
+                    rows_per_seq: int, scale: float, config: FusedConfig):
+  """``q_rows [Hkv, R, D]`` (R a multiple of 128; rows ``b * G + g``, padding past ``B * G``),
+  prefix ``k, v [P, Hkv, D]``, ``kv_length`` int32 ``[1]``, suffixes ``[B, S, Hkv, D]``,
+  ``suffix_lengths`` int32 ``[B]``.
+
+  Returns ``out [splits, Hkv, R, D]`` in q's dtype and natural-log ``lse [splits, Hkv, R]``.
+  """
+  hkv, r, d = q_rows.shape
+  p = k.shape[0]
+  batch, capacity = suffix_k.shape[:2]
+  dtype = q_rows.dtype
+  cfg = config
+  block_q, block_kv, block_s = cfg.block_q, cfg.block_kv, cfg.block_s
+  m = rows_per_seq
+  if r % CTA_ROWS:
+    raise ValueError(f"rows ({r}) must be a multiple of {CTA_ROWS}")
+  seqs_per_cta = CTA_ROWS // m
+  prefix_blocks = p // block_kv
+  steps_buf = cfg.max_concurrent_steps
+  qk_scale = scale * LOG2E
+
+  def kernel(len_ref, slen_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref, scoped):
+    head = lax.axis_index("heads")
+    tile = lax.axis_index("q_seq")
+    split = lax.axis_index("split")
+    smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
+    wg_idx = lax.axis_index("wg")
+    qo_smem2, k_smem, v_smem, lse_smem2 = smem_buffers
+    k_barriers, v_barriers, q_barriers = buffer_barriers
+    k_consumed_barriers, v_consumed_barriers = consumed_barriers
+
+    # The CTA's step list: the prefix's valid blocks, then block_s-key blocks of each of its
+    # sequences (as many per sequence as the longest of them needs).
+    kv_len = jnp.minimum(len_ref[0], p)
+    n_pre = jnp.minimum(lax.div(kv_len + (block_kv - 1), jnp.int32(block_kv)), prefix_blocks)
+    full_pre = lax.div(kv_len, jnp.int32(block_kv))
+    seq0 = tile * seqs_per_cta
+
+    def longest(j, acc):
+      b = seq0 + j
+      n = slen_ref[jnp.minimum(b, batch - 1)]
+      return jnp.maximum(acc, jnp.where(b < batch, jnp.minimum(n, capacity), 0))
+
+    max_len = lax.fori_loop(0, seqs_per_cta, longest, jnp.int32(0))
+    n_sblk = lax.div(max_len + (block_s - 1), jnp.int32(block_s))
+    n_total = n_pre + seqs_per_cta * n_sblk
+    per_split = lax.div(n_total + (cfg.splits - 1), jnp.int32(cfg.splits))
+    lo = split * per_split
+    steps = jnp.clip(n_total - lo, 0, per_split)
+    # Local step ranges: [0, a) prefix unmasked, [a, c) prefix last (masked), [c, steps) suffix.
+    a_end = jnp.clip(full_pre - lo, 0, steps)
+    c_end = jnp.clip(n_pre - lo, 0, steps)
+    n_sblk_safe = jnp.maximum(n_sblk, 1)
+
+    def suffix_coords(i):
+      u = lo + i - n_pre
+      j = lax.div(u, n_sblk_safe)
+      return seq0 + j, u - j * n_sblk_safe  # sequence, block within it
+
+    def perform_schedule_barrier():
+      plgpu.barrier_arrive(schedule_barrier)
+      plgpu.barrier_wait(schedule_barrier)
+
+    @pl.when(wg_idx < 2)
+    def _compute_wg():
+      plgpu.set_max_registers(232, action="increase")
+      qo_smem = qo_smem2.at[wg_idx]
+      lse_smem = lse_smem2.at[wg_idx]
+      q_base = tile * CTA_ROWS + wg_idx * block_q
+      plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem,
+                              q_barriers.at[wg_idx])
+      plgpu.barrier_wait(q_barriers.at[wg_idx])
+      m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+      l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+      acc = plgpu.layout_cast(jnp.full((block_q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+      @pl.when(steps > 0)
+      def _():
+        plgpu.barrier_wait(k_barriers.at[0])
+
+      pl.when(wg_idx == 1)(perform_schedule_barrier)
+
+      def kv_loop(i, carry, kind: str):
+        acc, m_i, l_i = carry
+        slot = lax.rem(i, jnp.array(steps_buf, i.dtype))
+        n_keys = block_s if kind == "suffix" else block_kv
+        k_tile = k_smem.at[slot] if n_keys == block_kv else k_smem.at[slot, pl.ds(0, n_keys)]
+        v_tile = v_smem.at[slot] if n_keys == block_kv else v_smem.at[slot, pl.ds(0, n_keys)]
+
+        def compute_qk(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+          perform_schedule_barrier()
+          return acc_ref[...]
+
+        qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, n_keys), jnp.float32))
+        plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+        cols = None
+        if kind != "prefix":
+          cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
+        if kind == "prefix_last":
+          qk = jnp.where(cols + (lo + i) * block_kv < kv_len, qk, -jnp.inf)
+        elif kind == "suffix":
+          seq, blk = suffix_coords(i)
+          n_valid = jnp.where(seq < batch, slen_ref[jnp.minimum(seq, batch - 1)], 0)
+          qk = jnp.where(cols + blk * block_s < n_valid, qk, -jnp.inf)
+          rows = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 0, layout=plgpu.Layout.WGMMA)
+          first = seq * m - q_base  # this sequence's rows, relative to the warpgroup's
+          qk = jnp.where(rows >= first, qk, -jnp.inf)
+          qk = jnp.where(rows < first + m, qk, -jnp.inf)
+        m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
+        # Rows without a visible key so far keep m = -inf: subtract 0 instead (no inf - inf).
+        m_use = m_ij if kind == "prefix" else jnp.where(m_ij == -jnp.inf, 0.0, m_ij)
+        alpha = jnp.exp2(m_i - m_use)
+        m_i = m_ij
+        p_ = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_use, qk.shape, [0]))
+        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i *= alpha
+        p16 = p_.astype(dtype)
+
+        def end_softmax_barriers():
+          plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
+          plgpu.barrier_wait(v_barriers.at[slot])
+          plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
+
+        l_i += p_.sum(axis=1)
+        acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
+        end_softmax_barriers()
+
+        def compute_pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_tile)
+          wait_step = i + 1
+          wait_slot = lax.rem(wait_step, jnp.array(steps_buf, i.dtype))
+
+          @pl.when(wait_step < steps)
+          def _wait():
+            plgpu.barrier_wait(k_barriers.at[wait_slot])
+
+        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_consumed_barriers.at[slot])
+        return acc, m_i, l_i
+
+      carry = (acc, m_i, l_i)
+      carry = lax.fori_loop(0, a_end, functools.partial(kv_loop, kind="prefix"), carry)
+      carry = lax.fori_loop(a_end, c_end, functools.partial(kv_loop, kind="prefix_last"), carry)
+      acc, m_i, l_i = lax.fori_loop(c_end, steps, functools.partial(kv_loop, kind="suffix"),
+                                    carry)
+      pl.when(wg_idx == 0)(perform_schedule_barrier)
+
+      has = l_i > 0  # a split without visible keys gives (0, -inf), not 0/0
+      safe_l = jnp.where(has, l_i, 1.0)
+      acc /= lax.broadcast_in_dim(safe_l, (block_q, d), [0])
+      qo_smem[...] = acc.astype(dtype)
+      lse_smem[...] = jnp.where(has, (m_i + jnp.log(safe_l) * (1 / LN2)) * LN2, -jnp.inf)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[split, head, pl.ds(q_base, block_q)])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, head, pl.ds(q_base, block_q)])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg_idx == 2)
+    def _memory_wg():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def issue(i, slot, which: str):
+        src_pre, src_suf = (k_ref, sk_ref) if which == "k" else (v_ref, sv_ref)
+        smem = (k_smem if which == "k" else v_smem).at[slot]
+        bar = (k_barriers if which == "k" else v_barriers).at[slot]
+
+        @pl.when(lo + i < n_pre)
+        def _prefix():
+          plgpu.copy_gmem_to_smem(src_pre.at[pl.ds((lo + i) * block_kv, block_kv), head], smem,
+                                  bar)
+
+        @pl.when(lo + i >= n_pre)
+        def _suffix():
+          seq, blk = suffix_coords(i)
+          dst = smem if block_s == block_kv else smem.at[pl.ds(0, block_s)]
+          plgpu.copy_gmem_to_smem(
+              src_suf.at[jnp.minimum(seq, batch - 1), pl.ds(blk * block_s, block_s), head], dst,
+              bar)
+
+      for i in range(steps_buf):
+        @pl.when(i < steps)
+        def _first(i=i):
+          issue(jnp.int32(i), i, "k")
+          issue(jnp.int32(i), i, "v")
+
+      @pl.loop(0, jnp.maximum(steps - steps_buf, 0))
+      def _kv_loop(i):
+        step = i + steps_buf
+        slot = lax.rem(i, jnp.array(steps_buf, i.dtype))
+        plgpu.barrier_wait(k_consumed_barriers.at[slot])
+        issue(step, slot, "k")
+        plgpu.barrier_wait(v_consumed_barriers.at[slot])
+        issue(step, slot, "v")
+
+  def entry(len_ref, slen_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref):
+    compute_wgs = 2
+    tiling = plgpu.TilingTransform((8, 64))
+    swizzle = plgpu.SwizzleTransform(128)
+    qo_scratch = plgpu.SMEM((compute_wgs, block_q, d), dtype, transforms=(tiling, swizzle))
+    k_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
+    v_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
+    lse_scratch = plgpu.SMEM((compute_wgs, block_q), jnp.float32)
+    pl.run_scoped(
+        lambda *args: kernel(len_ref, slen_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref,
+                             lse_ref, args),
+        [qo_scratch, k_scratch, v_scratch, lse_scratch],
+        (plgpu.Barrier(num_barriers=steps_buf), plgpu.Barrier(num_barriers=steps_buf),
+         plgpu.Barrier(num_barriers=compute_wgs)),
+        (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf),) * 2,
+        plgpu.Barrier(num_arrivals=compute_wgs),
+        collective_axes="wg",
+    )
+
+  out_shape = [jax.ShapeDtypeStruct((cfg.splits, hkv, r, d), dtype),
+               jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32)]
+  length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
+  return plgpu.kernel(
+      entry,
+      out_type=out_shape,
+      grid=(hkv, r // CTA_ROWS, cfg.splits),
+      grid_names=("heads", "q_seq", "split"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(length, jnp.asarray(suffix_lengths, jnp.int32), q_rows, k, v, suffix_k, suffix_v)
+
+
+@functools.partial(jax.jit, static_argnames=("rows_per_seq", "scale", "config"))
+def _fused_jit(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, rows_per_seq,
+               scale, config):
+  """One stable jitted function: the layers of a model share one lowering and one kernel copy."""
+  return fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
+                         rows_per_seq=rows_per_seq, scale=scale, config=config)
+
+
+def fused_decode_rows(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *,
+                      rows_per_seq: int, scale: float, config: FusedConfig | None = None):
+  """Prefix + suffix attention, merged: ``q_rows [Hkv, B * G, D]`` -> ``out [Hkv, B * G, D]``
+  (q's dtype) and natural-log ``lse [Hkv, B * G]``. Native CUDA only (no interpret mode)."""
+  from jax_shared_attn.merge import merge_states
+  hkv, r, d = q_rows.shape
+  cfg = config or default_config(r, hkv, k.shape[0])
+  r_pad = pl.cdiv(r, CTA_ROWS) * CTA_ROWS
+  if r_pad != r:
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, r_pad - r), (0, 0)))
+  length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
+  out, lse = _fused_jit(q_rows, k, v, length, suffix_k, suffix_v,
+                        jnp.asarray(suffix_lengths, jnp.int32), rows_per_seq=rows_per_seq,
+                        scale=float(scale), config=cfg)
+  if cfg.splits > 1:
+    out, lse = merge_states(list(out.astype(jnp.float32)), list(lse))
+    out = out.astype(q_rows.dtype)
+  else:
+    out, lse = out[0], lse[0]
+  return out[:, :r], lse[:, :r]

@@ -34,6 +34,11 @@ class SharedLevel:
     node_of_seq: int32 ``[B]``: the segment that sequence b continues at this
       level, or ``-1`` if b has no segment at this level.
 
+    all_share: static promise that the level is one segment (N = 1) continued by
+      every sequence (``node_of_seq`` all 0), as :meth:`shared_by_all` builds it.
+      It lets the kernels treat the segment as a plain shared prefix (on Hopper,
+      decoding then runs prefix and suffixes in one kernel).
+
   Sequence b's context is, level by level, ``k[node_of_seq[b], :lengths[...]]``,
   then its own suffix. Fan-out may differ per segment.
   """
@@ -42,6 +47,7 @@ class SharedLevel:
   v: Array
   lengths: Array
   node_of_seq: Array
+  all_share: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @classmethod
   def shared_by_all(cls, k: Array, v: Array, batch_size: int,
@@ -49,7 +55,7 @@ class SharedLevel:
     """A level with one segment (``k, v [T, Hkv, D]``) shared by all ``batch_size`` sequences."""
     length = k.shape[0] if length is None else length
     return cls(k[None], v[None], jnp.reshape(jnp.asarray(length, jnp.int32), (1,)),
-               jnp.zeros((batch_size,), jnp.int32))
+               jnp.zeros((batch_size,), jnp.int32), all_share=True)
 
 
 def _check_query(fn: str, q: Array) -> tuple[int, int, int, int]:
@@ -228,6 +234,12 @@ def hierarchical_attention(q: Array, levels: Sequence[SharedLevel], suffix_k: Ar
   parts = []
   for i, level in enumerate(levels):
     seg_lengths, nodes = _check_level(fn, i, level, b, suffix_k.shape[2], d, q.dtype)
-    parts.append(("segments", level.k, level.v, seg_lengths, nodes))
+    if level.all_share:
+      if level.k.shape[0] != 1:
+        raise ValueError(f"{fn}: levels[{i}].all_share=True promises one segment shared by every "
+                         f"sequence, but levels[{i}].k holds {level.k.shape[0]} segments")
+      parts.append(("prefix", level.k[0], level.v[0], seg_lengths[0], None))
+    else:
+      parts.append(("segments", level.k, level.v, seg_lengths, nodes))
   scale = _checks.check_scale(fn, scale, d)
   return _decomposed(fn, q, parts, suffix_k, suffix_v, lengths, causal, scale, impl, return_lse)

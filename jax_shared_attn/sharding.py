@@ -179,7 +179,8 @@ def _specs_tree(args, kwargs, batch4, shared4, shared3, batch1):
   levels = [levels] if isinstance(levels, SharedLevel) else list(levels)
   args[1] = levels
   kwargs["suffix_lengths"] = _lengths(kwargs.get("suffix_lengths"), q.shape[0], sk.shape[1])
-  level_specs = [SharedLevel(shared4, shared4, P(None), batch1) for _ in levels]
+  level_specs = [SharedLevel(shared4, shared4, P(None), batch1, all_share=lv.all_share)
+                 for lv in levels]
   return args, kwargs, {"args": (batch4, level_specs, batch4, batch4), "suffix_lengths": batch1}
 
 

@@ -47,16 +47,20 @@ class SegmentLevel:
     k, v: per layer, ``[N, T, Hkv, D]``: the level's N segments (padded to T tokens).
     lengths: int32 ``[N]``: valid tokens of each segment.
     node_of_seq: int32 ``[B]``: the segment sequence b continues, or -1.
+    all_share: static: one segment continued by every sequence (see
+      :class:`jax_shared_attn.SharedLevel`); set by :func:`models.generate.prefill`.
   """
 
   k: tuple[Array, ...]
   v: tuple[Array, ...]
   lengths: Array
   node_of_seq: Array
+  all_share: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   def layer(self, i: int) -> SharedLevel:
     """The core's view of this level at layer ``i`` (``k, v [N, T, Hkv, D]``)."""
-    return SharedLevel(self.k[i], self.v[i], self.lengths, self.node_of_seq)
+    return SharedLevel(self.k[i], self.v[i], self.lengths, self.node_of_seq,
+                       all_share=self.all_share)
 
   def context_lengths(self) -> Array:
     """int32 ``[B]``: tokens this level adds to each sequence's context (0 where -1)."""

@@ -224,7 +224,9 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
   else:
     stored = _prefill_levels(config, graphdef, params, tree, impl, progress, prefill_chunk,
                              mesh)
-    levels = tuple(SegmentLevel(k, v, jnp.asarray(lens), jnp.asarray(tree.node_of_sample(l)[order]))
+    nodes = [np.asarray(tree.node_of_sample(l)[order]) for l in range(len(stored))]
+    levels = tuple(SegmentLevel(k, v, jnp.asarray(lens), jnp.asarray(nodes[l]),
+                                all_share=len(lens) == 1 and not nodes[l].any())
                    for l, (k, v, lens) in enumerate(stored))
     if attention == "hydragen":
       needed, lengths = max_new_tokens, np.zeros(len(order), np.int32)

@@ -299,7 +299,7 @@ def cache_shardings(cache: KVCache, mesh: Mesh, *, batch_sharded: bool = True) -
   ns = lambda *spec: NamedSharding(mesh, P(*spec))
   own, shared = own_kv_sharding(mesh, batch_sharded=batch_sharded), shared_kv_sharding(mesh)
   levels = tuple(SegmentLevel(tuple(shared for _ in lv.k), tuple(shared for _ in lv.v), ns(),
-                              ns(b)) for lv in cache.levels)
+                              ns(b), all_share=lv.all_share) for lv in cache.levels)
   return KVCache(levels, tuple(own for _ in cache.k), tuple(own for _ in cache.v), ns(b))
 
 

@@ -240,10 +240,16 @@ class TestNativeFusedDecode:
     # sequences, uniform for the rest (hypothesis's data budget).
     lens = np.concatenate([lengths(data.draw, min(b, 32), s),
                            rng.integers(0, s + 1, size=max(0, b - 32)).astype(np.int32)])
+    ref = oracle_tree(q64, [[pk64[:plen]]] * b, [[pv64[:plen]]] * b, sk64, sv64, lens)
+    # The kernel directly (any G), and the public API (the one kernel where G >= 8).
+    from pallas_kernels.gpu import _common
+    from pallas_kernels.gpu import shared_attention_mgpu as fm
+    out, lse = fm.fused_decode_rows(_common.fold_rows(q, hkv), pk, pv, jnp.int32(plen), sk, sv,
+                                    jnp.asarray(lens), rows_per_seq=hq // hkv, scale=d**-0.5)
+    check(_common.unfold_rows(out, b, 1), _common.unfold_rows(lse, b, 1), *ref, dtype)
     out, lse = shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=plen,
                                        suffix_lengths=lens, impl="pallas:mosaic_gpu",
                                        return_lse=True)
-    ref = oracle_tree(q64, [[pk64[:plen]]] * b, [[pv64[:plen]]] * b, sk64, sv64, lens)
     check(out, lse, *ref, dtype)
 
   @pytest.mark.parametrize("case", FUSED_CASES)

@@ -62,8 +62,8 @@ def _fused_decode_applies(q, parts, suffix_k, mosaic, interpret) -> bool:
   b, _, hq, d = q.shape
   k = parts[0][1]
   hkv = k.shape[1]
-  return fm.supported(q.dtype, d, k.shape[0], suffix_k.shape[1], hq // hkv, fm.FusedConfig()) and (
-      suffix_k.dtype == q.dtype == k.dtype)
+  return (fm.supported(q.dtype, d, k.shape[0], suffix_k.shape[1], hq // hkv, fm.FusedConfig())
+          and fm.worthwhile(hq // hkv) and suffix_k.dtype == q.dtype == k.dtype)
 
 
 def shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, mosaic=False,

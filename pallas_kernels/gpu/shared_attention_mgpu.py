@@ -59,6 +59,20 @@ class FusedConfig:
   splits: int = 1
 
 
+# A suffix step multiplies one sequence's keys against all 128 rows of the CTA: 128 / G times
+# the useful FLOPs. Measured on an H100 (2026-11-23): at G = 8 (16x) the one kernel beat the
+# two apart in all 24 paper-shape configurations (B=1024, P=16K, S=128: 128.9 vs 141.0 us); at
+# G = 4 (32x, Llama-3-8B) the wasted products made it compute-bound: Llama-3-8B decoding at
+# batch 1024 / prompt 2K ran 0.77 of the no-attention ceiling against 0.80 with the two apart
+# (the attention kernel 338 us per layer vs 268 with 130-token suffixes).
+MAX_WASTE = 16
+
+
+def worthwhile(rows_per_seq: int) -> bool:
+  """Whether the one kernel is expected to beat the two apart (see :data:`MAX_WASTE`)."""
+  return CTA_ROWS // rows_per_seq <= MAX_WASTE
+
+
 def supported(dtype, head_dim: int, prefix: int, capacity: int, rows_per_seq: int,
               cfg: FusedConfig) -> bool:
   """Shapes the fused kernel takes (otherwise the prefix and suffix kernels run apart)."""

@@ -70,7 +70,7 @@ MAX_WASTE = 16
 
 def worthwhile(rows_per_seq: int) -> bool:
   """Whether the one kernel is expected to beat the two apart (see :data:`MAX_WASTE`)."""
-  return CTA_ROWS // rows_per_seq <= MAX_WASTE
+  return FusedConfig().block_q // rows_per_seq <= MAX_WASTE
 
 
 def supported(dtype, head_dim: int, prefix: int, capacity: int, rows_per_seq: int,
@@ -79,24 +79,19 @@ def supported(dtype, head_dim: int, prefix: int, capacity: int, rows_per_seq: in
   return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
           and head_dim in (64, 128) and prefix > 0 and prefix % cfg.block_kv == 0
           and capacity > 0 and capacity % cfg.block_s == 0
-          and 0 < rows_per_seq <= CTA_ROWS and CTA_ROWS % rows_per_seq == 0)
+          and 0 < rows_per_seq <= cfg.block_q and cfg.block_q % rows_per_seq == 0)
 
 
 def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_per_seq: int,
                    head_dim: int = 128, num_sms: int = 132) -> FusedConfig:
-  """Suffix steps of 128 keys where the prefix product dominates (fewer, uniform steps), of 64
-  where the suffix bytes do (less over-read past the sequences' lengths); key splits while the
-  row tiles leave SMs idle, down to ~4 steps per split.
+  """Key splits while the row tiles leave SMs idle, down to ~4 steps per split.
 
-  Measured on an H100 (tools/device/fused.sh, 2026-11-23): 64-key suffix steps with splits from
-  the prefix blocks alone ran paper-shape B=16, P=1024 at 31 us (40 steps over 2 CTAs).
+  Measured on an H100 (tools/device/fused.sh, 2026-11-23): splits from the prefix blocks alone
+  ran paper-shape B=16, P=1024 at 31 us (40 steps over 2 CTAs); counted over all steps, 12.7.
   """
-  flops_s = 4 * rows * kv_heads * prefix * head_dim / 7e14  # ~the measured matmul rate
-  bytes_s = 4 * (rows // rows_per_seq) * capacity * kv_heads * head_dim / 2.7e12
-  block_s = 128 if flops_s >= bytes_s and capacity % 128 == 0 else 64
-  cfg = FusedConfig(block_s=block_s)
+  cfg = FusedConfig()
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
-  steps = prefix // cfg.block_kv + (CTA_ROWS // rows_per_seq) * pl.cdiv(capacity, block_s)
+  steps = prefix // cfg.block_kv + (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
   splits = max(1, min(num_sms // tiles, steps // 4))
   return dataclasses.replace(cfg, splits=splits)
 
@@ -118,7 +113,10 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   m = rows_per_seq
   if r % CTA_ROWS:
     raise ValueError(f"rows ({r}) must be a multiple of {CTA_ROWS}")
-  seqs_per_cta = CTA_ROWS // m
+  if block_q % m or 2 * block_s != block_kv:
+    raise ValueError(f"rows_per_seq ({m}) must divide {block_q} and 2 * block_s == block_kv")
+  seqs_per_wg = block_q // m
+  seqs_per_cta = 2 * seqs_per_wg
   prefix_blocks = p // block_kv
   steps_buf = cfg.max_concurrent_steps
   qk_scale = scale * LOG2E
@@ -130,11 +128,14 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
     wg_idx = lax.axis_index("wg")
     qo_smem2, k_smem, v_smem, lse_smem2 = smem_buffers
-    k_barriers, v_barriers, q_barriers = buffer_barriers
+    # Per slot: K and V landed (prefix steps, and warpgroup 0's half of suffix steps); warpgroup
+    # 1's half of suffix steps; the query tiles.
+    k_barriers, v_barriers, k1_barriers, v1_barriers, q_barriers = buffer_barriers
     k_consumed_barriers, v_consumed_barriers = consumed_barriers
 
-    # The CTA's step list: the prefix's valid blocks, then block_s-key blocks of each of its
-    # sequences (as many per sequence as the longest of them needs).
+    # The CTA's step list: the prefix's valid blocks, then suffix steps in which each
+    # warpgroup takes block_s keys of one of ITS sequences (the two halves of a K/V slot), as
+    # many blocks per sequence as the longest of the CTA's sequences needs.
     kv_len = jnp.minimum(len_ref[0], p)
     n_pre = jnp.minimum(lax.div(kv_len + (block_kv - 1), jnp.int32(block_kv)), prefix_blocks)
     full_pre = lax.div(kv_len, jnp.int32(block_kv))
@@ -147,7 +148,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
     max_len = lax.fori_loop(0, seqs_per_cta, longest, jnp.int32(0))
     n_sblk = lax.div(max_len + (block_s - 1), jnp.int32(block_s))
-    n_total = n_pre + seqs_per_cta * n_sblk
+    n_total = n_pre + seqs_per_wg * n_sblk
     per_split = lax.div(n_total + (cfg.splits - 1), jnp.int32(cfg.splits))
     lo = split * per_split
     steps = jnp.clip(n_total - lo, 0, per_split)
@@ -156,24 +157,35 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     c_end = jnp.clip(n_pre - lo, 0, steps)
     n_sblk_safe = jnp.maximum(n_sblk, 1)
 
-    def suffix_coords(i):
+    def suffix_coords(i, w: int):
+      """Sequence (of warpgroup w) and key block of local step i (a suffix step)."""
       u = lo + i - n_pre
       j = lax.div(u, n_sblk_safe)
-      return seq0 + j, u - j * n_sblk_safe  # sequence, block within it
+      return seq0 + w * seqs_per_wg + j, j, u - j * n_sblk_safe
 
     def perform_schedule_barrier():
       plgpu.barrier_arrive(schedule_barrier)
       plgpu.barrier_wait(schedule_barrier)
 
-    @pl.when(wg_idx < 2)
-    def _compute_wg():
+    def consumer(w: int):
+      """Warpgroup w's rows (static w: static halves of the suffix slots)."""
       plgpu.set_max_registers(232, action="increase")
-      qo_smem = qo_smem2.at[wg_idx]
-      lse_smem = lse_smem2.at[wg_idx]
-      q_base = tile * CTA_ROWS + wg_idx * block_q
-      plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem,
-                              q_barriers.at[wg_idx])
-      plgpu.barrier_wait(q_barriers.at[wg_idx])
+      qo_smem = qo_smem2.at[w]
+      lse_smem = lse_smem2.at[w]
+      q_base = tile * CTA_ROWS + w * block_q
+      my_k = k_barriers if w == 0 else k1_barriers
+      my_v = v_barriers if w == 0 else v1_barriers
+
+      def wait_k(i, slot):
+        """K of local step i has landed (which barrier depends on the step's kind)."""
+        if w == 0:
+          plgpu.barrier_wait(k_barriers.at[slot])
+          return
+        pl.when(lo + i < n_pre)(lambda: plgpu.barrier_wait(k_barriers.at[slot]))
+        pl.when(lo + i >= n_pre)(lambda: plgpu.barrier_wait(k1_barriers.at[slot]))
+
+      plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem, q_barriers.at[w])
+      plgpu.barrier_wait(q_barriers.at[w])
       m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
                               plgpu.Layout.WGMMA.reduce(1))
       l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -181,16 +193,21 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
       @pl.when(steps > 0)
       def _():
-        plgpu.barrier_wait(k_barriers.at[0])
+        wait_k(jnp.int32(0), 0)
 
-      pl.when(wg_idx == 1)(perform_schedule_barrier)
+      if w == 1:
+        perform_schedule_barrier()
 
       def kv_loop(i, carry, kind: str):
         acc, m_i, l_i = carry
         slot = lax.rem(i, jnp.array(steps_buf, i.dtype))
-        n_keys = block_s if kind == "suffix" else block_kv
-        k_tile = k_smem.at[slot] if n_keys == block_kv else k_smem.at[slot, pl.ds(0, n_keys)]
-        v_tile = v_smem.at[slot] if n_keys == block_kv else v_smem.at[slot, pl.ds(0, n_keys)]
+        if kind == "suffix":
+          half = pl.ds(w * block_s, block_s)
+          k_tile, v_tile, n_keys = k_smem.at[slot, half], v_smem.at[slot, half], block_s
+          v_bar = my_v.at[slot]
+        else:
+          k_tile, v_tile, n_keys = k_smem.at[slot], v_smem.at[slot], block_kv
+          v_bar = v_barriers.at[slot]
 
         def compute_qk(acc_ref):
           plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_tile, (1, 0)))
@@ -199,17 +216,16 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
         qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, n_keys), jnp.float32))
         plgpu.barrier_arrive(k_consumed_barriers.at[slot])
-        cols = None
-        if kind != "prefix":
-          cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
         if kind == "prefix_last":
+          cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
           qk = jnp.where(cols + (lo + i) * block_kv < kv_len, qk, -jnp.inf)
         elif kind == "suffix":
-          seq, blk = suffix_coords(i)
+          seq, j, blk = suffix_coords(i, w)
           n_valid = jnp.where(seq < batch, slen_ref[jnp.minimum(seq, batch - 1)], 0)
+          cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
           qk = jnp.where(cols + blk * block_s < n_valid, qk, -jnp.inf)
           rows = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 0, layout=plgpu.Layout.WGMMA)
-          first = seq * m - q_base  # this sequence's rows, relative to the warpgroup's
+          first = j * m  # this sequence's rows within the warpgroup's
           qk = jnp.where(rows >= first, qk, -jnp.inf)
           qk = jnp.where(rows < first + m, qk, -jnp.inf)
         m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
@@ -221,24 +237,17 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
         l_i *= alpha
         p16 = p_.astype(dtype)
-
-        def end_softmax_barriers():
-          plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
-          plgpu.barrier_wait(v_barriers.at[slot])
-          plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
-
         l_i += p_.sum(axis=1)
         acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
-        end_softmax_barriers()
+        plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
+        plgpu.barrier_wait(v_bar)
+        plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
 
         def compute_pv(acc_ref):
           plgpu.wgmma(acc_ref, p16, v_tile)
           wait_step = i + 1
           wait_slot = lax.rem(wait_step, jnp.array(steps_buf, i.dtype))
-
-          @pl.when(wait_step < steps)
-          def _wait():
-            plgpu.barrier_wait(k_barriers.at[wait_slot])
+          pl.when(wait_step < steps)(lambda: wait_k(wait_step, wait_slot))
 
         acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_consumed_barriers.at[slot])
@@ -249,7 +258,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       carry = lax.fori_loop(a_end, c_end, functools.partial(kv_loop, kind="prefix_last"), carry)
       acc, m_i, l_i = lax.fori_loop(c_end, steps, functools.partial(kv_loop, kind="suffix"),
                                     carry)
-      pl.when(wg_idx == 0)(perform_schedule_barrier)
+      if w == 0:
+        perform_schedule_barrier()
 
       has = l_i > 0  # a split without visible keys gives (0, -inf), not 0/0
       safe_l = jnp.where(has, l_i, 1.0)
@@ -261,6 +271,9 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, head, pl.ds(q_base, block_q)])
       plgpu.wait_smem_to_gmem(0)
 
+    pl.when(wg_idx == 0)(functools.partial(consumer, 0))
+    pl.when(wg_idx == 1)(functools.partial(consumer, 1))
+
     @pl.when(wg_idx == 2)
     def _memory_wg():
       plgpu.set_max_registers(40, action="decrease")
@@ -268,20 +281,20 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       def issue(i, slot, which: str):
         src_pre, src_suf = (k_ref, sk_ref) if which == "k" else (v_ref, sv_ref)
         smem = (k_smem if which == "k" else v_smem).at[slot]
-        bar = (k_barriers if which == "k" else v_barriers).at[slot]
+        bars = (k_barriers, k1_barriers) if which == "k" else (v_barriers, v1_barriers)
 
         @pl.when(lo + i < n_pre)
         def _prefix():
           plgpu.copy_gmem_to_smem(src_pre.at[pl.ds((lo + i) * block_kv, block_kv), head], smem,
-                                  bar)
+                                  bars[0].at[slot])
 
         @pl.when(lo + i >= n_pre)
         def _suffix():
-          seq, blk = suffix_coords(i)
-          dst = smem if block_s == block_kv else smem.at[pl.ds(0, block_s)]
-          plgpu.copy_gmem_to_smem(
-              src_suf.at[jnp.minimum(seq, batch - 1), pl.ds(blk * block_s, block_s), head], dst,
-              bar)
+          for w in (0, 1):  # each warpgroup's sequence into its half of the slot
+            seq, _, blk = suffix_coords(i, w)
+            plgpu.copy_gmem_to_smem(
+                src_suf.at[jnp.minimum(seq, batch - 1), pl.ds(blk * block_s, block_s), head],
+                smem.at[pl.ds(w * block_s, block_s)], bars[w].at[slot])
 
       for i in range(steps_buf):
         @pl.when(i < steps)
@@ -310,8 +323,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         lambda *args: kernel(len_ref, slen_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref,
                              lse_ref, args),
         [qo_scratch, k_scratch, v_scratch, lse_scratch],
-        (plgpu.Barrier(num_barriers=steps_buf), plgpu.Barrier(num_barriers=steps_buf),
-         plgpu.Barrier(num_barriers=compute_wgs)),
+        (plgpu.Barrier(num_barriers=steps_buf),) * 4 + (plgpu.Barrier(num_barriers=compute_wgs),),
         (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf),) * 2,
         plgpu.Barrier(num_arrivals=compute_wgs),
         collective_axes="wg",

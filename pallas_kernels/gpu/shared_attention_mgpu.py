@@ -121,7 +121,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   steps_buf = cfg.max_concurrent_steps
   qk_scale = scale * LOG2E
 
-  def kernel(len_ref, slen_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref, scoped):
+  def kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref,
+             scoped):
     head = lax.axis_index("heads")
     tile = lax.axis_index("q_seq")
     split = lax.axis_index("split")
@@ -141,12 +142,9 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     full_pre = lax.div(kv_len, jnp.int32(block_kv))
     seq0 = tile * seqs_per_cta
 
-    def longest(j, acc):
-      b = seq0 + j
-      n = slen_ref[jnp.minimum(b, batch - 1)]
-      return jnp.maximum(acc, jnp.where(b < batch, jnp.minimum(n, capacity), 0))
-
-    max_len = lax.fori_loop(0, seqs_per_cta, longest, jnp.int32(0))
+    # The longest suffix of the CTA's sequences, reduced by XLA beforehand (one load here, not
+    # one dependent load per sequence).
+    max_len = jnp.clip(tmax_ref[tile], 0, capacity)
     n_sblk = lax.div(max_len + (block_s - 1), jnp.int32(block_s))
     n_total = n_pre + seqs_per_wg * n_sblk
     per_split = lax.div(n_total + (cfg.splits - 1), jnp.int32(cfg.splits))
@@ -209,6 +207,10 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           k_tile, v_tile, n_keys = k_smem.at[slot], v_smem.at[slot], block_kv
           v_bar = v_barriers.at[slot]
 
+        if kind == "suffix":  # issued before the product: the load's latency hides behind it
+          seq, j, blk = suffix_coords(i, w)
+          n_valid = jnp.where(seq < batch, slen_ref[jnp.minimum(seq, batch - 1)], 0)
+
         def compute_qk(acc_ref):
           plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_tile, (1, 0)))
           perform_schedule_barrier()
@@ -220,8 +222,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
           qk = jnp.where(cols + (lo + i) * block_kv < kv_len, qk, -jnp.inf)
         elif kind == "suffix":
-          seq, j, blk = suffix_coords(i, w)
-          n_valid = jnp.where(seq < batch, slen_ref[jnp.minimum(seq, batch - 1)], 0)
           cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
           qk = jnp.where(cols + blk * block_s < n_valid, qk, -jnp.inf)
           rows = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 0, layout=plgpu.Layout.WGMMA)
@@ -311,7 +311,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         plgpu.barrier_wait(v_consumed_barriers.at[slot])
         issue(step, slot, "v")
 
-  def entry(len_ref, slen_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref):
+  def entry(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref):
     compute_wgs = 2
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
@@ -320,8 +320,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     v_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
     lse_scratch = plgpu.SMEM((compute_wgs, block_q), jnp.float32)
     pl.run_scoped(
-        lambda *args: kernel(len_ref, slen_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref,
-                             lse_ref, args),
+        lambda *args: kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref,
+                             out_ref, lse_ref, args),
         [qo_scratch, k_scratch, v_scratch, lse_scratch],
         (plgpu.Barrier(num_barriers=steps_buf),) * 4 + (plgpu.Barrier(num_barriers=compute_wgs),),
         (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf),) * 2,
@@ -332,6 +332,9 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   out_shape = [jax.ShapeDtypeStruct((cfg.splits, hkv, r, d), dtype),
                jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32)]
   length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
+  lens = jnp.asarray(suffix_lengths, jnp.int32)
+  tiles = r // CTA_ROWS
+  tile_max = jnp.pad(lens, (0, tiles * seqs_per_cta - batch)).reshape(tiles, seqs_per_cta).max(1)
   return plgpu.kernel(
       entry,
       out_type=out_shape,
@@ -340,7 +343,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(length, jnp.asarray(suffix_lengths, jnp.int32), q_rows, k, v, suffix_k, suffix_v)
+  )(length, lens, tile_max, q_rows, k, v, suffix_k, suffix_v)
 
 
 @functools.partial(jax.jit, static_argnames=("rows_per_seq", "scale", "config"))

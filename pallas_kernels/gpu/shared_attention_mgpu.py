@@ -11,14 +11,16 @@ to, in the same online softmax: the producer streams the suffix bytes while
 the tensor cores are busy, and the result is final (no merge pass) when the
 CTA runs every step.
 
-Decoding only (``Tq == 1``: ``G`` rows per sequence, ``128 % G == 0``). A
-suffix step holds ``block_s`` keys of ONE sequence and both warpgroups multiply
-it against all 128 rows, masking the rows of other sequences: the tensor cores
-do ``128 / G`` times the suffix's useful FLOPs, which they have to spare while
-the suffix bytes stream (the suffix FLOPs are ~1/16 of the prefix's at the
-paper's shape). The CTA streams ``cdiv(max length of its sequences, block_s)``
-blocks of each of its sequences (keys past a sequence's length are masked;
-decoding sequences that share a prompt have equal lengths).
+Decoding only (``Tq == 1``: ``G`` rows per sequence, ``64 % G == 0``). In a
+suffix step each consumer warpgroup takes ``block_s`` (64) keys of ONE of its
+own sequences -- the two halves of a K/V slot, each with its own barrier -- and
+multiplies them against its 64 rows, masking the rows of its other sequences:
+the tensor cores do ``64 / G`` times the suffix's useful FLOPs, which they have
+to spare while the suffix bytes stream (at the paper's shape, G = 8, the
+suffix FLOPs are ~1/16 of the prefix's). The CTA streams ``cdiv(longest
+suffix of its sequences, block_s)`` blocks of each of its sequences (keys past
+a sequence's length are masked; sequences decoding from one prompt have equal
+lengths). The dispatcher uses it for ``G >= 8`` (:data:`MAX_WASTE`).
 
 Key splits (flash-decoding, when the row tiles do not fill the SMs) cut the
 CTA's step list -- prefix blocks then suffix blocks -- into contiguous ranges;
@@ -59,13 +61,16 @@ class FusedConfig:
   splits: int = 1
 
 
-# A suffix step multiplies one sequence's keys against all 128 rows of the CTA: 128 / G times
-# the useful FLOPs. Measured on an H100 (2026-11-23): at G = 8 (16x) the one kernel beat the
-# two apart in all 24 paper-shape configurations (B=1024, P=16K, S=128: 128.9 vs 141.0 us); at
-# G = 4 (32x, Llama-3-8B) the wasted products made it compute-bound: Llama-3-8B decoding at
-# batch 1024 / prompt 2K ran 0.77 of the no-attention ceiling against 0.80 with the two apart
-# (the attention kernel 338 us per layer vs 268 with 130-token suffixes).
-MAX_WASTE = 16
+# In a suffix step each warpgroup multiplies one of its sequences' keys against its 64 rows:
+# 64 / G times the useful FLOPs, and every sequence's K/V is read in whole 64-key TMA blocks
+# (up to 63 keys past its length). Measured on an H100 (2026-11-23): at G = 8 (8x) the one
+# kernel beat the two apart in every paper-shape configuration (B=1024, P=16K, S=128: 125.8 vs
+# 142.1 us). At G = 4 (16x, Llama-3-8B) it won the microbenchmark with full suffixes (B=1024,
+# P=1K, S=128: 224 vs 246 us) but lost in decoding, where the suffixes grow a token per step:
+# batch 1024 / prompt 2K ran 0.78 of the no-attention ceiling against 0.80 apart (attention
+# 10.5 vs 8.6 ms per step; with 130-token suffixes the 64-key blocks read 192 keys per
+# sequence, where the Triton suffix kernel's masked 32-key steps read 130).
+MAX_WASTE = 8
 
 
 def worthwhile(rows_per_seq: int) -> bool:

@@ -139,6 +139,12 @@ def _check_level(fn: str, i: int, level: SharedLevel, b: int, hkv: int, d: int,
     if lo < -1 or hi >= n:
       raise ValueError(f"{fn}: {name}.node_of_seq must lie in [-1, {n - 1}] (N = {n} segments); "
                        f"got values in [{lo}, {hi}]")
+    if level.all_share and (lo, hi) != (0, 0):
+      raise ValueError(f"{fn}: {name}.all_share=True promises every sequence continues segment "
+                       f"0, but {name}.node_of_seq holds values in [{lo}, {hi}]")
+  if level.all_share and n != 1:
+    raise ValueError(f"{fn}: {name}.all_share=True promises one segment shared by every "
+                     f"sequence, but {name}.k holds {n} segments")
   return lengths, jnp.asarray(nodes, jnp.int32)
 
 
@@ -234,10 +240,7 @@ def hierarchical_attention(q: Array, levels: Sequence[SharedLevel], suffix_k: Ar
   parts = []
   for i, level in enumerate(levels):
     seg_lengths, nodes = _check_level(fn, i, level, b, suffix_k.shape[2], d, q.dtype)
-    if level.all_share:
-      if level.k.shape[0] != 1:
-        raise ValueError(f"{fn}: levels[{i}].all_share=True promises one segment shared by every "
-                         f"sequence, but levels[{i}].k holds {level.k.shape[0]} segments")
+    if level.all_share:  # checked above: one segment, every sequence
       parts.append(("prefix", level.k[0], level.v[0], seg_lengths[0], None))
     else:
       parts.append(("segments", level.k, level.v, seg_lengths, nodes))

@@ -91,6 +91,9 @@ def level(n=3, t=4, nodes=(0, 2), **kw):
     (level(k=jnp.ones((3, 4, HKV, D), jnp.bfloat16), v=jnp.ones((3, 4, HKV, D), jnp.bfloat16)),
      r"must share one dtype"),
     ("not a level", r"levels\[0\] must be a SharedLevel"),
+    (level(all_share=True), r"levels\[0\].all_share=True promises every sequence continues"),
+    (level(nodes=(0, 0), all_share=True), r"levels\[0\].all_share=True promises one segment"),
+    (level(n=1, nodes=(0, -1), all_share=True), r"levels\[0\].node_of_seq holds values in"),
 ])
 def test_hierarchical_errors(lvl, match):
   with pytest.raises((ValueError, TypeError), match=match):

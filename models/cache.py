@@ -123,8 +123,10 @@ class KVCache:
     rows = jnp.arange(b)[:, None]  # [B, 1]
     cols = self.lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
     k, v = list(self.k), list(self.v)
-    k[layer] = k[layer].at[rows, cols].set(k_new.astype(k[layer].dtype), mode="drop")
-    v[layer] = v[layer].at[rows, cols].set(v_new.astype(v[layer].dtype), mode="drop")
+    # (b, lengths[b] + t) pairs are distinct and in order: XLA may then write without atomics.
+    put = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
+    k[layer] = k[layer].at[rows, cols].set(k_new.astype(k[layer].dtype), **put)
+    v[layer] = v[layer].at[rows, cols].set(v_new.astype(v[layer].dtype), **put)
     return dataclasses.replace(self, k=tuple(k), v=tuple(v))
 
   def advance(self, t: int) -> "KVCache":

@@ -88,7 +88,7 @@ def supported(dtype, head_dim: int, prefix: int, capacity: int, rows_per_seq: in
 
 
 def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_per_seq: int,
-                   head_dim: int = 128, num_sms: int = 132) -> FusedConfig:
+                   num_sms: int = 132) -> FusedConfig:
   """Key splits while the row tiles leave SMs idle, down to ~4 steps per split.
 
   Measured on an H100 (tools/device/fused.sh, 2026-11-23): splits from the prefix blocks alone
@@ -176,7 +176,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       qo_smem = qo_smem2.at[w]
       lse_smem = lse_smem2.at[w]
       q_base = tile * CTA_ROWS + w * block_q
-      my_k = k_barriers if w == 0 else k1_barriers
       my_v = v_barriers if w == 0 else v1_barriers
 
       def wait_k(i, slot):
@@ -364,7 +363,7 @@ def fused_decode_rows(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_length
   """Prefix + suffix attention, merged: ``q_rows [Hkv, B * G, D]`` -> ``out [Hkv, B * G, D]``
   (q's dtype) and natural-log ``lse [Hkv, B * G]``. Native CUDA only (no interpret mode)."""
   hkv, r, d = q_rows.shape
-  cfg = config or default_config(r, hkv, k.shape[0], suffix_k.shape[1], rows_per_seq, d)
+  cfg = config or default_config(r, hkv, k.shape[0], suffix_k.shape[1], rows_per_seq)
   r_pad = pl.cdiv(r, CTA_ROWS) * CTA_ROWS
   if r_pad != r:
     q_rows = jnp.pad(q_rows, ((0, 0), (0, r_pad - r), (0, 0)))

@@ -56,7 +56,7 @@ CTA_ROWS = 128  # two consumer warpgroups of 64 rows
 class FusedConfig:
   block_q: int = 64  # rows per consumer warpgroup
   block_kv: int = 128  # prefix keys per step
-  block_s: int = 64  # suffix keys per step (one sequence)
+  block_s: int = 16  # suffix keys per TMA chunk (one sequence's; at least G, see below)
   max_concurrent_steps: int = 2
   splits: int = 1
 
@@ -78,13 +78,19 @@ def worthwhile(rows_per_seq: int) -> bool:
   return FusedConfig().block_q // rows_per_seq <= MAX_WASTE
 
 
+def chunk_keys(rows_per_seq: int, cfg: FusedConfig) -> int:
+  """Keys per suffix chunk: ``block_s``, or more where a warpgroup has fewer sequences than a
+  64-key half-slot has chunks (``64 / G`` sequences: a step's chunks never repeat a sequence)."""
+  return max(cfg.block_s, rows_per_seq)
+
+
 def supported(dtype, head_dim: int, prefix: int, capacity: int, rows_per_seq: int,
               cfg: FusedConfig) -> bool:
   """Shapes the fused kernel takes (otherwise the prefix and suffix kernels run apart)."""
+  ok_rows = 0 < rows_per_seq <= cfg.block_q and cfg.block_q % rows_per_seq == 0
   return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
           and head_dim in (64, 128) and prefix > 0 and prefix % cfg.block_kv == 0
-          and capacity > 0 and capacity % cfg.block_s == 0
-          and 0 < rows_per_seq <= cfg.block_q and cfg.block_q % rows_per_seq == 0)
+          and ok_rows and capacity > 0 and capacity % chunk_keys(rows_per_seq, cfg) == 0)
 
 
 def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_per_seq: int,
@@ -96,7 +102,9 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   """
   cfg = FusedConfig()
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
-  steps = prefix // cfg.block_kv + (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
+  chunk = chunk_keys(rows_per_seq, cfg)
+  suffix_steps = (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, chunk) // (cfg.block_q // chunk)
+  steps = prefix // cfg.block_kv + suffix_steps
   splits = max(1, min(num_sms // tiles, steps // 4))
   return dataclasses.replace(cfg, splits=splits)
 
@@ -114,14 +122,21 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   batch, capacity = suffix_k.shape[:2]
   dtype = q_rows.dtype
   cfg = config
-  block_q, block_kv, block_s = cfg.block_q, cfg.block_kv, cfg.block_s
+  block_q, block_kv = cfg.block_q, cfg.block_kv
   m = rows_per_seq
   if r % CTA_ROWS:
     raise ValueError(f"rows ({r}) must be a multiple of {CTA_ROWS}")
-  if block_q % m or 2 * block_s != block_kv:
-    raise ValueError(f"rows_per_seq ({m}) must divide {block_q} and 2 * block_s == block_kv")
+  if block_q % m or 2 * block_q != block_kv:
+    raise ValueError(f"rows_per_seq ({m}) must divide {block_q} and 2 * block_q == block_kv")
+  chunk = chunk_keys(m, cfg)  # keys of one sequence per TMA copy
+  if block_q % chunk or capacity % chunk:
+    raise ValueError(f"suffix chunk ({chunk} keys) must divide {block_q} and the capacity "
+                     f"({capacity})")
   seqs_per_wg = block_q // m
   seqs_per_cta = 2 * seqs_per_wg
+  chunks = block_q // chunk  # chunks per warpgroup per suffix step (<= seqs_per_wg)
+  steps_per_blk = seqs_per_wg // chunks  # suffix steps per key block of the warpgroup's seqs
+  log_m, log_chunk = m.bit_length() - 1, chunk.bit_length() - 1  # both powers of two
   prefix_blocks = p // block_kv
   steps_buf = cfg.max_concurrent_steps
   qk_scale = scale * LOG2E
@@ -131,17 +146,19 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     head = lax.axis_index("heads")
     tile = lax.axis_index("q_seq")
     split = lax.axis_index("split")
-    smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
+    smem_buffers, buffer_barriers, suffix_barriers, consumed_barriers, schedule_barrier = scoped
     wg_idx = lax.axis_index("wg")
     qo_smem2, k_smem, v_smem, lse_smem2 = smem_buffers
-    # Per slot: K and V landed (prefix steps, and warpgroup 0's half of suffix steps); warpgroup
-    # 1's half of suffix steps; the query tiles.
-    k_barriers, v_barriers, k1_barriers, v1_barriers, q_barriers = buffer_barriers
+    # Per slot: the prefix step's K and V landed (one copy each); per warpgroup, its suffix
+    # chunks landed (`chunks` copies each).
+    k_barriers, v_barriers, q_barriers = buffer_barriers
+    ks_barriers, vs_barriers = suffix_barriers[0::2], suffix_barriers[1::2]
     k_consumed_barriers, v_consumed_barriers = consumed_barriers
 
-    # The CTA's step list: the prefix's valid blocks, then suffix steps in which each
-    # warpgroup takes block_s keys of one of ITS sequences (the two halves of a K/V slot), as
-    # many blocks per sequence as the longest of the CTA's sequences needs.
+    # The CTA's step list: the prefix's valid blocks, then suffix steps. In a suffix step each
+    # warpgroup takes `chunks` chunks of `chunk` keys -- chunk j of block b of its sequences in
+    # the order (b, sequence) -- into its half of the K/V slot; blocks run to the longest
+    # suffix of the CTA's sequences.
     kv_len = jnp.minimum(len_ref[0], p)
     n_pre = jnp.minimum(lax.div(kv_len + (block_kv - 1), jnp.int32(block_kv)), prefix_blocks)
     full_pre = lax.div(kv_len, jnp.int32(block_kv))
@@ -150,21 +167,22 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     # The longest suffix of the CTA's sequences, reduced by XLA beforehand (one load here, not
     # one dependent load per sequence).
     max_len = jnp.clip(tmax_ref[tile], 0, capacity)
-    n_sblk = lax.div(max_len + (block_s - 1), jnp.int32(block_s))
-    n_total = n_pre + seqs_per_wg * n_sblk
+    n_sblk = lax.div(max_len + (chunk - 1), jnp.int32(chunk))
+    n_total = n_pre + steps_per_blk * n_sblk
     per_split = lax.div(n_total + (cfg.splits - 1), jnp.int32(cfg.splits))
     lo = split * per_split
     steps = jnp.clip(n_total - lo, 0, per_split)
     # Local step ranges: [0, a) prefix unmasked, [a, c) prefix last (masked), [c, steps) suffix.
     a_end = jnp.clip(full_pre - lo, 0, steps)
     c_end = jnp.clip(n_pre - lo, 0, steps)
-    n_sblk_safe = jnp.maximum(n_sblk, 1)
 
     def suffix_coords(i, w: int):
-      """Sequence (of warpgroup w) and key block of local step i (a suffix step)."""
-      u = lo + i - n_pre
-      j = lax.div(u, n_sblk_safe)
-      return seq0 + w * seqs_per_wg + j, j, u - j * n_sblk_safe
+      """First sequence (index into the batch) of warpgroup w's chunks in local step i, their
+      warpgroup-local index, and the key block they read."""
+      t = lo + i - n_pre
+      blk = lax.div(t, jnp.int32(steps_per_blk))
+      j0 = (t - blk * steps_per_blk) * chunks
+      return seq0 + w * seqs_per_wg + j0, j0, blk
 
     def perform_schedule_barrier():
       plgpu.barrier_arrive(schedule_barrier)
@@ -176,15 +194,11 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       qo_smem = qo_smem2.at[w]
       lse_smem = lse_smem2.at[w]
       q_base = tile * CTA_ROWS + w * block_q
-      my_v = v_barriers if w == 0 else v1_barriers
 
       def wait_k(i, slot):
         """K of local step i has landed (which barrier depends on the step's kind)."""
-        if w == 0:
-          plgpu.barrier_wait(k_barriers.at[slot])
-          return
         pl.when(lo + i < n_pre)(lambda: plgpu.barrier_wait(k_barriers.at[slot]))
-        pl.when(lo + i >= n_pre)(lambda: plgpu.barrier_wait(k1_barriers.at[slot]))
+        pl.when(lo + i >= n_pre)(lambda: plgpu.barrier_wait(ks_barriers[w].at[slot]))
 
       plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem, q_barriers.at[w])
       plgpu.barrier_wait(q_barriers.at[w])
@@ -204,16 +218,17 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         acc, m_i, l_i = carry
         slot = lax.rem(i, jnp.array(steps_buf, i.dtype))
         if kind == "suffix":
-          half = pl.ds(w * block_s, block_s)
-          k_tile, v_tile, n_keys = k_smem.at[slot, half], v_smem.at[slot, half], block_s
-          v_bar = my_v.at[slot]
+          half = pl.ds(w * block_q, block_q)
+          k_tile, v_tile, n_keys = k_smem.at[slot, half], v_smem.at[slot, half], block_q
+          v_bar = vs_barriers[w].at[slot]
         else:
           k_tile, v_tile, n_keys = k_smem.at[slot], v_smem.at[slot], block_kv
           v_bar = v_barriers.at[slot]
 
-        if kind == "suffix":  # issued before the product: the load's latency hides behind it
-          seq, j, blk = suffix_coords(i, w)
-          n_valid = jnp.where(seq < batch, slen_ref[jnp.minimum(seq, batch - 1)], 0)
+        if kind == "suffix":  # scalar loads issued before the product: latency hides behind it
+          seq, j0, blk = suffix_coords(i, w)
+          n_valid = [jnp.where(seq + c < batch, slen_ref[jnp.minimum(seq + c, batch - 1)], 0)
+                     for c in range(chunks)]
 
         def compute_qk(acc_ref):
           plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_tile, (1, 0)))
@@ -226,12 +241,18 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
           qk = jnp.where(cols + (lo + i) * block_kv < kv_len, qk, -jnp.inf)
         elif kind == "suffix":
+          # Column c * chunk + x holds key blk * chunk + x of the step's c-th sequence; row
+          # r belongs to the warpgroup's sequence r // G. Visible: the same sequence, inside its
+          # length.
           cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
-          qk = jnp.where(cols + blk * block_s < n_valid, qk, -jnp.inf)
           rows = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 0, layout=plgpu.Layout.WGMMA)
-          first = j * m  # this sequence's rows within the warpgroup's
-          qk = jnp.where(rows >= first, qk, -jnp.inf)
-          qk = jnp.where(rows < first + m, qk, -jnp.inf)
+          col_chunk = lax.shift_right_logical(cols, jnp.int32(log_chunk))
+          key = blk * chunk + lax.bitwise_and(cols, jnp.int32(chunk - 1))
+          limit = cols * 0 + n_valid[chunks - 1]  # the length of each column's sequence
+          for c in range(chunks - 2, -1, -1):
+            limit = jnp.where(col_chunk == c, n_valid[c], limit)
+          same = lax.shift_right_logical(rows, jnp.int32(log_m)) == col_chunk + j0
+          qk = jnp.where(same & (key < limit), qk, -jnp.inf)
         m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
         # Rows without a visible key so far keep m = -inf: subtract 0 instead (no inf - inf).
         m_use = m_ij if kind == "prefix" else jnp.where(m_ij == -jnp.inf, 0.0, m_ij)
@@ -285,20 +306,22 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       def issue(i, slot, which: str):
         src_pre, src_suf = (k_ref, sk_ref) if which == "k" else (v_ref, sv_ref)
         smem = (k_smem if which == "k" else v_smem).at[slot]
-        bars = (k_barriers, k1_barriers) if which == "k" else (v_barriers, v1_barriers)
+        bar_pre, bars_suf = ((k_barriers, ks_barriers) if which == "k"
+                             else (v_barriers, vs_barriers))
 
         @pl.when(lo + i < n_pre)
         def _prefix():
           plgpu.copy_gmem_to_smem(src_pre.at[pl.ds((lo + i) * block_kv, block_kv), head], smem,
-                                  bars[0].at[slot])
+                                  bar_pre.at[slot])
 
         @pl.when(lo + i >= n_pre)
         def _suffix():
-          for w in (0, 1):  # each warpgroup's sequence into its half of the slot
+          for w in (0, 1):  # each warpgroup's chunks into its half of the slot
             seq, _, blk = suffix_coords(i, w)
-            plgpu.copy_gmem_to_smem(
-                src_suf.at[jnp.minimum(seq, batch - 1), pl.ds(blk * block_s, block_s), head],
-                smem.at[pl.ds(w * block_s, block_s)], bars[w].at[slot])
+            for c in range(chunks):  # `chunks` arrivals complete the barrier
+              plgpu.copy_gmem_to_smem(
+                  src_suf.at[jnp.minimum(seq + c, batch - 1), pl.ds(blk * chunk, chunk), head],
+                  smem.at[pl.ds(w * block_q + c * chunk, chunk)], bars_suf[w].at[slot])
 
       for i in range(steps_buf):
         @pl.when(i < steps)
@@ -327,7 +350,9 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         lambda *args: kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref,
                              out_ref, lse_ref, args),
         [qo_scratch, k_scratch, v_scratch, lse_scratch],
-        (plgpu.Barrier(num_barriers=steps_buf),) * 4 + (plgpu.Barrier(num_barriers=compute_wgs),),
+        (plgpu.Barrier(num_barriers=steps_buf),) * 2 + (plgpu.Barrier(num_barriers=compute_wgs),),
+        # K and V of warpgroup 0's chunks, then warpgroup 1's.
+        (plgpu.Barrier(num_arrivals=chunks, num_barriers=steps_buf),) * 4,
         (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf),) * 2,
         plgpu.Barrier(num_arrivals=compute_wgs),
         collective_axes="wg",

@@ -1,0 +1,40 @@
+"""Runs a benchmark with the one-kernel decode path's knobs changed (device experiments).
+
+  python3 tools/device/fused_variant.py [--max-waste N] [--block-s N] -- attention <args>
+  python3 tools/device/fused_variant.py [--max-waste N] [--block-s N] -- decode <args>
+
+``--max-waste`` replaces ``shared_attention_mgpu.MAX_WASTE`` (16 lets G = 4 take the one kernel),
+``--block-s`` the default suffix chunk; the rest goes to ``python -m jax_shared_attn.bench`` or
+``hydragen bench``.
+"""
+
+import argparse
+import dataclasses
+import sys
+
+
+def main():
+  argv = sys.argv[1:]
+  split = argv.index("--")
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--max-waste", type=int)
+  ap.add_argument("--block-s", type=int)
+  args = ap.parse_args(argv[:split])
+  rest = argv[split + 1:]
+  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  if args.max_waste is not None:
+    fm.MAX_WASTE = args.max_waste
+  if args.block_s is not None:
+    fm.FusedConfig = dataclasses.make_dataclass(
+        "FusedConfig", [("block_s", int, dataclasses.field(default=args.block_s))],
+        bases=(fm.FusedConfig,), frozen=True)
+  print(f"variant: MAX_WASTE={fm.MAX_WASTE} block_s={fm.FusedConfig().block_s}", flush=True)
+  if rest[0] == "attention":
+    from jax_shared_attn.bench.__main__ import main as bench
+    return bench(rest)
+  from models.cli import main as cli
+  return cli(["bench"] + rest)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -109,6 +109,47 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   return dataclasses.replace(cfg, splits=splits)
 
 
+def _rounds(n_full, n_suf):
+  """Rounds of the interleaved step list and suffix steps per round (see :func:`schedule_step`)."""
+  rounds = jnp.maximum(n_full, 1)
+  return rounds, lax.div(n_suf + rounds - 1, rounds)
+
+
+def schedule_round(r, n_full, n_suf):
+  """Round r of a CTA's interleaved steps: prefix block r (if ``r < n_full``) at global step
+  ``start``, then suffix steps ``[s_lo, s_hi)`` from global step ``start + has_prefix``."""
+  _, q = _rounds(n_full, n_suf)
+  start = jnp.minimum(r, n_full) + jnp.minimum(r * q, n_suf)
+  has_prefix = (r < n_full).astype(jnp.int32)
+  s_lo = jnp.minimum(r * q, n_suf)
+  return start, has_prefix, s_lo, jnp.minimum(r * q + q, n_suf)
+
+
+def schedule_step(t, n_full, n_suf):
+  """Global step t of a CTA: ``(is_prefix, prefix block, suffix step)``.
+
+  The order: ``max(n_full, 1)`` rounds, round r being prefix block r (while ``r < n_full``) then
+  ``q = cdiv(n_suf, rounds)`` suffix steps (fewer once they run out); then the prefix's partial
+  block ``n_full`` (steps from ``n_full + n_suf`` on). Scalar int32 arithmetic (kernel and tests).
+  """
+  _, q = _rounds(n_full, n_suf)
+  r0 = jnp.where(q > 0, lax.div(n_suf, jnp.maximum(q, 1)), n_full)  # rounds with q suffix steps
+  full_len = r0 * (1 + q)
+  r = lax.div(t, 1 + q)
+  pos = t - r * (1 + q)
+  t2 = t - full_len  # past them: round r0 (prefix, the rest of the suffix steps), prefix only
+  rest = n_suf - r0 * q
+  in_full = t < full_len
+  n_mixed = n_full + n_suf
+  is_pre = jnp.where(in_full, pos == 0, (t2 == 0) | (t2 > rest))
+  sidx = jnp.where(in_full, r * q + pos - 1, r0 * q + t2 - 1)
+  is_pre = jnp.where(n_full == 0, t >= n_suf, is_pre) | (t >= n_mixed)  # no whole block
+  sidx = jnp.where(n_full == 0, t, sidx)
+  # A prefix step's block: the steps before it that were not suffix steps.
+  pidx = jnp.where(t >= n_mixed, n_full, t - jnp.clip(sidx + 1, 0, n_suf))
+  return is_pre, pidx, sidx
+
+
 def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *,
                     rows_per_seq: int, scale: float, config: FusedConfig):
   """``q_rows [Hkv, R, D]`` (R a multiple of 128; rows ``b * G + g``, padding past ``B * G``),
@@ -155,33 +196,37 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     ks_barriers, vs_barriers = suffix_barriers[0::2], suffix_barriers[1::2]
     k_consumed_barriers, v_consumed_barriers = consumed_barriers
 
-    # The CTA's step list: the prefix's valid blocks, then suffix steps. In a suffix step each
-    # warpgroup takes `chunks` chunks of `chunk` keys -- chunk j of block b of its sequences in
-    # the order (b, sequence) -- into its half of the K/V slot; blocks run to the longest
-    # suffix of the CTA's sequences.
+    # The CTA's steps: the prefix's whole blocks interleaved with the suffix steps (prefix
+    # steps are compute-bound on keys every CTA reads from L2, suffix steps memory-bound on the
+    # CTA's own keys: interleaved, the producer streams suffix bytes while the tensor cores run
+    # the prefix), then the prefix's partial last block (masked), if any. In a suffix step each
+    # warpgroup takes `chunks` chunks of `chunk` keys -- chunk j of key block b of its
+    # sequences, in the order (b, sequence) -- into its half of the K/V slot; blocks run to the
+    # longest suffix of the CTA's sequences.
     kv_len = jnp.minimum(len_ref[0], p)
     n_pre = jnp.minimum(lax.div(kv_len + (block_kv - 1), jnp.int32(block_kv)), prefix_blocks)
-    full_pre = lax.div(kv_len, jnp.int32(block_kv))
+    n_full = jnp.minimum(lax.div(kv_len, jnp.int32(block_kv)), n_pre)  # unmasked prefix blocks
     seq0 = tile * seqs_per_cta
 
     # The longest suffix of the CTA's sequences, reduced by XLA beforehand (one load here, not
     # one dependent load per sequence).
     max_len = jnp.clip(tmax_ref[tile], 0, capacity)
-    n_sblk = lax.div(max_len + (chunk - 1), jnp.int32(chunk))
-    n_total = n_pre + steps_per_blk * n_sblk
+    n_suf = steps_per_blk * lax.div(max_len + (chunk - 1), jnp.int32(chunk))
+    n_mixed = n_full + n_suf
+    n_total = n_pre + n_suf
     per_split = lax.div(n_total + (cfg.splits - 1), jnp.int32(cfg.splits))
     lo = split * per_split
-    steps = jnp.clip(n_total - lo, 0, per_split)
-    # Local step ranges: [0, a) prefix unmasked, [a, c) prefix last (masked), [c, steps) suffix.
-    a_end = jnp.clip(full_pre - lo, 0, steps)
-    c_end = jnp.clip(n_pre - lo, 0, steps)
+    hi = jnp.minimum(lo + per_split, n_total)
+    steps = jnp.maximum(hi - lo, 0)
 
-    def suffix_coords(i, w: int):
-      """First sequence (index into the batch) of warpgroup w's chunks in local step i, their
+    def step_info(t):
+      return schedule_step(t, n_full, n_suf)
+
+    def suffix_coords(u, w: int):
+      """First sequence (index into the batch) of warpgroup w's chunks in suffix step u, their
       warpgroup-local index, and the key block they read."""
-      t = lo + i - n_pre
-      blk = lax.div(t, jnp.int32(steps_per_blk))
-      j0 = (t - blk * steps_per_blk) * chunks
+      blk = lax.div(u, jnp.int32(steps_per_blk))
+      j0 = (u - blk * steps_per_blk) * chunks
       return seq0 + w * seqs_per_wg + j0, j0, blk
 
     def perform_schedule_barrier():
@@ -195,10 +240,11 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       lse_smem = lse_smem2.at[w]
       q_base = tile * CTA_ROWS + w * block_q
 
-      def wait_k(i, slot):
-        """K of local step i has landed (which barrier depends on the step's kind)."""
-        pl.when(lo + i < n_pre)(lambda: plgpu.barrier_wait(k_barriers.at[slot]))
-        pl.when(lo + i >= n_pre)(lambda: plgpu.barrier_wait(ks_barriers[w].at[slot]))
+      def wait_k(t, slot):
+        """K of global step t has landed (which barrier depends on the step's kind)."""
+        is_pre, _, _ = step_info(t)
+        pl.when(is_pre)(lambda: plgpu.barrier_wait(k_barriers.at[slot]))
+        pl.when(~is_pre)(lambda: plgpu.barrier_wait(ks_barriers[w].at[slot]))
 
       plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem, q_barriers.at[w])
       plgpu.barrier_wait(q_barriers.at[w])
@@ -209,13 +255,15 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
       @pl.when(steps > 0)
       def _():
-        wait_k(jnp.int32(0), 0)
+        wait_k(lo, 0)
 
       if w == 1:
         perform_schedule_barrier()
 
-      def kv_loop(i, carry, kind: str):
+      def kv_loop(t, carry, kind: str, u_offset=None):
+        """Global step t (suffix step ``t + u_offset``)."""
         acc, m_i, l_i = carry
+        i = t - lo
         slot = lax.rem(i, jnp.array(steps_buf, i.dtype))
         if kind == "suffix":
           half = pl.ds(w * block_q, block_q)
@@ -226,7 +274,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           v_bar = v_barriers.at[slot]
 
         if kind == "suffix":  # scalar loads issued before the product: latency hides behind it
-          seq, j0, blk = suffix_coords(i, w)
+          seq, j0, blk = suffix_coords(t + u_offset, w)
           n_valid = [jnp.where(seq + c < batch, slen_ref[jnp.minimum(seq + c, batch - 1)], 0)
                      for c in range(chunks)]
 
@@ -239,7 +287,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         plgpu.barrier_arrive(k_consumed_barriers.at[slot])
         if kind == "prefix_last":
           cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
-          qk = jnp.where(cols + (lo + i) * block_kv < kv_len, qk, -jnp.inf)
+          qk = jnp.where(cols + n_full * block_kv < kv_len, qk, -jnp.inf)
         elif kind == "suffix":
           # Column c * chunk + x holds key blk * chunk + x of the step's c-th sequence; row
           # r belongs to the warpgroup's sequence r // G. Visible: the same sequence, inside its
@@ -270,19 +318,24 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
         def compute_pv(acc_ref):
           plgpu.wgmma(acc_ref, p16, v_tile)
-          wait_step = i + 1
-          wait_slot = lax.rem(wait_step, jnp.array(steps_buf, i.dtype))
-          pl.when(wait_step < steps)(lambda: wait_k(wait_step, wait_slot))
+          wait_slot = lax.rem(i + 1, jnp.array(steps_buf, i.dtype))
+          pl.when(t + 1 < hi)(lambda: wait_k(t + 1, wait_slot))
 
         acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_consumed_barriers.at[slot])
         return acc, m_i, l_i
 
-      carry = (acc, m_i, l_i)
-      carry = lax.fori_loop(0, a_end, functools.partial(kv_loop, kind="prefix"), carry)
-      carry = lax.fori_loop(a_end, c_end, functools.partial(kv_loop, kind="prefix_last"), carry)
-      acc, m_i, l_i = lax.fori_loop(c_end, steps, functools.partial(kv_loop, kind="suffix"),
-                                    carry)
+      def round_body(r, carry):  # clipped to the split's steps [lo, hi)
+        start, has_prefix, s_lo, s_hi = schedule_round(r, n_full, n_suf)
+        carry = lax.fori_loop(jnp.maximum(start, lo), jnp.minimum(start + has_prefix, hi),
+                              functools.partial(kv_loop, kind="prefix"), carry)
+        t0 = start + has_prefix
+        return lax.fori_loop(jnp.maximum(t0, lo), jnp.minimum(t0 + s_hi - s_lo, hi),
+                             functools.partial(kv_loop, kind="suffix", u_offset=s_lo - t0), carry)
+
+      carry = lax.fori_loop(0, _rounds(n_full, n_suf)[0], round_body, (acc, m_i, l_i))
+      acc, m_i, l_i = lax.fori_loop(jnp.maximum(n_mixed, lo), hi,
+                                    functools.partial(kv_loop, kind="prefix_last"), carry)
       if w == 0:
         perform_schedule_barrier()
 
@@ -303,21 +356,23 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     def _memory_wg():
       plgpu.set_max_registers(40, action="decrease")
 
-      def issue(i, slot, which: str):
+      def issue(t, slot, which: str):
         src_pre, src_suf = (k_ref, sk_ref) if which == "k" else (v_ref, sv_ref)
         smem = (k_smem if which == "k" else v_smem).at[slot]
         bar_pre, bars_suf = ((k_barriers, ks_barriers) if which == "k"
                              else (v_barriers, vs_barriers))
 
-        @pl.when(lo + i < n_pre)
+        is_pre, pidx, sidx = step_info(t)
+
+        @pl.when(is_pre)
         def _prefix():
-          plgpu.copy_gmem_to_smem(src_pre.at[pl.ds((lo + i) * block_kv, block_kv), head], smem,
+          plgpu.copy_gmem_to_smem(src_pre.at[pl.ds(pidx * block_kv, block_kv), head], smem,
                                   bar_pre.at[slot])
 
-        @pl.when(lo + i >= n_pre)
+        @pl.when(~is_pre)
         def _suffix():
           for w in (0, 1):  # each warpgroup's chunks into its half of the slot
-            seq, _, blk = suffix_coords(i, w)
+            seq, _, blk = suffix_coords(sidx, w)
             for c in range(chunks):  # `chunks` arrivals complete the barrier
               plgpu.copy_gmem_to_smem(
                   src_suf.at[jnp.minimum(seq + c, batch - 1), pl.ds(blk * chunk, chunk), head],
@@ -326,12 +381,12 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       for i in range(steps_buf):
         @pl.when(i < steps)
         def _first(i=i):
-          issue(jnp.int32(i), i, "k")
-          issue(jnp.int32(i), i, "v")
+          issue(lo + i, i, "k")
+          issue(lo + i, i, "v")
 
       @pl.loop(0, jnp.maximum(steps - steps_buf, 0))
       def _kv_loop(i):
-        step = i + steps_buf
+        step = lo + i + steps_buf
         slot = lax.rem(i, jnp.array(steps_buf, i.dtype))
         plgpu.barrier_wait(k_consumed_barriers.at[slot])
         issue(step, slot, "k")

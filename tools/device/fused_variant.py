@@ -4,7 +4,7 @@
   python3 tools/device/fused_variant.py [--max-waste N] [--block-s N] -- decode <args>
 
 ``--max-waste`` replaces ``shared_attention_mgpu.MAX_WASTE`` (16 lets G = 4 take the one kernel),
-``--block-s`` the default suffix chunk; the rest goes to ``python -m jax_shared_attn.bench`` or
+``--block-s`` the default suffix chunk, ``--steps-buf`` the K/V slots; the rest goes to ``python -m jax_shared_attn.bench`` or
 ``hydragen bench``.
 """
 
@@ -19,16 +19,20 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--max-waste", type=int)
   ap.add_argument("--block-s", type=int)
+  ap.add_argument("--steps-buf", type=int, help="K/V slots in flight (max_concurrent_steps)")
   args = ap.parse_args(argv[:split])
   rest = argv[split + 1:]
   from pallas_kernels.gpu import shared_attention_mgpu as fm
   if args.max_waste is not None:
     fm.MAX_WASTE = args.max_waste
-  if args.block_s is not None:
+  changed = [(name, value) for name, value in (("block_s", args.block_s),
+                                                ("max_concurrent_steps", args.steps_buf))
+             if value is not None]
+  if changed:
     fm.FusedConfig = dataclasses.make_dataclass(
-        "FusedConfig", [("block_s", int, dataclasses.field(default=args.block_s))],
+        "FusedConfig", [(n, int, dataclasses.field(default=v)) for n, v in changed],
         bases=(fm.FusedConfig,), frozen=True)
-  print(f"variant: MAX_WASTE={fm.MAX_WASTE} block_s={fm.FusedConfig().block_s}", flush=True)
+  print(f"variant: MAX_WASTE={fm.MAX_WASTE} {fm.FusedConfig()}", flush=True)
   if rest[0] == "attention":
     from jax_shared_attn.bench.__main__ import main as bench
     return bench(rest)

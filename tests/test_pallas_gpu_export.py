@@ -9,7 +9,6 @@ import itertools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_attention
@@ -160,42 +159,3 @@ def test_mosaic_kernel_lowered_once_per_shape(capacity, function):
                      kv, kv, S((64,), jnp.int32))
   assert text.count(f"private @{function}") == 1, "the kernel's function is not shared"
   assert text.count(f"custom_call @{MOSAIC}") == 1
-
-
-def test_fused_schedule_interleaves_every_step_once():
-  """The one kernel's step list (scalar arithmetic run inside the kernel): every prefix block and
-  suffix step exactly once, the partial prefix block last, suffix steps spread over the prefix
-  blocks' rounds, and the consumer's round loops visit the same order as the producer's map."""
-  from pallas_kernels.gpu.shared_attention_mgpu import _rounds, schedule_round, schedule_step
-  combos = list(itertools.product(range(7), range(15)))
-  nf = jnp.asarray([c[0] for c in combos], jnp.int32)
-  ns = jnp.asarray([c[1] for c in combos], jnp.int32)
-  ts = jnp.arange(22, dtype=jnp.int32)
-  steps = jax.jit(jax.vmap(jax.vmap(schedule_step, (0, None, None)), (None, 0, 0)))(ts, nf, ns)
-  rounds_of = jax.jit(jax.vmap(jax.vmap(schedule_round, (0, None, None)), (None, 0, 0)))(
-      ts, nf, ns)
-  rq = jax.jit(jax.vmap(_rounds))(nf, ns)
-  steps, rounds_of, rq = jax.tree.map(np.asarray, (steps, rounds_of, rq))
-  for c, (n_full, n_suf) in enumerate(combos):
-    for last in (0, 1):
-      total = n_full + n_suf + last
-      order = [("p", int(steps[1][c, t])) if steps[0][c, t] else ("s", int(steps[2][c, t]))
-               for t in range(total)]
-      assert sorted(x for x in order if x[0] == "p") == [("p", i) for i in range(n_full + last)]
-      assert [x for x in order if x[0] == "s"] == [("s", i) for i in range(n_suf)]  # in order
-      if last:
-        assert order[-1] == ("p", n_full)
-      rounds, q = int(rq[0][c]), int(rq[1][c])
-      assert rounds == max(n_full, 1) and q == -(-n_suf // rounds)
-      visited = [None] * total
-      for r in range(rounds):
-        start, has_prefix, s_lo, s_hi = (int(x[c, r]) for x in rounds_of)
-        if has_prefix:
-          visited[start] = ("p", r)
-        for u in range(s_lo, s_hi):
-          visited[start + has_prefix + u - s_lo] = ("s", u)
-        if n_full:  # each round: its prefix block, then at most q suffix steps
-          assert has_prefix == 1 and s_hi - s_lo <= q
-      if last:
-        visited[n_full + n_suf] = ("p", n_full)
-      assert visited == order, (n_full, n_suf, last)

@@ -56,7 +56,7 @@ CTA_ROWS = 128  # two consumer warpgroups of 64 rows
 class FusedConfig:
   block_q: int = 64  # rows per consumer warpgroup
   block_kv: int = 128  # prefix keys per step
-  block_s: int = 16  # suffix keys per TMA chunk (one sequence's; at least G, see below)
+  block_s: int = 64  # suffix keys per step (one sequence)
   max_concurrent_steps: int = 2
   splits: int = 1
 
@@ -78,19 +78,13 @@ def worthwhile(rows_per_seq: int) -> bool:
   return FusedConfig().block_q // rows_per_seq <= MAX_WASTE
 
 
-def chunk_keys(rows_per_seq: int, cfg: FusedConfig) -> int:
-  """Keys per suffix chunk: ``block_s``, or more where a warpgroup has fewer sequences than a
-  64-key half-slot has chunks (``64 / G`` sequences: a step's chunks never repeat a sequence)."""
-  return max(cfg.block_s, rows_per_seq)
-
-
 def supported(dtype, head_dim: int, prefix: int, capacity: int, rows_per_seq: int,
               cfg: FusedConfig) -> bool:
   """Shapes the fused kernel takes (otherwise the prefix and suffix kernels run apart)."""
-  ok_rows = 0 < rows_per_seq <= cfg.block_q and cfg.block_q % rows_per_seq == 0
   return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
           and head_dim in (64, 128) and prefix > 0 and prefix % cfg.block_kv == 0
-          and ok_rows and capacity > 0 and capacity % chunk_keys(rows_per_seq, cfg) == 0)
+          and capacity > 0 and capacity % cfg.block_s == 0
+          and 0 < rows_per_seq <= cfg.block_q and cfg.block_q % rows_per_seq == 0)
 
 
 def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_per_seq: int,
@@ -102,52 +96,9 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   """
   cfg = FusedConfig()
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
-  chunk = chunk_keys(rows_per_seq, cfg)
-  suffix_steps = (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, chunk) // (cfg.block_q // chunk)
-  steps = prefix // cfg.block_kv + suffix_steps
+  steps = prefix // cfg.block_kv + (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
   splits = max(1, min(num_sms // tiles, steps // 4))
   return dataclasses.replace(cfg, splits=splits)
-
-
-def _rounds(n_full, n_suf):
-  """Rounds of the interleaved step list and suffix steps per round (see :func:`schedule_step`)."""
-  rounds = jnp.maximum(n_full, 1)
-  return rounds, lax.div(n_suf + rounds - 1, rounds)
-
-
-def schedule_round(r, n_full, n_suf):
-  """Round r of a CTA's interleaved steps: prefix block r (if ``r < n_full``) at global step
-  ``start``, then suffix steps ``[s_lo, s_hi)`` from global step ``start + has_prefix``."""
-  _, q = _rounds(n_full, n_suf)
-  start = jnp.minimum(r, n_full) + jnp.minimum(r * q, n_suf)
-  has_prefix = (r < n_full).astype(jnp.int32)
-  s_lo = jnp.minimum(r * q, n_suf)
-  return start, has_prefix, s_lo, jnp.minimum(r * q + q, n_suf)
-
-
-def schedule_step(t, n_full, n_suf):
-  """Global step t of a CTA: ``(is_prefix, prefix block, suffix step)``.
-
-  The order: ``max(n_full, 1)`` rounds, round r being prefix block r (while ``r < n_full``) then
-  ``q = cdiv(n_suf, rounds)`` suffix steps (fewer once they run out); then the prefix's partial
-  block ``n_full`` (steps from ``n_full + n_suf`` on). Scalar int32 arithmetic (kernel and tests).
-  """
-  _, q = _rounds(n_full, n_suf)
-  r0 = jnp.where(q > 0, lax.div(n_suf, jnp.maximum(q, 1)), n_full)  # rounds with q suffix steps
-  full_len = r0 * (1 + q)
-  r = lax.div(t, 1 + q)
-  pos = t - r * (1 + q)
-  t2 = t - full_len  # past them: round r0 (prefix, the rest of the suffix steps), prefix only
-  rest = n_suf - r0 * q
-  in_full = t < full_len
-  n_mixed = n_full + n_suf
-  is_pre = jnp.where(in_full, pos == 0, (t2 == 0) | (t2 > rest))
-  sidx = jnp.where(in_full, r * q + pos - 1, r0 * q + t2 - 1)
-  is_pre = jnp.where(n_full == 0, t >= n_suf, is_pre) | (t >= n_mixed)  # no whole block
-  sidx = jnp.where(n_full == 0, t, sidx)
-  # A prefix step's block: the steps before it that were not suffix steps.
-  pidx = jnp.where(t >= n_mixed, n_full, t - jnp.clip(sidx + 1, 0, n_suf))
-  return is_pre, pidx, sidx
 
 
 def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *,
@@ -163,21 +114,14 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   batch, capacity = suffix_k.shape[:2]
   dtype = q_rows.dtype
   cfg = config
-  block_q, block_kv = cfg.block_q, cfg.block_kv
+  block_q, block_kv, block_s = cfg.block_q, cfg.block_kv, cfg.block_s
   m = rows_per_seq
   if r % CTA_ROWS:
     raise ValueError(f"rows ({r}) must be a multiple of {CTA_ROWS}")
-  if block_q % m or 2 * block_q != block_kv:
-    raise ValueError(f"rows_per_seq ({m}) must divide {block_q} and 2 * block_q == block_kv")
-  chunk = chunk_keys(m, cfg)  # keys of one sequence per TMA copy
-  if block_q % chunk or capacity % chunk:
-    raise ValueError(f"suffix chunk ({chunk} keys) must divide {block_q} and the capacity "
-                     f"({capacity})")
+  if block_q % m or 2 * block_s != block_kv:
+    raise ValueError(f"rows_per_seq ({m}) must divide {block_q} and 2 * block_s == block_kv")
   seqs_per_wg = block_q // m
   seqs_per_cta = 2 * seqs_per_wg
-  chunks = block_q // chunk  # chunks per warpgroup per suffix step (<= seqs_per_wg)
-  steps_per_blk = seqs_per_wg // chunks  # suffix steps per key block of the warpgroup's seqs
-  log_m, log_chunk = m.bit_length() - 1, chunk.bit_length() - 1  # both powers of two
   prefix_blocks = p // block_kv
   steps_buf = cfg.max_concurrent_steps
   qk_scale = scale * LOG2E
@@ -187,47 +131,40 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     head = lax.axis_index("heads")
     tile = lax.axis_index("q_seq")
     split = lax.axis_index("split")
-    smem_buffers, buffer_barriers, suffix_barriers, consumed_barriers, schedule_barrier = scoped
+    smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
     wg_idx = lax.axis_index("wg")
     qo_smem2, k_smem, v_smem, lse_smem2 = smem_buffers
-    # Per slot: the prefix step's K and V landed (one copy each); per warpgroup, its suffix
-    # chunks landed (`chunks` copies each).
-    k_barriers, v_barriers, q_barriers = buffer_barriers
-    ks_barriers, vs_barriers = suffix_barriers[0::2], suffix_barriers[1::2]
+    # Per slot: K and V landed (prefix steps, and warpgroup 0's half of suffix steps); warpgroup
+    # 1's half of suffix steps; the query tiles.
+    k_barriers, v_barriers, k1_barriers, v1_barriers, q_barriers = buffer_barriers
     k_consumed_barriers, v_consumed_barriers = consumed_barriers
 
-    # The CTA's steps: the prefix's whole blocks interleaved with the suffix steps (prefix
-    # steps are compute-bound on keys every CTA reads from L2, suffix steps memory-bound on the
-    # CTA's own keys: interleaved, the producer streams suffix bytes while the tensor cores run
-    # the prefix), then the prefix's partial last block (masked), if any. In a suffix step each
-    # warpgroup takes `chunks` chunks of `chunk` keys -- chunk j of key block b of its
-    # sequences, in the order (b, sequence) -- into its half of the K/V slot; blocks run to the
-    # longest suffix of the CTA's sequences.
+    # The CTA's step list: the prefix's valid blocks, then suffix steps in which each
+    # warpgroup takes block_s keys of one of ITS sequences (the two halves of a K/V slot), as
+    # many blocks per sequence as the longest of the CTA's sequences needs.
     kv_len = jnp.minimum(len_ref[0], p)
     n_pre = jnp.minimum(lax.div(kv_len + (block_kv - 1), jnp.int32(block_kv)), prefix_blocks)
-    n_full = jnp.minimum(lax.div(kv_len, jnp.int32(block_kv)), n_pre)  # unmasked prefix blocks
+    full_pre = lax.div(kv_len, jnp.int32(block_kv))
     seq0 = tile * seqs_per_cta
 
     # The longest suffix of the CTA's sequences, reduced by XLA beforehand (one load here, not
     # one dependent load per sequence).
     max_len = jnp.clip(tmax_ref[tile], 0, capacity)
-    n_suf = steps_per_blk * lax.div(max_len + (chunk - 1), jnp.int32(chunk))
-    n_mixed = n_full + n_suf
-    n_total = n_pre + n_suf
+    n_sblk = lax.div(max_len + (block_s - 1), jnp.int32(block_s))
+    n_total = n_pre + seqs_per_wg * n_sblk
     per_split = lax.div(n_total + (cfg.splits - 1), jnp.int32(cfg.splits))
     lo = split * per_split
-    hi = jnp.minimum(lo + per_split, n_total)
-    steps = jnp.maximum(hi - lo, 0)
+    steps = jnp.clip(n_total - lo, 0, per_split)
+    # Local step ranges: [0, a) prefix unmasked, [a, c) prefix last (masked), [c, steps) suffix.
+    a_end = jnp.clip(full_pre - lo, 0, steps)
+    c_end = jnp.clip(n_pre - lo, 0, steps)
+    n_sblk_safe = jnp.maximum(n_sblk, 1)
 
-    def step_info(t):
-      return schedule_step(t, n_full, n_suf)
-
-    def suffix_coords(u, w: int):
-      """First sequence (index into the batch) of warpgroup w's chunks in suffix step u, their
-      warpgroup-local index, and the key block they read."""
-      blk = lax.div(u, jnp.int32(steps_per_blk))
-      j0 = (u - blk * steps_per_blk) * chunks
-      return seq0 + w * seqs_per_wg + j0, j0, blk
+    def suffix_coords(i, w: int):
+      """Sequence (of warpgroup w) and key block of local step i (a suffix step)."""
+      u = lo + i - n_pre
+      j = lax.div(u, n_sblk_safe)
+      return seq0 + w * seqs_per_wg + j, j, u - j * n_sblk_safe
 
     def perform_schedule_barrier():
       plgpu.barrier_arrive(schedule_barrier)
@@ -239,12 +176,15 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       qo_smem = qo_smem2.at[w]
       lse_smem = lse_smem2.at[w]
       q_base = tile * CTA_ROWS + w * block_q
+      my_v = v_barriers if w == 0 else v1_barriers
 
-      def wait_k(t, slot):
-        """K of global step t has landed (which barrier depends on the step's kind)."""
-        is_pre, _, _ = step_info(t)
-        pl.when(is_pre)(lambda: plgpu.barrier_wait(k_barriers.at[slot]))
-        pl.when(~is_pre)(lambda: plgpu.barrier_wait(ks_barriers[w].at[slot]))
+      def wait_k(i, slot):
+        """K of local step i has landed (which barrier depends on the step's kind)."""
+        if w == 0:
+          plgpu.barrier_wait(k_barriers.at[slot])
+          return
+        pl.when(lo + i < n_pre)(lambda: plgpu.barrier_wait(k_barriers.at[slot]))
+        pl.when(lo + i >= n_pre)(lambda: plgpu.barrier_wait(k1_barriers.at[slot]))
 
       plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem, q_barriers.at[w])
       plgpu.barrier_wait(q_barriers.at[w])
@@ -255,28 +195,25 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
       @pl.when(steps > 0)
       def _():
-        wait_k(lo, 0)
+        wait_k(jnp.int32(0), 0)
 
       if w == 1:
         perform_schedule_barrier()
 
-      def kv_loop(t, carry, kind: str, u_offset=None):
-        """Global step t (suffix step ``t + u_offset``)."""
+      def kv_loop(i, carry, kind: str):
         acc, m_i, l_i = carry
-        i = t - lo
         slot = lax.rem(i, jnp.array(steps_buf, i.dtype))
         if kind == "suffix":
-          half = pl.ds(w * block_q, block_q)
-          k_tile, v_tile, n_keys = k_smem.at[slot, half], v_smem.at[slot, half], block_q
-          v_bar = vs_barriers[w].at[slot]
+          half = pl.ds(w * block_s, block_s)
+          k_tile, v_tile, n_keys = k_smem.at[slot, half], v_smem.at[slot, half], block_s
+          v_bar = my_v.at[slot]
         else:
           k_tile, v_tile, n_keys = k_smem.at[slot], v_smem.at[slot], block_kv
           v_bar = v_barriers.at[slot]
 
-        if kind == "suffix":  # scalar loads issued before the product: latency hides behind it
-          seq, j0, blk = suffix_coords(t + u_offset, w)
-          n_valid = [jnp.where(seq + c < batch, slen_ref[jnp.minimum(seq + c, batch - 1)], 0)
-                     for c in range(chunks)]
+        if kind == "suffix":  # issued before the product: the load's latency hides behind it
+          seq, j, blk = suffix_coords(i, w)
+          n_valid = jnp.where(seq < batch, slen_ref[jnp.minimum(seq, batch - 1)], 0)
 
         def compute_qk(acc_ref):
           plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_tile, (1, 0)))
@@ -287,20 +224,14 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         plgpu.barrier_arrive(k_consumed_barriers.at[slot])
         if kind == "prefix_last":
           cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
-          qk = jnp.where(cols + n_full * block_kv < kv_len, qk, -jnp.inf)
+          qk = jnp.where(cols + (lo + i) * block_kv < kv_len, qk, -jnp.inf)
         elif kind == "suffix":
-          # Column c * chunk + x holds key blk * chunk + x of the step's c-th sequence; row
-          # r belongs to the warpgroup's sequence r // G. Visible: the same sequence, inside its
-          # length.
           cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
+          qk = jnp.where(cols + blk * block_s < n_valid, qk, -jnp.inf)
           rows = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 0, layout=plgpu.Layout.WGMMA)
-          col_chunk = lax.shift_right_logical(cols, jnp.int32(log_chunk))
-          key = blk * chunk + lax.bitwise_and(cols, jnp.int32(chunk - 1))
-          limit = cols * 0 + n_valid[chunks - 1]  # the length of each column's sequence
-          for c in range(chunks - 2, -1, -1):
-            limit = jnp.where(col_chunk == c, n_valid[c], limit)
-          same = lax.shift_right_logical(rows, jnp.int32(log_m)) == col_chunk + j0
-          qk = jnp.where(same & (key < limit), qk, -jnp.inf)
+          first = j * m  # this sequence's rows within the warpgroup's
+          qk = jnp.where(rows >= first, qk, -jnp.inf)
+          qk = jnp.where(rows < first + m, qk, -jnp.inf)
         m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
         # Rows without a visible key so far keep m = -inf: subtract 0 instead (no inf - inf).
         m_use = m_ij if kind == "prefix" else jnp.where(m_ij == -jnp.inf, 0.0, m_ij)
@@ -318,24 +249,19 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
         def compute_pv(acc_ref):
           plgpu.wgmma(acc_ref, p16, v_tile)
-          wait_slot = lax.rem(i + 1, jnp.array(steps_buf, i.dtype))
-          pl.when(t + 1 < hi)(lambda: wait_k(t + 1, wait_slot))
+          wait_step = i + 1
+          wait_slot = lax.rem(wait_step, jnp.array(steps_buf, i.dtype))
+          pl.when(wait_step < steps)(lambda: wait_k(wait_step, wait_slot))
 
         acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_consumed_barriers.at[slot])
         return acc, m_i, l_i
 
-      def round_body(r, carry):  # clipped to the split's steps [lo, hi)
-        start, has_prefix, s_lo, s_hi = schedule_round(r, n_full, n_suf)
-        carry = lax.fori_loop(jnp.maximum(start, lo), jnp.minimum(start + has_prefix, hi),
-                              functools.partial(kv_loop, kind="prefix"), carry)
-        t0 = start + has_prefix
-        return lax.fori_loop(jnp.maximum(t0, lo), jnp.minimum(t0 + s_hi - s_lo, hi),
-                             functools.partial(kv_loop, kind="suffix", u_offset=s_lo - t0), carry)
-
-      carry = lax.fori_loop(0, _rounds(n_full, n_suf)[0], round_body, (acc, m_i, l_i))
-      acc, m_i, l_i = lax.fori_loop(jnp.maximum(n_mixed, lo), hi,
-                                    functools.partial(kv_loop, kind="prefix_last"), carry)
+      carry = (acc, m_i, l_i)
+      carry = lax.fori_loop(0, a_end, functools.partial(kv_loop, kind="prefix"), carry)
+      carry = lax.fori_loop(a_end, c_end, functools.partial(kv_loop, kind="prefix_last"), carry)
+      acc, m_i, l_i = lax.fori_loop(c_end, steps, functools.partial(kv_loop, kind="suffix"),
+                                    carry)
       if w == 0:
         perform_schedule_barrier()
 
@@ -356,37 +282,33 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     def _memory_wg():
       plgpu.set_max_registers(40, action="decrease")
 
-      def issue(t, slot, which: str):
+      def issue(i, slot, which: str):
         src_pre, src_suf = (k_ref, sk_ref) if which == "k" else (v_ref, sv_ref)
         smem = (k_smem if which == "k" else v_smem).at[slot]
-        bar_pre, bars_suf = ((k_barriers, ks_barriers) if which == "k"
-                             else (v_barriers, vs_barriers))
+        bars = (k_barriers, k1_barriers) if which == "k" else (v_barriers, v1_barriers)
 
-        is_pre, pidx, sidx = step_info(t)
-
-        @pl.when(is_pre)
+        @pl.when(lo + i < n_pre)
         def _prefix():
-          plgpu.copy_gmem_to_smem(src_pre.at[pl.ds(pidx * block_kv, block_kv), head], smem,
-                                  bar_pre.at[slot])
+          plgpu.copy_gmem_to_smem(src_pre.at[pl.ds((lo + i) * block_kv, block_kv), head], smem,
+                                  bars[0].at[slot])
 
-        @pl.when(~is_pre)
+        @pl.when(lo + i >= n_pre)
         def _suffix():
-          for w in (0, 1):  # each warpgroup's chunks into its half of the slot
-            seq, _, blk = suffix_coords(sidx, w)
-            for c in range(chunks):  # `chunks` arrivals complete the barrier
-              plgpu.copy_gmem_to_smem(
-                  src_suf.at[jnp.minimum(seq + c, batch - 1), pl.ds(blk * chunk, chunk), head],
-                  smem.at[pl.ds(w * block_q + c * chunk, chunk)], bars_suf[w].at[slot])
+          for w in (0, 1):  # each warpgroup's sequence into its half of the slot
+            seq, _, blk = suffix_coords(i, w)
+            plgpu.copy_gmem_to_smem(
+                src_suf.at[jnp.minimum(seq, batch - 1), pl.ds(blk * block_s, block_s), head],
+                smem.at[pl.ds(w * block_s, block_s)], bars[w].at[slot])
 
       for i in range(steps_buf):
         @pl.when(i < steps)
         def _first(i=i):
-          issue(lo + i, i, "k")
-          issue(lo + i, i, "v")
+          issue(jnp.int32(i), i, "k")
+          issue(jnp.int32(i), i, "v")
 
       @pl.loop(0, jnp.maximum(steps - steps_buf, 0))
       def _kv_loop(i):
-        step = lo + i + steps_buf
+        step = i + steps_buf
         slot = lax.rem(i, jnp.array(steps_buf, i.dtype))
         plgpu.barrier_wait(k_consumed_barriers.at[slot])
         issue(step, slot, "k")
@@ -405,9 +327,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         lambda *args: kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref,
                              out_ref, lse_ref, args),
         [qo_scratch, k_scratch, v_scratch, lse_scratch],
-        (plgpu.Barrier(num_barriers=steps_buf),) * 2 + (plgpu.Barrier(num_barriers=compute_wgs),),
-        # K and V of warpgroup 0's chunks, then warpgroup 1's.
-        (plgpu.Barrier(num_arrivals=chunks, num_barriers=steps_buf),) * 4,
+        (plgpu.Barrier(num_barriers=steps_buf),) * 4 + (plgpu.Barrier(num_barriers=compute_wgs),),
         (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf),) * 2,
         plgpu.Barrier(num_arrivals=compute_wgs),
         collective_axes="wg",

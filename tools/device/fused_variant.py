@@ -1,11 +1,11 @@
 """Runs a benchmark with the one-kernel decode path's knobs changed (device experiments).
 
-  python3 tools/device/fused_variant.py [--max-waste N] [--block-s N] -- attention <args>
-  python3 tools/device/fused_variant.py [--max-waste N] [--block-s N] -- decode <args>
+  python3 tools/device/fused_variant.py [--max-waste N] [--steps-buf N] -- attention <args>
+  python3 tools/device/fused_variant.py [--max-waste N] [--steps-buf N] -- decode <args>
 
 ``--max-waste`` replaces ``shared_attention_mgpu.MAX_WASTE`` (16 lets G = 4 take the one kernel),
-``--block-s`` the default suffix chunk, ``--steps-buf`` the K/V slots; the rest goes to ``python -m jax_shared_attn.bench`` or
-``hydragen bench``.
+``--steps-buf`` the kernel's K/V slots in flight; the rest goes to
+``python -m jax_shared_attn.bench`` or ``hydragen bench``.
 """
 
 import argparse
@@ -18,19 +18,15 @@ def main():
   split = argv.index("--")
   ap = argparse.ArgumentParser()
   ap.add_argument("--max-waste", type=int)
-  ap.add_argument("--block-s", type=int)
   ap.add_argument("--steps-buf", type=int, help="K/V slots in flight (max_concurrent_steps)")
   args = ap.parse_args(argv[:split])
   rest = argv[split + 1:]
   from pallas_kernels.gpu import shared_attention_mgpu as fm
   if args.max_waste is not None:
     fm.MAX_WASTE = args.max_waste
-  changed = [(name, value) for name, value in (("block_s", args.block_s),
-                                                ("max_concurrent_steps", args.steps_buf))
-             if value is not None]
-  if changed:
+  if args.steps_buf is not None:
     fm.FusedConfig = dataclasses.make_dataclass(
-        "FusedConfig", [(n, int, dataclasses.field(default=v)) for n, v in changed],
+        "FusedConfig", [("max_concurrent_steps", int, dataclasses.field(default=args.steps_buf))],
         bases=(fm.FusedConfig,), frozen=True)
   print(f"variant: MAX_WASTE={fm.MAX_WASTE} {fm.FusedConfig()}", flush=True)
   if rest[0] == "attention":

@@ -69,7 +69,9 @@ class FusedConfig:
 # P=1K, S=128: 224 vs 246 us) but lost in decoding, where the suffixes grow a token per step:
 # batch 1024 / prompt 2K ran 0.78 of the no-attention ceiling against 0.80 apart (attention
 # 10.5 vs 8.6 ms per step; with 130-token suffixes the 64-key blocks read 192 keys per
-# sequence, where the Triton suffix kernel's masked 32-key steps read 130).
+# sequence, where the Triton suffix kernel's masked 32-key steps read 130). Reading the suffixes
+# in 16-key chunks of several sequences, and interleaving prefix and suffix steps, did not change
+# that on average (docs/results/2026-11-23-h100-chunks-rejected).
 MAX_WASTE = 8
 
 

@@ -177,6 +177,21 @@ def segment_alignment(impl: str = "auto") -> int:
   return 1
 
 
+def suffix_alignment(impl: str = "auto", rows_per_seq: int = 1) -> int:
+  """Token multiple that per-sequence (own) K/V capacities should be padded to for ``impl``.
+
+  On Hopper, decoding with one shared prefix runs prefix and suffixes in one Mosaic GPU kernel
+  where it pays (``rows_per_seq = Hq / Hkv >= 8``); it streams the suffixes in 64-key blocks, so
+  the capacity must be a multiple of 64 (other capacities run the kernels apart: correct,
+  slower). 1 everywhere else: nothing is gained by padding, and the padding is memory (at batch
+  1024 a Llama-3-8B cache of 130 tokens padded to 256 would take 17 GB more).
+  """
+  if segment_alignment(impl) == 1:
+    return 1
+  from pallas_kernels.gpu import shared_attention_mgpu as fm  # deferred, as in resolve
+  return fm.FusedConfig().block_s if fm.worthwhile(rows_per_seq) else 1
+
+
 def resolve(impl: str, fn: str) -> AttentionOps:
   """Maps an ``impl`` string to the ops that run it on the default backend."""
   if not isinstance(impl, str) or impl not in IMPLS:

@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jax_shared_attn.ops import segment_alignment
+from jax_shared_attn.ops import segment_alignment, suffix_alignment
 from models import cache as cache_lib
 from models import sharding as sharding_lib
 from models.cache import KVCache, SegmentLevel
@@ -180,7 +180,7 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
     model, prompt_ids, num_samples, attention, impl, seed: as in :func:`generate`.
     max_new_tokens: the decode steps the state has room for.
     own_capacity: per-sample K/V capacity (default: what is needed: ``max_new_tokens``
-      for hydragen, rounded up to :func:`jax_shared_attn.ops.segment_alignment`; the
+      for hydragen, rounded up to :func:`jax_shared_attn.ops.suffix_alignment`; the
       longest prompt plus that for standard).
     prefill_chunk: feed prompt segments this many tokens at a time (bounds
       prefill memory for long prompts; default: each segment in one pass).
@@ -234,9 +234,10 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
       needed = sum(k[0].shape[1] for k, _, _ in stored) + max_new_tokens
       lengths = contexts[order]
   if own_capacity is None:
-    # Hopper: whole 128-token blocks let decoding run prefix and suffixes in one kernel (the
-    # positions past each sample's length stay zero and are masked).
-    align = segment_alignment(impl) if attention == "hydragen" and levels else 1
+    # Hopper, G >= 8: whole 64-token blocks let decoding run prefix and suffixes in one kernel
+    # (the positions past each sample's length stay zero and are masked).
+    group = config.num_heads // config.num_kv_heads
+    align = suffix_alignment(impl, group) if attention == "hydragen" and levels else 1
     capacity = -(-needed // align) * align
   else:
     capacity = int(own_capacity)
@@ -349,15 +350,19 @@ def _prefill_levels(config, graphdef, params, tree: PromptTree, impl: str, progr
   batch is replicated over "data" and their heads split over "model": the
   result is laid out as the shared levels are (no communication).
 
-  The width ``T`` of a level is its longest segment, rounded up to
-  :func:`jax_shared_attn.ops.segment_alignment` (128 tokens on Hopper GPUs).
+  The width ``T`` of a level is its longest segment; a level of one segment (the batched prefix
+  kernel's case) is rounded up to :func:`jax_shared_attn.ops.segment_alignment` (128 tokens on
+  Hopper GPUs). Levels of several segments run on the segment kernel, which takes any width:
+  padding them would only cost memory (1024 questions of 32 tokens padded to 128: 13 GB more
+  for Llama-3-8B).
 
   Returns ``[(k, v (per layer [N, T, Hkv, D]), lengths int32 [N]), ...]``.
   """
   stored, done = [], 0
-  align = segment_alignment(impl)  # 128 on Hopper: whole blocks for the Mosaic GPU kernel
   for l in range(tree.num_levels):
     lengths = tree.lengths(l)
+    # 128 on Hopper for one segment: whole blocks for the Mosaic GPU prefix kernel.
+    align = segment_alignment(impl) if len(lengths) == 1 else 1
     width = -(-int(lengths.max()) // align) * align
     step = width if chunk is None else min(int(chunk), width)
     width = -(-width // step) * step  # a whole number of chunks: one compiled chunk shape

@@ -105,24 +105,40 @@ def test_two_level_tree_stores_each_segment_once(tiny):
 
 
 def test_segment_buffers_padded_to_the_alignment_give_the_same_tokens(tiny, monkeypatch):
-  """On Hopper the segment buffers are padded to 128-token blocks (the Mosaic kernel streams
-  whole blocks); the padding must never act as keys: same tokens, widths whole blocks."""
+  """On Hopper one-segment levels are padded to 128-token blocks (the Mosaic prefix kernel
+  streams whole blocks) and, where the one-kernel decode path runs, the own cache to 64; levels
+  of several segments are not (the segment kernel takes any width: padding is only memory). The
+  padding must never act as keys: same tokens."""
   import sys
   gen = sys.modules["models.generate"]  # the module (the package exports a function of its name)
   shared = prompt_of(21, 1)
   prompts = [shared + [7, 9, 11, 2], shared + [5, 6]]
+  plain_state = prefill(tiny, prompts, num_samples=[3, 2], max_new_tokens=NEW)
+  assert [lv.k[0].shape[1] for lv in plain_state.cache.levels] == [21, 3]
+  assert plain_state.cache.k[0].shape[1] == NEW
   plain = np.asarray(generate(tiny, prompts, num_samples=[3, 2], max_new_tokens=NEW))
   monkeypatch.setattr(gen, "segment_alignment", lambda impl: 16)
+  monkeypatch.setattr(gen, "suffix_alignment", lambda impl, rows_per_seq: 24)
   state = prefill(tiny, prompts, num_samples=[3, 2], max_new_tokens=NEW)
-  assert [lv.k[0].shape[1] for lv in state.cache.levels] == [32, 16]
+  assert [lv.k[0].shape[1] for lv in state.cache.levels] == [32, 3]
+  assert state.cache.k[0].shape[1] == -(-NEW // 24) * 24
   padded = np.asarray(generate(tiny, prompts, num_samples=[3, 2], max_new_tokens=NEW))
   np.testing.assert_array_equal(padded, plain)
 
 
 def test_segment_alignment_is_one_off_hopper():
-  from jax_shared_attn.ops import segment_alignment
+  from jax_shared_attn.ops import segment_alignment, suffix_alignment
   if jax.default_backend() == "cpu":
     assert segment_alignment("auto") == segment_alignment("pallas:mosaic_gpu") == 1
+    assert suffix_alignment("auto", 8) == suffix_alignment("pallas:mosaic_gpu", 8) == 1
+
+
+def test_suffix_alignment_on_hopper_only_where_the_one_kernel_runs(monkeypatch):
+  """64 (the one kernel's suffix blocks) for G >= 8 on Hopper; 1 for G = 4, where the kernels
+  run apart and padding would only cost memory."""
+  from jax_shared_attn import ops
+  monkeypatch.setattr(ops, "segment_alignment", lambda impl="auto": 128)
+  assert [ops.suffix_alignment("auto", g) for g in (1, 4, 8, 16, 64)] == [1, 1, 64, 64, 64]
 
 
 def test_hydragen_cache_holds_the_prompt_once(tiny):

@@ -26,7 +26,7 @@ def main():
   from models.config import preset
   from models.generate import decode, prefill
   model = device_random_init(preset(args.model))
-  prompt = np.random.default_rng(0).integers(3, 1000, size=args.prefix).tolist()
+  prompt = np.random.default_rng(0).integers(3, model.config.vocab_size, size=args.prefix).tolist()
   state = prefill(model, prompt, num_samples=args.batch, max_new_tokens=2 * args.steps + 4,
                   attention=args.mode)
   state = jax.block_until_ready(decode(model, state, args.steps))  # compile

@@ -25,7 +25,7 @@ def main():
   from models.bench_decode import device_random_init
   from models.config import preset
   from models.generate import decode, prefill
-  model = device_random_init(preset(args.model))
+  model = device_random_init(preset(args.model).replace(dtype="bfloat16"))
   prompt = np.random.default_rng(0).integers(3, model.config.vocab_size, size=args.prefix).tolist()
   state = prefill(model, prompt, num_samples=args.batch, max_new_tokens=2 * args.steps + 4,
                   attention=args.mode)

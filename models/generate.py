@@ -269,25 +269,17 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
            temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
            eos_id: Optional[int] = None, pad_id: int = PAD_ID, impl: str = "auto",
            progress: Optional[Callable[[int], None]] = None,
-           progress_every: int = 8, check_every: int = 8, mesh=None) -> DecodeState:
+           progress_every: int = 8, mesh=None) -> DecodeState:
   """Runs ``num_steps`` decode steps (default: all that remain) in one jitted program.
 
-  The loop runs ``check_every`` steps at a time as a loop of known trip count, checking
-  between those chunks whether to go on (steps left, not every sample done); the last
-  ``< check_every`` steps run one check each. A check is a device-to-host copy the GPU waits
-  for (~4 ms of idle device per check at Llama-3-8B batch 1024 on an H100, measured): checked
-  every step, it cost 15% of the no-attention step. ``num_steps`` is a runtime value: one
-  compiled program serves every count. ``state`` is donated (updated in place; do not reuse
-  it).
+  The loop is a ``lax.while_loop`` that also stops once every sample has
+  emitted ``eos_id``. ``num_steps`` is a runtime value: one compiled program
+  serves every count. ``state`` is donated (updated in place; do not reuse it).
 
   Args:
-    eos_id: samples that emit it are done (they emit ``pad_id`` after it). The loop stops at
-      the first check after every sample is done: up to ``check_every - 1`` steps later (those
-      steps emit only ``pad_id``; ``state.step`` counts them); ``check_every=1`` stops at once.
     progress: None (no host callback in the program: the benchmark path), or
-      a function called on the host with the number of steps done, at the end of the
-      ``check_every``-step chunks that cross a multiple of ``progress_every``, and at the end.
-    check_every: steps between the loop's checks (>= 1).
+      a function called on the host with the number of steps done, every
+      ``progress_every`` steps and at the end.
     mesh: the mesh to run on (default: the one the state was prefilled on,
       if any); the model is placed on it (:func:`models.sharding.shard_model`;
       a no-op for a model placed already) and the loop runs sharded.
@@ -305,29 +297,26 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
                        f"{state.cache.capacity} tokens ({worst} needed)")
   if int(progress_every) < 1:
     raise ValueError(f"progress_every must be >= 1; got {progress_every}")
-  if int(check_every) != check_every or check_every < 1:
-    raise ValueError(f"check_every must be an int >= 1; got {check_every!r}")
   sampling = SamplingParams(temperature, top_k, top_p)
   model, state, mesh = _on_mesh(model, state, mesh)
   graphdef, params = nnx.split(model)
   stop = state.step + num_steps
   return _decode_loop(graphdef, params, state, stop, sampling=sampling, eos_id=eos_id,
                       pad_id=int(pad_id), impl=impl, progress=progress,
-                      progress_every=int(progress_every), check_every=int(check_every),
-                      mesh=mesh)
+                      progress_every=int(progress_every), mesh=mesh)
 
 
 def lower_decode(model: Llama, state: DecodeState, *, temperature: float = 0.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
                  eos_id: Optional[int] = None, pad_id: int = PAD_ID, impl: str = "auto",
-                 check_every: int = 8, mesh=None):
+                 mesh=None):
   """The decode program, lowered (``.compile()`` it to inspect HLO or memory)."""
   model, state, mesh = _on_mesh(model, state, mesh)
   graphdef, params = nnx.split(model)
   return _decode_loop.lower(graphdef, params, state, state.step,
                             sampling=SamplingParams(temperature, top_k, top_p), eos_id=eos_id,
                             pad_id=int(pad_id), impl=impl, progress=None, progress_every=1,
-                            check_every=int(check_every), mesh=mesh)
+                            mesh=mesh)
 
 
 def _on_mesh(model: Llama, state: DecodeState, mesh):
@@ -455,11 +444,11 @@ def _copy_prompts_per_sample(levels: tuple[SegmentLevel, ...], capacity: int, me
 
 @functools.partial(jax.jit, static_argnums=0,
                    static_argnames=("sampling", "eos_id", "pad_id", "impl", "progress",
-                                    "progress_every", "check_every", "mesh"),
+                                    "progress_every", "mesh"),
                    donate_argnames=("state",))
 def _decode_loop(graphdef, params, state: DecodeState, stop, *, sampling: SamplingParams,
                  eos_id: Optional[int], pad_id: int, impl: str, progress, progress_every: int,
-                 check_every: int = 1, mesh=None):
+                 mesh=None):
   model = nnx.merge(graphdef, params)
   skip_attention = state.attention == "none"
   sharding = None if mesh is None else sharding_lib.attention_sharding(mesh)
@@ -477,27 +466,13 @@ def _decode_loop(graphdef, params, state: DecodeState, stop, *, sampling: Sampli
     new = jnp.where(s.finished, pad_id, draw(logits[:, 0], keys, sampling))
     out = lax.dynamic_update_slice(s.out, new[:, None], (0, s.step))
     finished = s.finished if eos_id is None else s.finished | (new == eos_id)
+    done = s.step + 1
+    if progress is not None:  # a host call every `progress_every` steps, never per token
+      report = (done % progress_every == 0) | (done == stop) | jnp.all(finished)
+      lax.cond(report, lambda: jax.debug.callback(lambda n: progress(int(n)), done),
+               lambda: None)
     # Finished rows keep running (static shapes) on a valid dummy token.
     return layout(dataclasses.replace(s, cache=cache, tokens=jnp.maximum(new, 0), out=out,
-                                      finished=finished, step=s.step + 1))
+                                      finished=finished, step=done))
 
-  def report(s: DecodeState, before) -> None:
-    """Progress at the end of a chunk (a host call per chunk at most, never inside one)."""
-    if progress is None:
-      return
-    crossed = s.step // progress_every > before // progress_every
-    due = crossed | (s.step == stop) | jnp.all(s.finished)
-    lax.cond(due, lambda: jax.debug.callback(lambda n: progress(int(n)), s.step), lambda: None)
-
-  def chunk(s: DecodeState, n: int) -> DecodeState:
-    before = s.step
-    # A static trip count: XLA runs the n steps without a host round trip between them.
-    s = step(s) if n == 1 else lax.fori_loop(0, n, lambda _, c: step(c), s)
-    report(s, before)
-    return s
-
-  state = layout(state)
-  if check_every > 1:
-    state = lax.while_loop(lambda s: (s.step + check_every <= stop) & ~jnp.all(s.finished),
-                           functools.partial(chunk, n=check_every), state)
-  return layout(lax.while_loop(running, functools.partial(chunk, n=1), state))
+  return layout(lax.while_loop(running, step, layout(state)))

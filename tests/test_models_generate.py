@@ -176,35 +176,12 @@ def test_eos_pads_the_rest_and_ends_the_loop_early(tiny):
   free = np.asarray(generate(tiny, prompt, num_samples=2, max_new_tokens=NEW))[0]
   eos = int(free[4])
   first = int(np.argmax(free == eos))
-  for check_every in (1, 3, 8):
-    state = prefill(tiny, prompt, num_samples=2, max_new_tokens=NEW)
-    state = decode(tiny, state, eos_id=eos, check_every=check_every)
-    out = np.asarray(state.completions())
-    np.testing.assert_array_equal(out[:, :first + 1],
-                                  np.broadcast_to(free[:first + 1], (2, first + 1)))
-    assert (out[:, first + 1:] == PAD_ID).all()
-    # The loop stops at its first check after every sample was done.
-    assert first + 1 <= int(state.step) <= min(first + check_every, NEW), check_every
-    if check_every == 1:
-      assert int(state.step) == first + 1
-
-
-def test_decode_chunks_change_nothing_but_the_checks(tiny):
-  """Chunks of known trip count (any check_every, remainders, calls split anywhere) decode the
-  same tokens as one check per step."""
-  prompts = [prompt_of(23, 0), prompt_of(9, 1)]
-  kw = dict(temperature=0.8, top_k=20)
-  ref = np.asarray(generate(tiny, prompts, num_samples=[2, 1], max_new_tokens=NEW, seed=3,
-                            **kw))
-  for check_every, calls in [(1, [NEW]), (4, [NEW]), (5, [7, NEW - 7]), (NEW + 1, [NEW]),
-                             (3, [1, 2, NEW - 3])]:
-    state = prefill(tiny, prompts, num_samples=[2, 1], max_new_tokens=NEW, seed=3)
-    for n in calls:
-      state = decode(tiny, state, n, check_every=check_every, **kw)
-    assert int(state.step) == NEW
-    np.testing.assert_array_equal(np.asarray(state.completions()), ref, err_msg=str(check_every))
-  with pytest.raises(ValueError, match="check_every"):
-    decode(tiny, prefill(tiny, prompts[0], max_new_tokens=NEW), check_every=0)
+  state = prefill(tiny, prompt, num_samples=2, max_new_tokens=NEW)
+  state = decode(tiny, state, eos_id=eos)
+  out = np.asarray(state.completions())
+  np.testing.assert_array_equal(out[:, :first + 1], np.broadcast_to(free[:first + 1], (2, first + 1)))
+  assert (out[:, first + 1:] == PAD_ID).all()
+  assert int(state.step) == first + 1  # the while loop stopped when every sample was done
 
 
 def test_no_attention_mode_runs_without_kv(tiny):
@@ -264,13 +241,8 @@ def test_decode_loop_is_one_program_updating_the_cache_in_place(odd_model):
   state = prefill(odd_model, prompt_of(200, 0), num_samples=B, max_new_tokens=NEW_BIG)
   compiled = lower_decode(odd_model, state).compile()
   hlo = compiled.as_text()
-  # Chunks of check_every steps (an inner loop of known trip count: no host round trip), then
-  # the remainder one step at a time; nothing else loops, and nothing calls the host.
-  assert len(re.findall(r" while\(", hlo)) == 3
-  assert re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', hlo) == ["8"]  # the chunk's loop
+  assert len(re.findall(r" while\(", hlo)) == 1  # every step inside one while loop
   assert "callback" not in hlo  # no host round trip per token
-  one = lower_decode(odd_model, state, check_every=1).compile().as_text()
-  assert len(re.findall(r" while\(", one)) == 1  # one check per step: one while loop
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
   assert compiled.memory_analysis().alias_size_in_bytes >= state_bytes  # donated, aliased
   # Each layer's own cache [B, S, Hkv, D] is only ever scattered into in place (no copy,

@@ -15,7 +15,14 @@ from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_a
 
 TRITON = "__gpu$xla.gpu.triton"
 MOSAIC = "mosaic_gpu_v2"
+FLAT = "hydragen_flat_attention"
 S = jax.ShapeDtypeStruct
+
+
+def is_flat(b, tq, hq, hkv):
+  """The small-batch path's rule: few sequences of at most 64 query rows per KV head."""
+  import pallas_kernels.gpu as gpu
+  return b <= gpu.FLAT_MAX_BATCH and tq * hq // hkv <= 64
 
 
 def export_cuda(fn, *args):
@@ -40,7 +47,10 @@ def test_shared_prefix_attention_exports_for_cuda(b, hq, hkv, d, p, s, tq):
                                                              impl="pallas:triton")
   text = export_cuda(fn, S((b, tq, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
                      S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
-  assert text.count(TRITON) >= 2  # prefix kernel + suffix kernel, one program
+  if is_flat(b, tq, hq, hkv):  # few sequences: one kernel over shared then own keys
+    assert text.count(TRITON) == 1 and FLAT in text
+  else:
+    assert text.count(TRITON) >= 2 and FLAT not in text  # prefix kernel + suffix kernel
 
 
 # The Hopper family: the prefix on Mosaic GPU where P is a whole number of 128-key
@@ -58,6 +68,9 @@ def test_hopper_family_exports_for_cuda(b, hq, hkv, d, p, s, tq):
                                                              impl="pallas:mosaic_gpu")
   text = export_cuda(fn, S((b, tq, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
                      S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
+  if is_flat(b, tq, hq, hkv):
+    assert MOSAIC not in text and text.count(TRITON) == 1 and FLAT in text
+    return
   mosaic = d % 64 == 0 and p % (64 if d > 128 else 128) == 0
   assert (MOSAIC in text) == mosaic
   assert text.count(TRITON) == (1 if mosaic else 2)
@@ -85,13 +98,61 @@ FUSED_SWEEP = [(b, hkv * g, hkv, d, p, s)
 
 @pytest.mark.parametrize("b,hq,hkv,d,p,s", FUSED_SWEEP)
 def test_fused_decode_exports_for_cuda(b, hq, hkv, d, p, s):
+  import pallas_kernels.gpu as gpu
   dt = jnp.bfloat16
   fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
                                                              impl="pallas:mosaic_gpu")
-  text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
-                     S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
+  with gpu.flat_decode(0):  # small batches too (they take the flat path by default)
+    text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
+                       S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
   assert text.count(f"custom_call @{MOSAIC}") == 1 and "private @_fused_jit" in text
   assert TRITON not in text
+
+
+# The small-batch path on both families: G 1..8, D 64/80/128/256, Tq 1 and 4 (causal inside
+# the own keys), buffers off the block multiples.
+FLAT_SWEEP = [(b, hkv * g, hkv, d, p, s, tq, impl)
+              for b, (hkv, g), d, (p, s), tq, impl in itertools.product(
+                  [1, 3, 16], [(1, 8), (8, 4), (2, 1)], [64, 80, 128, 256],
+                  [(1024, 128), (777, 61)], [1, 4], ["pallas:triton", "pallas:mosaic_gpu"])
+              if tq * g <= 64 and (b == 3 or (tq == 1 and d == 128))]
+
+
+@pytest.mark.parametrize("b,hq,hkv,d,p,s,tq,impl", FLAT_SWEEP)
+def test_flat_path_exports_for_cuda(b, hq, hkv, d, p, s, tq, impl):
+  dt = jnp.bfloat16
+  fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
+                                                             impl=impl)
+  text = export_cuda(fn, S((b, tq, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
+                     S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
+  assert text.count(TRITON) == 1 and FLAT in text and MOSAIC not in text
+
+
+def test_flat_path_switch_and_limits():
+  """``flat_decode(0)`` turns the path off; more sequences than FLAT_MAX_BATCH, more than 64
+  query rows per KV head, a tree level or an empty suffix buffer take the other paths."""
+  import pallas_kernels.gpu as gpu
+  dt = jnp.bfloat16
+
+  def export(b, tq, hq, s, impl="pallas:triton"):
+    fn = lambda q, pk, pv, sk, sv: shared_prefix_attention(q, pk, pv, sk, sv, impl=impl)
+    return export_cuda(fn, S((b, tq, hq, 128), dt), S((1024, 1, 128), dt),
+                       S((1024, 1, 128), dt), S((b, s, 1, 128), dt), S((b, s, 1, 128), dt))
+
+  assert FLAT in export(4, 1, 8, 128)
+  with gpu.flat_decode(0):
+    assert FLAT not in export(4, 1, 8, 128)
+  with gpu.flat_decode(64):
+    assert FLAT in export(64, 1, 8, 128)
+  assert FLAT not in export(gpu.FLAT_MAX_BATCH + 1, 1, 8, 128)
+  assert FLAT not in export(4, 9, 8, 128)  # 72 rows per KV head
+  assert FLAT not in export(4, 1, 8, 0)
+  fn = lambda q, pk, lk, lens, nodes, sk: hierarchical_attention(
+      q, [SharedLevel.shared_by_all(pk, pk, 4), SharedLevel(lk, lk, lens, nodes)], sk, sk,
+      impl="pallas:triton")
+  text = export_cuda(fn, S((4, 1, 8, 128), dt), S((1024, 1, 128), dt), S((2, 64, 1, 128), dt),
+                     S((2,), jnp.int32), S((4,), jnp.int32), S((4, 128, 1, 128), dt))
+  assert FLAT not in text
 
 
 def test_fused_decode_off_switch_and_limits():

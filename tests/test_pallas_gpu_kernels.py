@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_attention
 from jax_shared_attn.testing import lse_err, oracle_full, oracle_tree, rel_err, tolerance
 from pallas_kernels.gpu import prefix_attention, segment_attention, suffix_attention
-from pallas_kernels.gpu.suffix_attention import SuffixConfig
+from pallas_kernels.gpu import _common
+from pallas_kernels.gpu.suffix_attention import SuffixConfig, flat_rows
 from strategies import SEEDS, count_case, lengths, rand
 
 HAS_GPU = jax.default_backend() == "gpu"
@@ -58,6 +59,8 @@ class TestInterpret:
                           static_argnames=("scale", "causal", "config"))
     self.segment = jax.jit(functools.partial(segment_attention, interpret=self.interpret),
                            static_argnames=("scale",))
+    self.flat = jax.jit(functools.partial(flat_rows, interpret=self.interpret),
+                        static_argnames=("q_len", "causal", "scale", "out_dtype", "config"))
 
   def run_prefix(self, data, seed, case):
     count_case("triton_prefix")
@@ -101,6 +104,42 @@ class TestInterpret:
       ref = oracle_full(q64, k64, v64, kv_len, causal=causal)
     check(out, lse, *ref, dtype)
 
+  def run_flat(self, data, seed, case):
+    """Shared keys then each sequence's own in one kernel (the small-batch path), key splits
+    straddling the boundary, ragged and empty own lengths, causal inside the own keys."""
+    count_case("triton_flat")
+    rng = np.random.default_rng(seed)
+    b, tq, hq, hkv, d, s, dtype = case
+    s = max(s, 1)
+    if tq * hq // hkv > 64:
+      s = 0  # rows per sequence beyond one tile: the path does not apply; checked to raise
+    p = data.draw(st.integers(1, 150))
+    plen = data.draw(st.one_of(st.sampled_from([0, 1, p]), st.integers(0, p)))
+    causal = data.draw(st.booleans())
+    block_n = 64 if d > 128 else data.draw(st.sampled_from([16, 32]))
+    cfg = SuffixConfig(block_n, data.draw(st.sampled_from([1, 2, 3, 7])), 2, 2)
+    kv_len = lengths(data.draw, b, s)
+    q, q64 = rand(rng, (b, tq, hq, d), dtype)
+    pk, pk64 = rand(rng, (p, hkv, d), dtype)
+    pv, pv64 = rand(rng, (p, hkv, d), dtype)
+    k, k64 = rand(rng, (b, s, hkv, d), dtype)
+    v, v64 = rand(rng, (b, s, hkv, d), dtype)
+    m = tq * hq // hkv
+    rows = _common.fold_rows(q, hkv).reshape(hkv, b, m, d)
+    call = functools.partial(self.flat, rows, pk, pv, jnp.int32(plen), k, v, jnp.asarray(kv_len),
+                             q_len=tq, causal=causal, scale=d**-0.5, out_dtype=jnp.float32,
+                             config=cfg)
+    if s == 0:
+      with pytest.raises(ValueError, match="flat_rows"):
+        call()
+      return
+    out, lse = call()
+    out = _common.unfold_rows(out.reshape(hkv, b * m, d), b, tq)
+    lse = _common.unfold_rows(lse.reshape(hkv, b * m), b, tq)
+    ref = oracle_tree(q64, [[pk64[:plen]]] * b, [[pv64[:plen]]] * b, k64, v64, kv_len,
+                      causal=causal)
+    check(out, lse, *ref, dtype)
+
   def run_segment(self, data, seed, case):
     count_case("triton_segment")
     rng = np.random.default_rng(seed)
@@ -128,6 +167,11 @@ class TestInterpret:
   def test_suffix_attention(self, case):
     given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples)(
         lambda data, seed: self.run_suffix(data, seed, case)))()
+
+  @pytest.mark.parametrize("case", CASES)
+  def test_flat_attention(self, case):
+    given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples)(
+        lambda data, seed: self.run_flat(data, seed, case)))()
 
   @pytest.mark.parametrize("case", CASES)
   def test_segment_attention(self, case):

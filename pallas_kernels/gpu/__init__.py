@@ -29,7 +29,8 @@ from jax_shared_attn.ops import AttentionOps
 from pallas_kernels.gpu import _common
 from pallas_kernels.gpu.prefix_attention import prefix_attention, prefix_attention_rows
 from pallas_kernels.gpu.segment_attention import segment_attention, segment_rows
-from pallas_kernels.gpu.suffix_attention import suffix_attention, suffix_rows
+from pallas_kernels.gpu.suffix_attention import MAX_ROWS as _MAX_ROWS
+from pallas_kernels.gpu.suffix_attention import flat_rows, suffix_attention, suffix_rows
 
 
 # A prior with more key splits than this is merged by XLA first (one parallel pass over its
@@ -54,6 +55,35 @@ def fused_decode(enabled: bool):
     FUSED_DECODE = before
 
 
+# Few sequences with one shared prefix: ONE Triton kernel of per-sequence key splits over the
+# shared keys followed by each sequence's own (suffix_attention.flat_rows), instead of a prefix
+# kernel, a suffix kernel and their launch latencies. Applies up to this many sequences
+# (measured on an H100, see flat_applies); 0 turns the path off. Read when tracing.
+FLAT_MAX_BATCH = 16
+
+
+@contextlib.contextmanager
+def flat_decode(max_batch: int):
+  """Temporarily sets :data:`FLAT_MAX_BATCH` (0: off), for calls traced inside."""
+  global FLAT_MAX_BATCH
+  before, FLAT_MAX_BATCH = FLAT_MAX_BATCH, int(max_batch)
+  try:
+    yield
+  finally:
+    FLAT_MAX_BATCH = before
+
+
+def flat_applies(q, parts, suffix_k) -> bool:
+  """One shared prefix, at most :data:`FLAT_MAX_BATCH` sequences of at most 64 query rows per
+  KV head, non-empty prefix and suffix buffers."""
+  if not (len(parts) == 1 and parts[0][0] == "prefix" and 0 < q.shape[0] <= FLAT_MAX_BATCH):
+    return False
+  b, tq, hq, _ = q.shape
+  k = parts[0][1]
+  return (tq * (hq // k.shape[1]) <= _MAX_ROWS and k.shape[0] > 0
+          and suffix_k.shape[1] > 0)
+
+
 def _fused_decode_applies(q, parts, suffix_k, mosaic, interpret) -> bool:
   from pallas_kernels.gpu import shared_attention_mgpu as fm
   if not (FUSED_DECODE and mosaic and interpret is not True and len(parts) == 1
@@ -72,6 +102,16 @@ def shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale,
 
   Returns ``out [B, Tq, Hq, D]`` in q's dtype and natural-log ``lse [B, Tq, Hq]``.
   """
+  if flat_applies(q, parts, suffix_k):
+    _, k, v, length, _ = parts[0]
+    b, tq, hq, _ = q.shape
+    hkv = k.shape[1]
+    m = tq * (hq // hkv)
+    out, lse = flat_rows(_common.fold_rows(q, hkv).reshape(hkv, b, m, q.shape[-1]), k, v, length,
+                         suffix_k, suffix_v, kv_lengths, q_len=tq, causal=causal, scale=scale,
+                         out_dtype=q.dtype, interpret=interpret)
+    return (_common.unfold_rows(out.reshape(hkv, b * m, -1), b, tq),
+            _common.unfold_rows(lse.reshape(hkv, b * m), b, tq))
   if _fused_decode_applies(q, parts, suffix_k, mosaic, interpret):
     from pallas_kernels.gpu import shared_attention_mgpu as fm
     _, k, v, length, _ = parts[0]

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_shared_attn.merge import merge_states
+from jax_shared_attn.merge import merge_stacked, merge_states
 from jax_shared_attn.reference import suffix_attention as suffix_attention_reference  # noqa: F401
 from pallas_kernels.gpu import _common
 
@@ -84,9 +84,13 @@ def _merge2(out, lse, p_out, p_lse):
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, rows: int,
             q_len: int, group: int, causal: bool, block_n: int, keys_per_split: int,
-            prior_splits: tuple[int, ...]):
+            prior_splits: tuple[int, ...], lead: bool):
   # len_ref: [B] int32; q_ref: [Mp, Dp] (a tile of one sequence's rows for one KV head);
-  # k_ref/v_ref: [S, Dp]; then per prior: out [n, Mp, Dp], lse [n, Mp]; then o_ref, lse_ref.
+  # k_ref/v_ref: [S, Dp]; with ``lead``: lead_len_ref [1], lead_k_ref/lead_v_ref [P, Dp];
+  # then per prior: out [n, Mp, Dp], lse [n, Mp]; then o_ref, lse_ref.
+  if lead:
+    lead_len_ref, lead_k_ref, lead_v_ref = refs[:3]
+    refs = refs[3:]
   prior_refs = refs[:2 * len(prior_splits)]
   o_ref, lse_ref = refs[2 * len(prior_splits):]
   b, tile, split = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -96,39 +100,53 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
   d_mask = (jnp.arange(dp) < head_dim)[None, :] if dp != head_dim else None
   q_mask = row_ok[:, None] if d_mask is None else row_ok[:, None] & d_mask
   kv_len = len_ref[b]
-  lo = split * keys_per_split
-  hi = jnp.minimum(lo + keys_per_split, kv_len)
-  limit = kv_len - q_len + row // group  # last visible key of each row (causal)
-  visible_to_all = kv_len  # keys below it are seen by every row of the tile
-  if causal:  # the tile's last row sees nothing past its position: stop there
-    hi = jnp.minimum(hi, kv_len - q_len + (tile * mp + mp - 1) // group + 1)
-    visible_to_all = kv_len - q_len + (tile * mp) // group + 1
-  n_keys = jnp.maximum(hi - lo, 0)
-  n_full = jnp.clip(jnp.minimum(hi, visible_to_all) - lo, 0, None) // block_n
   q = _common.load(q_ref, q_mask if rows % mp or d_mask is not None else None)
   qk_scale = scale * _common.LOG2E
 
-  def step(j, carry, masked):
+  def step(j, carry, masked, kref, vref, lo, hi, limit):
     start = lo + j * block_n
     keys = start + jnp.arange(block_n)
     kv_mask = d_mask
     if masked:
       kv_mask = (keys < hi)[:, None] if d_mask is None else (keys < hi)[:, None] & d_mask
-    k = _common.load(k_ref.at[pl.ds(start, block_n), :], kv_mask)
-    v = _common.load(v_ref.at[pl.ds(start, block_n), :], kv_mask)
+    k = _common.load(kref.at[pl.ds(start, block_n), :], kv_mask)
+    v = _common.load(vref.at[pl.ds(start, block_n), :], kv_mask)
     s = _common.dot(q, k, trans_b=True) * qk_scale
     if masked:
       visible = (keys < hi)[None, :]
-      if causal:
+      if limit is not None:
         visible = visible & (keys[None, :] <= limit[:, None])
       s = jnp.where(visible, s, -jnp.inf)
     return _common.online_softmax_step(carry, s, v, masked_s=masked)
 
+  def stream(carry, kref, vref, lo, hi, n_full, limit=None):
+    """Keys [lo, hi) of one K/V: ``n_full`` unmasked blocks, then the masked rest."""
+    n_keys = jnp.maximum(hi - lo, 0)
+    kw = dict(kref=kref, vref=vref, lo=lo, hi=hi, limit=limit)
+    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False, **kw), carry)
+    return lax.fori_loop(n_full, pl.cdiv(n_keys, block_n),
+                         functools.partial(step, masked=True, **kw), carry)
+
   carry = (jnp.zeros((mp, dp), jnp.float32), jnp.full((mp,), -jnp.inf, jnp.float32),
            jnp.zeros((mp,), jnp.float32))
-  carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-  carry = lax.fori_loop(n_full, pl.cdiv(n_keys, block_n), functools.partial(step, masked=True),
-                        carry)
+  # This split's keys: [lo, lo + keys_per_split) of the sequence's own keys, or, with ``lead``,
+  # of the shared keys followed by its own (the shared K/V is read by every sequence).
+  lo = split * keys_per_split
+  hi = lo + keys_per_split
+  if lead:
+    lead_len = lead_len_ref[0]
+    lead_hi = jnp.minimum(hi, lead_len)
+    carry = stream(carry, lead_k_ref, lead_v_ref, lo, lead_hi,
+                   jnp.maximum(lead_hi - lo, 0) // block_n)
+    lo, hi = jnp.maximum(lo - lead_len, 0), jnp.maximum(hi - lead_len, 0)
+  hi = jnp.minimum(hi, kv_len)
+  limit = kv_len - q_len + row // group  # last visible key of each row (causal)
+  visible_to_all = kv_len  # keys below it are seen by every row of the tile
+  if causal:  # the tile's last row sees nothing past its position: stop there
+    hi = jnp.minimum(hi, kv_len - q_len + (tile * mp + mp - 1) // group + 1)
+    visible_to_all = kv_len - q_len + (tile * mp) // group + 1
+  n_full = jnp.clip(jnp.minimum(hi, visible_to_all) - lo, 0, None) // block_n
+  carry = stream(carry, k_ref, v_ref, lo, hi, n_full, limit if causal else None)
   out, lse = _common.finalize(*carry)
   # Fused LSE merge with the shared parts (every split of every prior), in registers.
   for i, n in enumerate(prior_splits):
@@ -142,22 +160,27 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
   plgpu.store(lse_ref, lse, mask=row_ok)
 
 
-def _call(lengths, q_rows, k, v, *priors, scale, cfg: SuffixConfig, head_dim: int, q_len: int,
-          group: int, causal: bool, out_dtype, interpret: bool):
+def _call(lengths, q_rows, k, v, *rest, scale, cfg: SuffixConfig, head_dim: int, q_len: int,
+          group: int, causal: bool, out_dtype, lead: bool, interpret: bool):
   hkv, b, m, _ = q_rows.shape
   s = k.shape[1]
+  lead_args, priors = (rest[:3], rest[3:]) if lead else ((), rest)
   # Decode (few rows): one tile of all rows. Prefill (Tq * G rows): flash-attention row tiles.
   mp = max(_common.MIN_DOT, _common.next_pow2(m)) if m <= MAX_ROWS else PREFILL_ROWS
   tiles = pl.cdiv(m, mp)
   dp = _common.padded_head_dim(head_dim)
-  keys_per_split = pl.cdiv(pl.cdiv(s, cfg.splits), cfg.block_n) * cfg.block_n
+  keys = s + (lead_args[1].shape[0] if lead else 0)
+  keys_per_split = pl.cdiv(pl.cdiv(keys, cfg.splits), cfg.block_n) * cfg.block_n
   prior_splits = tuple(x.shape[0] for x in priors[::2])
   kernel = functools.partial(
       _kernel, scale=scale, head_dim=head_dim, rows=m, q_len=q_len, group=group, causal=causal,
-      block_n=cfg.block_n, keys_per_split=keys_per_split, prior_splits=prior_splits)
+      block_n=cfg.block_n, keys_per_split=keys_per_split, prior_splits=prior_splits, lead=lead)
   kv_spec = pl.BlockSpec((None, s, None, dp), lambda i, h, t, j: (i, 0, h, 0))
   in_specs = [pl.BlockSpec((b,), lambda i, h, t, j: (0,)),
               pl.BlockSpec((None, None, mp, dp), lambda i, h, t, j: (h, i, t, 0)), kv_spec, kv_spec]
+  if lead:  # the shared K/V: the same block for every sequence
+    lead_spec = pl.BlockSpec((lead_args[1].shape[0], None, dp), lambda i, h, t, j: (0, h, 0))
+    in_specs += [pl.BlockSpec((1,), lambda i, h, t, j: (0,)), lead_spec, lead_spec]
   for n in prior_splits:
     in_specs += [pl.BlockSpec((n, None, None, mp, dp), lambda i, h, t, j: (0, h, i, t, 0)),
                  pl.BlockSpec((n, None, None, mp), lambda i, h, t, j: (0, h, i, t))]
@@ -175,8 +198,8 @@ def _call(lengths, q_rows, k, v, *priors, scale, cfg: SuffixConfig, head_dim: in
       ],
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
-      name="hydragen_suffix_attention",
-  )(lengths, q_rows, k, v, *priors)
+      name="hydragen_flat_attention" if lead else "hydragen_suffix_attention",
+  )(lengths, q_rows, k, v, *lead_args, *priors)
 
 
 def suffix_rows(
@@ -210,7 +233,8 @@ def suffix_rows(
   fused = cfg.splits == 1
   flat = [x for pr in priors for x in pr] if fused else []
   call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, q_len=q_len, group=group,
-                           causal=causal, out_dtype=out_dtype if fused else jnp.float32)
+                           causal=causal, out_dtype=out_dtype if fused else jnp.float32,
+                           lead=False)
   out, lse = _common.run(call, jnp.asarray(lengths, jnp.int32), q_rows, k, v, *flat,
                          interpret=interpret)
   if fused:
@@ -218,6 +242,66 @@ def suffix_rows(
   outs = list(out) + [o[j] for o, _ in priors for j in range(o.shape[0])]
   lses = list(lse) + [l[j] for _, l in priors for j in range(l.shape[0])]
   out, lse = merge_states(outs, lses)
+  return out.astype(out_dtype), lse
+
+
+def flat_config(batch: int, kv_heads: int, keys: int, head_dim: int, num_sms: int = NUM_SMS_DEFAULT,
+                itemsize: int = 2) -> SuffixConfig:
+  """Splits of the shared + own keys (``keys`` per sequence) for :func:`flat_rows`: about two
+  programs per SM, each at least ``FLAT_MIN_BLOCKS`` key steps; the decode kernel's 32-key
+  steps, 2 warps, 2 stages otherwise."""
+  block_n = _common.fit_block_n(FLAT_BLOCK_N, head_dim, itemsize, 2)
+  programs = batch * kv_heads
+  splits = max(1, min(pl.cdiv(2 * num_sms, programs), pl.cdiv(keys, FLAT_MIN_BLOCKS * block_n)))
+  return SuffixConfig(block_n, splits, num_warps=2, num_stages=2)
+
+
+FLAT_BLOCK_N = 32
+FLAT_MIN_BLOCKS = 4
+
+
+def flat_rows(
+    q_rows: jax.Array,  # [Hkv, B, M, D], M = Tq * G rows per sequence (M <= MAX_ROWS)
+    shared_k: jax.Array,  # [P, Hkv, D]: keys every sequence sees first
+    shared_v: jax.Array,  # [P, Hkv, D]
+    shared_length,  # int32 scalar <= P
+    k: jax.Array,  # [B, S, Hkv, D], S >= 1
+    v: jax.Array,  # [B, S, Hkv, D]
+    lengths: jax.Array,  # int32 [B]
+    *,
+    q_len: int,
+    causal: bool,
+    scale: float,
+    out_dtype,
+    config: SuffixConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Attention of each sequence over the shared keys followed by its own, in ONE kernel.
+
+  The small-batch path: each program streams one split of its sequence's shared-then-own
+  keys, reading the shared K/V directly (every sequence reads it; at small batch it stays
+  in L2), and the split partials are merged by LSE afterwards. Where sharing the prefix
+  product cannot pay (a few sequences), this replaces the prefix kernel + suffix kernel
+  pair and their launch latencies. Causal inside the own keys when ``Tq > 1``; the shared
+  keys are visible to every row. Returns ``out [Hkv, B, M, D]`` (``out_dtype``) and
+  natural-log ``lse [Hkv, B, M]``.
+  """
+  hkv, b, m, d = q_rows.shape
+  if m > MAX_ROWS or k.shape[1] == 0 or shared_k.shape[0] == 0:
+    raise ValueError(f"flat_rows: needs rows per sequence <= {MAX_ROWS} (got {m}) and non-empty "
+                     f"shared ({shared_k.shape[0]}) and own ({k.shape[1]}) key buffers")
+  cfg = config or flat_config(b, hkv, shared_k.shape[0] + k.shape[1], d,
+                              itemsize=k.dtype.itemsize)
+  fused = cfg.splits == 1
+  call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, q_len=q_len,
+                           group=m // q_len, causal=causal,
+                           out_dtype=out_dtype if fused else jnp.float32, lead=True)
+  out, lse = _common.run(call, jnp.asarray(lengths, jnp.int32), q_rows, k, v,
+                         jnp.reshape(jnp.asarray(shared_length, jnp.int32), (1,)), shared_k,
+                         shared_v, interpret=interpret)
+  if fused:
+    return out[0], lse[0]
+  out, lse = merge_stacked(out, lse)
   return out.astype(out_dtype), lse
 
 

@@ -72,7 +72,7 @@ def main():
   ap.add_argument("--prefix", default="1024,4096,16384")
   ap.add_argument("--suffix", default="128,512")
   ap.add_argument("--variants", default=",".join(VARIANTS))
-  ap.add_argument("--trials", type=int, default=5)
+  ap.add_argument("--trials", type=int, default=3)
   ap.add_argument("--out", default=".")
   args = ap.parse_args()
   hq, hkv, d = bench.SHAPES[args.shape]
@@ -89,7 +89,10 @@ def main():
     for name in variants:
       op = VARIANTS[name]
       try:
-        row[name] = timing.device_time(op, make, n_sets=n, trials=args.trials) * 1e6
+        m = timing.measure(op, make, n_sets=n, trials=args.trials)
+        row[name] = m["seconds"] * 1e6
+        if "breakdown" in m:
+          row[f"{name}_kernels"] = m["breakdown"]["kernels"]
         out = np.asarray(jax.jit(op)(*make(0)), np.float32)
         if ref is None:
           ref = out

@@ -78,6 +78,7 @@ def main():
   hq, hkv, d = bench.SHAPES[args.shape]
   variants = args.variants.split(",")
   rows = []
+  os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, f"flat_tune_{args.shape}.json")
   for b, p, s in itertools.product(*(map(int, x.split(",")) for x in
                                      (args.batch, args.prefix, args.suffix))):

@@ -19,10 +19,11 @@ FLAT = "hydragen_flat_attention"
 S = jax.ShapeDtypeStruct
 
 
-def is_flat(b, tq, hq, hkv):
-  """The small-batch path's rule: few sequences of at most 64 query rows per KV head."""
+def is_flat(b, tq, hq, hkv, p, d, itemsize=2):
+  """The small-batch path's rule: at most 64 query rows per KV head, and the batch's reads of
+  the shared K/V within the budget."""
   import pallas_kernels.gpu as gpu
-  return b <= gpu.FLAT_MAX_BATCH and tq * hq // hkv <= 64
+  return 2 * b * p * hkv * d * itemsize <= gpu.FLAT_MAX_SHARED_READS and tq * hq // hkv <= 64
 
 
 def export_cuda(fn, *args):
@@ -47,7 +48,7 @@ def test_shared_prefix_attention_exports_for_cuda(b, hq, hkv, d, p, s, tq):
                                                              impl="pallas:triton")
   text = export_cuda(fn, S((b, tq, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
                      S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
-  if is_flat(b, tq, hq, hkv):  # few sequences: one kernel over shared then own keys
+  if is_flat(b, tq, hq, hkv, p, d):  # few sequences: one kernel over shared then own keys
     assert text.count(TRITON) == 1 and FLAT in text
   else:
     assert text.count(TRITON) >= 2 and FLAT not in text  # prefix kernel + suffix kernel
@@ -68,7 +69,7 @@ def test_hopper_family_exports_for_cuda(b, hq, hkv, d, p, s, tq):
                                                              impl="pallas:mosaic_gpu")
   text = export_cuda(fn, S((b, tq, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
                      S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
-  if is_flat(b, tq, hq, hkv):
+  if is_flat(b, tq, hq, hkv, p, d):
     assert MOSAIC not in text and text.count(TRITON) == 1 and FLAT in text
     return
   mosaic = d % 64 == 0 and p % (64 if d > 128 else 128) == 0
@@ -115,7 +116,7 @@ FLAT_SWEEP = [(b, hkv * g, hkv, d, p, s, tq, impl)
               for b, (hkv, g), d, (p, s), tq, impl in itertools.product(
                   [1, 3, 16], [(1, 8), (8, 4), (2, 1)], [64, 80, 128, 256],
                   [(1024, 128), (777, 61)], [1, 4], ["pallas:triton", "pallas:mosaic_gpu"])
-              if tq * g <= 64 and (b == 3 or (tq == 1 and d == 128))]
+              if tq * g <= 64 and (b == 3 or (tq == 1 and d == 128)) and b * p * hkv * d * 4 <= 2**24]
 
 
 @pytest.mark.parametrize("b,hq,hkv,d,p,s,tq,impl", FLAT_SWEEP)
@@ -129,7 +130,7 @@ def test_flat_path_exports_for_cuda(b, hq, hkv, d, p, s, tq, impl):
 
 
 def test_flat_path_switch_and_limits():
-  """``flat_decode(0)`` turns the path off; more sequences than FLAT_MAX_BATCH, more than 64
+  """``flat_decode(0)`` turns the path off; reads of the shared K/V past the budget, more than 64
   query rows per KV head, a tree level or an empty suffix buffer take the other paths."""
   import pallas_kernels.gpu as gpu
   dt = jnp.bfloat16
@@ -142,9 +143,11 @@ def test_flat_path_switch_and_limits():
   assert FLAT in export(4, 1, 8, 128)
   with gpu.flat_decode(0):
     assert FLAT not in export(4, 1, 8, 128)
-  with gpu.flat_decode(64):
+  per_seq = 2 * 1024 * 128 * 2  # shared K/V bytes one sequence reads
+  with gpu.flat_decode(64 * per_seq):
     assert FLAT in export(64, 1, 8, 128)
-  assert FLAT not in export(gpu.FLAT_MAX_BATCH + 1, 1, 8, 128)
+    assert FLAT not in export(65, 1, 8, 128)
+  assert FLAT not in export(gpu.FLAT_MAX_SHARED_READS // per_seq + 1, 1, 8, 128)
   assert FLAT not in export(4, 9, 8, 128)  # 72 rows per KV head
   assert FLAT not in export(4, 1, 8, 0)
   fn = lambda q, pk, lk, lens, nodes, sk: hierarchical_attention(

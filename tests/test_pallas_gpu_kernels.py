@@ -178,8 +178,11 @@ class TestInterpret:
     given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples)(
         lambda data, seed: self.run_segment(data, seed, case)))()
 
-  def test_public_api_through_triton(self):
-    """shared_prefix_attention and hierarchical_attention through the fused GPU path."""
+  @pytest.mark.parametrize("flat", [True, False])
+  def test_public_api_through_triton(self, flat):
+    """shared_prefix_attention (the small-batch flat kernel, or the prefix + suffix kernels) and
+    hierarchical_attention through the fused GPU path."""
+    import pallas_kernels.gpu as gpu
     rng = np.random.default_rng(0)
     b, tq, hq, hkv, d, p, s = 5, 2, 8, 2, 80, 45, 11
     for dtype in ("float32", "bfloat16"):
@@ -189,10 +192,15 @@ class TestInterpret:
       sk, sk64 = rand(rng, (b, s, hkv, d), dtype)
       sv, sv64 = rand(rng, (b, s, hkv, d), dtype)
       lens = np.array([11, 0, 1, 5, 2], np.int32)
-      out, lse = shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=40, suffix_lengths=lens,
-                                         impl="pallas:triton", return_lse=True)
+      assert gpu.flat_applies(q, [("prefix", pk, pv, 40, None)], sk)
+      with gpu.flat_decode(gpu.FLAT_MAX_SHARED_READS if flat else 0):
+        out, lse = shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=40,
+                                           suffix_lengths=lens, impl="pallas:triton",
+                                           return_lse=True)
       ref = oracle_tree(q64, [[pk64[:40]]] * b, [[pv64[:40]]] * b, sk64, sv64, lens)
       check(out, lse, *ref, dtype)
+      if not flat:
+        continue
       seg_k, seg_k64 = rand(rng, (3, 9, hkv, d), dtype)
       nodes = np.array([2, 0, -1, 2, 1], np.int32)
       seg_len = np.array([9, 4, 0], np.int32)

@@ -57,31 +57,39 @@ def fused_decode(enabled: bool):
 
 # Few sequences with one shared prefix: ONE Triton kernel of per-sequence key splits over the
 # shared keys followed by each sequence's own (suffix_attention.flat_rows), instead of a prefix
-# kernel, a suffix kernel and their launch latencies. Applies up to this many sequences
-# (measured on an H100, see flat_applies); 0 turns the path off. Read when tracing.
-FLAT_MAX_BATCH = 16
+# kernel, a suffix kernel and their launch latencies. Every sequence reads the shared K/V (from
+# L2 at these sizes), so the path applies while those reads, batch x prefix K/V bytes, stay at
+# most this many bytes; 0 turns it off. Measured on an H100 (tools/device/flat_tune.py,
+# 2026-11-23, paper shape): 8 MiB (B=16, P=1K) 8.3 vs 12.7 us; 16 MiB (B=32, P=1K) 9.5 vs 13.1;
+# 32 MiB (B=16, P=4K: 13.9 vs 13.1; B=64, P=1K: 15.0 vs 13.7) no longer pays. Read when tracing.
+FLAT_MAX_SHARED_READS = 16 * 2**20
 
 
 @contextlib.contextmanager
-def flat_decode(max_batch: int):
-  """Temporarily sets :data:`FLAT_MAX_BATCH` (0: off), for calls traced inside."""
-  global FLAT_MAX_BATCH
-  before, FLAT_MAX_BATCH = FLAT_MAX_BATCH, int(max_batch)
+def flat_decode(max_shared_reads: int):
+  """Temporarily sets :data:`FLAT_MAX_SHARED_READS` (bytes; 0: off), for calls traced inside."""
+  global FLAT_MAX_SHARED_READS
+  before, FLAT_MAX_SHARED_READS = FLAT_MAX_SHARED_READS, int(max_shared_reads)
   try:
     yield
   finally:
-    FLAT_MAX_BATCH = before
+    FLAT_MAX_SHARED_READS = before
+
+
+def flat_shared_reads(batch: int, k) -> int:
+  """Bytes of shared K and V read by ``batch`` sequences on the flat path (``k [P, Hkv, D]``)."""
+  return 2 * batch * k.size * k.dtype.itemsize
 
 
 def flat_applies(q, parts, suffix_k) -> bool:
-  """One shared prefix, at most :data:`FLAT_MAX_BATCH` sequences of at most 64 query rows per
-  KV head, non-empty prefix and suffix buffers."""
-  if not (len(parts) == 1 and parts[0][0] == "prefix" and 0 < q.shape[0] <= FLAT_MAX_BATCH):
+  """One shared prefix, at most 64 query rows per sequence and KV head, non-empty prefix and
+  suffix buffers, and at most :data:`FLAT_MAX_SHARED_READS` bytes of shared K/V reads."""
+  if not (len(parts) == 1 and parts[0][0] == "prefix" and q.shape[0] > 0):
     return False
   b, tq, hq, _ = q.shape
   k = parts[0][1]
-  return (tq * (hq // k.shape[1]) <= _MAX_ROWS and k.shape[0] > 0
-          and suffix_k.shape[1] > 0)
+  return (tq * (hq // k.shape[1]) <= _MAX_ROWS and k.shape[0] > 0 and suffix_k.shape[1] > 0
+          and flat_shared_reads(b, k) <= FLAT_MAX_SHARED_READS)
 
 
 def _fused_decode_applies(q, parts, suffix_k, mosaic, interpret) -> bool:

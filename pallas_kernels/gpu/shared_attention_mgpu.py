@@ -47,6 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax_shared_attn.merge import merge_stacked
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 CTA_ROWS = 128  # two consumer warpgroups of 64 rows
@@ -374,15 +376,8 @@ def fused_decode_rows(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_length
                         jnp.asarray(suffix_lengths, jnp.int32), rows_per_seq=rows_per_seq,
                         scale=float(scale), config=cfg)
   if cfg.splits > 1:  # exact LSE merge over the split axis (splits without keys: (0, -inf))
-    top = lse.max(axis=0)
-    top = jnp.where(top == -jnp.inf, 0.0, top)
-    w = jnp.exp(lse - top)
-    denom = w.sum(axis=0)
-    has = denom > 0
-    safe = jnp.where(has, denom, 1.0)
-    out = ((w[..., None] * out.astype(jnp.float32)).sum(axis=0) / safe[..., None]).astype(
-        q_rows.dtype)
-    lse = jnp.where(has, top + jnp.log(safe), -jnp.inf)
+    out, lse = merge_stacked(out, lse)
+    out = out.astype(q_rows.dtype)
   else:
     out, lse = out[0], lse[0]
   return out[:, :r], lse[:, :r]

@@ -36,33 +36,22 @@ def merge_states(outs: Sequence[Array], lses: Sequence[Array]) -> Tuple[Array, A
   return out, jnp.where(has, m + jnp.log(safe), -jnp.inf)
 
 
-def _merge_pair(a, b):
-  """Associative merge of two (lse, out) states (scalars): the reduction's combiner."""
-  (la, oa), (lb, ob) = a, b
-  m = jnp.maximum(la, lb)
-  m = jnp.where(m == -jnp.inf, 0.0, m)
-  wa, wb = jnp.exp(la - m), jnp.exp(lb - m)
-  denom = wa + wb
-  has = denom > 0
-  safe = jnp.where(has, denom, 1.0)
-  return jnp.where(has, m + jnp.log(safe), -jnp.inf), (oa * wa + ob * wb) / safe
-
-
 def merge_stacked(out: Array, lse: Array) -> Tuple[Array, Array]:
   """:func:`merge_states` of parts stacked on a leading axis: ``out [n, ..., D]``, ``lse [n, ...]``
   (e.g. the key splits of one kernel call), float32.
 
-  One variadic reduction over the axis whose combiner merges two states exactly (the
-  identity is ``(-inf, 0)``): on a GPU one kernel, where the max / weights / weighted-sum
-  form of :func:`merge_states` is two or three (each ~1.2 us of launch-bound time at
-  decode sizes on an H100).
+  (Written as one variadic reduction whose combiner merges two states, it was one XLA kernel
+  on an H100 but slower than these two: 2.5-6.5 vs ~2.8 us at decode sizes, 2026-11-23.)
   """
-  lse = jnp.broadcast_to(lse.astype(jnp.float32)[..., None], out.shape)
-  # States without keys are (-inf, 0): XLA may skip the combiner (one part), so zero them here.
-  out = jnp.where(lse == -jnp.inf, 0.0, out.astype(jnp.float32))
-  lse, out = jax.lax.reduce((lse, out), (jnp.float32(-jnp.inf), jnp.float32(0.0)), _merge_pair,
-                            (0,))
-  return out, lse[..., 0]
+  lse = lse.astype(jnp.float32)
+  m = jnp.max(lse, axis=0)
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  w = jnp.exp(lse - m)  # exactly 0 for parts without keys
+  denom = jnp.sum(w, axis=0)
+  has = denom > 0
+  safe = jnp.where(has, denom, 1.0)
+  merged = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=0) / safe[..., None]
+  return merged, jnp.where(has, m + jnp.log(safe), -jnp.inf)
 
 
 def merge_attention_states(outs: Sequence[Array], lses: Sequence[Array]) -> Tuple[Array, Array]:

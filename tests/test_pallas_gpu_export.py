@@ -19,11 +19,13 @@ FLAT = "hydragen_flat_attention"
 S = jax.ShapeDtypeStruct
 
 
-def is_flat(b, tq, hq, hkv, p, d, itemsize=2):
+def is_flat(b, tq, hq, hkv, p, d, one_kernel=False, itemsize=2):
   """The small-batch path's rule: at most 64 query rows per KV head, and the batch's reads of
-  the shared K/V within the budget."""
+  the shared K/V within the budget (FLAT_SPLIT_FACTOR times larger where the alternative is not
+  the one-kernel decode path)."""
   import pallas_kernels.gpu as gpu
-  return 2 * b * p * hkv * d * itemsize <= gpu.FLAT_MAX_SHARED_READS and tq * hq // hkv <= 64
+  budget = gpu.FLAT_MAX_SHARED_READS * (1 if one_kernel else gpu.FLAT_SPLIT_FACTOR)
+  return 2 * b * p * hkv * d * itemsize <= budget and tq * hq // hkv <= 64
 
 
 def export_cuda(fn, *args):
@@ -144,10 +146,15 @@ def test_flat_path_switch_and_limits():
   with gpu.flat_decode(0):
     assert FLAT not in export(4, 1, 8, 128)
   per_seq = 2 * 1024 * 128 * 2  # shared K/V bytes one sequence reads
-  with gpu.flat_decode(64 * per_seq):
-    assert FLAT in export(64, 1, 8, 128)
-    assert FLAT not in export(65, 1, 8, 128)
-  assert FLAT not in export(gpu.FLAT_MAX_SHARED_READS // per_seq + 1, 1, 8, 128)
+  with gpu.flat_decode(16 * per_seq):  # against two kernels: FLAT_SPLIT_FACTOR x the budget
+    n = 16 * gpu.FLAT_SPLIT_FACTOR
+    assert FLAT in export(n, 1, 8, 128) and FLAT not in export(n + 1, 1, 8, 128)
+    # Against the one-kernel decode path (Hopper family, G = 8, whole blocks): the budget itself.
+    assert FLAT in export(16, 1, 8, 128, "pallas:mosaic_gpu")
+    text = export(17, 1, 8, 128, "pallas:mosaic_gpu")
+    assert FLAT not in text and "_fused_jit" in text
+  assert FLAT not in export(gpu.FLAT_MAX_SHARED_READS * gpu.FLAT_SPLIT_FACTOR // per_seq + 1,
+                            1, 8, 128)
   assert FLAT not in export(4, 9, 8, 128)  # 72 rows per KV head
   assert FLAT not in export(4, 1, 8, 0)
   fn = lambda q, pk, lk, lens, nodes, sk: hierarchical_attention(
@@ -218,8 +225,10 @@ def test_mosaic_kernel_lowered_once_per_shape(capacity, function):
       q = out.astype(dt)
     return outs
 
+  import pallas_kernels.gpu as gpu
   kv = S((64, capacity, 1, 128), dt)
-  text = export_cuda(layers, S((64, 1, 8, 128), dt), S((1024, 1, 128), dt), S((1024, 1, 128), dt),
-                     kv, kv, S((64,), jnp.int32))
+  with gpu.flat_decode(0):  # 64 sequences of a 1K prefix would take the flat path at capacity 100
+    text = export_cuda(layers, S((64, 1, 8, 128), dt), S((1024, 1, 128), dt),
+                       S((1024, 1, 128), dt), kv, kv, S((64,), jnp.int32))
   assert text.count(f"private @{function}") == 1, "the kernel's function is not shared"
   assert text.count(f"custom_call @{MOSAIC}") == 1

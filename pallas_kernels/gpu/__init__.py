@@ -59,10 +59,14 @@ def fused_decode(enabled: bool):
 # shared keys followed by each sequence's own (suffix_attention.flat_rows), instead of a prefix
 # kernel, a suffix kernel and their launch latencies. Every sequence reads the shared K/V (from
 # L2 at these sizes), so the path applies while those reads, batch x prefix K/V bytes, stay at
-# most this many bytes; 0 turns it off. Measured on an H100 (tools/device/flat_tune.py,
-# 2026-11-23, paper shape): 8 MiB (B=16, P=1K) 8.3 vs 12.7 us; 16 MiB (B=32, P=1K) 9.5 vs 13.1;
-# 32 MiB (B=16, P=4K: 13.9 vs 13.1; B=64, P=1K: 15.0 vs 13.7) no longer pays. Read when tracing.
+# most this many bytes where the alternative is the one-kernel decode path (Hopper, G >= 8), and
+# FLAT_SPLIT_FACTOR times as many where it is two kernels; 0 turns it off. Read when tracing.
+# Measured on an H100 (tools/device/flat_tune.py, 2026-11-23), device us, flat vs the other path:
+# paper shape (G = 8, one kernel) 8 MiB (B=16, P=1K) 8.3 vs 12.7; 16 MiB (B=32, P=1K) 9.5 vs
+# 13.1; 32 MiB (B=16, P=4K) 13.9 vs 13.1 and (B=64, P=1K) 15.0 vs 13.7. Llama-3-8B shape (G = 4,
+# two kernels) 64 MiB (B=16, P=1K) 22.9 vs 25.5.
 FLAT_MAX_SHARED_READS = 16 * 2**20
+FLAT_SPLIT_FACTOR = 4
 
 
 @contextlib.contextmanager
@@ -81,15 +85,18 @@ def flat_shared_reads(batch: int, k) -> int:
   return 2 * batch * k.size * k.dtype.itemsize
 
 
-def flat_applies(q, parts, suffix_k) -> bool:
+def flat_applies(q, parts, suffix_k, mosaic=False, interpret=None) -> bool:
   """One shared prefix, at most 64 query rows per sequence and KV head, non-empty prefix and
-  suffix buffers, and at most :data:`FLAT_MAX_SHARED_READS` bytes of shared K/V reads."""
+  suffix buffers, and shared K/V reads within the budget (see :data:`FLAT_MAX_SHARED_READS`)."""
   if not (len(parts) == 1 and parts[0][0] == "prefix" and q.shape[0] > 0):
     return False
   b, tq, hq, _ = q.shape
   k = parts[0][1]
-  return (tq * (hq // k.shape[1]) <= _MAX_ROWS and k.shape[0] > 0 and suffix_k.shape[1] > 0
-          and flat_shared_reads(b, k) <= FLAT_MAX_SHARED_READS)
+  if not (tq * (hq // k.shape[1]) <= _MAX_ROWS and k.shape[0] > 0 and suffix_k.shape[1] > 0):
+    return False
+  one_kernel = _fused_decode_applies(q, parts, suffix_k, mosaic, interpret)
+  budget = FLAT_MAX_SHARED_READS * (1 if one_kernel else FLAT_SPLIT_FACTOR)
+  return flat_shared_reads(b, k) <= budget
 
 
 def _fused_decode_applies(q, parts, suffix_k, mosaic, interpret) -> bool:
@@ -110,7 +117,7 @@ def shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale,
 
   Returns ``out [B, Tq, Hq, D]`` in q's dtype and natural-log ``lse [B, Tq, Hq]``.
   """
-  if flat_applies(q, parts, suffix_k):
+  if flat_applies(q, parts, suffix_k, mosaic, interpret):
     _, k, v, length, _ = parts[0]
     b, tq, hq, _ = q.shape
     hkv = k.shape[1]

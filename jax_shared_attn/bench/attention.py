@@ -4,8 +4,9 @@ One run measures the copy bandwidth and the matmul rate, then for each
 configuration (one decode step, all suffixes full) times
 
 * ``ours``: ``shared_prefix_attention(impl="auto")`` (the Pallas kernels on a GPU),
-* ``split``: ours with the prefix and suffix kernels run one after the other (on
-  Hopper, decoding with one prefix otherwise runs both in one kernel),
+* ``split``: ours with the prefix and suffix kernels run one after the other (decoding with
+  one prefix otherwise runs both in one kernel: on Hopper the Mosaic GPU one, and for few
+  sequences the flat Triton one),
 * ``triton``: the same with ``impl="pallas:triton"`` (no Hopper-specific kernel),
 * ``xla``: the pure-JAX path of the same function,
 * ``cudnn``: per-sequence ``jax.nn.dot_product_attention(implementation="cudnn")``
@@ -79,10 +80,10 @@ def _ours(impl):
 
 
 def _ours_split(q, pk, pv, sk, sv):
-  """Ours with the prefix and suffix kernels apart (no one-kernel decode path): the comparison
-  that shows what running them in one kernel buys."""
+  """Ours with the prefix and suffix kernels apart (neither the one-kernel decode path nor the
+  small-batch flat kernel): the comparison that shows what running them in one kernel buys."""
   import pallas_kernels.gpu as gpu
-  with gpu.fused_decode(False):
+  with gpu.fused_decode(False), gpu.flat_decode(0):
     return shared_prefix_attention(q, pk, pv, sk, sv, impl="auto")
 
 

@@ -45,14 +45,19 @@ FUSED_DECODE = True
 
 
 @contextlib.contextmanager
-def fused_decode(enabled: bool):
-  """Temporarily turns the one-kernel decode path on or off (for calls traced inside)."""
-  global FUSED_DECODE
-  before, FUSED_DECODE = FUSED_DECODE, bool(enabled)
+def _setting(name: str, value):
+  """Temporarily sets the module-level switch ``name`` (read when tracing)."""
+  before = globals()[name]
+  globals()[name] = value
   try:
     yield
   finally:
-    FUSED_DECODE = before
+    globals()[name] = before
+
+
+def fused_decode(enabled: bool):
+  """Temporarily turns the one-kernel decode path on or off (for calls traced inside)."""
+  return _setting("FUSED_DECODE", bool(enabled))
 
 
 # Few sequences with one shared prefix: ONE Triton kernel of per-sequence key splits over the
@@ -64,20 +69,14 @@ def fused_decode(enabled: bool):
 # Measured on an H100 (tools/device/flat_tune.py, 2026-11-23), device us, flat vs the other path:
 # paper shape (G = 8, one kernel) 8 MiB (B=16, P=1K) 8.3 vs 12.7; 16 MiB (B=32, P=1K) 9.5 vs
 # 13.1; 32 MiB (B=16, P=4K) 13.9 vs 13.1 and (B=64, P=1K) 15.0 vs 13.7. Llama-3-8B shape (G = 4,
-# two kernels) 64 MiB (B=16, P=1K) 22.9 vs 25.5.
+# two kernels) 64 MiB (B=16, P=1K) 21.5 vs 25.3 (python -m jax_shared_attn.bench attention).
 FLAT_MAX_SHARED_READS = 16 * 2**20
 FLAT_SPLIT_FACTOR = 4
 
 
-@contextlib.contextmanager
 def flat_decode(max_shared_reads: int):
   """Temporarily sets :data:`FLAT_MAX_SHARED_READS` (bytes; 0: off), for calls traced inside."""
-  global FLAT_MAX_SHARED_READS
-  before, FLAT_MAX_SHARED_READS = FLAT_MAX_SHARED_READS, int(max_shared_reads)
-  try:
-    yield
-  finally:
-    FLAT_MAX_SHARED_READS = before
+  return _setting("FLAT_MAX_SHARED_READS", int(max_shared_reads))
 
 
 def flat_shared_reads(batch: int, k) -> int:

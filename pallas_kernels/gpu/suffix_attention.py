@@ -245,6 +245,12 @@ def suffix_rows(
   return out.astype(out_dtype), lse
 
 
+# The flat path's key step and the fewest key steps per split (tools/device/flat_tune.py, H100,
+# 2026-11-23: 2-step splits and 64-key steps were within +-10% at the sizes where it applies).
+FLAT_BLOCK_N = 32
+FLAT_MIN_BLOCKS = 4
+
+
 def flat_config(batch: int, kv_heads: int, keys: int, head_dim: int, num_sms: int = NUM_SMS_DEFAULT,
                 itemsize: int = 2) -> SuffixConfig:
   """Splits of the shared + own keys (``keys`` per sequence) for :func:`flat_rows`: about two
@@ -254,10 +260,6 @@ def flat_config(batch: int, kv_heads: int, keys: int, head_dim: int, num_sms: in
   programs = batch * kv_heads
   splits = max(1, min(pl.cdiv(2 * num_sms, programs), pl.cdiv(keys, FLAT_MIN_BLOCKS * block_n)))
   return SuffixConfig(block_n, splits, num_warps=2, num_stages=2)
-
-
-FLAT_BLOCK_N = 32
-FLAT_MIN_BLOCKS = 4
 
 
 def flat_rows(

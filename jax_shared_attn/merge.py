@@ -36,24 +36,6 @@ def merge_states(outs: Sequence[Array], lses: Sequence[Array]) -> Tuple[Array, A
   return out, jnp.where(has, m + jnp.log(safe), -jnp.inf)
 
 
-def merge_stacked(out: Array, lse: Array) -> Tuple[Array, Array]:
-  """:func:`merge_states` of parts stacked on a leading axis: ``out [n, ..., D]``, ``lse [n, ...]``
-  (e.g. the key splits of one kernel call), float32.
-
-  (Written as one variadic reduction whose combiner merges two states, it was one XLA kernel
-  on an H100 but slower than these two: 2.5-6.5 vs ~2.8 us at decode sizes, 2026-11-23.)
-  """
-  lse = lse.astype(jnp.float32)
-  m = jnp.max(lse, axis=0)
-  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-  w = jnp.exp(lse - m)  # exactly 0 for parts without keys
-  denom = jnp.sum(w, axis=0)
-  has = denom > 0
-  safe = jnp.where(has, denom, 1.0)
-  merged = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=0) / safe[..., None]
-  return merged, jnp.where(has, m + jnp.log(safe), -jnp.inf)
-
-
 def merge_attention_states(outs: Sequence[Array], lses: Sequence[Array]) -> Tuple[Array, Array]:
   """Merges n >= 1 partial attention results over disjoint key sets, exactly.
 

@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_shared_attn import attention_with_lse, merge_attention_states
-from jax_shared_attn.merge import merge_stacked
 from jax_shared_attn.testing import lse_err, oracle_full, rel_err, tolerance
 from strategies import DTYPES, SEEDS, count_case, rand
 
@@ -42,22 +41,17 @@ def test_merge_of_any_split_is_full_attention(data, seed, dtype, n_parts):
   assert lse_err(lse, ref_lse) <= (1e-5 if dtype == "float32" else 1e-2)
 
 
-@pytest.mark.parametrize("stacked", [False, True])
 @settings(max_examples=100)
 @given(seed=SEEDS, n=st.integers(1, 6), p_empty=st.floats(0, 1))
-def test_merge_matches_float64_formula_with_empty_parts(stacked, seed, n, p_empty):
-  """The public list merge and the stacked one (one reduction; the kernels' split merges)."""
+def test_merge_matches_float64_formula_with_empty_parts(seed, n, p_empty):
+  """The public merge (the GPU kernels' split merge: tests/test_pallas_gpu_kernels.py)."""
   count_case("merge_formula")
   rng = np.random.default_rng(seed)
   shape = (3, 2, 5)
   outs = [rng.normal(size=shape + (16,)).astype(np.float32) for _ in range(n)]
   lses = [np.where(rng.random(shape) < p_empty, -np.inf, rng.normal(size=shape) * 30).astype(
       np.float32) for _ in range(n)]
-  if stacked:
-    out, lse = jax.jit(merge_stacked)(np.stack(outs), np.stack(lses))
-  else:
-    out, lse = merge_attention_states([jnp.asarray(o) for o in outs],
-                                      [jnp.asarray(l) for l in lses])
+  out, lse = merge_attention_states([jnp.asarray(o) for o in outs], [jnp.asarray(l) for l in lses])
   L = np.stack(lses).astype(np.float64)
   with np.errstate(divide="ignore", invalid="ignore"):
     ref_lse = np.logaddexp.reduce(L, axis=0)

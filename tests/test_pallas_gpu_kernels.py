@@ -18,6 +18,7 @@ from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_a
 from jax_shared_attn.testing import lse_err, oracle_full, oracle_tree, rel_err, tolerance
 from pallas_kernels.gpu import prefix_attention, segment_attention, suffix_attention
 from pallas_kernels.gpu import _common
+from pallas_kernels.gpu.merge_kernel import merge_parts
 from pallas_kernels.gpu.suffix_attention import SuffixConfig, flat_rows
 from strategies import SEEDS, count_case, lengths, rand
 
@@ -61,6 +62,8 @@ class TestInterpret:
                            static_argnames=("scale",))
     self.flat = jax.jit(functools.partial(flat_rows, interpret=self.interpret),
                         static_argnames=("q_len", "causal", "scale", "out_dtype", "config"))
+    self.merge = jax.jit(functools.partial(merge_parts, interpret=self.interpret),
+                         static_argnames=("out_dtype",))
 
   def run_prefix(self, data, seed, case):
     count_case("triton_prefix")
@@ -177,6 +180,40 @@ class TestInterpret:
   def test_segment_attention(self, case):
     given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples)(
         lambda data, seed: self.run_segment(data, seed, case)))()
+
+  def run_merge(self, data, seed, out_dtype):
+    """Stacks of partial states (random part counts, -inf parts and rows) against the float64
+    merge formula: the one kernel that merges every key split."""
+    count_case("triton_merge")
+    rng = np.random.default_rng(seed)
+    lead = (data.draw(st.integers(1, 3)), data.draw(st.integers(1, 70)))
+    d = data.draw(st.sampled_from([16, 64, 80, 128]))
+    counts = data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))
+    p_empty = data.draw(st.sampled_from([0.0, 0.3, 1.0]))
+    stacks, outs64, lses64 = [], [], []
+    for n in counts:
+      o, o64 = rand(rng, (n, *lead, d), data.draw(st.sampled_from(["float32", "bfloat16"])))
+      lse = np.where(rng.random((n, *lead)) < p_empty, -np.inf,
+                     rng.normal(size=(n, *lead)) * 20).astype(np.float32)
+      stacks.append((o, jnp.asarray(lse)))
+      outs64.append(o64)
+      lses64.append(lse.astype(np.float64))
+    out, lse = self.merge(stacks, out_dtype=out_dtype)
+    L, O = np.concatenate(lses64), np.concatenate(outs64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+      ref_lse = np.logaddexp.reduce(L, axis=0)
+      w = np.where(np.isneginf(L), 0.0, np.exp(L - np.where(np.isneginf(ref_lse), 0, ref_lse)))
+    ref_out = np.einsum("n...,n...d->...d", w, O)
+    assert out.dtype == jnp.dtype(out_dtype) and out.shape == (*lead, d) and lse.shape == lead
+    assert not np.isnan(f64(out)).any() and not np.isnan(np.asarray(lse)).any()
+    assert rel_err(out, ref_out) <= (1e-6 if out_dtype == "float32" else tolerance(out_dtype))
+    assert lse_err(lse, ref_lse) <= 1e-6
+    assert np.all(f64(out)[np.isneginf(ref_lse)] == 0)
+
+  @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+  def test_merge_kernel(self, out_dtype):
+    given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples)(
+        lambda data, seed: self.run_merge(data, seed, out_dtype)))()
 
   @pytest.mark.parametrize("flat", [True, False])
   def test_public_api_through_triton(self, flat):

@@ -24,17 +24,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_shared_attn.merge import merge_states
 from jax_shared_attn.ops import AttentionOps
 from pallas_kernels.gpu import _common
+from pallas_kernels.gpu.merge_kernel import merge_parts
 from pallas_kernels.gpu.prefix_attention import prefix_attention, prefix_attention_rows
 from pallas_kernels.gpu.segment_attention import segment_attention, segment_rows
 from pallas_kernels.gpu.suffix_attention import MAX_ROWS as _MAX_ROWS
 from pallas_kernels.gpu.suffix_attention import flat_rows, suffix_attention, suffix_rows
 
 
-# A prior with more key splits than this is merged by XLA first (one parallel pass over its
-# splits); the suffix kernel's epilogue merges priors one after another, which at 32 splits
+# A prior with more key splits than this is merged first (the merge kernel: one parallel pass
+# over its splits); the suffix kernel's epilogue merges priors one after another, which at 32 splits
 # (few rows, a long prefix) cost 45 us on an H100 against ~1 us for the XLA reduction.
 MAX_FUSED_PRIOR_SPLITS = 4
 
@@ -170,7 +170,7 @@ def _split_shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal,
                               scale=scale, interpret=interpret)
       out, lse = out[None], lse[None]
     if out.shape[0] > MAX_FUSED_PRIOR_SPLITS:
-      out, lse = merge_states(list(out), list(lse))
+      out, lse = merge_parts([(out, lse)], out_dtype=jnp.float32, interpret=interpret)
       out, lse = out[None], lse[None]  # float32: no extra rounding
     priors.append((out.reshape(out.shape[0], hkv, b, m, d), lse.reshape(lse.shape[0], hkv, b, m)))
   out, lse = suffix_rows(q_rows.reshape(hkv, b, m, d), suffix_k, suffix_v, kv_lengths, priors,

@@ -22,9 +22,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_shared_attn.merge import merge_states
 from jax_shared_attn.reference import prefix_attention as prefix_attention_reference  # noqa: F401
 from pallas_kernels.gpu import _common
+from pallas_kernels.gpu.merge_kernel import merge_parts
 
 NUM_SMS_DEFAULT = 132  # H100 SXM; only used to size the grid
 
@@ -163,7 +163,7 @@ def prefix_attention_rows(
 
   Returns ``out [splits, Hkv, R, D]`` (float32 from Triton, q's dtype from
   the Mosaic kernel) and natural-log float32 ``lse [splits, Hkv, R]``; merge
-  the splits with :func:`jax_shared_attn.merge.merge_states` (or let the
+  the splits with :func:`pallas_kernels.gpu.merge_kernel.merge_parts` (or let the
   suffix kernel do it). With ``mosaic`` the Hopper kernel is lowered for CUDA
   when it supports the shape; elsewhere the Triton kernel runs.
   """
@@ -214,5 +214,5 @@ def prefix_attention(
   hkv = k.shape[1]
   out, lse = prefix_attention_rows(_common.fold_rows(q, hkv), k, v, kv_length=kv_length,
                                    scale=scale, mosaic=mosaic, interpret=interpret)
-  out, lse = merge_states(list(out), list(lse))
+  out, lse = merge_parts([(out, lse)], out_dtype=jnp.float32, interpret=interpret)
   return _common.unfold_rows(out, b, t), _common.unfold_rows(lse, b, t)

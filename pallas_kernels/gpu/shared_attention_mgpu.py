@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_shared_attn.merge import merge_stacked
+from pallas_kernels.gpu.merge_kernel import merge_parts
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -376,8 +376,7 @@ def fused_decode_rows(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_length
                         jnp.asarray(suffix_lengths, jnp.int32), rows_per_seq=rows_per_seq,
                         scale=float(scale), config=cfg)
   if cfg.splits > 1:  # exact LSE merge over the split axis (splits without keys: (0, -inf))
-    out, lse = merge_stacked(out, lse)
-    out = out.astype(q_rows.dtype)
+    out, lse = merge_parts([(out, lse)], out_dtype=q_rows.dtype, interpret=False)
   else:
     out, lse = out[0], lse[0]
   return out[:, :r], lse[:, :r]

@@ -11,7 +11,8 @@ With one key split, the prior states (the shared-prefix result, every key
 split of it, and every tree level) are merged into the result in the
 kernel's epilogue: each is read once and the final output is written once,
 in the query dtype. With several splits (flash-decoding, for small batches)
-the split partials and the priors are merged by LSE afterwards.
+the split partials and the priors are merged by LSE afterwards, in one more
+kernel (:mod:`pallas_kernels.gpu.merge_kernel`).
 
 Reference with the same signature: :func:`jax_shared_attn.reference.suffix_attention`.
 LSE is natural log.
@@ -28,9 +29,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_shared_attn.merge import merge_stacked, merge_states
+from jax_shared_attn.merge import merge_states
 from jax_shared_attn.reference import suffix_attention as suffix_attention_reference  # noqa: F401
 from pallas_kernels.gpu import _common
+from pallas_kernels.gpu.merge_kernel import merge_parts
 
 NUM_SMS_DEFAULT = 132
 MAX_ROWS = 64  # rows of a sequence held by one program (decode: Tq * G is small)
@@ -239,10 +241,8 @@ def suffix_rows(
                          interpret=interpret)
   if fused:
     return out[0], lse[0]
-  outs = list(out) + [o[j] for o, _ in priors for j in range(o.shape[0])]
-  lses = list(lse) + [l[j] for _, l in priors for j in range(l.shape[0])]
-  out, lse = merge_states(outs, lses)
-  return out.astype(out_dtype), lse
+  # The splits and every prior state in one merge kernel.
+  return merge_parts([(out, lse), *priors], out_dtype=out_dtype, interpret=interpret)
 
 
 # The flat path's key step and the fewest key steps per split (tools/device/flat_tune.py, H100,
@@ -282,7 +282,7 @@ def flat_rows(
 
   The small-batch path: each program streams one split of its sequence's shared-then-own
   keys, reading the shared K/V directly (every sequence reads it; at small batch it stays
-  in L2), and the split partials are merged by LSE afterwards. Where sharing the prefix
+  in L2), and the split partials are merged by LSE afterwards (the merge kernel). Where sharing the prefix
   product cannot pay (a few sequences), this replaces the prefix kernel + suffix kernel
   pair and their launch latencies. Causal inside the own keys when ``Tq > 1``; the shared
   keys are visible to every row. Returns ``out [Hkv, B, M, D]`` (``out_dtype``) and
@@ -303,8 +303,7 @@ def flat_rows(
                          shared_v, interpret=interpret)
   if fused:
     return out[0], lse[0]
-  out, lse = merge_stacked(out, lse)
-  return out.astype(out_dtype), lse
+  return merge_parts([(out, lse)], out_dtype=out_dtype, interpret=interpret)
 
 
 def suffix_attention(

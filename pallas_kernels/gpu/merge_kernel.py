@@ -31,6 +31,10 @@ NUM_SMS_DEFAULT = 132
 # Rows per program: the most that still gives every SM two programs, between these bounds.
 MIN_TILE_ROWS, MAX_TILE_ROWS = 8, 64
 NUM_WARPS = 4
+# Partial outputs loaded before any arithmetic while they take at most this many elements per
+# warp (32 lanes x 128 float32 registers); else loaded one part at a time.
+PRELOAD_ELEMENTS_PER_WARP = 32 * 128
+PRELOAD = True
 # False merges with XLA instead (jax_shared_attn.merge.merge_states; comparisons). Read when
 # tracing.
 USE_KERNEL = True
@@ -62,7 +66,7 @@ def rows_of(lead) -> int:
   return n
 
 
-def _kernel(*refs, counts: tuple[int, ...], rows: int, head_dim: int):
+def _kernel(*refs, counts: tuple[int, ...], rows: int, head_dim: int, num_warps: int):
   n_parts = len(counts)
   in_refs, (o_ref, lse_ref) = refs[:2 * n_parts], refs[2 * n_parts:]
   tr, dp = o_ref.shape
@@ -80,14 +84,18 @@ def _kernel(*refs, counts: tuple[int, ...], rows: int, head_dim: int):
 
   lses = [plgpu.load(l_ref, mask=row_ok, other=-jnp.inf).astype(jnp.float32)
           for _, l_ref in parts()]
+  # Every load issued up front where the tiles fit the registers: the kernel is latency-bound.
+  preload = PRELOAD and sum(counts) * tr * dp <= PRELOAD_ELEMENTS_PER_WARP * num_warps
+  outs = [_common.load(o_ref_, mask) for o_ref_, _ in parts()] if preload else None
   m = functools.reduce(jnp.maximum, lses)
   m = jnp.where(m == -jnp.inf, 0.0, m)  # no part: weights exp(-inf) = 0, not NaN
   acc = jnp.zeros((tr, dp), jnp.float32)
   denom = jnp.zeros((tr,), jnp.float32)
-  for (o_part, _), lse in zip(parts(), lses):
+  for i, ((o_part, _), lse) in enumerate(zip(parts(), lses)):
     w = jnp.exp(lse - m)
     denom += w
-    acc += w[:, None] * _common.load(o_part, mask).astype(jnp.float32)
+    o = outs[i] if preload else _common.load(o_part, mask)
+    acc += w[:, None] * o.astype(jnp.float32)
   has = denom > 0
   safe = jnp.where(has, denom, 1.0)
   plgpu.store(o_ref, (acc / safe[:, None]).astype(o_ref.dtype), mask=mask)
@@ -101,7 +109,8 @@ def _call(*flat, counts, rows, head_dim, out_dtype, tr, interpret):
     in_specs += [pl.BlockSpec((n, tr, dp), lambda i: (0, i, 0)),
                  pl.BlockSpec((n, tr), lambda i: (0, i))]
   return pl.pallas_call(
-      functools.partial(_kernel, counts=counts, rows=rows, head_dim=head_dim),
+      functools.partial(_kernel, counts=counts, rows=rows, head_dim=head_dim,
+                        num_warps=NUM_WARPS),
       grid=(pl.cdiv(rows, tr),),
       in_specs=in_specs,
       out_specs=[pl.BlockSpec((tr, dp), lambda i: (i, 0)), pl.BlockSpec((tr,), lambda i: (i,))],

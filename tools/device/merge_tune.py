@@ -7,7 +7,7 @@ clock (``jax_shared_attn.bench.timing``), in one process:
 * ``merge``: the merges the attention paths run (stacks of key-split partial states of the
   sizes they produce), XLA (``merge_states``) against the kernel at several row tiles and warp
   counts;
-* ``attention``: ``shared_prefix_attention(impl="auto")`` on configurations whose path merges
+* ``attention``: ``shared_prefix_attention(impl=IMPL)`` on configurations whose path merges
   key splits (the flat path, the one-kernel path, the kernels apart), with the merge kernel and
   with XLA's merge.
 
@@ -43,20 +43,22 @@ MERGES = {
     "suffix splits + prior (4 + 4)": ((4, 4), 1024, 128, jnp.float32, jnp.bfloat16),
     "prefix splits (32)": ((32,), 128, 128, jnp.float32, jnp.float32),
 }
-TILES = (8, 16, 32, 64)
-WARPS = (2, 4)
+IMPL = "auto"
+TILES = (4, 8, 16)
+WARPS = (4, 8)
 
 
 @contextlib.contextmanager
-def knobs(tile=None, warps=None):
-  before = mk.MIN_TILE_ROWS, mk.MAX_TILE_ROWS, mk.NUM_WARPS
+def knobs(tile=None, warps=None, preload=None):
+  before = mk.MIN_TILE_ROWS, mk.MAX_TILE_ROWS, mk.NUM_WARPS, mk.PRELOAD
   if tile:
     mk.MIN_TILE_ROWS = mk.MAX_TILE_ROWS = tile
   mk.NUM_WARPS = warps or before[2]
+  mk.PRELOAD = before[3] if preload is None else preload
   try:
     yield
   finally:
-    mk.MIN_TILE_ROWS, mk.MAX_TILE_ROWS, mk.NUM_WARPS = before
+    mk.MIN_TILE_ROWS, mk.MAX_TILE_ROWS, mk.NUM_WARPS, mk.PRELOAD = before
 
 
 def merge_op(out_dtype, xla=False, **kw):
@@ -80,7 +82,7 @@ def merge_inputs(counts, rows, d, dtype, seed):
 def attention_op(xla):
   def op(q, pk, pv, sk, sv):
     with mk.xla_merge() if xla else contextlib.nullcontext():
-      return shared_prefix_attention(q, pk, pv, sk, sv, impl="auto")
+      return shared_prefix_attention(q, pk, pv, sk, sv, impl=IMPL)
   return op
 
 
@@ -96,6 +98,8 @@ def main():
   ap.add_argument("--trials", type=int, default=5)
   ap.add_argument("--out", default=".")
   ap.add_argument("--skip", default="", help="comma list of: merge,attention")
+  ap.add_argument("--merges", default=None, help="comma list of MERGES indices")
+  ap.add_argument("--attention", default=None, help="comma list of ATTENTION indices")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "merge_tune.json")
@@ -106,13 +110,17 @@ def main():
       json.dump(result, f, indent=1)
 
   if "merge" not in args.skip:
-    for name, (counts, rows, d, dtype, out_dtype) in MERGES.items():
+    items = list(MERGES.items())
+    if args.merges:
+      items = [items[int(i)] for i in args.merges.split(",")]
+    for name, (counts, rows, d, dtype, out_dtype) in items:
       make = functools.partial(merge_inputs, counts, rows, d, dtype)
       n = timing.sets_needed(timing.tree_bytes(make(0)))
       row = dict(name=name, counts=counts, rows=rows)
       ref = np.asarray(jax.jit(merge_op(out_dtype, xla=True))(*make(0))[0], np.float32)
       variants = [("xla", dict(xla=True))] + [
-          (f"t{t}w{w}", dict(tile=t, warps=w)) for t in TILES for w in WARPS] + [("default", {})]
+          (f"t{t}w{w}{'' if pre else 'n'}", dict(tile=t, warps=w, preload=pre))
+          for t in TILES for w in WARPS for pre in (True, False)] + [("default", {})]
       for label, kw in variants:
         try:
           op = merge_op(out_dtype, **kw)
@@ -128,7 +136,9 @@ def main():
       save()
 
   if "attention" not in args.skip:
-    for shape_name, b, p, s in ATTENTION:
+    configs = ATTENTION if not args.attention else [ATTENTION[int(i)] for i in
+                                                    args.attention.split(",")]
+    for shape_name, b, p, s in configs:
       hq, hkv, d = bench.SHAPES[shape_name]
       shape = AttentionShape(b, p, s, hq, hkv, d)
       make = functools.partial(bench._inputs, shape, jnp.bfloat16)

@@ -255,3 +255,16 @@ def test_mosaic_kernel_lowered_once_per_shape(capacity, function):
                        S((1024, 1, 128), dt), kv, kv, S((64,), jnp.int32))
   assert text.count(f"private @{function}") == 1, "the kernel's function is not shared"
   assert text.count(f"custom_call @{MOSAIC}") == 1
+
+
+@pytest.mark.parametrize("hq,hkv,merge_kernel", [(8, 1, True), (32, 8, False)])
+def test_split_merge_kernel_only_where_no_transpose_follows(hq, hkv, merge_kernel):
+  """One KV head: the flat path's splits merge in the merge kernel. Several: XLA merges them,
+  fused into the transpose back to [B, Tq, Hq, D] (merge_kernel.merge_parts)."""
+  dt = jnp.bfloat16
+  fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
+                                                             impl="pallas:triton")
+  b, d, p, s = 16, 128, 1024, 128
+  text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
+                     S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
+  assert FLAT in text and (MERGE in text) == merge_kernel

@@ -27,12 +27,14 @@ from jax.experimental.pallas import triton as plgpu
 from jax_shared_attn.merge import merge_states
 from pallas_kernels.gpu import _common
 
-NUM_SMS_DEFAULT = 132
-# Rows per program: the most that still gives every SM two programs, between these bounds.
-MIN_TILE_ROWS, MAX_TILE_ROWS = 8, 64
+# Rows per program and warps, and the partial outputs loaded before any arithmetic while they
+# take at most this many elements per warp (32 lanes x 128 float32 registers). Measured on an
+# H100 (tools/device/merge_tune.py, 2026-11-23), device us of the merges the paths run
+# (8 x 2048 rows bf16, 2 x 8192 bf16, 12 x 128 float32, 4 + 4 x 1024, 32 x 128): 4 rows,
+# 4 warps, preloaded 2.70 / 3.56 / 1.79 / 3.10 / 2.80, XLA 5.45 / 6.15 / 2.96 / 4.08 / 4.87;
+# 8 rows, 8 warps within 0.3 us of it; 16 rows or no preload up to 2x slower.
+TILE_ROWS = 4
 NUM_WARPS = 4
-# Partial outputs loaded before any arithmetic while they take at most this many elements per
-# warp (32 lanes x 128 float32 registers); else loaded one part at a time.
 PRELOAD_ELEMENTS_PER_WARP = 32 * 128
 PRELOAD = True
 # False merges with XLA instead (jax_shared_attn.merge.merge_states; comparisons). Read when
@@ -49,14 +51,6 @@ def xla_merge():
     yield
   finally:
     USE_KERNEL = before
-
-
-def tile_rows(rows: int, num_sms: int = NUM_SMS_DEFAULT) -> int:
-  """Power-of-two row tile: two programs per SM where the rows allow it."""
-  t = MAX_TILE_ROWS
-  while t > MIN_TILE_ROWS and pl.cdiv(rows, t) < 2 * num_sms:
-    t //= 2
-  return t
 
 
 def rows_of(lead) -> int:
@@ -122,12 +116,18 @@ def _call(*flat, counts, rows, head_dim, out_dtype, tr, interpret):
   )(*flat)
 
 
-def merge_parts(stacks, *, out_dtype, interpret: bool | None = None):
+def merge_parts(stacks, *, out_dtype, transposed_next: bool = False,
+                interpret: bool | None = None):
   """Merges every part of every stack: ``stacks = [(out [n_i, ..., D], lse [n_i, ...]), ...]``
   with one shape ``[...]`` of rows across stacks.
 
   Returns ``out [..., D]`` in ``out_dtype`` and float32 natural-log ``lse [...]``. With
   ``interpret=None`` the kernel runs natively on CUDA and interpreted elsewhere.
+
+  ``transposed_next``: the caller transposes the result next (the folded rows of several KV
+  heads back to ``[B, Tq, Hq, D]``); XLA then merges, fused into that transpose, which beat
+  the kernel plus the transpose (Llama-3-8B shape, B=16, flat path: 21.8 vs 23.1 us on an
+  H100, 2026-11-23).
   """
   if not stacks:
     raise ValueError("merge_parts: needs at least one stack of parts")
@@ -139,7 +139,7 @@ def merge_parts(stacks, *, out_dtype, interpret: bool | None = None):
                        f"[n, {lead}]; got {o.shape} and {l.shape}")
   if rows_of(lead) == 0:
     return jnp.zeros((*lead, d), out_dtype), jnp.full(lead, -jnp.inf, jnp.float32)
-  if not USE_KERNEL:
+  if transposed_next or not USE_KERNEL:
     out, lse = merge_states([o[j] for o, _ in stacks for j in range(o.shape[0])],
                             [l[j] for _, l in stacks for j in range(l.shape[0])])
     return out.astype(out_dtype), lse
@@ -149,6 +149,6 @@ def merge_parts(stacks, *, out_dtype, interpret: bool | None = None):
   for o, l in stacks:  # contiguous reshapes: no copies
     flat += [o.reshape(o.shape[0], rows, d), l.reshape(l.shape[0], rows)]
   call = functools.partial(_call, counts=counts, rows=rows, head_dim=d, out_dtype=out_dtype,
-                           tr=tile_rows(rows))
+                           tr=TILE_ROWS)
   out, lse = _common.run(call, *flat, interpret=interpret)
   return out.reshape(*lead, d), lse.reshape(lead)

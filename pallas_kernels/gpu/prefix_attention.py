@@ -214,5 +214,6 @@ def prefix_attention(
   hkv = k.shape[1]
   out, lse = prefix_attention_rows(_common.fold_rows(q, hkv), k, v, kv_length=kv_length,
                                    scale=scale, mosaic=mosaic, interpret=interpret)
-  out, lse = merge_parts([(out, lse)], out_dtype=jnp.float32, interpret=interpret)
+  out, lse = merge_parts([(out, lse)], out_dtype=jnp.float32, transposed_next=hkv > 1,
+                         interpret=interpret)
   return _common.unfold_rows(out, b, t), _common.unfold_rows(lse, b, t)

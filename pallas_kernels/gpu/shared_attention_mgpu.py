@@ -376,7 +376,8 @@ def fused_decode_rows(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_length
                         jnp.asarray(suffix_lengths, jnp.int32), rows_per_seq=rows_per_seq,
                         scale=float(scale), config=cfg)
   if cfg.splits > 1:  # exact LSE merge over the split axis (splits without keys: (0, -inf))
-    out, lse = merge_parts([(out, lse)], out_dtype=q_rows.dtype, interpret=False)
+    out, lse = merge_parts([(out, lse)], out_dtype=q_rows.dtype, transposed_next=hkv > 1,
+                           interpret=False)
   else:
     out, lse = out[0], lse[0]
   return out[:, :r], lse[:, :r]

@@ -242,7 +242,8 @@ def suffix_rows(
   if fused:
     return out[0], lse[0]
   # The splits and every prior state in one merge kernel.
-  return merge_parts([(out, lse), *priors], out_dtype=out_dtype, interpret=interpret)
+  return merge_parts([(out, lse), *priors], out_dtype=out_dtype, transposed_next=hkv > 1,
+                     interpret=interpret)
 
 
 # The flat path's key step and the fewest key steps per split (tools/device/flat_tune.py, H100,
@@ -303,7 +304,8 @@ def flat_rows(
                          shared_v, interpret=interpret)
   if fused:
     return out[0], lse[0]
-  return merge_parts([(out, lse)], out_dtype=out_dtype, interpret=interpret)
+  return merge_parts([(out, lse)], out_dtype=out_dtype, transposed_next=hkv > 1,
+                     interpret=interpret)
 
 
 def suffix_attention(

@@ -50,15 +50,14 @@ WARPS = (4, 8)
 
 @contextlib.contextmanager
 def knobs(tile=None, warps=None, preload=None):
-  before = mk.MIN_TILE_ROWS, mk.MAX_TILE_ROWS, mk.NUM_WARPS, mk.PRELOAD
-  if tile:
-    mk.MIN_TILE_ROWS = mk.MAX_TILE_ROWS = tile
-  mk.NUM_WARPS = warps or before[2]
-  mk.PRELOAD = before[3] if preload is None else preload
+  before = mk.TILE_ROWS, mk.NUM_WARPS, mk.PRELOAD
+  mk.TILE_ROWS = tile or before[0]
+  mk.NUM_WARPS = warps or before[1]
+  mk.PRELOAD = before[2] if preload is None else preload
   try:
     yield
   finally:
-    mk.MIN_TILE_ROWS, mk.MAX_TILE_ROWS, mk.NUM_WARPS, mk.PRELOAD = before
+    mk.TILE_ROWS, mk.NUM_WARPS, mk.PRELOAD = before
 
 
 def merge_op(out_dtype, xla=False, **kw):

@@ -1,6 +1,5 @@
 """Every public path against the float64 oracle of full attention (property tests)."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

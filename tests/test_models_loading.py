@@ -8,7 +8,6 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from models.config import preset
 from models.llama import flat_params, random_init

@@ -7,7 +7,6 @@ a 512-key block so block boundaries are crossed here too. Everything is compared
 with the float64 oracle of full attention over the concatenated context.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import sys
-from typing import Callable
 
 import jax
 import jax.numpy as jnp

@@ -26,7 +26,6 @@ effect tokens into the native TPU program and forbid ``vmap``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Optional
 
 import jax

@@ -30,6 +30,8 @@ def main():
   ap.add_argument("--new-tokens", type=int, default=64)
   ap.add_argument("--modes", default="hydragen")
   ap.add_argument("--flat", type=int, choices=(0, 1), default=1)
+  ap.add_argument("--profile-steps", type=int, default=0,
+                  help="steps after the timed call run under the profiler (device ms by kernel)")
   ap.add_argument("--out", default=".")
   args = ap.parse_args()
   batches = [int(x) for x in args.batch.split(",")]
@@ -49,11 +51,17 @@ def main():
     for b in batches:
       for mode in args.modes.split(","):
         with gpu.flat_decode(budget):
-          row = run_point(model, mode, b, p, args.new_tokens, impl="auto")
+          row = run_point(model, mode, b, p, args.new_tokens, impl="auto",
+                          profile_steps=args.profile_steps)
         row["flat"] = bool(args.flat) if mode == "hydragen" else None
         data["rows"].append(row)
-        print(json.dumps({k: row.get(k) for k in ("mode", "flat", "batch", "prefix", "step_ms",
-                                                   "tokens_per_s")}), flush=True)
+        summary = {k: row.get(k) for k in ("mode", "flat", "batch", "prefix", "step_ms",
+                                           "tokens_per_s")}
+        if "profile" in row:
+          summary["device_ms"] = {k: round(v / 1e3, 3)
+                                  for k, v in row["profile"]["by_category_us"].items()}
+          summary["busy_ms"] = row["profile"]["busy_us"] / 1e3
+        print(json.dumps(summary), flush=True)
         with open(path, "w") as f:
           json.dump(data, f, indent=1)
   return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -51,13 +52,6 @@ def xla_merge():
     yield
   finally:
     USE_KERNEL = before
-
-
-def rows_of(lead) -> int:
-  n = 1
-  for s in lead:
-    n *= int(s)
-  return n
 
 
 def _kernel(*refs, counts: tuple[int, ...], rows: int, head_dim: int, num_warps: int):
@@ -137,13 +131,13 @@ def merge_parts(stacks, *, out_dtype, transposed_next: bool = False,
     if o.shape[1:] != (*lead, d) or l.shape[1:] != lead or o.shape[0] != l.shape[0]:
       raise ValueError(f"merge_parts: every stack must be out [n, {lead}, {d}] and lse "
                        f"[n, {lead}]; got {o.shape} and {l.shape}")
-  if rows_of(lead) == 0:
+  rows = math.prod(lead)
+  if rows == 0:
     return jnp.zeros((*lead, d), out_dtype), jnp.full(lead, -jnp.inf, jnp.float32)
   if transposed_next or not USE_KERNEL:
     out, lse = merge_states([o[j] for o, _ in stacks for j in range(o.shape[0])],
                             [l[j] for _, l in stacks for j in range(l.shape[0])])
     return out.astype(out_dtype), lse
-  rows = rows_of(lead)
   counts = tuple(int(l.shape[0]) for _, l in stacks)
   flat = []
   for o, l in stacks:  # contiguous reshapes: no copies

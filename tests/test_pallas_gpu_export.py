@@ -268,3 +268,18 @@ def test_split_merge_kernel_only_where_no_transpose_follows(hq, hkv, merge_kerne
   text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
                      S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
   assert FLAT in text and (MERGE in text) == merge_kernel
+
+
+@pytest.mark.parametrize("tq,transposes", [(1, 1), (3, 2)])
+def test_decode_output_written_in_place(tq, transposes):
+  """Several KV heads, one key split: the suffix kernel writes the sequence-major layout, which
+  in decoding (Tq = 1) is [B, 1, Hq, D] itself; the only transpose left is the query fold for
+  the prefix kernel. With Tq > 1 the output goes back to [B, Tq, Hq, D] by a second one."""
+  dt = jnp.bfloat16
+  fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
+                                                             impl="pallas:triton")
+  b, hq, hkv, d, p, s = 256, 32, 8, 128, 1024, 128
+  text = export_cuda(fn, S((b, tq, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
+                     S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
+  assert attention_kernels(text) == 2 and MERGE not in text
+  assert text.count("stablehlo.transpose") == transposes

@@ -173,11 +173,11 @@ def _split_shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal,
       out, lse = merge_parts([(out, lse)], out_dtype=jnp.float32, interpret=interpret)
       out, lse = out[None], lse[None]  # float32: no extra rounding
     priors.append((out.reshape(out.shape[0], hkv, b, m, d), lse.reshape(lse.shape[0], hkv, b, m)))
+  # Sequence-major output: in decoding the kernel writes [B, 1, Hq, D] itself (no transpose).
   out, lse = suffix_rows(q_rows.reshape(hkv, b, m, d), suffix_k, suffix_v, kv_lengths, priors,
                          q_len=tq, causal=causal, scale=scale, out_dtype=q.dtype,
-                         interpret=interpret)
-  return (_common.unfold_rows(out.reshape(hkv, b * m, d), b, tq),
-          _common.unfold_rows(lse.reshape(hkv, b * m), b, tq))
+                         by_sequence=True, interpret=interpret)
+  return _common.unfold_seq_rows(out, tq), _common.unfold_seq_rows(lse, tq)
 
 
 def get_ops(interpret: bool | None = None, mosaic: bool = False) -> AttentionOps:

@@ -91,6 +91,17 @@ def unfold_rows(x: jax.Array, b: int, t: int) -> jax.Array:
   return x.reshape(b, t, hkv * g, *rest)
 
 
+def unfold_seq_rows(x: jax.Array, t: int) -> jax.Array:
+  """``[B, Hkv, T * G, ...] -> [B, T, Hkv * G, ...]`` (sequence-major folded rows, out or lse):
+  a reshape when ``T == 1`` (decoding), a transpose otherwise."""
+  b, hkv, r = x.shape[:3]
+  rest = x.shape[3:]
+  if t == 1:
+    return x.reshape(b, 1, hkv * r, *rest)
+  x = jnp.moveaxis(x.reshape(b, hkv, t, r // t, *rest), 1, 2)  # [B, T, Hkv, G, ...]
+  return x.reshape(b, t, hkv * (r // t), *rest)
+
+
 def online_softmax_step(carry, s, v, masked_s: bool):
   """One flash-attention step on base-2 scores ``s [M, N]`` (float32).
 

@@ -163,7 +163,10 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
 
 
 def _call(lengths, q_rows, k, v, *rest, scale, cfg: SuffixConfig, head_dim: int, q_len: int,
-          group: int, causal: bool, out_dtype, lead: bool, interpret: bool):
+          group: int, causal: bool, out_dtype, lead: bool, interpret: bool,
+          by_sequence: bool = False):
+  # by_sequence: out [splits, B, Hkv, M, D] (lse [splits, B, Hkv, M]) instead of
+  # [splits, Hkv, B, M, D]; with Tq = 1 that is [B, Hq, D] as it is: no transpose after.
   hkv, b, m, _ = q_rows.shape
   s = k.shape[1]
   lead_args, priors = (rest[:3], rest[3:]) if lead else ((), rest)
@@ -174,6 +177,7 @@ def _call(lengths, q_rows, k, v, *rest, scale, cfg: SuffixConfig, head_dim: int,
   keys = s + (lead_args[1].shape[0] if lead else 0)
   keys_per_split = pl.cdiv(pl.cdiv(keys, cfg.splits), cfg.block_n) * cfg.block_n
   prior_splits = tuple(x.shape[0] for x in priors[::2])
+  lead_dims = (b, hkv) if by_sequence else (hkv, b)
   kernel = functools.partial(
       _kernel, scale=scale, head_dim=head_dim, rows=m, q_len=q_len, group=group, causal=causal,
       block_n=cfg.block_n, keys_per_split=keys_per_split, prior_splits=prior_splits, lead=lead)
@@ -191,12 +195,16 @@ def _call(lengths, q_rows, k, v, *rest, scale, cfg: SuffixConfig, head_dim: int,
       grid=(b, hkv, tiles, cfg.splits),
       in_specs=in_specs,
       out_specs=[
-          pl.BlockSpec((None, None, None, mp, dp), lambda i, h, t, j: (j, h, i, t, 0)),
-          pl.BlockSpec((None, None, None, mp), lambda i, h, t, j: (j, h, i, t)),
+          pl.BlockSpec((None, None, None, mp, dp),
+                       (lambda i, h, t, j: (j, i, h, t, 0)) if by_sequence
+                       else (lambda i, h, t, j: (j, h, i, t, 0))),
+          pl.BlockSpec((None, None, None, mp),
+                       (lambda i, h, t, j: (j, i, h, t)) if by_sequence
+                       else (lambda i, h, t, j: (j, h, i, t))),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((cfg.splits, hkv, b, m, head_dim), out_dtype),
-          jax.ShapeDtypeStruct((cfg.splits, hkv, b, m), jnp.float32),
+          jax.ShapeDtypeStruct((cfg.splits, *lead_dims, m, head_dim), out_dtype),
+          jax.ShapeDtypeStruct((cfg.splits, *lead_dims, m), jnp.float32),
       ],
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
@@ -216,34 +224,44 @@ def suffix_rows(
     scale: float,
     out_dtype,
     config: SuffixConfig | None = None,
+    by_sequence: bool = False,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Suffix attention in the folded row layout, every prior state merged in.
 
-  Returns ``out [Hkv, B, M, D]`` (``out_dtype``) and natural-log ``lse [Hkv, B, M]``.
+  Returns ``out [Hkv, B, M, D]`` (``out_dtype``) and natural-log ``lse [Hkv, B, M]``; with
+  ``by_sequence``, ``out [B, Hkv, M, D]`` and ``lse [B, Hkv, M]``: in decoding (``M = G``) that is
+  ``[B, 1, Hq, D]`` reshaped, so the kernel writes the final layout (with one key split; with
+  several, the merge writes it).
   """
   hkv, b, m, d = q_rows.shape
   s = k.shape[1]
   group = m // q_len
+
+  def layout(out, lse):  # [Hkv, B, ...] -> the layout asked for
+    return (jnp.swapaxes(out, 0, 1), jnp.swapaxes(lse, 0, 1)) if by_sequence else (out, lse)
+
   if s == 0 or b == 0:  # no suffix keys: only the priors
     parts = [(o[j], l[j]) for o, l in priors for j in range(o.shape[0])]
     if not parts:
-      return (jnp.zeros((hkv, b, m, d), out_dtype), jnp.full((hkv, b, m), -jnp.inf, jnp.float32))
+      return layout(jnp.zeros((hkv, b, m, d), out_dtype), jnp.full((hkv, b, m), -jnp.inf,
+                                                                    jnp.float32))
     out, lse = merge_states([p[0] for p in parts], [p[1] for p in parts])
-    return out.astype(out_dtype), lse
+    return layout(out.astype(out_dtype), lse)
   cfg = config or default_config(b, hkv, s, d, rows=m, itemsize=k.dtype.itemsize)
   fused = cfg.splits == 1
   flat = [x for pr in priors for x in pr] if fused else []
   call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, q_len=q_len, group=group,
                            causal=causal, out_dtype=out_dtype if fused else jnp.float32,
-                           lead=False)
+                           lead=False, by_sequence=by_sequence and fused)
   out, lse = _common.run(call, jnp.asarray(lengths, jnp.int32), q_rows, k, v, *flat,
                          interpret=interpret)
-  if fused:
+  if fused:  # the kernel wrote the layout asked for
     return out[0], lse[0]
-  # The splits and every prior state in one merge kernel.
-  return merge_parts([(out, lse), *priors], out_dtype=out_dtype, transposed_next=hkv > 1,
-                     interpret=interpret)
+  # The splits and every prior state in one merge (XLA's, fused into the transpose, where the
+  # caller or ``by_sequence`` transposes next).
+  return layout(*merge_parts([(out, lse), *priors], out_dtype=out_dtype, transposed_next=hkv > 1,
+                             interpret=interpret))
 
 
 # The flat path's key step and the fewest key steps per split (tools/device/flat_tune.py, H100,
@@ -330,6 +348,5 @@ def suffix_attention(
                    _common.fold_rows(prior[1][..., None], hkv).reshape(1, hkv, b, m)))
   out, lse = suffix_rows(_common.fold_rows(q, hkv).reshape(hkv, b, m, d), k, v, kv_lengths, priors,
                          q_len=tq, causal=causal, scale=scale, out_dtype=jnp.float32, config=config,
-                         interpret=interpret)
-  return (_common.unfold_rows(out.reshape(hkv, b * m, d), b, tq),
-          _common.unfold_rows(lse.reshape(hkv, b * m), b, tq))
+                         by_sequence=True, interpret=interpret)
+  return _common.unfold_seq_rows(out, tq), _common.unfold_seq_rows(lse, tq)

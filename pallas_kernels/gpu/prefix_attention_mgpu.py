@@ -132,7 +132,7 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
         slot = lax.rem(step, jnp.array(steps_buf, step.dtype))
 
         def compute_qk(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
           perform_schedule_barrier()
           return acc_ref[...]
 

@@ -220,7 +220,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           n_valid = jnp.where(seq < batch, slen_ref[jnp.minimum(seq, batch - 1)], 0)
 
         def compute_qk(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+          plgpu.wgmma(acc_ref, qo_smem, k_tile.transpose((1, 0)))
           perform_schedule_barrier()
           return acc_ref[...]
 

@@ -57,6 +57,8 @@ def _configure_bench(d: argparse.ArgumentParser) -> None:
   d.add_argument("--profile-steps", type=int, default=0,
                  help="after each timed run, profile this many more steps: device time per step "
                       "by kernel category (attention, matmul, ...) in the JSON and Markdown")
+  d.add_argument("--profile-top", type=int, default=12,
+                 help="with --profile-steps: how many of the busiest kernels the JSON lists")
   d.add_argument("--out", default="runs/decode")
   d.add_argument("--no-progress", action="store_true")
   d.set_defaults(handler=_run)
@@ -118,12 +120,13 @@ def _is_oom(e: Exception) -> bool:
 
 
 def run_point(model, mode: str, batch: int, prefix: int, new_tokens: int, *, impl: str,
-              question_tokens: int = 0, seed: int = 0, profile_steps: int = 0) -> dict:
+              question_tokens: int = 0, seed: int = 0, profile_steps: int = 0,
+              profile_top: int = 12) -> dict:
   """One (mode, batch, prompt) point; see the module docstring for the method.
 
   ``profile_steps > 0``: after the timed run, that many more steps run under
   the profiler (the cache is sized for them) and the row gets their device
-  time per step by kernel category and the busiest kernels (``profile``).
+  time per step by kernel category and the ``profile_top`` busiest kernels (``profile``).
   """
   import jax
   import numpy as np
@@ -181,7 +184,7 @@ def run_point(model, mode: str, batch: int, prefix: int, new_tokens: int, *, imp
       events = profile.device_events(run)
       state = holder[0]
       if events:
-        row["profile"] = profile.breakdown(events, per=profile_steps)
+        row["profile"] = profile.breakdown(events, per=profile_steps, top=profile_top)
   except Exception as e:  # noqa: BLE001 -- a point that cannot run is reported, not fatal
     if not _is_oom(e):
       raise
@@ -253,6 +256,8 @@ def _run(args: argparse.Namespace) -> int:
 
   if args.profile_steps < 0:
     raise SystemExit(f"hydragen bench decode: --profile-steps must be >= 0; got {args.profile_steps}")
+  if args.profile_top < 1:
+    raise SystemExit(f"hydragen bench decode: --profile-top must be >= 1; got {args.profile_top}")
   modes = args.modes.split(",")
   bad = set(modes) - set(MODES)
   if bad:
@@ -280,7 +285,8 @@ def _run(args: argparse.Namespace) -> int:
   for mode, b, p in tqdm(points, desc=f"decode {args.sweep}", disable=args.no_progress,
                          file=sys.stderr):
     rows.append(run_point(model, mode, b, p, args.new_tokens, impl=args.impl,
-                          question_tokens=questions, profile_steps=args.profile_steps))
+                          question_tokens=questions, profile_steps=args.profile_steps,
+                          profile_top=args.profile_top))
     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     with open(stem + ".json", "w") as f:
       json.dump(dict(info=info, rows=rows), f, indent=1)

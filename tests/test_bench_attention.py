@@ -24,3 +24,23 @@ def test_io_model_matches_the_paper_floor():
   assert s.flops() == 4 * 1024 * 8 * (16384 + 128) * 128
   assert abs(s.floor_s(3.0e12, 795e12) * 1e6 - 87.0) < 1.0
   assert s.per_sequence_bytes() > 90 * s.shared_bytes()
+
+
+def test_compare_variants_rows_and_json(tmp_path, capsys):
+  """The development comparison: one row per configuration, every op timed, outputs checked
+  against the first op's, the floor where ceilings are given, JSON and a Markdown table."""
+  import jax.numpy as jnp
+
+  from jax_shared_attn import shared_prefix_attention
+  from jax_shared_attn.bench.attention import compare_variants
+  ops = {"xla": lambda q, pk, pv, sk, sv: shared_prefix_attention(q, pk, pv, sk, sv, impl="xla"),
+         "off": lambda q, pk, pv, sk, sv: jnp.zeros_like(q)}
+  path = str(tmp_path / "c.json")
+  rows = compare_variants(ops, "paper:2:64:8,llama:1:32:4", trials=1, out_json=path,
+                          ceilings=(1e12, 1e14))
+  assert [(r["shape"], r["B"], r["P"], r["S"]) for r in rows] == [("paper", 2, 64, 8),
+                                                                   ("llama", 1, 32, 4)]
+  assert all(isinstance(r["xla"], float) and r["floor_us"] > 0 for r in rows)
+  assert all(r["err_off"] == 1.0 for r in rows)  # an all-zero output is 100% off
+  assert json.load(open(path))["rows"][1]["shape"] == "llama"
+  assert "| shape | B | P | S | xla | off | floor_us |" in capsys.readouterr().out

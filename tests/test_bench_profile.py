@@ -47,6 +47,8 @@ def test_breakdown_divides_by_calls():
   assert b["busy_us"] == pytest.approx(5.0)
   assert b["by_category_us"] == pytest.approx({"matmul": 4.0, "attention": 1.0})
   assert b["kernels"][0] == {"name": "gemm_a", "us": 4.0, "count": 1.0}
+  assert [k["name"] for k in profile.breakdown(events, top=1)["kernels"]] == ["gemm_a"]
+  assert len(profile.breakdown(events, top=5)["kernels"]) == 2
 
 
 def test_reader_takes_the_stream_lines_of_device_planes_only():
@@ -71,3 +73,14 @@ def test_measure_on_cpu_uses_the_wall_clock():
     assert m["method"] == "wall" and m["seconds"] == m["wall_s"] > 0
   else:
     assert m["method"] == "profiler" and 0 < m["device_s"]
+
+
+def test_compare_ops_times_checks_and_reports_failures():
+  def boom(x):
+    raise ValueError("no such kernel")
+
+  ops = {"ref": lambda x: x * 2, "same": lambda x: x + x, "off": lambda x: x * 2 + 1, "bad": boom}
+  row = timing.compare_ops(ops, lambda i: (jnp.full((64,), float(i + 1)),), n_sets=2, trials=2)
+  assert all(isinstance(row[k], float) and row[k] > 0 for k in ("ref", "same", "off"))
+  assert "err_ref" not in row and row["err_same"] == 0.0 and row["err_off"] > 0.1
+  assert row["bad"].startswith("err: ValueError: no such kernel")

@@ -73,3 +73,10 @@ def test_bench_decode_rejects_negative_profile_steps(tmp_path):
   import pytest
   with pytest.raises(SystemExit, match="--profile-steps must be >= 0"):
     main(["bench", "decode", "--model", "tiny", "--profile-steps", "-1", "--out", str(tmp_path)])
+
+
+def test_bench_decode_rejects_nonpositive_profile_top(tmp_path):
+  import pytest
+  with pytest.raises(SystemExit, match="--profile-top must be >= 1"):
+    main(["bench", "decode", "--model", "tiny", "--profile-steps", "1", "--profile-top", "0",
+          "--out", str(tmp_path)])

@@ -119,6 +119,30 @@ def test_fused_decode_exports_for_cuda(b, hq, hkv, d, p, s):
   assert attention_kernels(text) == 0  # no Triton kernel but the split merge's
 
 
+@pytest.mark.parametrize("b,hq,hkv,d,p,s", [
+    (1024, 8, 1, 128, 16384, 128), (256, 32, 8, 128, 4096, 128), (16, 2, 1, 64, 1024, 64),
+    (40, 32, 8, 128, 512, 192), (3, 32, 1, 128, 256, 64), (300, 8, 1, 64, 384, 64)])
+def test_fused_decode_transposed_suffix_exports_for_cuda(b, hq, hkv, d, p, s):
+  """The one kernel with transposed suffix steps (``transposed_suffix(True)``: any G >= 2) lowers
+  for CUDA: one Mosaic GPU kernel, whose suffix part (o^T per column group of max(16, G) rows)
+  comes out beside the prefix part and is merged with it by XLA or the merge kernel."""
+  import pallas_kernels.gpu as gpu
+  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  dt = jnp.bfloat16
+  fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
+                                                             impl="pallas:mosaic_gpu")
+  g = hq // hkv
+  assert fm.waste(g, transposed=True) == max(16, g) // g and fm.waste(g) == 64 // g
+  with gpu.flat_decode(0), gpu.transposed_suffix(True):
+    text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
+                       S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
+  assert text.count(f"custom_call @{MOSAIC}") == 1 and "private @_fused_jit" in text
+  n = max(16, g)
+  assert f"x{d}x{n}xf32>" in text  # the suffix part's [splits, Hkv, R / n, D, n] output
+  assert attention_kernels(text) == 0
+  assert not fm.TRANSPOSED_SUFFIX  # the switch is restored
+
+
 # The small-batch path on both families: G 1..8, D 64/80/128/256, Tq 1 and 4 (causal inside
 # the own keys), buffers off the block multiples.
 FLAT_SWEEP = [(b, hkv * g, hkv, d, p, s, tq, impl)
@@ -268,6 +292,25 @@ def test_split_merge_kernel_only_where_no_transpose_follows(hq, hkv, merge_kerne
   text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
                      S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
   assert FLAT in text and (MERGE in text) == merge_kernel
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 1), (32, 8)])
+@pytest.mark.parametrize("tq,transposes", [(1, 0), (3, 2)])
+def test_flat_path_sequence_major(hq, hkv, tq, transposes):
+  """With FLAT_SEQUENCE_MAJOR the flat path reads q and writes its output as [B, Hkv, Tq*G, D]:
+  in decoding both are [B, 1, Hq, D] reshaped, so no transpose runs and the splits merge in the
+  merge kernel (which writes the final layout). With Tq > 1 and several KV heads the rows are
+  folded and unfolded by transposes."""
+  import pallas_kernels.gpu as gpu
+  dt = jnp.bfloat16
+  fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
+                                                             impl="pallas:triton")
+  b, d, p, s = 16, 128, 1024, 128
+  with gpu.flat_sequence_major(True):
+    text = export_cuda(fn, S((b, tq, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
+                       S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
+  assert FLAT in text and MERGE in text
+  assert text.count("stablehlo.transpose") == (0 if hkv == 1 else transposes)
 
 
 @pytest.mark.parametrize("tq,transposes", [(1, 1), (3, 2)])

@@ -61,7 +61,8 @@ class TestInterpret:
     self.segment = jax.jit(functools.partial(segment_attention, interpret=self.interpret),
                            static_argnames=("scale",))
     self.flat = jax.jit(functools.partial(flat_rows, interpret=self.interpret),
-                        static_argnames=("q_len", "causal", "scale", "out_dtype", "config"))
+                        static_argnames=("q_len", "causal", "scale", "out_dtype", "config",
+                                         "by_sequence"))
     self.merge = jax.jit(functools.partial(merge_parts, interpret=self.interpret),
                          static_argnames=("out_dtype",))
 
@@ -128,17 +129,22 @@ class TestInterpret:
     k, k64 = rand(rng, (b, s, hkv, d), dtype)
     v, v64 = rand(rng, (b, s, hkv, d), dtype)
     m = tq * hq // hkv
-    rows = _common.fold_rows(q, hkv).reshape(hkv, b, m, d)
+    by_sequence = data.draw(st.booleans())  # rows in and out [B, Hkv, M, D], else [Hkv, B, M, D]
+    rows = (_common.seq_rows(q, hkv) if by_sequence
+            else _common.fold_rows(q, hkv).reshape(hkv, b, m, d))
     call = functools.partial(self.flat, rows, pk, pv, jnp.int32(plen), k, v, jnp.asarray(kv_len),
                              q_len=tq, causal=causal, scale=d**-0.5, out_dtype=jnp.float32,
-                             config=cfg)
+                             config=cfg, by_sequence=by_sequence)
     if s == 0:
       with pytest.raises(ValueError, match="flat_rows"):
         call()
       return
     out, lse = call()
-    out = _common.unfold_rows(out.reshape(hkv, b * m, d), b, tq)
-    lse = _common.unfold_rows(lse.reshape(hkv, b * m), b, tq)
+    if by_sequence:
+      out, lse = _common.unfold_seq_rows(out, tq), _common.unfold_seq_rows(lse, tq)
+    else:
+      out = _common.unfold_rows(out.reshape(hkv, b * m, d), b, tq)
+      lse = _common.unfold_rows(lse.reshape(hkv, b * m), b, tq)
     ref = oracle_tree(q64, [[pk64[:plen]]] * b, [[pv64[:plen]]] * b, k64, v64, kv_len,
                       causal=causal)
     check(out, lse, *ref, dtype)
@@ -215,10 +221,10 @@ class TestInterpret:
     given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples)(
         lambda data, seed: self.run_merge(data, seed, out_dtype)))()
 
-  @pytest.mark.parametrize("flat", [True, False])
+  @pytest.mark.parametrize("flat", [True, "sequence_major", False])
   def test_public_api_through_triton(self, flat):
-    """shared_prefix_attention (the small-batch flat kernel, or the prefix + suffix kernels) and
-    hierarchical_attention through the fused GPU path."""
+    """shared_prefix_attention (the small-batch flat kernel in either row layout, or the prefix +
+    suffix kernels) and hierarchical_attention through the fused GPU path."""
     import pallas_kernels.gpu as gpu
     rng = np.random.default_rng(0)
     b, tq, hq, hkv, d, p, s = 5, 2, 8, 2, 80, 45, 11
@@ -230,7 +236,8 @@ class TestInterpret:
       sv, sv64 = rand(rng, (b, s, hkv, d), dtype)
       lens = np.array([11, 0, 1, 5, 2], np.int32)
       assert gpu.flat_applies(q, [("prefix", pk, pv, 40, None)], sk)
-      with gpu.flat_decode(gpu.FLAT_MAX_SHARED_READS if flat else 0):
+      with gpu.flat_decode(gpu.FLAT_MAX_SHARED_READS if flat else 0), \
+          gpu.flat_sequence_major(flat == "sequence_major"):
         out, lse = shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=40,
                                            suffix_lengths=lens, impl="pallas:triton",
                                            return_lse=True)
@@ -353,6 +360,22 @@ class TestNativeFusedDecode:
   def test_float16(self):
     given(data=st.data(), seed=SEEDS)(settings(max_examples=3, deadline=None)(
         lambda data, seed: self.run(data, seed, (9, 8, 2, 128, 256, 128), "float16")))()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
+class TestNativeFusedDecodeTransposed(TestNativeFusedDecode):
+  """The same cases with the suffix steps as transposed products (keys on the wgmma M side,
+  max(16, G) query rows as N; column groups of several sequences at G < 16, key splits cutting
+  groups). Not the default until this class passes on a GPU."""
+
+  def setup_method(self):
+    import pallas_kernels.gpu as gpu
+    self._switch = gpu.transposed_suffix(True)
+    self._switch.__enter__()
+
+  def teardown_method(self):
+    self._switch.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("itemsize", [2, 4])

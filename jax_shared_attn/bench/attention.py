@@ -117,6 +117,39 @@ def _jax_pallas_hydragen(q, pk, pv, sk, sv):
   return out.astype(q.dtype)
 
 
+def compare_variants(ops: dict, specs: str, *, trials: int, out_json: str | None = None,
+                     ceilings: tuple[float, float] | None = None) -> list[dict]:
+  """Development comparisons: each ``shape:B:P:S`` of ``specs`` (comma-separated; shape
+  ``paper`` / ``llama`` / a :data:`SHAPES` name) timed for every op of ``ops`` on the same bf16
+  inputs with :func:`timing.compare_ops` (outputs checked against the first op's). Writes the
+  rows to ``out_json`` after each configuration, prints them, and ends with a Markdown table;
+  ``ceilings`` (copy bytes/s, matmul FLOP/s) adds a floor column."""
+  aliases = {"llama": "llama-3-8b"}
+  rows = []
+  for spec in specs.split(","):
+    name, b, p, s = spec.split(":")
+    hq, hkv, d = SHAPES[aliases.get(name, name)]
+    shape = AttentionShape(int(b), int(p), int(s), hq, hkv, d)
+    make = functools.partial(_inputs, shape, jnp.bfloat16)
+    n = timing.sets_needed(timing.tree_bytes(jax.eval_shape(lambda: make(0))))
+    row = dict(shape=name, B=int(b), P=int(p), S=int(s))
+    if ceilings:
+      row["floor_us"] = shape.floor_s(*ceilings) * 1e6
+    row.update(timing.compare_ops(ops, make, n_sets=n, trials=trials))
+    rows.append(row)
+    print(json.dumps({k: v for k, v in row.items() if not k.endswith("_kernels")}), flush=True)
+    if out_json:
+      with open(out_json, "w") as f:
+        json.dump(dict(info=timing.device_info(), rows=rows), f, indent=1)
+  cols = list(ops) + (["floor_us"] if ceilings else [])
+  print("\n| shape | B | P | S | " + " | ".join(cols) + " |")
+  print("|---|" + "---:|" * (3 + len(cols)))
+  for r in rows:
+    print(f"| {r['shape']} | {r['B']} | {r['P']} | {r['S']} | " + " | ".join(
+        f"{r[c]:.1f}" if isinstance(r.get(c), float) else "err" for c in cols) + " |")
+  return rows
+
+
 def _device_memory() -> int:
   stats = jax.devices()[0].memory_stats() or {}
   return int(stats.get("bytes_limit", 16 * 2**30))

@@ -88,6 +88,32 @@ def device_time(op: Callable, make_inputs: Callable[[int], Sequence], *, n_sets:
   return measure(op, make_inputs, n_sets=n_sets, trials=trials, warmup=warmup)["seconds"]
 
 
+def compare_ops(ops: dict[str, Callable], make_inputs: Callable[[int], Sequence], *, n_sets: int,
+                trials: int = 7) -> dict:
+  """Times every op of ``ops`` (``name -> op``) with :func:`measure` on the same inputs and
+  checks each output against the first op's (relative error). Returns, per name, ``name``
+  (microseconds per call, or ``"err: ..."`` where the op failed: reported, not fatal),
+  ``name_span_us`` and ``name_kernels`` (with the profiler) and ``err_name`` (all but the first).
+  """
+  from jax_shared_attn.testing import rel_err
+  row, ref = {}, None
+  for name, op in ops.items():
+    try:
+      res = measure(op, make_inputs, n_sets=n_sets, trials=trials)
+      row[name] = res["seconds"] * 1e6
+      if "breakdown" in res:
+        row[f"{name}_span_us"] = res["breakdown"]["span_us"]
+        row[f"{name}_kernels"] = res["breakdown"]["kernels"]
+      out = np.asarray(jax.jit(op)(*make_inputs(0)), np.float32)
+      if ref is None:
+        ref = out
+      else:
+        row[f"err_{name}"] = rel_err(out, ref)
+    except Exception as e:  # noqa: BLE001 -- a variant that cannot run is reported
+      row[name] = f"err: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+  return row
+
+
 def _seconds_per_run(fn: Callable, x, trials: int) -> float:
   """Device-busy seconds per run of ``fn(x)`` from the profiler; the host clock's median on CPU."""
   jax.block_until_ready(fn(x))

@@ -45,19 +45,29 @@ FUSED_DECODE = True
 
 
 @contextlib.contextmanager
-def _setting(name: str, value):
-  """Temporarily sets the module-level switch ``name`` (read when tracing)."""
-  before = globals()[name]
-  globals()[name] = value
+def _setting(name: str, value, module=None):
+  """Temporarily sets the module-level switch ``name`` of ``module`` (this one by default;
+  read when tracing)."""
+  space = globals() if module is None else vars(module)
+  before = space[name]
+  space[name] = value
   try:
     yield
   finally:
-    globals()[name] = before
+    space[name] = before
 
 
 def fused_decode(enabled: bool):
   """Temporarily turns the one-kernel decode path on or off (for calls traced inside)."""
   return _setting("FUSED_DECODE", bool(enabled))
+
+
+def transposed_suffix(enabled: bool):
+  """Temporarily runs the one-kernel path's suffix steps as transposed products (keys on the
+  wgmma M side; ``shared_attention_mgpu.TRANSPOSED_SUFFIX``), and lets it take any G whose
+  waste that keeps within ``MAX_WASTE`` (G >= 2), for calls traced inside."""
+  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  return _setting("TRANSPOSED_SUFFIX", bool(enabled), fm)
 
 
 # Few sequences with one shared prefix: ONE Triton kernel of per-sequence key splits over the
@@ -72,6 +82,20 @@ def fused_decode(enabled: bool):
 # two kernels) 64 MiB (B=16, P=1K) 21.5 vs 25.3 (python -m jax_shared_attn.bench attention).
 FLAT_MAX_SHARED_READS = 16 * 2**20
 FLAT_SPLIT_FACTOR = 4
+
+
+# The flat path with sequence-major rows in and out (flat_rows(by_sequence=True)): in decoding q
+# and the output are [B, 1, Hq, D] reshaped, so with several KV heads neither the query fold nor
+# the transpose back runs, and the split merge is the merge kernel instead of XLA's merge fused
+# into that transpose. Off until measured on a GPU (tools/device/flat_tune.py, variants
+# flat_head vs flat_seq: device loans were paused when it was written, 2026-11-23); with one KV
+# head both layouts are the same bytes. Read when tracing.
+FLAT_SEQUENCE_MAJOR = False
+
+
+def flat_sequence_major(enabled: bool):
+  """Temporarily sets :data:`FLAT_SEQUENCE_MAJOR`, for calls traced inside."""
+  return _setting("FLAT_SEQUENCE_MAJOR", bool(enabled))
 
 
 def flat_decode(max_shared_reads: int):
@@ -118,12 +142,16 @@ def shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale,
   """
   if flat_applies(q, parts, suffix_k, mosaic, interpret):
     _, k, v, length, _ = parts[0]
-    b, tq, hq, _ = q.shape
+    b, tq, hq, d = q.shape
     hkv = k.shape[1]
+    run = functools.partial(flat_rows, shared_k=k, shared_v=v, shared_length=length, k=suffix_k,
+                            v=suffix_v, lengths=kv_lengths, q_len=tq, causal=causal, scale=scale,
+                            out_dtype=q.dtype, interpret=interpret)
+    if FLAT_SEQUENCE_MAJOR:  # in decoding [B, 1, Hq, D] reshaped, in and out
+      out, lse = run(_common.seq_rows(q, hkv), by_sequence=True)
+      return _common.unfold_seq_rows(out, tq), _common.unfold_seq_rows(lse, tq)
     m = tq * (hq // hkv)
-    out, lse = flat_rows(_common.fold_rows(q, hkv).reshape(hkv, b, m, q.shape[-1]), k, v, length,
-                         suffix_k, suffix_v, kv_lengths, q_len=tq, causal=causal, scale=scale,
-                         out_dtype=q.dtype, interpret=interpret)
+    out, lse = run(_common.fold_rows(q, hkv).reshape(hkv, b, m, d))
     return (_common.unfold_rows(out.reshape(hkv, b * m, -1), b, tq),
             _common.unfold_rows(lse.reshape(hkv, b * m), b, tq))
   if _fused_decode_applies(q, parts, suffix_k, mosaic, interpret):

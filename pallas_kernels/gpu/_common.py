@@ -81,6 +81,15 @@ def fold_rows(q: jax.Array, hkv: int) -> jax.Array:
   return q.reshape(b, t, hkv, g, d).transpose(2, 0, 1, 3, 4).reshape(hkv, b * t * g, d)
 
 
+def seq_rows(q: jax.Array, hkv: int) -> jax.Array:
+  """``[B, Tq, Hq, D] -> [B, Hkv, Tq * G, D]`` (sequence-major folded rows): a reshape when
+  ``Tq == 1`` (decoding) or ``Hkv == 1``; inverse: :func:`unfold_seq_rows`."""
+  b, t, hq, d = q.shape
+  if t == 1 or hkv == 1:
+    return q.reshape(b, hkv, t * hq // hkv, d)
+  return jnp.moveaxis(q.reshape(b, t, hkv, hq // hkv, d), 2, 1).reshape(b, hkv, -1, d)
+
+
 def unfold_rows(x: jax.Array, b: int, t: int) -> jax.Array:
   """Inverse of :func:`fold_rows` on ``[Hkv, R, ...]`` (out or lse)."""
   hkv, r = x.shape[:2]
@@ -93,11 +102,11 @@ def unfold_rows(x: jax.Array, b: int, t: int) -> jax.Array:
 
 def unfold_seq_rows(x: jax.Array, t: int) -> jax.Array:
   """``[B, Hkv, T * G, ...] -> [B, T, Hkv * G, ...]`` (sequence-major folded rows, out or lse):
-  a reshape when ``T == 1`` (decoding), a transpose otherwise."""
+  a reshape when ``T == 1`` (decoding) or ``Hkv == 1``, a transpose otherwise."""
   b, hkv, r = x.shape[:3]
   rest = x.shape[3:]
-  if t == 1:
-    return x.reshape(b, 1, hkv * r, *rest)
+  if t == 1 or hkv == 1:
+    return x.reshape(b, t, hkv * r // t, *rest)
   x = jnp.moveaxis(x.reshape(b, hkv, t, r // t, *rest), 1, 2)  # [B, T, Hkv, G, ...]
   return x.reshape(b, t, hkv * (r // t), *rest)
 

@@ -26,6 +26,16 @@ Key splits (flash-decoding, when the row tiles do not fill the SMs) cut the
 CTA's step list -- prefix blocks then suffix blocks -- into contiguous ranges;
 their partial states are merged by LSE afterwards.
 
+Transposed suffix steps (``FusedConfig.transposed_suffix``; off by default until run on a GPU,
+:data:`TRANSPOSED_SUFFIX`): a suffix step multiplies the sequence's 64 keys (wgmma's M side)
+against the ``N = max(16, G)`` query rows of the column group holding it, ``S^T = K Q_g^T``, so
+the waste is ``N / G`` instead of ``64 / G``; the softmax runs over the keys axis (a cross-warp
+reduction), the probabilities go to shared memory as wgmma's B operand, ``O^T += V^T P^T`` with
+the suffix V tiles in a narrower swizzle (a second view of the same V slots, ``plgpu.RefUnion``).
+The group's state runs across its sequences' steps and is written out, normalised, at the
+group's end (``[splits, Hkv, R / N, D, N]`` and its LSE); it is merged with the prefix part
+afterwards (XLA or the merge kernel), like a key split.
+
 Keys and values past ``kv_length`` / ``suffix_lengths[b]`` (inside the buffers)
 are multiplied by a zero probability: they must be finite, which the model's
 zero-initialised caches guarantee (this is also true of the prefix kernel's
@@ -61,6 +71,22 @@ class FusedConfig:
   block_s: int = 64  # suffix keys per step (one sequence)
   max_concurrent_steps: int = 2
   splits: int = 1
+  # Suffix steps as transposed products (see :func:`suffix_columns`): keys on the wgmma M side,
+  # max(16, G) query rows as N, instead of the warpgroup's 64 rows against the keys.
+  transposed_suffix: bool = False
+
+
+# The transposed suffix steps are written and lowered for CUDA in CI (jax.export), but have not
+# run on a GPU yet (device loans were paused when they were written, 2026-11-23): off until
+# TestNativeFusedDecodeTransposed passes on a GPU and tools/device/transposed.sh says (README).
+TRANSPOSED_SUFFIX = False
+
+
+def suffix_columns(rows_per_seq: int) -> int:
+  """Query rows (N) of a transposed suffix step: the 16-row group (or the sequence's G rows,
+  if more) holding the step's sequence. wgmma needs N >= 8, and the probabilities' shared-memory
+  tile (keys x N in bf16) must be at least 32 bytes wide for a supported swizzle."""
+  return max(16, rows_per_seq)
 
 
 # In a suffix step each warpgroup multiplies one of its sequences' keys against its 64 rows:
@@ -73,13 +99,21 @@ class FusedConfig:
 # 10.5 vs 8.6 ms per step; with 130-token suffixes the 64-key blocks read 192 keys per
 # sequence, where the Triton suffix kernel's masked 32-key steps read 130). Reading the suffixes
 # in 16-key chunks of several sequences, and interleaving prefix and suffix steps, did not change
-# that on average (docs/results/2026-11-23-h100-chunks-rejected).
+# that on average (docs/results/2026-11-23-h100-chunks-rejected). With transposed suffix steps
+# (TRANSPOSED_SUFFIX) the waste is max(16, G) / G: 4 at G = 4, 2 at G = 8.
 MAX_WASTE = 8
+
+
+def waste(rows_per_seq: int, transposed: bool = False) -> int:
+  """Suffix products computed per useful one: 64 / G for row steps, max(16, G) / G transposed."""
+  if transposed:
+    return suffix_columns(rows_per_seq) // rows_per_seq
+  return FusedConfig().block_q // rows_per_seq
 
 
 def worthwhile(rows_per_seq: int) -> bool:
   """Whether the one kernel is expected to beat the two apart (see :data:`MAX_WASTE`)."""
-  return FusedConfig().block_q // rows_per_seq <= MAX_WASTE
+  return waste(rows_per_seq, TRANSPOSED_SUFFIX) <= MAX_WASTE
 
 
 def supported(dtype, head_dim: int, prefix: int, capacity: int, rows_per_seq: int,
@@ -98,11 +132,64 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   Measured on an H100 (tools/device/fused.sh, 2026-11-23): splits from the prefix blocks alone
   ran paper-shape B=16, P=1024 at 31 us (40 steps over 2 CTAs); counted over all steps, 12.7.
   """
-  cfg = FusedConfig()
+  cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX)
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
   steps = prefix // cfg.block_kv + (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
   splits = max(1, min(num_sms // tiles, steps // 4))
   return dataclasses.replace(cfg, splits=splits)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRanges:
+  """One CTA split's step list (int32 scalars, traced in the kernel): local steps ``[0, steps)``
+  are global steps ``lo + i`` of ``n_pre`` prefix blocks followed by ``seqs_per_wg * n_sblk``
+  suffix steps; ``[0, a_end)`` unmasked prefix, ``[a_end, c_end)`` the last (masked) prefix
+  block, ``[c_end, steps)`` suffix steps."""
+  n_pre: jax.Array
+  n_sblk: jax.Array  # key blocks per sequence (the CTA's longest suffix)
+  lo: jax.Array
+  steps: jax.Array
+  a_end: jax.Array
+  c_end: jax.Array
+
+
+def step_ranges(kv_len, max_len, split, *, prefix_blocks: int, block_kv: int, block_s: int,
+                seqs_per_wg: int, splits: int) -> StepRanges:
+  """The kernel's step list for one CTA and split (``kv_len``: valid prefix keys, at most the
+  buffer; ``max_len``: the CTA's longest suffix, at most the capacity). Pure int32 arithmetic,
+  shared by the kernel and the CPU emulation in the tests."""
+  i32 = jnp.int32
+  n_pre = jnp.minimum(lax.div(kv_len + (block_kv - 1), i32(block_kv)), prefix_blocks)
+  full_pre = lax.div(kv_len, i32(block_kv))
+  n_sblk = lax.div(max_len + (block_s - 1), i32(block_s))
+  n_total = n_pre + seqs_per_wg * n_sblk
+  per_split = lax.div(n_total + (splits - 1), i32(splits))
+  lo = split * per_split
+  steps = jnp.clip(n_total - lo, 0, per_split)
+  return StepRanges(n_pre, n_sblk, lo, steps, jnp.clip(full_pre - lo, 0, steps),
+                    jnp.clip(n_pre - lo, 0, steps))
+
+
+def suffix_step(i, r: StepRanges, *, rows_per_seq: int, transposed: bool = False):
+  """Local suffix step ``i`` of a warpgroup: its sequence ``j`` among the warpgroup's, the key
+  block ``blk``; with ``transposed``, also the column group's first row ``g_first``, the
+  sequence's first column ``col0`` in it, and whether the step starts (``start``: the split's
+  first suffix step or the group's first) or ends (``end``) the group's state."""
+  i32 = jnp.int32
+  n_sblk = jnp.maximum(r.n_sblk, 1)
+  u = r.lo + i - r.n_pre
+  j = lax.div(u, n_sblk)
+  blk = u - j * n_sblk
+  if not transposed:
+    return j, blk
+  m = rows_per_seq
+  n_cols = suffix_columns(m)
+  per_group = n_cols // m
+  g_first = lax.div(j, i32(per_group)) * n_cols
+  col0 = lax.rem(j, i32(per_group)) * m
+  start = (i == r.c_end) | ((col0 == 0) & (blk == 0))
+  end = (i == r.steps - 1) | ((col0 + m == n_cols) & (blk == n_sblk - 1))
+  return j, blk, g_first, col0, start, end
 
 
 def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *,
@@ -129,15 +216,27 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   prefix_blocks = p // block_kv
   steps_buf = cfg.max_concurrent_steps
   qk_scale = scale * LOG2E
+  transposed = cfg.transposed_suffix
+  n_cols = suffix_columns(m)  # transposed suffix steps: query rows per step (a column group)
 
   def kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref,
-             scoped):
+             *rest):
+    if transposed:  # the suffix part's own outputs, merged with the prefix part's afterwards
+      osuf_ref, lsuf_ref, scoped = rest
+    else:
+      (scoped,) = rest
     head = lax.axis_index("heads")
     tile = lax.axis_index("q_seq")
     split = lax.axis_index("split")
-    smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
+    smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped[:4]
     wg_idx = lax.axis_index("wg")
     qo_smem2, k_smem, v_smem, lse_smem2 = smem_buffers
+    if transposed:
+      # V slots: prefix tiles in the 128-byte swizzle of the row products, suffix tiles in the
+      # narrower swizzle of the transposed product's probabilities (wgmma needs both operands'
+      # swizzles equal); a slot holds one or the other (written after its last reader is done).
+      v_smem, vs_smem = v_smem
+      pt_smem2, osuf_smem2, lsuf_smem2 = scoped[4]
     # Per slot: K and V landed (prefix steps, and warpgroup 0's half of suffix steps); warpgroup
     # 1's half of suffix steps; the query tiles.
     k_barriers, v_barriers, k1_barriers, v1_barriers, q_barriers = buffer_barriers
@@ -147,28 +246,19 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     # warpgroup takes block_s keys of one of ITS sequences (the two halves of a K/V slot), as
     # many blocks per sequence as the longest of the CTA's sequences needs.
     kv_len = jnp.minimum(len_ref[0], p)
-    n_pre = jnp.minimum(lax.div(kv_len + (block_kv - 1), jnp.int32(block_kv)), prefix_blocks)
-    full_pre = lax.div(kv_len, jnp.int32(block_kv))
     seq0 = tile * seqs_per_cta
-
     # The longest suffix of the CTA's sequences, reduced by XLA beforehand (one load here, not
     # one dependent load per sequence).
     max_len = jnp.clip(tmax_ref[tile], 0, capacity)
-    n_sblk = lax.div(max_len + (block_s - 1), jnp.int32(block_s))
-    n_total = n_pre + seqs_per_wg * n_sblk
-    per_split = lax.div(n_total + (cfg.splits - 1), jnp.int32(cfg.splits))
-    lo = split * per_split
-    steps = jnp.clip(n_total - lo, 0, per_split)
-    # Local step ranges: [0, a) prefix unmasked, [a, c) prefix last (masked), [c, steps) suffix.
-    a_end = jnp.clip(full_pre - lo, 0, steps)
-    c_end = jnp.clip(n_pre - lo, 0, steps)
-    n_sblk_safe = jnp.maximum(n_sblk, 1)
+    ranges = step_ranges(kv_len, max_len, split, prefix_blocks=prefix_blocks, block_kv=block_kv,
+                         block_s=block_s, seqs_per_wg=seqs_per_wg, splits=cfg.splits)
+    n_pre, lo, steps = ranges.n_pre, ranges.lo, ranges.steps
+    a_end, c_end = ranges.a_end, ranges.c_end
 
     def suffix_coords(i, w: int):
       """Sequence (of warpgroup w) and key block of local step i (a suffix step)."""
-      u = lo + i - n_pre
-      j = lax.div(u, n_sblk_safe)
-      return seq0 + w * seqs_per_wg + j, j, u - j * n_sblk_safe
+      j, blk = suffix_step(i, ranges, rows_per_seq=m)
+      return seq0 + w * seqs_per_wg + j, j, blk
 
     def perform_schedule_barrier():
       plgpu.barrier_arrive(schedule_barrier)
@@ -181,6 +271,11 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       lse_smem = lse_smem2.at[w]
       q_base = tile * CTA_ROWS + w * block_q
       my_v = v_barriers if w == 0 else v1_barriers
+      if transposed:
+        pt_smem, osuf_smem, lsuf_smem = pt_smem2.at[w], osuf_smem2.at[w], lsuf_smem2.at[w]
+        # Rows of groups this split never reaches: (0, -inf) (their outputs are not written).
+        lsuf_smem[...] = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
+                                           plgpu.Layout.WGMMA.reduce(1))
 
       def wait_k(i, slot):
         """K of local step i has landed (which barrier depends on the step's kind)."""
@@ -261,11 +356,92 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         plgpu.barrier_arrive(v_consumed_barriers.at[slot])
         return acc, m_i, l_i
 
+      def suffix_step_transposed(i, carry):
+        """S^T = K Q_g^T for the column group g of n_cols rows holding the step's sequence: keys
+        on the M side, so a step computes n_cols / G times the useful products (not 64 / G).
+        The group's state (o^T [D, n_cols], m, l over the keys axis) runs across its sequences'
+        steps (columns of other sequences are masked) and is written out at the group's end."""
+        acc, m_i, l_i, o_t, m_s, l_s = carry
+        slot = lax.rem(i, jnp.array(steps_buf, i.dtype))
+        half = pl.ds(w * block_s, block_s)
+        j, blk, g_first, col0, start, end = suffix_step(i, ranges, rows_per_seq=m,
+                                                        transposed=True)
+        seq = seq0 + w * seqs_per_wg + j
+        n_valid = jnp.where(seq < batch, slen_ref[jnp.minimum(seq, batch - 1)], 0)
+        o_t = jnp.where(start, jnp.zeros_like(o_t), o_t)
+        m_s = jnp.where(start, jnp.full_like(m_s, -jnp.inf), m_s)
+        l_s = jnp.where(start, jnp.zeros_like(l_s), l_s)
+
+        def compute_st(acc_ref):
+          plgpu.wgmma(acc_ref, k_smem.at[slot, half],
+                      qo_smem.at[pl.ds(g_first, n_cols)].transpose((1, 0)))
+          perform_schedule_barrier()
+          return acc_ref[...]
+
+        st = pl.run_scoped(compute_st, plgpu.ACC((block_s, n_cols), jnp.float32))
+        plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+        # The reductions below run over the keys, which wgmma spreads over the 4 warps: Mosaic
+        # GPU reduces across warps through one shared-memory scratch area that both consumer
+        # warpgroups would use. They are safe because they sit between this step's schedule
+        # barrier wait (in compute_st) and its next arrive: every phase of that barrier takes
+        # one arrival from each warpgroup, so the two warpgroups' softmax sections strictly
+        # alternate. Keep any cross-warp reduction inside that section.
+        keys = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 0, layout=plgpu.Layout.WGMMA)
+        cols = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 1, layout=plgpu.Layout.WGMMA)
+        st = jnp.where(keys + blk * block_s < n_valid, st, -jnp.inf)
+        st = jnp.where(cols >= col0, st, -jnp.inf)
+        st = jnp.where(cols < col0 + m, st, -jnp.inf)
+        m_new = jnp.maximum(m_s, st.max(axis=0) * qk_scale)
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # columns with no visible key yet
+        alpha = jnp.exp2(m_s - m_use)
+        p_t = jnp.exp2(st * qk_scale - lax.broadcast_in_dim(m_use, st.shape, [1]))
+        l_s = l_s * alpha + p_t.sum(axis=0)
+        o_t = o_t * lax.broadcast_in_dim(alpha, o_t.shape, [1])
+        m_s = m_new
+        pt_smem[...] = p_t.astype(dtype)  # wgmma's B operand lives in shared memory
+        plgpu.commit_smem()
+        acc, m_i, l_i, o_t, m_s, l_s = lax.optimization_barrier((acc, m_i, l_i, o_t, m_s, l_s))
+        plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
+        plgpu.barrier_wait(my_v.at[slot])
+        plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
+
+        def compute_pv(acc_ref):  # O^T [D, n_cols] += V^T P^T
+          plgpu.wgmma(acc_ref, vs_smem.at[slot, half].transpose((1, 0)), pt_smem)
+          wait_step = i + 1
+          wait_slot = lax.rem(wait_step, jnp.array(steps_buf, i.dtype))
+          pl.when(wait_step < steps)(lambda: wait_k(wait_step, wait_slot))
+
+        o_t = pl.run_state(compute_pv)(plgpu.ACC.init(o_t))
+        plgpu.barrier_arrive(v_consumed_barriers.at[slot])
+
+        @pl.when(end)
+        def _write_group():
+          has = l_s > 0
+          safe = jnp.where(has, l_s, 1.0)
+          osuf_smem[...] = o_t / lax.broadcast_in_dim(safe, o_t.shape, [1])
+          lsuf_smem.at[pl.ds(g_first, n_cols)][...] = jnp.where(
+              has, (m_s + jnp.log(safe) * (1 / LN2)) * LN2, -jnp.inf)
+          plgpu.commit_smem()
+          group = lax.div(q_base + g_first, jnp.int32(n_cols))
+          plgpu.copy_smem_to_gmem(osuf_smem, osuf_ref.at[split, head, group])
+          plgpu.wait_smem_to_gmem(0)  # the tile is reused by the next group
+
+        return acc, m_i, l_i, o_t, m_s, l_s
+
       carry = (acc, m_i, l_i)
       carry = lax.fori_loop(0, a_end, functools.partial(kv_loop, kind="prefix"), carry)
       carry = lax.fori_loop(a_end, c_end, functools.partial(kv_loop, kind="prefix_last"), carry)
-      acc, m_i, l_i = lax.fori_loop(c_end, steps, functools.partial(kv_loop, kind="suffix"),
-                                    carry)
+      if transposed:
+        cols_layout = plgpu.Layout.WGMMA.reduce(0)
+        suffix_carry = (
+            plgpu.layout_cast(jnp.full((d, n_cols), 0, jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((n_cols,), -jnp.inf, jnp.float32), cols_layout),
+            plgpu.layout_cast(jnp.full((n_cols,), 0, jnp.float32), cols_layout))
+        acc, m_i, l_i, *_ = lax.fori_loop(c_end, steps, suffix_step_transposed,
+                                          (*carry, *suffix_carry))
+      else:
+        acc, m_i, l_i = lax.fori_loop(c_end, steps, functools.partial(kv_loop, kind="suffix"),
+                                      carry)
       if w == 0:
         perform_schedule_barrier()
 
@@ -277,6 +453,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[split, head, pl.ds(q_base, block_q)])
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, head, pl.ds(q_base, block_q)])
+      if transposed:
+        plgpu.copy_smem_to_gmem(lsuf_smem, lsuf_ref.at[split, head, pl.ds(q_base, block_q)])
       plgpu.wait_smem_to_gmem(0)
 
     pl.when(wg_idx == 0)(functools.partial(consumer, 0))
@@ -289,6 +467,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       def issue(i, slot, which: str):
         src_pre, src_suf = (k_ref, sk_ref) if which == "k" else (v_ref, sv_ref)
         smem = (k_smem if which == "k" else v_smem).at[slot]
+        suf_smem = vs_smem.at[slot] if transposed and which == "v" else smem
         bars = (k_barriers, k1_barriers) if which == "k" else (v_barriers, v1_barriers)
 
         @pl.when(lo + i < n_pre)
@@ -302,7 +481,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
             seq, _, blk = suffix_coords(i, w)
             plgpu.copy_gmem_to_smem(
                 src_suf.at[jnp.minimum(seq, batch - 1), pl.ds(blk * block_s, block_s), head],
-                smem.at[pl.ds(w * block_s, block_s)], bars[w].at[slot])
+                suf_smem.at[pl.ds(w * block_s, block_s)], bars[w].at[slot])
 
       for i in range(steps_buf):
         @pl.when(i < steps)
@@ -319,7 +498,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         plgpu.barrier_wait(v_consumed_barriers.at[slot])
         issue(step, slot, "v")
 
-  def entry(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref):
+  def entry(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref,
+            *suffix_out_refs):
     compute_wgs = 2
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
@@ -327,23 +507,35 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     k_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
     v_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
     lse_scratch = plgpu.SMEM((compute_wgs, block_q), jnp.float32)
+    extra = []
+    if transposed:
+      narrow = (plgpu.TilingTransform((8, n_cols)), plgpu.SwizzleTransform(2 * n_cols))
+      v_scratch = plgpu.RefUnion(
+          v_scratch, plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=narrow))
+      extra = [(plgpu.SMEM((compute_wgs, block_s, n_cols), dtype, transforms=narrow),
+                plgpu.SMEM((compute_wgs, d, n_cols), jnp.float32),
+                plgpu.SMEM((compute_wgs, block_q), jnp.float32))]
     pl.run_scoped(
         lambda *args: kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref,
-                             out_ref, lse_ref, args),
+                             out_ref, lse_ref, *suffix_out_refs, args),
         [qo_scratch, k_scratch, v_scratch, lse_scratch],
         (plgpu.Barrier(num_barriers=steps_buf),) * 4 + (plgpu.Barrier(num_barriers=compute_wgs),),
         (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf),) * 2,
         plgpu.Barrier(num_arrivals=compute_wgs),
+        *extra,
         collective_axes="wg",
     )
 
   out_shape = [jax.ShapeDtypeStruct((cfg.splits, hkv, r, d), dtype),
                jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32)]
+  if transposed:  # the suffix part: o^T per column group, and its LSE per row
+    out_shape += [jax.ShapeDtypeStruct((cfg.splits, hkv, r // n_cols, d, n_cols), jnp.float32),
+                  jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32)]
   length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
   lens = jnp.asarray(suffix_lengths, jnp.int32)
   tiles = r // CTA_ROWS
   tile_max = jnp.pad(lens, (0, tiles * seqs_per_cta - batch)).reshape(tiles, seqs_per_cta).max(1)
-  return plgpu.kernel(
+  outs = plgpu.kernel(
       entry,
       out_type=out_shape,
       grid=(hkv, r // CTA_ROWS, cfg.splits),
@@ -352,6 +544,14 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(length, lens, tile_max, q_rows, k, v, suffix_k, suffix_v)
+  if not transposed:
+    return outs
+  out, lse, osuf, lsuf = outs
+  osuf = jnp.swapaxes(osuf, -1, -2).reshape(cfg.splits, hkv, r, d)
+  # Groups a split never reached were not written: their LSE is -inf; zero the bytes (a select,
+  # fused into the merge by XLA) so that a weight of 0 never meets uninitialised memory.
+  osuf = jnp.where(jnp.isneginf(lsuf)[..., None], 0.0, osuf)
+  return jnp.concatenate([out.astype(jnp.float32), osuf]), jnp.concatenate([lse, lsuf])
 
 
 @functools.partial(jax.jit, static_argnames=("rows_per_seq", "scale", "config"))
@@ -375,7 +575,8 @@ def fused_decode_rows(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_length
   out, lse = _fused_jit(q_rows, k, v, length, suffix_k, suffix_v,
                         jnp.asarray(suffix_lengths, jnp.int32), rows_per_seq=rows_per_seq,
                         scale=float(scale), config=cfg)
-  if cfg.splits > 1:  # exact LSE merge over the split axis (splits without keys: (0, -inf))
+  if out.shape[0] > 1:  # exact LSE merge over the parts (parts without keys: (0, -inf)): the
+    # key splits, and with transposed suffix steps each split's prefix and suffix parts
     out, lse = merge_parts([(out, lse)], out_dtype=q_rows.dtype, transposed_next=hkv > 1,
                            interpret=False)
   else:

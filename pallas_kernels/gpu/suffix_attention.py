@@ -164,10 +164,15 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
 
 def _call(lengths, q_rows, k, v, *rest, scale, cfg: SuffixConfig, head_dim: int, q_len: int,
           group: int, causal: bool, out_dtype, lead: bool, interpret: bool,
-          by_sequence: bool = False):
+          by_sequence: bool = False, q_by_sequence: bool = False):
   # by_sequence: out [splits, B, Hkv, M, D] (lse [splits, B, Hkv, M]) instead of
   # [splits, Hkv, B, M, D]; with Tq = 1 that is [B, Hq, D] as it is: no transpose after.
-  hkv, b, m, _ = q_rows.shape
+  # q_by_sequence: q_rows is [B, Hkv, M, D] (with Tq = 1, q itself reshaped) instead of
+  # [Hkv, B, M, D].
+  if q_by_sequence:
+    b, hkv, m, _ = q_rows.shape
+  else:
+    hkv, b, m, _ = q_rows.shape
   s = k.shape[1]
   lead_args, priors = (rest[:3], rest[3:]) if lead else ((), rest)
   # Decode (few rows): one tile of all rows. Prefill (Tq * G rows): flash-attention row tiles.
@@ -183,7 +188,9 @@ def _call(lengths, q_rows, k, v, *rest, scale, cfg: SuffixConfig, head_dim: int,
       block_n=cfg.block_n, keys_per_split=keys_per_split, prior_splits=prior_splits, lead=lead)
   kv_spec = pl.BlockSpec((None, s, None, dp), lambda i, h, t, j: (i, 0, h, 0))
   in_specs = [pl.BlockSpec((b,), lambda i, h, t, j: (0,)),
-              pl.BlockSpec((None, None, mp, dp), lambda i, h, t, j: (h, i, t, 0)), kv_spec, kv_spec]
+              pl.BlockSpec((None, None, mp, dp),
+                           (lambda i, h, t, j: (i, h, t, 0)) if q_by_sequence
+                           else (lambda i, h, t, j: (h, i, t, 0))), kv_spec, kv_spec]
   if lead:  # the shared K/V: the same block for every sequence
     lead_spec = pl.BlockSpec((lead_args[1].shape[0], None, dp), lambda i, h, t, j: (0, h, 0))
     in_specs += [pl.BlockSpec((1,), lambda i, h, t, j: (0,)), lead_spec, lead_spec]
@@ -282,7 +289,7 @@ def flat_config(batch: int, kv_heads: int, keys: int, head_dim: int, num_sms: in
 
 
 def flat_rows(
-    q_rows: jax.Array,  # [Hkv, B, M, D], M = Tq * G rows per sequence (M <= MAX_ROWS)
+    q_rows: jax.Array,  # [Hkv, B, M, D] ([B, Hkv, M, D] with by_sequence), M = Tq * G <= MAX_ROWS
     shared_k: jax.Array,  # [P, Hkv, D]: keys every sequence sees first
     shared_v: jax.Array,  # [P, Hkv, D]
     shared_length,  # int32 scalar <= P
@@ -295,6 +302,7 @@ def flat_rows(
     scale: float,
     out_dtype,
     config: SuffixConfig | None = None,
+    by_sequence: bool = False,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Attention of each sequence over the shared keys followed by its own, in ONE kernel.
@@ -306,8 +314,14 @@ def flat_rows(
   pair and their launch latencies. Causal inside the own keys when ``Tq > 1``; the shared
   keys are visible to every row. Returns ``out [Hkv, B, M, D]`` (``out_dtype``) and
   natural-log ``lse [Hkv, B, M]``.
+
+  ``by_sequence``: rows in and out are sequence-major, ``q_rows [B, Hkv, M, D]`` and
+  ``out [B, Hkv, M, D]``, ``lse [B, Hkv, M]``; in decoding (``M = G``) both are ``[B, 1, Hq, D]``
+  reshaped, so no transpose runs before or after the kernel (and the split merge, in the merge
+  kernel, writes the final layout).
   """
-  hkv, b, m, d = q_rows.shape
+  hkv, b, m, d = (q_rows.shape[1], q_rows.shape[0], *q_rows.shape[2:]) if by_sequence \
+      else q_rows.shape
   if m > MAX_ROWS or k.shape[1] == 0 or shared_k.shape[0] == 0:
     raise ValueError(f"flat_rows: needs rows per sequence <= {MAX_ROWS} (got {m}) and non-empty "
                      f"shared ({shared_k.shape[0]}) and own ({k.shape[1]}) key buffers")
@@ -316,14 +330,15 @@ def flat_rows(
   fused = cfg.splits == 1
   call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, q_len=q_len,
                            group=m // q_len, causal=causal,
-                           out_dtype=out_dtype if fused else jnp.float32, lead=True)
+                           out_dtype=out_dtype if fused else jnp.float32, lead=True,
+                           by_sequence=by_sequence, q_by_sequence=by_sequence)
   out, lse = _common.run(call, jnp.asarray(lengths, jnp.int32), q_rows, k, v,
                          jnp.reshape(jnp.asarray(shared_length, jnp.int32), (1,)), shared_k,
                          shared_v, interpret=interpret)
   if fused:
     return out[0], lse[0]
-  return merge_parts([(out, lse)], out_dtype=out_dtype, transposed_next=hkv > 1,
-                     interpret=interpret)
+  return merge_parts([(out, lse)], out_dtype=out_dtype,
+                     transposed_next=hkv > 1 and not by_sequence, interpret=interpret)
 
 
 def suffix_attention(

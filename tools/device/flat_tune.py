@@ -8,6 +8,9 @@ profiler's device clock (``jax_shared_attn.bench.timing``):
 * ``off``: ``impl="auto"`` without the flat path (what shipped before it),
 * ``flat`` / ``flat_b2`` / ``flat_n64``: ``impl="auto"`` forced onto the flat path with the
   default knobs, 2-step splits, 64-key steps,
+* ``flat_head`` / ``flat_seq``: the flat path with head-major rows (the shipped layout) or
+  sequence-major rows (``pallas_kernels.gpu.FLAT_SEQUENCE_MAJOR``, not yet measured): e.g.
+  ``--shape llama-3-8b --batch 16 --prefix 1024 --suffix 128,512 --variants flat_head,flat_seq,off``,
 * ``triton_off`` / ``triton_flat``: the same on ``impl="pallas:triton"`` (GPUs without Mosaic),
 * ``cudnn`` / ``pallas_decode``: the per-sequence baselines over duplicated K/V (as in
   ``python -m jax_shared_attn.bench attention``).
@@ -26,14 +29,12 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import pallas_kernels.gpu as gpu
 from jax_shared_attn import shared_prefix_attention
 from jax_shared_attn.bench import attention as bench
 from jax_shared_attn.bench import timing
 from jax_shared_attn.iomodel import AttentionShape
-from jax_shared_attn.testing import rel_err
 sa = importlib.import_module("pallas_kernels.gpu.suffix_attention")
 
 
@@ -55,7 +56,19 @@ def ours(impl, flat, **kw):
   return op
 
 
+def flat_layout(sequence_major: bool):
+  """The flat path forced on, rows folded head-major ([Hkv, B, M, D]: a transpose in and out,
+  with several KV heads XLA merging the splits fused into the out one) or sequence-major
+  (``gpu.FLAT_SEQUENCE_MAJOR``: [B, Hkv, M, D], reshapes in decoding, the merge kernel)."""
+  def op(q, pk, pv, sk, sv):
+    with gpu.flat_decode(2**62), gpu.flat_sequence_major(sequence_major):
+      return shared_prefix_attention(q, pk, pv, sk, sv, impl="auto")
+  return op
+
+
 VARIANTS = {
+    "flat_head": flat_layout(False),
+    "flat_seq": flat_layout(True),
     "off": ours("auto", False),
     "flat": ours("auto", True),
     "flat_b2": ours("auto", True, min_blocks=2),
@@ -86,21 +99,8 @@ def main():
     make = functools.partial(bench._inputs, shape, jnp.bfloat16)
     n = timing.sets_needed(timing.tree_bytes(jax.eval_shape(lambda: make(0))))
     row = dict(B=b, P=p, S=s, Hq=hq, Hkv=hkv, D=d)
-    ref = None
-    for name in variants:
-      op = VARIANTS[name]
-      try:
-        m = timing.measure(op, make, n_sets=n, trials=args.trials)
-        row[name] = m["seconds"] * 1e6
-        if "breakdown" in m:
-          row[f"{name}_kernels"] = m["breakdown"]["kernels"]
-        out = np.asarray(jax.jit(op)(*make(0)), np.float32)
-        if ref is None:
-          ref = out
-        else:
-          row[f"err_{name}"] = rel_err(out, ref)
-      except Exception as e:  # noqa: BLE001 -- reported, not fatal
-        row[name] = f"err: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    row.update(timing.compare_ops({v: VARIANTS[v] for v in variants}, make, n_sets=n,
+                                  trials=args.trials))
     ctx = p + s
     cap = -(-ctx // 2048) * 2048  # gqa's default 16 splits x 128-key blocks
     for name, op, capacity in (("cudnn", bench._cudnn, ctx),

@@ -283,32 +283,33 @@ def test_mosaic_kernel_lowered_once_per_shape(capacity, function):
 
 @pytest.mark.parametrize("hq,hkv,merge_kernel", [(8, 1, True), (32, 8, False)])
 def test_split_merge_kernel_only_where_no_transpose_follows(hq, hkv, merge_kernel):
-  """One KV head: the flat path's splits merge in the merge kernel. Several: XLA merges them,
-  fused into the transpose back to [B, Tq, Hq, D] (merge_kernel.merge_parts)."""
+  """Head-major rows (FLAT_SEQUENCE_MAJOR off). One KV head: the flat path's splits merge in the
+  merge kernel. Several: XLA merges them, fused into the transpose back to [B, Tq, Hq, D]
+  (merge_kernel.merge_parts)."""
+  import pallas_kernels.gpu as gpu
   dt = jnp.bfloat16
   fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
                                                              impl="pallas:triton")
   b, d, p, s = 16, 128, 1024, 128
-  text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
-                     S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
+  with gpu.flat_sequence_major(False):
+    text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
+                       S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
   assert FLAT in text and (MERGE in text) == merge_kernel
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 1), (32, 8)])
 @pytest.mark.parametrize("tq,transposes", [(1, 0), (3, 2)])
 def test_flat_path_sequence_major(hq, hkv, tq, transposes):
-  """With FLAT_SEQUENCE_MAJOR the flat path reads q and writes its output as [B, Hkv, Tq*G, D]:
-  in decoding both are [B, 1, Hq, D] reshaped, so no transpose runs and the splits merge in the
-  merge kernel (which writes the final layout). With Tq > 1 and several KV heads the rows are
-  folded and unfolded by transposes."""
-  import pallas_kernels.gpu as gpu
+  """By default (FLAT_SEQUENCE_MAJOR) the flat path reads q and writes its output as
+  [B, Hkv, Tq*G, D]: in decoding both are [B, 1, Hq, D] reshaped, so no transpose runs and the
+  splits merge in the merge kernel (which writes the final layout). With Tq > 1 and several KV
+  heads the rows are folded and unfolded by transposes."""
   dt = jnp.bfloat16
   fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
                                                              impl="pallas:triton")
   b, d, p, s = 16, 128, 1024, 128
-  with gpu.flat_sequence_major(True):
-    text = export_cuda(fn, S((b, tq, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
-                       S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
+  text = export_cuda(fn, S((b, tq, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
+                     S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
   assert FLAT in text and MERGE in text
   assert text.count("stablehlo.transpose") == (0 if hkv == 1 else transposes)
 

@@ -87,10 +87,11 @@ FLAT_SPLIT_FACTOR = 4
 # The flat path with sequence-major rows in and out (flat_rows(by_sequence=True)): in decoding q
 # and the output are [B, 1, Hq, D] reshaped, so with several KV heads neither the query fold nor
 # the transpose back runs, and the split merge is the merge kernel instead of XLA's merge fused
-# into that transpose. Off until measured on a GPU (tools/device/flat_tune.py, variants
-# flat_head vs flat_seq: device loans were paused when it was written, 2026-11-23); with one KV
-# head both layouts are the same bytes. Read when tracing.
-FLAT_SEQUENCE_MAJOR = False
+# into that transpose. Measured on an H100 (tools/device/flat_tune.py, Llama-3-8B shape,
+# 2026-11-23, docs/results/2026-11-23-h100-switches): never slower than the head-major layout
+# at 14 points (B 1-32, P 1K/4K, S 128/512), 0-1.5 us faster (B=16 P=1K S=128: 20.3 vs 21.6 us);
+# with one KV head both layouts are the same bytes. Read when tracing.
+FLAT_SEQUENCE_MAJOR = True
 
 
 def flat_sequence_major(enabled: bool):

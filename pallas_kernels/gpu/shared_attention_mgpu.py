@@ -26,8 +26,8 @@ Key splits (flash-decoding, when the row tiles do not fill the SMs) cut the
 CTA's step list -- prefix blocks then suffix blocks -- into contiguous ranges;
 their partial states are merged by LSE afterwards.
 
-Transposed suffix steps (``FusedConfig.transposed_suffix``; off by default until run on a GPU,
-:data:`TRANSPOSED_SUFFIX`): a suffix step multiplies the sequence's 64 keys (wgmma's M side)
+Transposed suffix steps (``FusedConfig.transposed_suffix``; off by default, measured slower at
+most shapes, :data:`TRANSPOSED_SUFFIX`): a suffix step multiplies the sequence's 64 keys (wgmma's M side)
 against the ``N = max(16, G)`` query rows of the column group holding it, ``S^T = K Q_g^T``, so
 the waste is ``N / G`` instead of ``64 / G``; the softmax runs over the keys axis (a cross-warp
 reduction), the probabilities go to shared memory as wgmma's B operand, ``O^T += V^T P^T`` with
@@ -76,9 +76,13 @@ class FusedConfig:
   transposed_suffix: bool = False
 
 
-# The transposed suffix steps are written and lowered for CUDA in CI (jax.export), but have not
-# run on a GPU yet (device loans were paused when they were written, 2026-11-23): off until
-# TestNativeFusedDecodeTransposed passes on a GPU and tools/device/transposed.sh says (README).
+# The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) but
+# lose at 4 of the 5 shapes timed (tools/device/transposed.py; docs/results/2026-11-23-h100-switches):
+# paper B=1024 P=16K S=128 147.4 vs 124.7 us (the kernel 128.0 vs 120.9: the axis-0 softmax
+# reductions and the P^T stores cost more than the saved products; the rest is the wrapper's
+# transpose, concatenation and merge of the suffix part), B=256 P=4K 36.7 vs 17.2; Llama-3-8B
+# B=1024 P=1K 257.6 vs 240.4. They win at Llama B=256 P=16K S=128 (151.7 vs 167.5), where they let
+# the one kernel take G = 4. Off by default.
 TRANSPOSED_SUFFIX = False
 
 
@@ -368,9 +372,14 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                                                         transposed=True)
         seq = seq0 + w * seqs_per_wg + j
         n_valid = jnp.where(seq < batch, slen_ref[jnp.minimum(seq, batch - 1)], 0)
-        o_t = jnp.where(start, jnp.zeros_like(o_t), o_t)
-        m_s = jnp.where(start, jnp.full_like(m_s, -jnp.inf), m_s)
-        l_s = jnp.where(start, jnp.zeros_like(l_s), l_s)
+        # A new group's state starts here. Arithmetic, not a select: jax 0.11's Mosaic GPU
+        # lowering rejects a select of arrays under a scalar predicate ("Implicit broadcast not
+        # implemented with warpgroup semantics"). o and l are finite, so * 0 clears them, and
+        # m + (-inf) is -inf whatever m holds.
+        keep = jnp.where(start, 0.0, 1.0).astype(jnp.float32)
+        o_t = o_t * keep
+        l_s = l_s * keep
+        m_s = m_s + jnp.where(start, -jnp.inf, 0.0).astype(jnp.float32)
 
         def compute_st(acc_ref):
           plgpu.wgmma(acc_ref, k_smem.at[slot, half],
@@ -405,13 +414,18 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         plgpu.barrier_wait(my_v.at[slot])
         plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
 
-        def compute_pv(acc_ref):  # O^T [D, n_cols] += V^T P^T
+        def compute_pv(acc_ref):  # V^T P^T [D, n_cols], added to O^T below
           plgpu.wgmma(acc_ref, vs_smem.at[slot, half].transpose((1, 0)), pt_smem)
           wait_step = i + 1
           wait_slot = lax.rem(wait_step, jnp.array(steps_buf, i.dtype))
           pl.when(wait_step < steps)(lambda: wait_k(wait_step, wait_slot))
+          return acc_ref[...]
 
-        o_t = pl.run_state(compute_pv)(plgpu.ACC.init(o_t))
+        # A zeroed scoped accumulator and an add, not pl.run_state(...)(ACC.init(o_t)): run_state
+        # returns its closed-over values, and jax 0.11's Mosaic GPU lowering rejects a constant
+        # index among them (the per-warpgroup P^T view) -- "Shaped arrays must be represented by
+        # ir.Values, got: TypedInt(0, dtype=int32)". The add is 16 registers a thread.
+        o_t = o_t + pl.run_scoped(compute_pv, plgpu.ACC((d, n_cols), jnp.float32))
         plgpu.barrier_arrive(v_consumed_barriers.at[slot])
 
         @pl.when(end)

@@ -8,8 +8,8 @@ profiler's device clock (``jax_shared_attn.bench.timing``):
 * ``off``: ``impl="auto"`` without the flat path (what shipped before it),
 * ``flat`` / ``flat_b2`` / ``flat_n64``: ``impl="auto"`` forced onto the flat path with the
   default knobs, 2-step splits, 64-key steps,
-* ``flat_head`` / ``flat_seq``: the flat path with head-major rows (the shipped layout) or
-  sequence-major rows (``pallas_kernels.gpu.FLAT_SEQUENCE_MAJOR``, not yet measured): e.g.
+* ``flat_head`` / ``flat_seq``: the flat path with head-major rows (the layout before 2026-11-23) or
+  sequence-major rows (``pallas_kernels.gpu.FLAT_SEQUENCE_MAJOR``, the default since 2026-11-23): e.g.
   ``--shape llama-3-8b --batch 16 --prefix 1024 --suffix 128,512 --variants flat_head,flat_seq,off``,
 * ``triton_off`` / ``triton_flat``: the same on ``impl="pallas:triton"`` (GPUs without Mosaic),
 * ``cudnn`` / ``pallas_decode``: the per-sequence baselines over duplicated K/V (as in

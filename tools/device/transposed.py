@@ -2,7 +2,8 @@
 
 ``pallas_kernels.gpu.transposed_suffix(True)`` runs the one kernel's suffix steps as
 ``S^T = K Q^T`` over column groups of ``max(16, G)`` query rows (and lets the one kernel take
-any G >= 2). Run on the GPU machine, after ``TestNativeFusedDecodeTransposed`` passes:
+any G >= 2). It passes ``TestNativeFusedDecodeTransposed`` on an H100 and is off by default
+(measured slower at 4 of 5 shapes, docs/results/2026-11-23-h100-switches). On the GPU machine:
 
 ``PYTHONPATH=. python3 tools/device/transposed.py attention --out $OUT`` times, in one process
 (profiler device clock, ``jax_shared_attn.bench.timing.compare_ops``), ``shipped``
@@ -52,6 +53,25 @@ def attention(args):
                          ceilings=tuple(args.ceilings) if args.ceilings else None)
 
 
+def trace(args):
+  """Compiles and runs ``transposed`` once at ``--configs``' first entry and prints the whole
+  traceback of a failure (lowering errors name the kernel line only in the unfiltered one)."""
+  import traceback
+  import jax
+  import jax.numpy as jnp
+  jax.config.update("jax_traceback_filtering", "off")
+  name, b, p, s = args.configs.split(",")[0].split(":")
+  hq, hkv, d = bench.SHAPES[{"llama": "llama-3-8b"}.get(name, name)]
+  shape = bench.AttentionShape(int(b), int(p), int(s), hq, hkv, d)
+  q, pk, pv, sk, sv = bench._inputs(shape, jnp.bfloat16, 0)
+  try:
+    out = jax.block_until_ready(jax.jit(transposed)(q, pk, pv, sk, sv))
+    ref = jax.jit(split)(q, pk, pv, sk, sv)
+    print("ok, max |transposed - split| =", float(jnp.abs(out.astype(float) - ref).max()))
+  except Exception:  # noqa: BLE001 -- a development probe: print everything
+    traceback.print_exc()
+
+
 def decode(args):
   from models.bench_decode import device_random_init, run_point
   from models.config import preset
@@ -89,6 +109,9 @@ def main():
   a.add_argument("--ceilings", type=float, nargs=2, metavar=("BYTES_PER_S", "FLOP_PER_S"),
                  help="copy bandwidth and matmul rate for a floor column (e.g. 2.74e12 7.3e14)")
   a.add_argument("--out", default=".")
+  t = sub.add_parser("trace")
+  t.add_argument("--configs", default="llama:1024:1024:128")
+  t.add_argument("--out", default=".")
   d = sub.add_parser("decode")
   d.add_argument("--model", default="llama-3-8b")
   d.add_argument("--batch", default="1024,256")
@@ -100,7 +123,7 @@ def main():
   d.add_argument("--out", default=".")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
-  (attention if args.what == "attention" else decode)(args)
+  dict(attention=attention, trace=trace, decode=decode)[args.what](args)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@
 #                                                       # (transposed vs shipped vs split) and
 #                                                       # the flat layouts (~8 min)
 #   STAGE=decode bash tools/device/transposed.sh $OUT   # Llama-3-8B decode, switch off / on
-# Flip the defaults (shared_attention_mgpu.TRANSPOSED_SUFFIX, gpu.FLAT_SEQUENCE_MAJOR) only on
-# passing tests and measured gains.
+# Outcome (H100, 2026-11-23, docs/results/2026-11-23-h100-switches): both pass their native
+# tests; FLAT_SEQUENCE_MAJOR became the default, TRANSPOSED_SUFFIX stays off (slower at 4 of 5
+# shapes). `python3 tools/device/transposed.py trace` prints a compile failure's whole traceback.
 set -uo pipefail
 out=${1:?out}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false

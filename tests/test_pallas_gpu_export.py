@@ -125,7 +125,7 @@ def test_fused_decode_exports_for_cuda(b, hq, hkv, d, p, s):
 def test_fused_decode_transposed_suffix_exports_for_cuda(b, hq, hkv, d, p, s):
   """The one kernel with transposed suffix steps (``transposed_suffix(True)``: any G >= 2) lowers
   for CUDA: one Mosaic GPU kernel, whose suffix part (o^T per column group of max(16, G) rows)
-  comes out beside the prefix part and is merged with it by XLA or the merge kernel."""
+  comes out beside the prefix part and is merged with it, read in place, by the merge kernel."""
   import pallas_kernels.gpu as gpu
   from pallas_kernels.gpu import shared_attention_mgpu as fm
   dt = jnp.bfloat16
@@ -138,8 +138,11 @@ def test_fused_decode_transposed_suffix_exports_for_cuda(b, hq, hkv, d, p, s):
                        S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
   assert text.count(f"custom_call @{MOSAIC}") == 1 and "private @_fused_jit" in text
   n = max(16, g)
-  assert f"x{d}x{n}xf32>" in text  # the suffix part's [splits, Hkv, R / n, D, n] output
+  assert f"x{d}x{n}xbf16>" in text  # the suffix part's [splits, Hkv, R / n, D, n] output
   assert attention_kernels(text) == 0
+  # Merged in place into [B, 1, Hq, D] by one merge kernel: no concatenation, no transpose of
+  # the suffix part.
+  assert "hydragen_merge_sequences" in text and "concatenate" not in text
   assert not fm.TRANSPOSED_SUFFIX  # the switch is restored
 
 
@@ -247,10 +250,9 @@ def test_fused_kernel_exports_for_every_group_size(g):
   """The kernel itself takes any G dividing 64 (the dispatcher uses it for G >= 8)."""
   from pallas_kernels.gpu import shared_attention_mgpu as fm
   dt = jnp.bfloat16
-  fn = lambda q, k, v, n, sk, sv, sl: fm.fused_decode_rows(q, k, v, n, sk, sv, sl,
-                                                            rows_per_seq=g, scale=0.1)
+  fn = lambda q, k, v, n, sk, sv, sl: fm.fused_decode(q, k, v, n, sk, sv, sl, scale=0.1)
   b = 37
-  text = export_cuda(fn, S((2, b * g, 128), dt), S((256, 2, 128), dt), S((256, 2, 128), dt),
+  text = export_cuda(fn, S((b, 1, 2 * g, 128), dt), S((256, 2, 128), dt), S((256, 2, 128), dt),
                      S((), jnp.int32), S((b, 128, 2, 128), dt), S((b, 128, 2, 128), dt),
                      S((b,), jnp.int32))
   assert text.count(f"custom_call @{MOSAIC}") == 1

@@ -162,9 +162,7 @@ def shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale,
     hkv = k.shape[1]
 
     def native(q, k, v, length, sk, sv, lens):
-      out, lse = fm.fused_decode_rows(_common.fold_rows(q, hkv), k, v, length, sk, sv, lens,
-                                      rows_per_seq=hq // hkv, scale=scale)
-      return _common.unfold_rows(out, b, tq), _common.unfold_rows(lse, b, tq)
+      return fm.fused_decode(q, k, v, length, sk, sv, lens, scale=scale)
 
     def elsewhere(q, k, v, length, sk, sv, lens):  # no Mosaic interpret mode: Triton, interpreted
       return _split_shared_attention(q, [("prefix", k, v, length, None)], sk, sv, kv_lengths=lens,

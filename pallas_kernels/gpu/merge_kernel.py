@@ -146,3 +146,99 @@ def merge_parts(stacks, *, out_dtype, transposed_next: bool = False,
                            tr=TILE_ROWS)
   out, lse = _common.run(call, *flat, interpret=interpret)
   return out.reshape(*lead, d), lse.reshape(lead)
+
+
+def _sequences_kernel(*refs, n_rows: int, n_cols: int, batch: int, has_cols: bool):
+  """One program per (KV head, column group of ``n_cols`` rows = ``n_cols // G`` sequences)."""
+  if has_cols:
+    o_ref, l_ref, oc_ref, lc_ref, out_ref, lse_out_ref = refs
+  else:
+    o_ref, l_ref, out_ref, lse_out_ref = refs
+  spg, g, d = out_ref.shape
+  seq = pl.program_id(1) * spg + jnp.arange(spg)
+  seq_ok = seq < batch
+  # Parts: the row stack's splits [N, D], then the column stack's [D, N] read in place and
+  # transposed in registers. Parts with lse = -inf weigh 0, and their bytes are not read into
+  # the sum (a split that never reached a group did not write it).
+  parts = []
+  for j in range(n_rows):
+    jj = jnp.int32(j)
+    parts.append((plgpu.load(o_ref.at[jj]), plgpu.load(l_ref.at[jj])))
+  if has_cols:
+    for j in range(n_cols):
+      jj = jnp.int32(j)
+      parts.append((plgpu.load(oc_ref.at[jj]).T, plgpu.load(lc_ref.at[jj])))
+  m = functools.reduce(jnp.maximum, [lse for _, lse in parts])
+  m = jnp.where(m == -jnp.inf, 0.0, m)
+  acc = jnp.zeros((spg * g, d), jnp.float32)
+  denom = jnp.zeros((spg * g,), jnp.float32)
+  for o, lse in parts:
+    w = jnp.exp(lse - m)
+    denom += w
+    acc += jnp.where((lse == -jnp.inf)[:, None], 0.0, w[:, None] * o.astype(jnp.float32))
+  has = denom > 0
+  safe = jnp.where(has, denom, 1.0)
+  out = (acc / safe[:, None]).astype(out_ref.dtype).reshape(spg, g, d)
+  lse = jnp.where(has, m + jnp.log(safe), -jnp.inf).reshape(spg, g)
+  plgpu.store(out_ref, out, mask=seq_ok[:, None, None])
+  plgpu.store(lse_out_ref, lse, mask=seq_ok[:, None])
+
+
+def merge_to_sequences(out, lse, cols=None, *, batch: int, rows_per_seq: int, out_dtype,
+                       interpret: bool | None = None):
+  """Merges folded head-major parts straight into the sequence-major decode layout.
+
+  ``out [n, Hkv, R, D]`` and ``lse [n, Hkv, R]``: partial states of rows ``b * G + g`` of each
+  KV head (``R >= B * G``, padding rows ignored). ``cols``: optional ``(o [m, Hkv, R / N, D, N],
+  lse [m, Hkv, R])``, more parts whose outputs are stored by column groups of ``N`` rows
+  (transposed: the one kernel's transposed suffix steps write them so), read in place.
+
+  Returns ``out [B, Hkv, G, D]`` in ``out_dtype`` (``[B, 1, Hq, D]`` reshaped: no transpose
+  back) and float32 natural-log ``lse [B, Hkv, G]``. ``D`` must be a power of two (>= 16).
+  """
+  n, hkv, r, d = out.shape
+  g = int(rows_per_seq)
+  if lse.shape != (n, hkv, r):
+    raise ValueError(f"merge_to_sequences: lse must be {(n, hkv, r)}, got {lse.shape}")
+  if d != _common.padded_head_dim(d):
+    raise ValueError(f"merge_to_sequences: head_dim must be a power of two >= 16, got {d}")
+  if g <= 0 or batch * g > r:
+    raise ValueError(f"merge_to_sequences: batch ({batch}) x rows_per_seq ({g}) must be in "
+                     f"(0, {r}]")
+  n_group = max(16, g) if cols is None else cols[0].shape[-1]
+  if n_group % g or r % n_group:
+    raise ValueError(f"merge_to_sequences: column groups of {n_group} rows must hold whole "
+                     f"sequences of {g} rows and tile the {r} rows")
+  if cols is not None:
+    oc, lc = cols
+    m_ = oc.shape[0]
+    if oc.shape != (m_, hkv, r // n_group, d, n_group) or lc.shape != (m_, hkv, r):
+      raise ValueError(f"merge_to_sequences: cols must be o [m, {hkv}, {r // n_group}, {d}, "
+                       f"{n_group}] and lse [m, {hkv}, {r}]; got {oc.shape} and {lc.shape}")
+  spg = n_group // g
+  if batch == 0:
+    return jnp.zeros((0, hkv, g, d), out_dtype), jnp.zeros((0, hkv, g), jnp.float32)
+  in_specs = [pl.BlockSpec((n, None, n_group, d), lambda h, c: (0, h, c, 0)),
+              pl.BlockSpec((n, None, n_group), lambda h, c: (0, h, c))]
+  args = [out, lse]
+  if cols is not None:
+    in_specs += [pl.BlockSpec((m_, None, None, d, n_group), lambda h, c: (0, h, c, 0, 0)),
+                 pl.BlockSpec((m_, None, n_group), lambda h, c: (0, h, c))]
+    args += list(cols)
+
+  def call(*args, interpret):
+    return pl.pallas_call(
+        functools.partial(_sequences_kernel, n_rows=n, n_cols=0 if cols is None else m_,
+                          batch=batch, has_cols=cols is not None),
+        grid=(hkv, pl.cdiv(batch, spg)),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((spg, None, g, d), lambda h, c: (c, h, 0, 0)),
+                   pl.BlockSpec((spg, None, g), lambda h, c: (c, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((batch, hkv, g, d), out_dtype),
+                   jax.ShapeDtypeStruct((batch, hkv, g), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        interpret=interpret,
+        name="hydragen_merge_sequences",
+    )(*args)
+
+  return _common.run(call, *args, interpret=interpret)

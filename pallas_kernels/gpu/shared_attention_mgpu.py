@@ -33,8 +33,9 @@ the waste is ``N / G`` instead of ``64 / G``; the softmax runs over the keys axi
 reduction), the probabilities go to shared memory as wgmma's B operand, ``O^T += V^T P^T`` with
 the suffix V tiles in a narrower swizzle (a second view of the same V slots, ``plgpu.RefUnion``).
 The group's state runs across its sequences' steps and is written out, normalised, at the
-group's end (``[splits, Hkv, R / N, D, N]`` and its LSE); it is merged with the prefix part
-afterwards (XLA or the merge kernel), like a key split.
+group's end (``[splits, Hkv, R / N, D, N]`` in q's dtype, and its LSE); the merge kernel
+(:func:`merge_kernel.merge_to_sequences`) merges it with the prefix part and the key splits,
+reading both where the kernel wrote them and writing ``[B, 1, Hq, D]``.
 
 Keys and values past ``kv_length`` / ``suffix_lengths[b]`` (inside the buffers)
 are multiplied by a zero probability: they must be finite, which the model's
@@ -57,7 +58,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gpu.merge_kernel import merge_parts
+from pallas_kernels.gpu import _common
+from pallas_kernels.gpu.merge_kernel import merge_parts, merge_to_sequences
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -202,7 +204,10 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   prefix ``k, v [P, Hkv, D]``, ``kv_length`` int32 ``[1]``, suffixes ``[B, S, Hkv, D]``,
   ``suffix_lengths`` int32 ``[B]``.
 
-  Returns ``out [splits, Hkv, R, D]`` in q's dtype and natural-log ``lse [splits, Hkv, R]``.
+  Returns ``out [splits, Hkv, R, D]`` in q's dtype and natural-log ``lse [splits, Hkv, R]``;
+  with transposed suffix steps those are the prefix part, followed by the suffix part
+  ``[splits, Hkv, R / N, D, N]`` (q's dtype; groups a split never reached are not written,
+  their LSE is -inf) and its LSE ``[splits, Hkv, R]``.
   """
   hkv, r, d = q_rows.shape
   p = k.shape[0]
@@ -432,7 +437,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         def _write_group():
           has = l_s > 0
           safe = jnp.where(has, l_s, 1.0)
-          osuf_smem[...] = o_t / lax.broadcast_in_dim(safe, o_t.shape, [1])
+          osuf_smem[...] = (o_t / lax.broadcast_in_dim(safe, o_t.shape, [1])).astype(dtype)
           lsuf_smem.at[pl.ds(g_first, n_cols)][...] = jnp.where(
               has, (m_s + jnp.log(safe) * (1 / LN2)) * LN2, -jnp.inf)
           plgpu.commit_smem()
@@ -527,7 +532,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       v_scratch = plgpu.RefUnion(
           v_scratch, plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=narrow))
       extra = [(plgpu.SMEM((compute_wgs, block_s, n_cols), dtype, transforms=narrow),
-                plgpu.SMEM((compute_wgs, d, n_cols), jnp.float32),
+                plgpu.SMEM((compute_wgs, d, n_cols), dtype, transforms=narrow),
                 plgpu.SMEM((compute_wgs, block_q), jnp.float32))]
     pl.run_scoped(
         lambda *args: kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref,
@@ -543,7 +548,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   out_shape = [jax.ShapeDtypeStruct((cfg.splits, hkv, r, d), dtype),
                jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32)]
   if transposed:  # the suffix part: o^T per column group, and its LSE per row
-    out_shape += [jax.ShapeDtypeStruct((cfg.splits, hkv, r // n_cols, d, n_cols), jnp.float32),
+    out_shape += [jax.ShapeDtypeStruct((cfg.splits, hkv, r // n_cols, d, n_cols), dtype),
                   jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32)]
   length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
   lens = jnp.asarray(suffix_lengths, jnp.int32)
@@ -558,14 +563,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(length, lens, tile_max, q_rows, k, v, suffix_k, suffix_v)
-  if not transposed:
-    return outs
-  out, lse, osuf, lsuf = outs
-  osuf = jnp.swapaxes(osuf, -1, -2).reshape(cfg.splits, hkv, r, d)
-  # Groups a split never reached were not written: their LSE is -inf; zero the bytes (a select,
-  # fused into the merge by XLA) so that a weight of 0 never meets uninitialised memory.
-  osuf = jnp.where(jnp.isneginf(lsuf)[..., None], 0.0, osuf)
-  return jnp.concatenate([out.astype(jnp.float32), osuf]), jnp.concatenate([lse, lsuf])
+  return outs
 
 
 @functools.partial(jax.jit, static_argnames=("rows_per_seq", "scale", "config"))
@@ -576,23 +574,43 @@ def _fused_jit(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, r
                          rows_per_seq=rows_per_seq, scale=scale, config=config)
 
 
-def fused_decode_rows(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *,
-                      rows_per_seq: int, scale: float, config: FusedConfig | None = None):
-  """Prefix + suffix attention, merged: ``q_rows [Hkv, B * G, D]`` -> ``out [Hkv, B * G, D]``
-  (q's dtype) and natural-log ``lse [Hkv, B * G]``. Native CUDA only (no interpret mode)."""
-  hkv, r, d = q_rows.shape
-  cfg = config or default_config(r, hkv, k.shape[0], suffix_k.shape[1], rows_per_seq)
+def fused_decode(q, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, scale: float,
+                 config: FusedConfig | None = None):
+  """Prefix + suffix attention, merged, for one decode step: ``q [B, 1, Hq, D]``, prefix
+  ``k, v [P, Hkv, D]``, suffixes ``[B, S, Hkv, D]`` -> ``out [B, 1, Hq, D]`` (q's dtype) and
+  natural-log ``lse [B, 1, Hq]``. Native CUDA only (no interpret mode).
+
+  Row suffix steps: the kernel's key splits are merged (the merge kernel with one KV head; with
+  several, XLA fused into the transpose back from the folded rows). Transposed suffix steps:
+  the prefix part (row tiles) and the suffix part (column groups, ``[.., D, N]``) go straight
+  into :func:`merge_to_sequences`, read where the kernel wrote them, and come out in
+  ``[B, 1, Hq, D]`` (no transpose, no concatenation).
+  """
+  b, tq, hq, d = q.shape
+  hkv = k.shape[1]
+  if tq != 1 or hq % hkv:
+    raise ValueError(f"fused_decode: q must be [B, 1, Hq, D] with Hq a multiple of Hkv "
+                     f"({hkv}); got {q.shape}")
+  g = hq // hkv
+  r = b * g
+  cfg = config or default_config(r, hkv, k.shape[0], suffix_k.shape[1], g)
+  q_rows = _common.fold_rows(q, hkv)
   r_pad = pl.cdiv(r, CTA_ROWS) * CTA_ROWS
   if r_pad != r:
     q_rows = jnp.pad(q_rows, ((0, 0), (0, r_pad - r), (0, 0)))
   length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
-  out, lse = _fused_jit(q_rows, k, v, length, suffix_k, suffix_v,
-                        jnp.asarray(suffix_lengths, jnp.int32), rows_per_seq=rows_per_seq,
-                        scale=float(scale), config=cfg)
-  if out.shape[0] > 1:  # exact LSE merge over the parts (parts without keys: (0, -inf)): the
-    # key splits, and with transposed suffix steps each split's prefix and suffix parts
-    out, lse = merge_parts([(out, lse)], out_dtype=q_rows.dtype, transposed_next=hkv > 1,
+  outs = _fused_jit(q_rows, k, v, length, suffix_k, suffix_v,
+                    jnp.asarray(suffix_lengths, jnp.int32), rows_per_seq=g, scale=float(scale),
+                    config=cfg)
+  if cfg.transposed_suffix:
+    out, lse, osuf, lsuf = outs
+    out, lse = merge_to_sequences(out, lse, (osuf, lsuf), batch=b, rows_per_seq=g,
+                                  out_dtype=q.dtype, interpret=False)
+    return out.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)
+  out, lse = outs
+  if out.shape[0] > 1:  # exact LSE merge of the key splits (splits without keys: (0, -inf))
+    out, lse = merge_parts([(out, lse)], out_dtype=q.dtype, transposed_next=hkv > 1,
                            interpret=False)
   else:
     out, lse = out[0], lse[0]
-  return out[:, :r], lse[:, :r]
+  return _common.unfold_rows(out[:, :r], b, 1), _common.unfold_rows(lse[:, :r], b, 1)

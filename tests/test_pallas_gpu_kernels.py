@@ -399,7 +399,6 @@ class TestNativeFusedDecode:
                            rng.integers(0, s + 1, size=max(0, b - 32)).astype(np.int32)])
     ref = oracle_tree(q64, [[pk64[:plen]]] * b, [[pv64[:plen]]] * b, sk64, sv64, lens)
     # The kernel directly (any G), and the public API (the one kernel where G >= 8).
-    from pallas_kernels.gpu import _common
     from pallas_kernels.gpu import shared_attention_mgpu as fm
     out, lse = fm.fused_decode(q, pk, pv, jnp.int32(plen), sk, sv, jnp.asarray(lens),
                                scale=d**-0.5)

@@ -78,13 +78,14 @@ class FusedConfig:
   transposed_suffix: bool = False
 
 
-# The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) but
-# lose at 4 of the 5 shapes timed (tools/device/transposed.py; docs/results/2026-11-23-h100-switches):
-# paper B=1024 P=16K S=128 147.4 vs 124.7 us (the kernel 128.0 vs 120.9: the axis-0 softmax
-# reductions and the P^T stores cost more than the saved products; the rest is the wrapper's
-# transpose, concatenation and merge of the suffix part), B=256 P=4K 36.7 vs 17.2; Llama-3-8B
-# B=1024 P=1K 257.6 vs 240.4. They win at Llama B=256 P=16K S=128 (151.7 vs 167.5), where they let
-# the one kernel take G = 4. Off by default.
+# The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) and
+# stay off (tools/device/transposed.py; docs/results/2026-11-23-h100-transposed-merge), with the
+# suffix part merged in place (merge_to_sequences, 5-8.5 us): paper B=1024 P=16K S=128 131.4 vs
+# 125.1 us (the kernel 125.4 vs 121.2: the axis-0 softmax reductions and the P^T stores cost more
+# than the saved products). At Llama-3-8B's G = 4 they let the one kernel win the microbenchmark
+# where the row tiles fill at most one wave (B=256 P=4K 73.6 vs 90.8, P=16K 145.5 vs 165.9) and tie
+# from B=512 on, but lose in the decode loop (batch 512 prompt 2K -4.3% tokens/s, batch 256
+# -1.6%): the growing suffixes are read in 64-key blocks.
 TRANSPOSED_SUFFIX = False
 
 

@@ -3,7 +3,9 @@
 ``pallas_kernels.gpu.transposed_suffix(True)`` runs the one kernel's suffix steps as
 ``S^T = K Q^T`` over column groups of ``max(16, G)`` query rows (and lets the one kernel take
 any G >= 2). It passes ``TestNativeFusedDecodeTransposed`` on an H100 and is off by default
-(measured slower at 4 of 5 shapes, docs/results/2026-11-23-h100-switches). On the GPU machine:
+(docs/results/2026-11-23-h100-switches, then, with the suffix part merged in place,
+docs/results/2026-11-23-h100-transposed-merge: it wins some G = 4 microbenchmarks but loses in
+the decode loop). On the GPU machine:
 
 ``PYTHONPATH=. python3 tools/device/transposed.py attention --out $OUT`` times, in one process
 (profiler device clock, ``jax_shared_attn.bench.timing.compare_ops``), ``shipped``

@@ -350,6 +350,42 @@ class TestNativeMosaic:
     given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples)(
         lambda data, seed: TestInterpret.run_prefix(self, data, seed, case)))()
 
+  @pytest.mark.parametrize("block_kv,splits,p,d", [(128, 1, 640, 128), (192, 1, 640, 128),
+                                                   (192, 3, 1024, 128), (192, 2, 2048, 64),
+                                                   (64, 2, 448, 256)])
+  def test_prefix_kernel_configs(self, block_kv, splits, p, d):
+    """The kernel directly, off its default configuration: key steps that do not divide P (the
+    last block read past P, zero-filled by TMA, and masked), key splits, lengths 0, 1, P."""
+    from pallas_kernels.gpu import prefix_attention_mgpu as mg
+    cfg = mg.MosaicPrefixConfig(64, block_kv, 2, splits)
+    fn = jax.jit(mg.prefix_attention_rows_mgpu, static_argnames=("scale", "config"))
+
+    def run(data, seed):
+      count_case("mosaic_prefix_configs")
+      rng = np.random.default_rng(seed)
+      hkv, r = 2, 256
+      plen = data.draw(st.one_of(st.sampled_from([0, 1, p - 1, p]), st.integers(0, p)))
+      q, q64 = rand(rng, (hkv, r, d), "bfloat16")
+      k, k64 = rand(rng, (p, hkv, d), "bfloat16")
+      v, v64 = rand(rng, (p, hkv, d), "bfloat16")
+      out, lse = fn(q, k, v, jnp.int32(plen), scale=d**-0.5, config=cfg)
+      s = np.einsum("hrd,khd->hrk", q64, k64[:plen]) * d**-0.5
+      m = s.max(-1, keepdims=True) if plen else np.zeros(s.shape[:-1] + (1,))
+      w = np.exp(s - m)
+      ref_lse = (np.log(w.sum(-1)) + m[..., 0]) if plen else np.full((hkv, r), -np.inf)
+      ref_out = (np.einsum("hrk,khd->hrd", w, v64[:plen]) / w.sum(-1, keepdims=True)
+                 if plen else np.zeros((hkv, r, d)))
+      # Merge the key splits in float64 (the parts' own LSEs), then check against the oracle.
+      lse_p, out_p = f64(lse), f64(out)
+      top = np.max(lse_p, 0)
+      wts = np.where(np.isneginf(lse_p), 0, np.exp(lse_p - np.where(np.isneginf(top), 0, top)))
+      tot = wts.sum(0)
+      merged = (wts[..., None] * out_p).sum(0) / np.where(tot > 0, tot, 1)[..., None]
+      check(merged, np.where(tot > 0, np.log(np.where(tot > 0, tot, 1)) + top, -np.inf),
+            ref_out, ref_lse, "bfloat16")
+
+    given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples)(run))()
+
   def test_public_api(self):
     rng = np.random.default_rng(0)
     b, hq, hkv, d, p, s = 33, 32, 8, 128, 512, 70
@@ -457,6 +493,26 @@ def test_default_configs_fit_the_shared_memory(itemsize, head_dim):
       assert cfg.block_n >= _common.MIN_DOT
   failed = _common.kv_staging_bytes(128, 128, 4, 3)
   assert failed > _common.KV_STAGING_BYTES
+
+
+def test_mosaic_prefix_step_size():
+  """192-key steps where a split covers at least WIDE_MIN_KEYS keys (D <= 128), else 128 (64 at
+  D = 256); the switch turns them off; P need not be a multiple of the step, only of 128."""
+  import pallas_kernels.gpu as gpu
+  from pallas_kernels.gpu import prefix_attention_mgpu as mg
+  cfg = mg.default_config
+  assert (cfg(4096, 8, 16384).block_kv, cfg(4096, 8, 16384).splits) == (192, 1)  # Llama, B=1024
+  assert (cfg(8192, 1, 16384).block_kv, cfg(8192, 1, 16384).splits) == (192, 2)  # paper, B=1024
+  assert cfg(4096, 8, 2048).block_kv == 128
+  assert cfg(256, 8, 16384).block_kv == 128  # 8 splits of 2K keys
+  assert cfg(4096, 8, 16384, head_dim=256).block_kv == 64
+  with gpu.wide_prefix_steps(0):
+    assert cfg(4096, 8, 16384).block_kv == 128
+  with gpu.wide_prefix_steps(2048):
+    assert cfg(4096, 8, 2048).block_kv == 192
+  assert mg.WIDE_MIN_KEYS == 8192
+  assert mg.supported(jnp.bfloat16, 128, 16384) and mg.supported(jnp.bfloat16, 128, 640)
+  assert not mg.supported(jnp.bfloat16, 128, 700) and mg.supported(jnp.bfloat16, 256, 448)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -104,6 +104,13 @@ def flat_decode(max_shared_reads: int):
   return _setting("FLAT_MAX_SHARED_READS", int(max_shared_reads))
 
 
+def wide_prefix_steps(min_keys: int):
+  """Temporarily sets ``prefix_attention_mgpu.WIDE_MIN_KEYS``: the keys per split from which the
+  Mosaic GPU prefix kernel takes 192-key steps (0: always 128), for calls traced inside."""
+  from pallas_kernels.gpu import prefix_attention_mgpu as mg
+  return _setting("WIDE_MIN_KEYS", int(min_keys), mg)
+
+
 def flat_shared_reads(batch: int, k) -> int:
   """Bytes of shared K and V read by ``batch`` sequences on the flat path (``k [P, Hkv, D]``)."""
   return 2 * batch * k.size * k.dtype.itemsize

@@ -14,8 +14,11 @@ batches), bf16 as well as f16 scratch buffers, natural-log LSE, and
 ``(0, -inf)`` for splits without keys.
 
 Constraints (checked by :func:`supported`; otherwise the Triton kernel runs):
-bf16/f16, ``D % 64 == 0``, ``P % block_kv == 0``. Rows are padded to whole
-tiles by the wrapper. There is no interpret mode for Mosaic GPU: the kernel
+bf16/f16, ``D % 64 == 0``, ``P`` a multiple of :func:`alignment` (128; 64 for
+D = 256). A step size that does not divide ``P`` reads its last block past the
+buffer (TMA fills it with zeros; the length mask drops it). Rows are padded to
+whole tiles by the wrapper. The LSE is stored from registers (no shared-memory
+staging: that is what lets two 192-key stages fit). There is no interpret mode for Mosaic GPU: the kernel
 is lowered in CI with ``jax.export(platforms=["cuda"])`` and checked against
 the oracle on a GPU.
 """
@@ -44,9 +47,24 @@ class MosaicPrefixConfig:
   splits: int = 1
 
 
-def supported(dtype, head_dim: int, prefix: int, cfg: MosaicPrefixConfig) -> bool:
+# Keys per split from which the kernel takes 192-key steps instead of 128 (D <= 128; 0: never).
+# Wider steps amortise each step's fixed work (barriers, row max and sum, the accumulator's
+# rescale) over more keys but leave a partial last block; measured on an H100
+# (docs/results/2026-11-23-h100-wide-steps/): faster at 8K-16K keys per split, slower at 2K.
+WIDE_MIN_KEYS = 8192
+WIDE_BLOCK_KV = 192  # 2 stages of 192-key K and V tiles + q: 224 KiB of the 227 KiB of shared memory
+
+
+def alignment(head_dim: int) -> int:
+  """Prefix-buffer multiple the kernel is dispatched for (``ops.segment_alignment``)."""
+  return 64 if head_dim > 128 else 128
+
+
+def supported(dtype, head_dim: int, prefix: int, cfg: MosaicPrefixConfig | None = None) -> bool:
+  del cfg  # any step size runs: a last block past the buffer is zero-filled by TMA and masked
   return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and head_dim % 64 == 0 and head_dim <= 256 and prefix > 0 and prefix % cfg.block_kv == 0)
+          and head_dim % 64 == 0 and head_dim <= 256 and prefix > 0
+          and prefix % alignment(head_dim) == 0)
 
 
 def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int = 128,
@@ -59,12 +77,16 @@ def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int = 128,
 
   Shared memory holds q (2 x 64 rows) and ``max_concurrent_steps`` K and V
   tiles: with D = 256, 64-key tiles keep it under the 227 KiB of a Hopper SM.
+  Long key ranges per split take 192-key steps (:data:`WIDE_MIN_KEYS`).
   """
   cfg = MosaicPrefixConfig(block_kv=64 if head_dim > 128 else 128)
   tiles = pl.cdiv(rows, 2 * cfg.block_q) * kv_heads
   kv_blocks = prefix // cfg.block_kv
   splits = max(1, min(num_sms // tiles, kv_blocks // 4 or 1))
-  return dataclasses.replace(cfg, splits=splits)
+  block_kv = cfg.block_kv
+  if head_dim <= 128 and WIDE_MIN_KEYS and prefix // splits >= WIDE_MIN_KEYS:
+    block_kv = WIDE_BLOCK_KV
+  return dataclasses.replace(cfg, splits=splits, block_kv=block_kv)
 
 
 def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
@@ -81,7 +103,7 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
   block_q, block_kv = cfg.block_q, cfg.block_kv
   if r % (2 * block_q):
     raise ValueError(f"rows ({r}) must be a multiple of 2 * block_q ({2 * block_q})")
-  kv_blocks = p // block_kv
+  kv_blocks = pl.cdiv(p, block_kv)  # a last block past P is zero-filled by TMA and masked
   blocks_per_split = pl.cdiv(kv_blocks, cfg.splits)
   steps_buf = max(2, min(cfg.max_concurrent_steps, blocks_per_split))
   qk_scale = scale * LOG2E
@@ -91,7 +113,7 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
     split = lax.axis_index("split")
     smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
     wg_idx = lax.axis_index("wg")
-    qo_smem2, k_smem, v_smem, lse_smem2 = smem_buffers
+    qo_smem2, k_smem, v_smem = smem_buffers
     k_barriers, v_barriers, q_barriers = buffer_barriers
     k_consumed_barriers, v_consumed_barriers = consumed_barriers
     kv_len = len_ref[0]
@@ -111,7 +133,6 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
     def _compute_wg():
       plgpu.set_max_registers(232, action="increase")
       qo_smem = qo_smem2.at[wg_idx]
-      lse_smem = lse_smem2.at[wg_idx]
       q_base = lax.axis_index("q_seq") * (2 * block_q) + wg_idx * block_q
       plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem,
                               q_barriers.at[wg_idx])
@@ -186,10 +207,10 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
       safe_l = jnp.where(has, l_i, 1.0)
       acc /= lax.broadcast_in_dim(safe_l, (block_q, d), [0])
       qo_smem[...] = acc.astype(dtype)
-      lse_smem[...] = jnp.where(has, (m_i + jnp.log(safe_l) * (1 / LN2)) * LN2, -jnp.inf)
+      lse = jnp.where(has, (m_i + jnp.log(safe_l) * (1 / LN2)) * LN2, -jnp.inf)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[split, head, pl.ds(q_base, block_q)])
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, head, pl.ds(q_base, block_q)])
+      lse_ref.at[split, head, pl.ds(q_base, block_q)][...] = lse
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg_idx == 2)
@@ -221,10 +242,9 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
     qo_scratch = plgpu.SMEM((compute_wgs, block_q, d), dtype, transforms=(tiling, swizzle))
     k_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
     v_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
-    lse_scratch = plgpu.SMEM((compute_wgs, block_q), jnp.float32)
     pl.run_scoped(
         lambda *args: kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, args),
-        [qo_scratch, k_scratch, v_scratch, lse_scratch],
+        [qo_scratch, k_scratch, v_scratch],
         (plgpu.Barrier(num_barriers=steps_buf), plgpu.Barrier(num_barriers=steps_buf),
          plgpu.Barrier(num_barriers=compute_wgs)),
         (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf),) * 2,

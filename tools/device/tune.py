@@ -19,7 +19,10 @@ from pallas_kernels.gpu.suffix_attention import SuffixConfig, suffix_rows
 
 bf16 = jnp.bfloat16
 PREFIX_SHAPES = [("paper", 1024, 8, 1, 16384), ("paper", 256, 8, 1, 4096),
-                 ("llama", 1024, 32, 8, 2048), ("llama", 256, 32, 8, 2048)]
+                 ("llama", 1024, 32, 8, 2048), ("llama", 256, 32, 8, 2048),
+                 ("llama", 1024, 32, 8, 16384), ("llama", 1024, 32, 8, 4096),
+                 ("llama", 1024, 32, 8, 8192), ("llama", 256, 32, 8, 16384),
+                 ("paper", 1024, 8, 1, 4096), ("paper", 1024, 8, 1, 8192)]
 # (name, B, Hq, Hkv, capacity, lengths): "full", or "ragged" (uniform in [1, capacity], as in
 # the middle of a decode run), or an int. Each suffix call merges one bf16 prior (the prefix).
 SUFFIX_SHAPES = [("paper", 1024, 8, 1, 128, "full"), ("llama", 1024, 32, 8, 136, "ragged"),
@@ -53,10 +56,11 @@ def main(what):
     make = lambda i: (rnd(3 * i, (hkv, r, d)), rnd(3 * i + 1, (p, hkv, d)), rnd(3 * i + 2, (p, hkv, d)))
     n_sets = timing.sets_needed(2 * p * hkv * d * 2)
     group = f"prefix {name} B={b} P={p} (TFLOP/s)"
-    if "mosaic" in what:
+    if "mosaic" in what or "wide" in what:
       base = mg.default_config(r, hkv, p, d)
-      for (bkv, steps), splits in itertools.product([(128, 2), (64, 3), (64, 4)],
-                                                    sorted({1, 2, base.splits})):
+      steps_list = ([(128, 2), (64, 3), (64, 4)] if "mosaic" in what
+                    else [(128, 2), (192, 2)])
+      for (bkv, steps), splits in itertools.product(steps_list, sorted({1, 2, base.splits})):
         cfg = mg.MosaicPrefixConfig(64, bkv, steps, splits)
         fn = functools.partial(lambda q, k, v, cfg: mg.prefix_attention_rows_mgpu(
             q, k, v, jnp.int32(p), scale=d**-0.5, config=cfg), cfg=cfg)

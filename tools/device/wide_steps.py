@@ -1,0 +1,96 @@
+"""192-key steps in the Mosaic GPU prefix kernel, against 128-key steps.
+
+``pallas_kernels.gpu.wide_prefix_steps(n)`` sets the keys per split from which the prefix kernel
+takes 192-key steps (``prefix_attention_mgpu.WIDE_MIN_KEYS``; 0: never). On the GPU machine:
+
+``PYTHONPATH=. python3 tools/device/wide_steps.py attention --out $OUT`` times, in one process
+(profiler device clock), ``shipped`` (``impl="auto"``) and ``narrow`` (the same with 128-key
+steps everywhere) at ``--configs`` (``shape:B:P:S``), writing ``wide_attention.json``.
+
+``PYTHONPATH=. python3 tools/device/wide_steps.py decode --min-keys 0 --out $OUT`` runs
+``models.bench_decode.run_point`` with the setting (one process per setting: it is read when the
+decode loop is traced) and appends the rows to ``wide_decode.json``. Development tools; the
+benchmarks of record are ``python -m jax_shared_attn.bench attention`` and ``hydragen bench
+decode``.
+"""
+
+import argparse
+import json
+import os
+
+import pallas_kernels.gpu as gpu
+from jax_shared_attn import shared_prefix_attention
+from jax_shared_attn.bench import attention as bench
+from jax_shared_attn.bench import timing
+
+
+def shipped(q, pk, pv, sk, sv):
+  return shared_prefix_attention(q, pk, pv, sk, sv, impl="auto")
+
+
+def narrow(q, pk, pv, sk, sv):
+  with gpu.wide_prefix_steps(0):
+    return shared_prefix_attention(q, pk, pv, sk, sv, impl="auto")
+
+
+VARIANTS = {"shipped": shipped, "narrow": narrow}
+
+
+def attention(args):
+  bench.compare_variants({v: VARIANTS[v] for v in args.variants.split(",")}, args.configs,
+                         trials=args.trials, out_json=os.path.join(args.out, "wide_attention.json"),
+                         ceilings=tuple(args.ceilings) if args.ceilings else None)
+
+
+def decode(args):
+  from models.bench_decode import device_random_init, run_point
+  from models.config import preset
+  batches = [int(x) for x in args.batch.split(",")]
+  prefixes = [int(x) for x in args.prefix.split(",")]
+  config = preset(args.model)
+  longest = max(prefixes) + args.new_tokens + args.profile_steps + 1
+  config = config.replace(dtype="bfloat16",
+                          max_position_embeddings=max(config.max_position_embeddings, longest))
+  model = device_random_init(config, seed=0)
+  path = os.path.join(args.out, "wide_decode.json")
+  rows = json.load(open(path))["rows"] if os.path.exists(path) else []
+  for p in prefixes:
+    for b in batches:
+      for mode in args.modes.split(","):
+        with gpu.wide_prefix_steps(args.min_keys):
+          row = run_point(model, mode, b, p, args.new_tokens, impl="auto",
+                          profile_steps=args.profile_steps)
+        row.update(model=args.model, wide_min_keys=args.min_keys)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        with open(path, "w") as f:
+          json.dump(dict(info=timing.device_info(), rows=rows), f, indent=1)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  sub = ap.add_subparsers(dest="what", required=True)
+  a = sub.add_parser("attention")
+  a.add_argument("--configs", default="llama:1024:4096:128,llama:1024:8192:128,"
+                 "llama:1024:16384:128,llama:256:16384:128,llama:1024:16384:512")
+  a.add_argument("--variants", default=",".join(VARIANTS))
+  a.add_argument("--trials", type=int, default=5)
+  a.add_argument("--ceilings", type=float, nargs=2, metavar=("BYTES_PER_S", "FLOP_PER_S"),
+                 help="copy bandwidth and matmul rate for a floor column (e.g. 2.74e12 7.3e14)")
+  a.add_argument("--out", default=".")
+  d = sub.add_parser("decode")
+  d.add_argument("--model", default="llama-3-8b")
+  d.add_argument("--batch", default="1024")
+  d.add_argument("--prefix", default="8192,16384")
+  d.add_argument("--new-tokens", type=int, default=128)
+  d.add_argument("--modes", default="hydragen")
+  d.add_argument("--min-keys", type=int, default=8192)
+  d.add_argument("--profile-steps", type=int, default=2)
+  d.add_argument("--out", default=".")
+  args = ap.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  dict(attention=attention, decode=decode)[args.what](args)
+
+
+if __name__ == "__main__":
+  main()

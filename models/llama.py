@@ -52,6 +52,21 @@ def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02) -> nnx.Param:
   return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
 
 
+# XLA's GPU dot merger turns the q, k and v projections (three products of one operand) into
+# one product over the concatenated weights, and inside the decode loop it concatenates the
+# weights again at every step (they are loop-invariant, but the concatenation is not hoisted):
+# 100 MB of copies per layer and step at Llama-3-8B, 35 us on an H100, 1.1 ms per step at
+# batch 512-1024 (docs/results/2026-11-23-h100-projections/). Giving the k and v products their
+# own copies of the operand (an optimization barrier: no data moves) keeps three products. From
+# this many rows (batch x tokens) on; below, XLA merged them without the copies (measured).
+SEPARATE_PROJECTIONS_MIN_ROWS = 512
+
+
+def _unshared(x: Array, n: int) -> tuple[Array, ...]:
+  """``n`` values equal to ``x`` that XLA cannot see as one operand (no copy is made)."""
+  return lax.optimization_barrier((x,) * n)
+
+
 class RMSNorm(nnx.Module):
   """``weight * x / sqrt(mean(x^2) + eps)``, statistics in float32 (as transformers)."""
 
@@ -81,8 +96,10 @@ class Attention(nnx.Module):
                skip_attention: bool, impl: str,
                sharding: Optional[AttentionSharding] = None) -> tuple[Array, Optional[KVCache]]:
     xq = _einsum("btd,hkd->bthk", x, self.q_proj)  # (bs, seqlen, n_heads, head_dim)
-    keys = _einsum("btd,hkd->bthk", x, self.k_proj)  # (bs, seqlen, n_kv_heads, head_dim)
-    values = _einsum("btd,hkd->bthk", x, self.v_proj)
+    rows = x.shape[0] * x.shape[1]
+    x_k, x_v = _unshared(x, 2) if rows >= SEPARATE_PROJECTIONS_MIN_ROWS else (x, x)
+    keys = _einsum("btd,hkd->bthk", x_k, self.k_proj)  # (bs, seqlen, n_kv_heads, head_dim)
+    values = _einsum("btd,hkd->bthk", x_v, self.v_proj)
     inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
     xq, keys = apply_rope(xq, positions, inv_freq), apply_rope(keys, positions, inv_freq)
     if skip_attention:

@@ -169,3 +169,22 @@ def test_no_attention_mode_keeps_projections_but_mixes_no_tokens(tiny):
     other, _ = run(tweaked, jnp.asarray(ids), cache_lib.empty(tiny.config, 2, 0),
                    skip_attention=True)
     assert rel_err(other, logits) > 1e-3, name
+
+
+@pytest.mark.parametrize("min_rows,separate", [(0, True), (2**62, False), (None, False)])
+def test_projections_kept_apart_from_the_row_threshold(tiny, monkeypatch, min_rows, separate):
+  """From SEPARATE_PROJECTIONS_MIN_ROWS rows on, the k and v products take their operand through
+  an optimization barrier (so XLA's GPU dot merger cannot concatenate the weights at every decode
+  step); the logits are bit-identical either way. ``None``: the default threshold, above the 46
+  rows here."""
+  import jax
+  import models.llama as llama
+  if min_rows is not None:
+    monkeypatch.setattr(llama, "SEPARATE_PROJECTIONS_MIN_ROWS", min_rows)
+  assert llama.SEPARATE_PROJECTIONS_MIN_ROWS > 46 or min_rows is not None
+  ids = jnp.asarray(token_ids(256, shape=(2, 23)))
+  text = str(jax.make_jaxpr(lambda m, i: m(i))(tiny, ids))
+  assert ("optimization_barrier" in text) == separate
+  logits = tiny(ids)
+  monkeypatch.setattr(llama, "SEPARATE_PROJECTIONS_MIN_ROWS", 0 if not separate else 2**62)
+  np.testing.assert_array_equal(np.asarray(logits), np.asarray(tiny(ids)))

@@ -15,13 +15,12 @@ decode``.
 """
 
 import argparse
-import json
 import os
 
 import pallas_kernels.gpu as gpu
 from jax_shared_attn import shared_prefix_attention
 from jax_shared_attn.bench import attention as bench
-from jax_shared_attn.bench import timing
+from decode_ab import decode_points
 
 
 def shipped(q, pk, pv, sk, sv):
@@ -43,28 +42,8 @@ def attention(args):
 
 
 def decode(args):
-  from models.bench_decode import device_random_init, run_point
-  from models.config import preset
-  batches = [int(x) for x in args.batch.split(",")]
-  prefixes = [int(x) for x in args.prefix.split(",")]
-  config = preset(args.model)
-  longest = max(prefixes) + args.new_tokens + args.profile_steps + 1
-  config = config.replace(dtype="bfloat16",
-                          max_position_embeddings=max(config.max_position_embeddings, longest))
-  model = device_random_init(config, seed=0)
-  path = os.path.join(args.out, "wide_decode.json")
-  rows = json.load(open(path))["rows"] if os.path.exists(path) else []
-  for p in prefixes:
-    for b in batches:
-      for mode in args.modes.split(","):
-        with gpu.wide_prefix_steps(args.min_keys):
-          row = run_point(model, mode, b, p, args.new_tokens, impl="auto",
-                          profile_steps=args.profile_steps)
-        row.update(model=args.model, wide_min_keys=args.min_keys)
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
-        with open(path, "w") as f:
-          json.dump(dict(info=timing.device_info(), rows=rows), f, indent=1)
+  decode_points(args, lambda: gpu.wide_prefix_steps(args.min_keys), "wide_decode.json",
+                dict(wide_min_keys=args.min_keys))
 
 
 def main():

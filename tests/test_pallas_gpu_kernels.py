@@ -474,22 +474,6 @@ class TestNativeFusedDecodeTransposed(TestNativeFusedDecode):
     self._switch.__exit__(None, None, None)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
-class TestNativeFusedDecodeWide(TestNativeFusedDecode):
-  """The same cases with 192-key prefix steps at every size (``wide_prefix_steps(1)``): all but
-  one prefix (384) are not multiples of 192, so those cases read a last block past the buffer
-  (zero-filled by TMA, masked); suffix steps use 128 of a slot's 192 rows."""
-
-  def setup_method(self):
-    import pallas_kernels.gpu as gpu
-    self._switch = gpu.wide_prefix_steps(1)
-    self._switch.__enter__()
-
-  def teardown_method(self):
-    self._switch.__exit__(None, None, None)
-
-
 @pytest.mark.parametrize("itemsize", [2, 4])
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 def test_default_configs_fit_the_shared_memory(itemsize, head_dim):
@@ -527,15 +511,6 @@ def test_mosaic_prefix_step_size():
   with gpu.wide_prefix_steps(2048):
     assert cfg(4096, 8, 2048).block_kv == 192
   assert mg.WIDE_MIN_KEYS == 8192
-  # The one-kernel decode path follows the same rule (not with transposed suffix steps).
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
-  assert fm.default_config(8192, 1, 16384, 128, 8).block_kv == 192  # paper shape, B=1024
-  assert fm.default_config(2048, 1, 4096, 128, 8).block_kv == 128
-  with gpu.transposed_suffix(True):
-    assert fm.default_config(8192, 1, 16384, 128, 8).block_kv == 128
-  with gpu.wide_prefix_steps(0):
-    assert fm.default_config(8192, 1, 16384, 128, 8).block_kv == 128
-  assert fm.supported(jnp.bfloat16, 128, 16384, 128, 8, fm.default_config(8192, 1, 16384, 128, 8))
   assert mg.supported(jnp.bfloat16, 128, 16384) and mg.supported(jnp.bfloat16, 128, 640)
   assert not mg.supported(jnp.bfloat16, 128, 700) and mg.supported(jnp.bfloat16, 256, 448)
 

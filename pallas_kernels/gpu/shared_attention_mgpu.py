@@ -59,7 +59,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu import _common
-from pallas_kernels.gpu import prefix_attention_mgpu as mg
 from pallas_kernels.gpu.merge_kernel import merge_parts, merge_to_sequences
 
 LOG2E = math.log2(math.e)
@@ -124,14 +123,11 @@ def worthwhile(rows_per_seq: int) -> bool:
   return waste(rows_per_seq, TRANSPOSED_SUFFIX) <= MAX_WASTE
 
 
-PREFIX_ALIGNMENT = 128  # prefix buffers the kernel is dispatched for (ops.segment_alignment)
-
-
 def supported(dtype, head_dim: int, prefix: int, capacity: int, rows_per_seq: int,
               cfg: FusedConfig) -> bool:
   """Shapes the fused kernel takes (otherwise the prefix and suffix kernels run apart)."""
   return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and head_dim in (64, 128) and prefix > 0 and prefix % PREFIX_ALIGNMENT == 0
+          and head_dim in (64, 128) and prefix > 0 and prefix % cfg.block_kv == 0
           and capacity > 0 and capacity % cfg.block_s == 0
           and 0 < rows_per_seq <= cfg.block_q and cfg.block_q % rows_per_seq == 0)
 
@@ -145,15 +141,8 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   """
   cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX)
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
-  prefix_steps = prefix // cfg.block_kv
-  steps = prefix_steps + (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
+  steps = prefix // cfg.block_kv + (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
   splits = max(1, min(num_sms // tiles, steps // 4))
-  # 192-key prefix steps where a split's share of the prefix is long (the prefix kernel's rule,
-  # prefix_attention_mgpu.WIDE_MIN_KEYS; suffix steps keep using 2 x 64 rows of a slot). Not with
-  # transposed suffix steps: their extra buffers leave no room for 192-key slots.
-  if (mg.WIDE_MIN_KEYS and not cfg.transposed_suffix
-      and prefix_steps * cfg.block_kv // splits >= mg.WIDE_MIN_KEYS):
-    cfg = dataclasses.replace(cfg, block_kv=mg.WIDE_BLOCK_KV)
   return dataclasses.replace(cfg, splits=splits)
 
 
@@ -230,12 +219,11 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   m = rows_per_seq
   if r % CTA_ROWS:
     raise ValueError(f"rows ({r}) must be a multiple of {CTA_ROWS}")
-  if block_q % m or 2 * block_s > block_kv:
-    raise ValueError(f"rows_per_seq ({m}) must divide {block_q} and 2 * block_s <= block_kv")
+  if block_q % m or 2 * block_s != block_kv:
+    raise ValueError(f"rows_per_seq ({m}) must divide {block_q} and 2 * block_s == block_kv")
   seqs_per_wg = block_q // m
   seqs_per_cta = 2 * seqs_per_wg
-  # A last block past P (block_kv not dividing it) is zero-filled by TMA and masked.
-  prefix_blocks = pl.cdiv(p, block_kv)
+  prefix_blocks = p // block_kv
   steps_buf = cfg.max_concurrent_steps
   qk_scale = scale * LOG2E
   transposed = cfg.transposed_suffix
@@ -252,7 +240,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     split = lax.axis_index("split")
     smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped[:4]
     wg_idx = lax.axis_index("wg")
-    qo_smem2, k_smem, v_smem = smem_buffers
+    qo_smem2, k_smem, v_smem, lse_smem2 = smem_buffers
     if transposed:
       # V slots: prefix tiles in the 128-byte swizzle of the row products, suffix tiles in the
       # narrower swizzle of the transposed product's probabilities (wgmma needs both operands'
@@ -290,6 +278,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       """Warpgroup w's rows (static w: static halves of the suffix slots)."""
       plgpu.set_max_registers(232, action="increase")
       qo_smem = qo_smem2.at[w]
+      lse_smem = lse_smem2.at[w]
       q_base = tile * CTA_ROWS + w * block_q
       my_v = v_barriers if w == 0 else v1_barriers
       if transposed:
@@ -480,11 +469,10 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       safe_l = jnp.where(has, l_i, 1.0)
       acc /= lax.broadcast_in_dim(safe_l, (block_q, d), [0])
       qo_smem[...] = acc.astype(dtype)
-      lse = jnp.where(has, (m_i + jnp.log(safe_l) * (1 / LN2)) * LN2, -jnp.inf)
+      lse_smem[...] = jnp.where(has, (m_i + jnp.log(safe_l) * (1 / LN2)) * LN2, -jnp.inf)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[split, head, pl.ds(q_base, block_q)])
-      # From registers (no staging buffer: the shared memory goes to 192-key K/V slots).
-      lse_ref.at[split, head, pl.ds(q_base, block_q)][...] = lse
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, head, pl.ds(q_base, block_q)])
       if transposed:
         plgpu.copy_smem_to_gmem(lsuf_smem, lsuf_ref.at[split, head, pl.ds(q_base, block_q)])
       plgpu.wait_smem_to_gmem(0)
@@ -538,6 +526,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     qo_scratch = plgpu.SMEM((compute_wgs, block_q, d), dtype, transforms=(tiling, swizzle))
     k_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
     v_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
+    lse_scratch = plgpu.SMEM((compute_wgs, block_q), jnp.float32)
     extra = []
     if transposed:
       narrow = (plgpu.TilingTransform((8, n_cols)), plgpu.SwizzleTransform(2 * n_cols))
@@ -549,7 +538,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     pl.run_scoped(
         lambda *args: kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref,
                              out_ref, lse_ref, *suffix_out_refs, args),
-        [qo_scratch, k_scratch, v_scratch],
+        [qo_scratch, k_scratch, v_scratch, lse_scratch],
         (plgpu.Barrier(num_barriers=steps_buf),) * 4 + (plgpu.Barrier(num_barriers=compute_wgs),),
         (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf),) * 2,
         plgpu.Barrier(num_arrivals=compute_wgs),

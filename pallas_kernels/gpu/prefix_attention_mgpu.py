@@ -18,9 +18,9 @@ bf16/f16, ``D % 64 == 0``, ``P`` a multiple of :func:`alignment` (128; 64 for
 D = 256). A step size that does not divide ``P`` reads its last block past the
 buffer (TMA fills it with zeros; the length mask drops it). Rows are padded to
 whole tiles by the wrapper. The LSE is stored from registers (no shared-memory
-staging: that is what lets two 192-key stages fit). There is no interpret mode for Mosaic GPU: the kernel
-is lowered in CI with ``jax.export(platforms=["cuda"])`` and checked against
-the oracle on a GPU.
+staging: that is what lets two 192-key stages fit). There is no interpret mode
+for Mosaic GPU: the kernel is lowered in CI with
+``jax.export(platforms=["cuda"])`` and checked against the oracle on a GPU.
 """
 
 from __future__ import annotations

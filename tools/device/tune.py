@@ -1,6 +1,8 @@
 """Device tuning sweep: each kernel alone over its knobs, against the ceilings.
 
-Run on the GPU machine: ``PYTHONPATH=. python3 tools/device/tune.py [mosaic] [triton] [suffix]``.
+Run on the GPU machine: ``PYTHONPATH=. python3 tools/device/tune.py [mosaic] [wide] [triton] [suffix]
+[name:B:P ...]`` (``wide``: 128- against 192-key steps of the Mosaic prefix kernel; ``name:B:P``
+restricts the prefix shapes).
 Prints one table; a development tool (the benchmark of record is
 ``python -m jax_shared_attn.bench attention``).
 """
@@ -50,7 +52,10 @@ def main(what):
     print(f"{r[0]:40s} {r[2]:9.1f} us {r[3] if isinstance(r[3], str) else f'{r[3]:8.1f}'}  {r[1]}",
           flush=True)
 
+  only = {w for w in what if ":" in w}  # e.g. llama:1024:4096 (name:B:P) restricts the shapes
   for name, b, hq, hkv, p in PREFIX_SHAPES:
+    if only and f"{name}:{b}:{p}" not in only:
+      continue
     d, r = 128, b * hq // hkv
     flops = 4 * r * hkv * p * d
     make = lambda i: (rnd(3 * i, (hkv, r, d)), rnd(3 * i + 1, (p, hkv, d)), rnd(3 * i + 2, (p, hkv, d)))

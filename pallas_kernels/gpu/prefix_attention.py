@@ -174,7 +174,7 @@ def prefix_attention_rows(
     return (jnp.zeros((1, hkv, r, d), jnp.float32), jnp.full((1, hkv, r), -jnp.inf, jnp.float32))
   length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
   mcfg = mg.default_config(r, hkv, p, d) if mosaic else None
-  use_mosaic = mosaic and interpret is not True and mg.supported(q_rows.dtype, d, p, mcfg)
+  use_mosaic = mosaic and interpret is not True and mg.supported(q_rows.dtype, d, p)
   if use_mosaic:
     cfg = config or default_config(r, hkv, p, d, itemsize=k.dtype.itemsize)
     cfg = dataclasses.replace(cfg, splits=mcfg.splits)

@@ -60,8 +60,9 @@ def alignment(head_dim: int) -> int:
   return 64 if head_dim > 128 else 128
 
 
-def supported(dtype, head_dim: int, prefix: int, cfg: MosaicPrefixConfig | None = None) -> bool:
-  del cfg  # any step size runs: a last block past the buffer is zero-filled by TMA and masked
+def supported(dtype, head_dim: int, prefix: int) -> bool:
+  """Any step size runs over such a prefix: a last block past the buffer is zero-filled by TMA
+  and masked."""
   return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
           and head_dim % 64 == 0 and head_dim <= 256 and prefix > 0
           and prefix % alignment(head_dim) == 0)

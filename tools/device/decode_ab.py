@@ -1,4 +1,5 @@
-"""Shared by the device A/B tools: decode points under one setting, appended to a JSON file."""
+"""Shared by the device A/B tools (transposed.py, wide_steps.py): their ``attention`` and
+``decode`` arguments, and decode points under one setting, appended to a JSON file."""
 
 import json
 import os
@@ -33,3 +34,29 @@ def decode_points(args, setting, json_name: str, tag: dict):
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
         with open(path, "w") as f:
           json.dump(dict(info=timing.device_info(), rows=rows), f, indent=1)
+
+
+def add_attention_parser(sub, configs: str, variants: str):
+  """The ``attention`` subcommand: ``--configs`` (``shape:B:P:S``), ``--variants``, ``--trials``,
+  ``--ceilings``, ``--out``."""
+  a = sub.add_parser("attention")
+  a.add_argument("--configs", default=configs)
+  a.add_argument("--variants", default=variants)
+  a.add_argument("--trials", type=int, default=5)
+  a.add_argument("--ceilings", type=float, nargs=2, metavar=("BYTES_PER_S", "FLOP_PER_S"),
+                 help="copy bandwidth and matmul rate for a floor column (e.g. 2.74e12 7.3e14)")
+  a.add_argument("--out", default=".")
+  return a
+
+
+def add_decode_parser(sub, batch: str, prefix: str):
+  """The ``decode`` subcommand's common arguments (the caller adds its setting's)."""
+  d = sub.add_parser("decode")
+  d.add_argument("--model", default="llama-3-8b")
+  d.add_argument("--batch", default=batch)
+  d.add_argument("--prefix", default=prefix)
+  d.add_argument("--new-tokens", type=int, default=128)
+  d.add_argument("--modes", default="hydragen")
+  d.add_argument("--profile-steps", type=int, default=2)
+  d.add_argument("--out", default=".")
+  return d

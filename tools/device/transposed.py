@@ -27,7 +27,7 @@ import os
 import pallas_kernels.gpu as gpu
 from jax_shared_attn import shared_prefix_attention
 from jax_shared_attn.bench import attention as bench
-from decode_ab import decode_points
+from decode_ab import add_attention_parser, add_decode_parser, decode_points
 
 
 def shipped(q, pk, pv, sk, sv):
@@ -81,27 +81,14 @@ def decode(args):
 def main():
   ap = argparse.ArgumentParser()
   sub = ap.add_subparsers(dest="what", required=True)
-  a = sub.add_parser("attention")
-  a.add_argument("--configs", default="paper:1024:16384:128,paper:1024:16384:512,"
-                 "paper:256:4096:128,paper:256:16384:512,llama:1024:1024:128,"
-                 "llama:1024:4096:128,llama:256:16384:128")
-  a.add_argument("--variants", default=",".join(VARIANTS))
-  a.add_argument("--trials", type=int, default=5)
-  a.add_argument("--ceilings", type=float, nargs=2, metavar=("BYTES_PER_S", "FLOP_PER_S"),
-                 help="copy bandwidth and matmul rate for a floor column (e.g. 2.74e12 7.3e14)")
-  a.add_argument("--out", default=".")
+  add_attention_parser(sub, "paper:1024:16384:128,paper:1024:16384:512,paper:256:4096:128,"
+                       "paper:256:16384:512,llama:1024:1024:128,llama:1024:4096:128,"
+                       "llama:256:16384:128", ",".join(VARIANTS))
   t = sub.add_parser("trace")
   t.add_argument("--configs", default="llama:1024:1024:128")
   t.add_argument("--out", default=".")
-  d = sub.add_parser("decode")
-  d.add_argument("--model", default="llama-3-8b")
-  d.add_argument("--batch", default="1024,256")
-  d.add_argument("--prefix", default="2048")
-  d.add_argument("--new-tokens", type=int, default=128)
-  d.add_argument("--modes", default="hydragen")
+  d = add_decode_parser(sub, batch="1024,256", prefix="2048")
   d.add_argument("--transposed", type=int, choices=(0, 1), default=1)
-  d.add_argument("--profile-steps", type=int, default=2)
-  d.add_argument("--out", default=".")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   dict(attention=attention, trace=trace, decode=decode)[args.what](args)

@@ -20,8 +20,7 @@ BLOCK_Q = 64  # rows per consumer warpgroup, as in the kernel
 CTA_ROWS = 2 * BLOCK_Q
 
 
-def emulate(q, pk, pv, sk, sv, kv_len, lens, *, m, splits, block_kv, block_s, transposed,
-            suffix_cost=4):
+def emulate(q, pk, pv, sk, sv, kv_len, lens, *, m, splits, block_kv, block_s, transposed):
   """q [R, D] (rows b * m + g of one KV head, R a multiple of 128), prefix [P, D], suffixes
   [B, S, D]. Returns the parts as the kernel writes them: a list of (out [R, D], lse [R])."""
   r, d = q.shape
@@ -37,8 +36,7 @@ def emulate(q, pk, pv, sk, sv, kv_len, lens, *, m, splits, block_kv, block_s, tr
       tile_lens = [lens[s] if s < batch else 0 for s in range(seq0, seq0 + 2 * seqs_per_wg)]
       rg = fm.step_ranges(jnp.int32(kv_len), jnp.int32(max(tile_lens)), jnp.int32(split),
                           prefix_blocks=pk.shape[0] // block_kv, block_kv=block_kv,
-                          block_s=block_s, seqs_per_wg=seqs_per_wg, splits=splits,
-                          suffix_cost=suffix_cost)
+                          block_s=block_s, seqs_per_wg=seqs_per_wg, splits=splits)
       steps, c_end, lo, n_pre = (int(x) for x in (rg.steps, rg.c_end, rg.lo, rg.n_pre))
       for w in (0, 1):
         base = tile * CTA_ROWS + w * BLOCK_Q
@@ -123,7 +121,6 @@ def test_plan_against_full_attention(data, transposed):
   m = data.draw(st.sampled_from([1, 2, 4, 8, 16, 32]), label="G")
   batch = data.draw(st.integers(1, 3 * (CTA_ROWS // m)), label="batch")
   splits = data.draw(st.sampled_from([1, 2, 3, 5]), label="splits")
-  suffix_cost = data.draw(st.sampled_from([1, 3, 4, 6, 8]), label="suffix_cost")
   block_kv, block_s = 8, 4
   p = block_kv * data.draw(st.integers(1, 4), label="prefix blocks")
   cap = block_s * data.draw(st.integers(1, 3), label="suffix blocks")
@@ -137,7 +134,7 @@ def test_plan_against_full_attention(data, transposed):
   pk, pv = rng.standard_normal((2, p, d))
   sk, sv = rng.standard_normal((2, batch, cap, d))
   parts = emulate(q, pk, pv, sk, sv, kv_len, lens, m=m, splits=splits, block_kv=block_kv,
-                  block_s=block_s, transposed=transposed, suffix_cost=suffix_cost)
+                  block_s=block_s, transposed=transposed)
   out, lse = merge(parts)
   for row in range(batch * m):
     b = row // m
@@ -165,38 +162,3 @@ def test_a_column_group_cut_by_a_split_is_written_by_both():
   assert plan[-1][5] == 1  # and its last one ends it
   ends = [x for x in plan if x[5]]
   assert all(x[3] + 4 == 16 or x is plan[-1] for x in ends)  # other ends: a group's last sequence
-
-
-@settings(max_examples=200, deadline=None)
-@given(n_pre=st.integers(0, 300), kv_short=st.integers(0, 127), n_sblk=st.integers(0, 5),
-       seqs_per_wg=st.sampled_from([1, 2, 4, 8, 16, 32, 64]), splits=st.integers(1, 9),
-       suffix_cost=st.integers(1, 12))
-def test_splits_cover_the_steps_once_at_equal_cost(n_pre, kv_short, n_sblk, seqs_per_wg, splits,
-                                                   suffix_cost):
-  """The splits' ranges tile the step list in order, and no split exceeds an equal share of
-  the cost by more than one step (a prefix step costs 4, a suffix step ``suffix_cost``)."""
-  block_kv, block_s = 128, 64
-  kv_len = max(n_pre * block_kv - kv_short, 0)
-  ranges = [fm.step_ranges(jnp.int32(kv_len), jnp.int32(n_sblk * block_s), jnp.int32(s),
-                           prefix_blocks=n_pre, block_kv=block_kv, block_s=block_s,
-                           seqs_per_wg=seqs_per_wg, splits=splits, suffix_cost=suffix_cost)
-            for s in range(splits)]
-  n_pre_valid = int(ranges[0].n_pre)
-  n_total = n_pre_valid + seqs_per_wg * n_sblk
-  pos = 0
-  share = (4 * n_pre_valid + suffix_cost * seqs_per_wg * n_sblk) / splits
-  for rg in ranges:
-    lo, steps = int(rg.lo), int(rg.steps)
-    assert steps >= 0 and (lo == pos or steps == 0)
-    pos = lo + steps if steps else pos
-    cost = 4 * min(steps, max(n_pre_valid - lo, 0)) + suffix_cost * (steps - min(
-        steps, max(n_pre_valid - lo, 0)))
-    assert cost <= share + max(4, suffix_cost)
-    assert int(rg.c_end) == min(max(n_pre_valid - lo, 0), steps)
-  assert pos == n_total
-
-
-def test_suffix_cost_must_be_positive():
-  with pytest.raises(ValueError, match="suffix_cost"):
-    fm.step_ranges(jnp.int32(8), jnp.int32(8), jnp.int32(0), prefix_blocks=1, block_kv=8,
-                   block_s=4, seqs_per_wg=2, splits=2, suffix_cost=0)

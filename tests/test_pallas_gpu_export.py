@@ -119,20 +119,6 @@ def test_fused_decode_exports_for_cuda(b, hq, hkv, d, p, s):
   assert attention_kernels(text) == 0  # no Triton kernel but the split merge's
 
 
-@pytest.mark.parametrize("cost", [1, 6])
-def test_fused_decode_with_a_suffix_cost_exports_for_cuda(cost):
-  """Key splits sharing the steps at another suffix-step cost (``fused_suffix_cost``) lower."""
-  import pallas_kernels.gpu as gpu
-  dt = jnp.bfloat16
-  fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
-                                                             impl="pallas:mosaic_gpu")
-  with gpu.fused_suffix_cost(cost):
-    text = export_cuda(fn, S((1024, 1, 8, 128), dt), S((16384, 1, 128), dt),
-                       S((16384, 1, 128), dt), S((1024, 128, 1, 128), dt),
-                       S((1024, 128, 1, 128), dt), S((1024,), jnp.int32))
-  assert text.count(f"custom_call @{MOSAIC}") == 1 and "private @_fused_jit" in text
-
-
 @pytest.mark.parametrize("b,hq,hkv,d,p,s", [
     (1024, 8, 1, 128, 16384, 128), (256, 32, 8, 128, 4096, 128), (16, 2, 1, 64, 1024, 64),
     (40, 32, 8, 128, 512, 192), (3, 32, 1, 128, 256, 64), (300, 8, 1, 64, 384, 64)])

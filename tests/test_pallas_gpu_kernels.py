@@ -474,21 +474,6 @@ class TestNativeFusedDecodeTransposed(TestNativeFusedDecode):
     self._switch.__exit__(None, None, None)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
-class TestNativeFusedDecodeSuffixCost(TestNativeFusedDecode):
-  """The same cases with the key splits sharing the steps at a suffix step's cost other than a
-  prefix step's (``fused_suffix_cost``): split boundaries move, some splits end up empty."""
-
-  def setup_method(self):
-    import pallas_kernels.gpu as gpu
-    self._switch = gpu.fused_suffix_cost(7)
-    self._switch.__enter__()
-
-  def teardown_method(self):
-    self._switch.__exit__(None, None, None)
-
-
 @pytest.mark.parametrize("itemsize", [2, 4])
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 def test_default_configs_fit_the_shared_memory(itemsize, head_dim):

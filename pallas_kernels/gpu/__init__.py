@@ -111,14 +111,6 @@ def wide_prefix_steps(min_keys: int):
   return _setting("WIDE_MIN_KEYS", int(min_keys), mg)
 
 
-def fused_suffix_cost(quarters: int):
-  """Temporarily sets ``shared_attention_mgpu.SUFFIX_COST``: what a suffix step of the one-kernel
-  path counts, in quarters of a prefix step, when the key splits share the steps (4: alike),
-  for calls traced inside."""
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
-  return _setting("SUFFIX_COST", int(quarters), fm)
-
-
 def flat_shared_reads(batch: int, k) -> int:
   """Bytes of shared K and V read by ``batch`` sequences on the flat path (``k [P, Hkv, D]``)."""
   return 2 * batch * k.size * k.dtype.itemsize

@@ -76,9 +76,6 @@ class FusedConfig:
   # Suffix steps as transposed products (see :func:`suffix_columns`): keys on the wgmma M side,
   # max(16, G) query rows as N, instead of the warpgroup's 64 rows against the keys.
   transposed_suffix: bool = False
-  # What a suffix step costs, in quarters of a prefix step, when the key splits cut the step list
-  # into ranges of equal cost (see :func:`step_ranges`): 4 counts every step alike.
-  suffix_cost: int = 4
 
 
 # The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) and
@@ -113,9 +110,6 @@ def suffix_columns(rows_per_seq: int) -> int:
 # (TRANSPOSED_SUFFIX) the waste is max(16, G) / G: 4 at G = 4, 2 at G = 8.
 MAX_WASTE = 8
 
-# The default FusedConfig.suffix_cost (quarters of a prefix step; read when tracing).
-SUFFIX_COST = 4
-
 
 def waste(rows_per_seq: int, transposed: bool = False) -> int:
   """Suffix products computed per useful one: 64 / G for row steps, max(16, G) / G transposed."""
@@ -145,7 +139,7 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   Measured on an H100 (tools/device/fused.sh, 2026-11-23): splits from the prefix blocks alone
   ran paper-shape B=16, P=1024 at 31 us (40 steps over 2 CTAs); counted over all steps, 12.7.
   """
-  cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX, suffix_cost=SUFFIX_COST)
+  cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX)
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
   steps = prefix // cfg.block_kv + (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
   splits = max(1, min(num_sms // tiles, steps // 4))
@@ -167,34 +161,18 @@ class StepRanges:
 
 
 def step_ranges(kv_len, max_len, split, *, prefix_blocks: int, block_kv: int, block_s: int,
-                seqs_per_wg: int, splits: int, suffix_cost: int = 4) -> StepRanges:
+                seqs_per_wg: int, splits: int) -> StepRanges:
   """The kernel's step list for one CTA and split (``kv_len``: valid prefix keys, at most the
   buffer; ``max_len``: the CTA's longest suffix, at most the capacity). Pure int32 arithmetic,
-  shared by the kernel and the CPU emulation in the tests.
-
-  The splits take contiguous ranges of equal cost, a prefix step costing 4 and a suffix step
-  ``suffix_cost`` (quarters of a prefix step): the split that ends in the suffix steps, whose
-  bytes come from HBM while the other splits' prefix blocks mostly come from L2, can be given
-  fewer or more steps than the others."""
-  if suffix_cost < 1:
-    raise ValueError(f"suffix_cost must be >= 1, got {suffix_cost}")
+  shared by the kernel and the CPU emulation in the tests."""
   i32 = jnp.int32
   n_pre = jnp.minimum(lax.div(kv_len + (block_kv - 1), i32(block_kv)), prefix_blocks)
   full_pre = lax.div(kv_len, i32(block_kv))
   n_sblk = lax.div(max_len + (block_s - 1), i32(block_s))
-  n_suf = seqs_per_wg * n_sblk
-  pre_cost = 4 * n_pre
-  total = pre_cost + suffix_cost * n_suf
-
-  def first_step(s):
-    """The first step of split s: the first whose cost starts at or after s / splits of the
-    total (rounded up); split ``splits`` starts past the last step."""
-    t = lax.div(s * total + (splits - 1), i32(splits))
-    in_suffix = lax.div(jnp.maximum(t - pre_cost, 0) + (suffix_cost - 1), i32(suffix_cost))
-    return jnp.where(t <= pre_cost, lax.div(t + 3, i32(4)), n_pre + in_suffix)
-
-  lo = first_step(split)
-  steps = jnp.maximum(first_step(split + 1) - lo, 0)
+  n_total = n_pre + seqs_per_wg * n_sblk
+  per_split = lax.div(n_total + (splits - 1), i32(splits))
+  lo = split * per_split
+  steps = jnp.clip(n_total - lo, 0, per_split)
   return StepRanges(n_pre, n_sblk, lo, steps, jnp.clip(full_pre - lo, 0, steps),
                     jnp.clip(n_pre - lo, 0, steps))
 
@@ -283,8 +261,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     # one dependent load per sequence).
     max_len = jnp.clip(tmax_ref[tile], 0, capacity)
     ranges = step_ranges(kv_len, max_len, split, prefix_blocks=prefix_blocks, block_kv=block_kv,
-                         block_s=block_s, seqs_per_wg=seqs_per_wg, splits=cfg.splits,
-                         suffix_cost=cfg.suffix_cost)
+                         block_s=block_s, seqs_per_wg=seqs_per_wg, splits=cfg.splits)
     n_pre, lo, steps = ranges.n_pre, ranges.lo, ranges.steps
     a_end, c_end = ranges.a_end, ranges.c_end
 

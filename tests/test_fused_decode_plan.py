@@ -162,3 +162,30 @@ def test_a_column_group_cut_by_a_split_is_written_by_both():
   assert plan[-1][5] == 1  # and its last one ends it
   ends = [x for x in plan if x[5]]
   assert all(x[3] + 4 == 16 or x is plan[-1] for x in ends)  # other ends: a group's last sequence
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_pre=st.integers(0, 300), kv_short=st.integers(0, 127), n_sblk=st.integers(0, 5),
+       seqs_per_wg=st.sampled_from([1, 2, 4, 8, 16, 32, 64]), splits=st.integers(1, 9))
+def test_splits_tile_the_step_list(n_pre, kv_short, n_sblk, seqs_per_wg, splits):
+  """The key splits' ranges cover the CTA's step list in order, once, with at most
+  ``ceil(steps / splits)`` steps each, and the prefix/suffix boundary falls where it should."""
+  block_kv, block_s = 128, 64
+  kv_len = max(n_pre * block_kv - kv_short, 0)
+  ranges = [fm.step_ranges(jnp.int32(kv_len), jnp.int32(n_sblk * block_s), jnp.int32(s),
+                           prefix_blocks=n_pre, block_kv=block_kv, block_s=block_s,
+                           seqs_per_wg=seqs_per_wg, splits=splits)
+            for s in range(splits)]
+  n_valid = int(ranges[0].n_pre)
+  assert n_valid == -(-kv_len // block_kv)
+  n_total = n_valid + seqs_per_wg * n_sblk
+  pos = 0
+  for rg in ranges:
+    lo, steps = int(rg.lo), int(rg.steps)
+    assert 0 <= steps <= -(-n_total // splits)
+    if steps:
+      assert lo == pos
+      pos += steps
+    assert int(rg.c_end) == min(max(n_valid - lo, 0), steps)
+    assert int(rg.a_end) == min(max(kv_len // block_kv - lo, 0), steps)
+  assert pos == n_total

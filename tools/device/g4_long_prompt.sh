@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device run: is the one-kernel decode path worth it at G = 4 (Llama-3-8B) when the shared prompt
 # is long? Decode A/B (one kernel forced on with --max-waste 16, then the default, kernels apart;
-# separate processes, batch 1024, PREFIX prompts), then the attention microbenchmark with the one
+# then the default, --max-waste 8; separate processes, batch 1024, PREFIX prompts), then the attention microbenchmark with the one
 # kernel on, where `ours` is the one kernel and `split` the kernels apart (same process).
 # Usage: bash tools/device/g4_long_prompt.sh $OUT
 set -uo pipefail
@@ -9,7 +9,7 @@ out=${1:?out}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt"
 if [ "${DECODE:-1}" = 1 ]; then
-  TESTS=0 PREFIX=${PREFIX:-4096,8192,16384} VARIANTS="--max-waste 16;" T=${T:-220} \
+  TESTS=0 PREFIX=${PREFIX:-4096,8192,16384} VARIANTS="--max-waste 16;--max-waste 8" T=${T:-220} \
     bash tools/device/fused_decode_g4.sh "$out"
 fi
 if [ "${ATTN:-1}" = 1 ]; then

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Device run: is the one-kernel decode path worth it at G = 4 (Llama-3-8B) when the shared prompt
-# is long? Decode A/B (one kernel forced on with --max-waste 16, then the default, kernels apart;
-# then the default, --max-waste 8; separate processes, batch 1024, PREFIX prompts), then the attention microbenchmark with the one
-# kernel on, where `ours` is the one kernel and `split` the kernels apart (same process).
+# is long? Decode A/B (the one kernel forced on with --max-waste 16, then the default --max-waste 8,
+# kernels apart; separate processes, batch 1024, PREFIX prompts), then the attention
+# microbenchmark with the one kernel on: `ours` is the one kernel, `split` the kernels apart.
 # Usage: bash tools/device/g4_long_prompt.sh $OUT
 set -uo pipefail
 out=${1:?out}

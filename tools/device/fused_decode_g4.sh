@@ -12,7 +12,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   timeout ${TEST_T:-200} python3 -m pytest -q -x -p no:cacheprovider tests/test_pallas_gpu_kernels.py \
     -k "${TEST_K:-FusedDecode}" 2>&1 | tail -4 | tee "$out/tests.log"
 fi
-A="decode --model llama-3-8b --sweep prefix --batch 1024 --prefix ${PREFIX:-2048,4096} --new-tokens ${NEW:-128} --profile-steps 2 --no-progress"
+A="decode --model llama-3-8b --sweep prefix --batch ${BATCH:-1024} --prefix ${PREFIX:-2048,4096} --new-tokens ${NEW:-128} --profile-steps 2 --no-progress"
 IFS=';' read -ra vs <<< "${VARIANTS:---max-waste 16}"
 n=0
 for v in "${vs[@]}"; do

@@ -106,7 +106,11 @@ def suffix_columns(rows_per_seq: int) -> int:
 # 10.5 vs 8.6 ms per step; with 130-token suffixes the 64-key blocks read 192 keys per
 # sequence, where the Triton suffix kernel's masked 32-key steps read 130). Reading the suffixes
 # in 16-key chunks of several sequences, and interleaving prefix and suffix steps, did not change
-# that on average (docs/results/2026-11-23-h100-chunks-rejected). With transposed suffix steps
+# that on average (docs/results/2026-11-23-h100-chunks-rejected). Long shared prompts do not
+# change it either (docs/results/2026-11-23-h100-g4-one-kernel): at G = 4 the one kernel wins
+# every full-suffix microbenchmark row (B=256 P=16K S=512: 227 vs 293 us) but decodes batch 1024
+# with 128 new tokens 2.6-2.8% slower at prompts 4K-16K, and with 512 new tokens is within
+# -1.9%..+2.6% (batch 256-512), the run-to-run spread. With transposed suffix steps
 # (TRANSPOSED_SUFFIX) the waste is max(16, G) / G: 4 at G = 4, 2 at G = 8.
 MAX_WASTE = 8
 

@@ -9,7 +9,7 @@ out=${1:?out}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt"
 if [ "${DECODE:-1}" = 1 ]; then
-  TESTS=0 PREFIX=${PREFIX:-4096,8192,16384} VARIANTS="--max-waste 16;--max-waste 8" T=${T:-220} \
+  TESTS=0 PREFIX=${PREFIX:-4096,8192,16384} VARIANTS="${VARIANTS:---max-waste 16;--max-waste 8}" T=${T:-220} \
     bash tools/device/fused_decode_g4.sh "$out"
 fi
 if [ "${ATTN:-1}" = 1 ]; then

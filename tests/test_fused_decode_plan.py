@@ -20,31 +20,59 @@ BLOCK_Q = 64  # rows per consumer warpgroup, as in the kernel
 CTA_ROWS = 2 * BLOCK_Q
 
 
-def emulate(q, pk, pv, sk, sv, kv_len, lens, *, m, splits, block_kv, block_s, transposed):
+def ranges(kv_len, max_len, split, cta, *, n_pre, block_kv, block_s, seqs_per_wg, splits,
+           spread, ctas):
+  return fm.step_ranges(jnp.int32(kv_len), jnp.int32(max_len), jnp.int32(split), jnp.int32(cta),
+                        prefix_blocks=n_pre, block_kv=block_kv, block_s=block_s,
+                        seqs_per_wg=seqs_per_wg, splits=splits, spread=spread, ctas=ctas)
+
+
+def walk(rg):
+  """The kernel's local steps of one split in order: ("prefix", block, masked) or ("suffix",)."""
+  o, n_s, n_pf, steps = (int(x) for x in (rg.o, rg.n_s, rg.n_pf, rg.steps))
+  out = []
+  for i in range(steps):
+    if bool(fm.is_suffix(jnp.int32(i), rg)):
+      assert o <= i < o + n_s
+      out.append(("suffix",))
+    else:
+      out.append(("prefix", int(fm.prefix_block(jnp.int32(i), rg)), i >= n_s + n_pf))
+  return out
+
+
+def emulate(q, pk, pv, sk, sv, kv_len, lens, *, m, splits, block_kv, block_s, transposed,
+            spread=True):
   """q [R, D] (rows b * m + g of one KV head, R a multiple of 128), prefix [P, D], suffixes
   [B, S, D]. Returns the parts as the kernel writes them: a list of (out [R, D], lse [R])."""
   r, d = q.shape
   batch = sk.shape[0]
   seqs_per_wg = BLOCK_Q // m
   n_cols = fm.suffix_columns(m)
+  tiles = r // CTA_ROWS
   parts = []
   for split in range(splits):
     pre_out, pre_lse = np.zeros((r, d)), np.full(r, -np.inf)
     suf_out, suf_lse = np.zeros((r, d)), np.full(r, -np.inf)
-    for tile in range(r // CTA_ROWS):
+    for tile in range(tiles):
       seq0 = tile * 2 * seqs_per_wg
       tile_lens = [lens[s] if s < batch else 0 for s in range(seq0, seq0 + 2 * seqs_per_wg)]
-      rg = fm.step_ranges(jnp.int32(kv_len), jnp.int32(max(tile_lens)), jnp.int32(split),
-                          prefix_blocks=pk.shape[0] // block_kv, block_kv=block_kv,
-                          block_s=block_s, seqs_per_wg=seqs_per_wg, splits=splits)
-      steps, c_end, lo, n_pre = (int(x) for x in (rg.steps, rg.c_end, rg.lo, rg.n_pre))
+      rg = ranges(kv_len, max(tile_lens), split, tile * splits + split,
+                  n_pre=pk.shape[0] // block_kv, block_kv=block_kv, block_s=block_s,
+                  seqs_per_wg=seqs_per_wg, splits=splits, spread=spread, ctas=tiles * splits)
+      steps, o, n_s = (int(x) for x in (rg.steps, rg.o, rg.n_s))
+      plan = walk(rg)
       for w in (0, 1):
         base = tile * CTA_ROWS + w * BLOCK_Q
         rows = q[base:base + BLOCK_Q]
-        # The prefix part: this split's prefix blocks, rows against keys < kv_len.
-        keys = [k for i in range(min(c_end, steps)) for k in range((lo + i) * block_kv,
-                                                                    (lo + i + 1) * block_kv)
-                if k < kv_len]
+        # The prefix part: this split's prefix blocks, rows against keys < kv_len (only the
+        # masked block may hold keys past it).
+        keys = []
+        for step in plan:
+          if step[0] == "prefix":
+            _, blk, masked = step
+            block = range(blk * block_kv, (blk + 1) * block_kv)
+            assert masked or block[-1] < kv_len
+            keys += [k for k in block if k < kv_len]
         if keys:
           s = rows @ pk[keys].T
           mx = s.max(1, keepdims=True)
@@ -54,7 +82,7 @@ def emulate(q, pk, pv, sk, sv, kv_len, lens, *, m, splits, block_kv, block_s, tr
         # The suffix part, step by step.
         if transposed:
           o_t = m_s = l_s = None
-          for i in range(c_end, steps):
+          for i in range(o, o + n_s):
             j, blk, g_first, col0, start, end = (int(x) for x in fm.suffix_step(
                 jnp.int32(i), rg, rows_per_seq=m, transposed=True))
             seq = seq0 + w * seqs_per_wg + j
@@ -81,7 +109,7 @@ def emulate(q, pk, pv, sk, sv, kv_len, lens, *, m, splits, block_kv, block_s, tr
               suf_lse[dst] = np.where(has, m_s + np.log(safe), -np.inf)
         else:  # row steps: the warpgroup's 64 rows, other sequences' rows masked
           acc, m_i, l_i = np.zeros((BLOCK_Q, d)), np.full(BLOCK_Q, -np.inf), np.zeros(BLOCK_Q)
-          for i in range(c_end, steps):
+          for i in range(o, o + n_s):
             j, blk = (int(x) for x in fm.suffix_step(jnp.int32(i), rg, rows_per_seq=m))
             seq = seq0 + w * seqs_per_wg + j
             n_valid = lens[seq] if seq < batch else 0
@@ -114,10 +142,11 @@ def merge(parts):
   return out, np.where(den > 0, top + np.log(np.where(den > 0, den, 1)), -np.inf)
 
 
+@pytest.mark.parametrize("spread", [True, False])
 @pytest.mark.parametrize("transposed", [True, False])
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
-def test_plan_against_full_attention(data, transposed):
+def test_plan_against_full_attention(data, transposed, spread):
   m = data.draw(st.sampled_from([1, 2, 4, 8, 16, 32]), label="G")
   batch = data.draw(st.integers(1, 3 * (CTA_ROWS // m)), label="batch")
   splits = data.draw(st.sampled_from([1, 2, 3, 5]), label="splits")
@@ -134,7 +163,7 @@ def test_plan_against_full_attention(data, transposed):
   pk, pv = rng.standard_normal((2, p, d))
   sk, sv = rng.standard_normal((2, batch, cap, d))
   parts = emulate(q, pk, pv, sk, sv, kv_len, lens, m=m, splits=splits, block_kv=block_kv,
-                  block_s=block_s, transposed=transposed)
+                  block_s=block_s, transposed=transposed, spread=spread)
   out, lse = merge(parts)
   for row in range(batch * m):
     b = row // m
@@ -154,38 +183,67 @@ def test_plan_against_full_attention(data, transposed):
 def test_a_column_group_cut_by_a_split_is_written_by_both():
   """G = 4 (four sequences per 16-column group), one CTA: split boundaries inside a group must
   end its state in the first split and start it in the second."""
-  rg = fm.step_ranges(jnp.int32(8), jnp.int32(8), jnp.int32(1), prefix_blocks=1, block_kv=8,
-                      block_s=4, seqs_per_wg=16, splits=2)
-  plan = [tuple(int(x) for x in fm.suffix_step(jnp.int32(i), rg, rows_per_seq=4, transposed=True))
-          for i in range(int(rg.c_end), int(rg.steps))]
+  for spread in (True, False):
+    rg = ranges(8, 8, 1, 1, n_pre=1, block_kv=8, block_s=4, seqs_per_wg=16, splits=2,
+                spread=spread, ctas=2)
+    o, n_s = int(rg.o), int(rg.n_s)
+    plan = [tuple(int(x) for x in fm.suffix_step(jnp.int32(i), rg, rows_per_seq=4,
+                                                 transposed=True)) for i in range(o, o + n_s)]
+    check_group_cut(plan)
+
+
+def check_group_cut(plan):
   assert plan[0][4] == 1  # the split's first suffix step starts a state, mid-group or not
   assert plan[-1][5] == 1  # and its last one ends it
   ends = [x for x in plan if x[5]]
   assert all(x[3] + 4 == 16 or x is plan[-1] for x in ends)  # other ends: a group's last sequence
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(n_pre=st.integers(0, 300), kv_short=st.integers(0, 127), n_sblk=st.integers(0, 5),
-       seqs_per_wg=st.sampled_from([1, 2, 4, 8, 16, 32, 64]), splits=st.integers(1, 9))
-def test_splits_tile_the_step_list(n_pre, kv_short, n_sblk, seqs_per_wg, splits):
-  """The key splits' ranges cover the CTA's step list in order, once, with at most
-  ``ceil(steps / splits)`` steps each, and the prefix/suffix boundary falls where it should."""
+       seqs_per_wg=st.sampled_from([1, 2, 4, 8, 16, 32, 64]), splits=st.integers(1, 9),
+       spread=st.booleans(), tiles=st.integers(1, 40), tile=st.integers(0, 39))
+def test_splits_tile_the_step_list(n_pre, kv_short, n_sblk, seqs_per_wg, splits, spread, tiles,
+                                   tile):
+  """Over a row tile's key splits, every valid prefix block and every suffix step is visited
+  exactly once; only the prefix's last block is masked, and only when the prefix ends inside it,
+  as its split's last step; each split's suffix steps are one run in order. Equal counts
+  (``spread=False``) cut the list into ranges of at most ``ceil(steps / splits)``; ``spread``
+  gives each split its share of both kinds, within one step of an equal share, and starts the
+  CTAs' suffix runs at positions spread over the split's unmasked prefix blocks."""
+  tile = tile % tiles
   block_kv, block_s = 128, 64
   kv_len = max(n_pre * block_kv - kv_short, 0)
-  ranges = [fm.step_ranges(jnp.int32(kv_len), jnp.int32(n_sblk * block_s), jnp.int32(s),
-                           prefix_blocks=n_pre, block_kv=block_kv, block_s=block_s,
-                           seqs_per_wg=seqs_per_wg, splits=splits)
-            for s in range(splits)]
-  n_valid = int(ranges[0].n_pre)
+  n_suf = seqs_per_wg * n_sblk
+  rgs = [ranges(kv_len, n_sblk * block_s, s, tile * splits + s, n_pre=n_pre, block_kv=block_kv,
+                block_s=block_s, seqs_per_wg=seqs_per_wg, splits=splits, spread=spread,
+                ctas=tiles * splits) for s in range(splits)]
+  n_valid = int(rgs[0].n_pre)
   assert n_valid == -(-kv_len // block_kv)
-  n_total = n_valid + seqs_per_wg * n_sblk
-  pos = 0
-  for rg in ranges:
-    lo, steps = int(rg.lo), int(rg.steps)
-    assert 0 <= steps <= -(-n_total // splits)
-    if steps:
-      assert lo == pos
-      pos += steps
-    assert int(rg.c_end) == min(max(n_valid - lo, 0), steps)
-    assert int(rg.a_end) == min(max(kv_len // block_kv - lo, 0), steps)
-  assert pos == n_total
+  blocks, suffix = [], []
+  for rg in rgs:
+    plan = walk(rg)
+    o, n_s, s_lo = int(rg.o), int(rg.n_s), int(rg.s_lo)
+    assert [x[0] for x in plan[o:o + n_s]] == ["suffix"] * n_s
+    suffix += list(range(s_lo, s_lo + n_s))
+    prefix = [x for x in plan if x[0] == "prefix"]
+    blocks += [x[1] for x in prefix]
+    for k, (_, blk, masked) in enumerate(prefix):
+      assert masked == (blk == n_valid - 1 and kv_len % block_kv != 0)
+      assert not masked or k == len(prefix) - 1 and plan[-1] == prefix[-1]
+    total = n_valid + n_suf
+    if spread:
+      assert abs(len(prefix) - n_valid / splits) < 1 and abs(n_s - n_suf / splits) < 1
+    else:
+      assert len(plan) <= -(-total // splits)
+  assert sorted(blocks) == list(range(n_valid))
+  assert suffix == list(range(n_suf))
+
+
+def test_spread_suffix_runs_start_apart():
+  """With spread steps the CTAs of a KV head start their suffix runs at positions covering the
+  split's unmasked prefix blocks evenly (here 64 of them over 128 CTAs: each start at most twice)."""
+  starts = [int(ranges(128 * 128, 128, c % 2, c, n_pre=128, block_kv=128, block_s=64,
+                       seqs_per_wg=8, splits=2, spread=True, ctas=128).o) for c in range(128)]
+  counts = np.bincount(starts, minlength=65)
+  assert counts.max() <= 2 and counts.sum() == 128 and len(counts) == 65

@@ -106,13 +106,16 @@ FUSED_SWEEP = [(b, hkv * g, hkv, d, p, s)
                    [(1024, 64), (16384, 192)])]
 
 
+@pytest.mark.parametrize("spread", [True, False])
 @pytest.mark.parametrize("b,hq,hkv,d,p,s", FUSED_SWEEP)
-def test_fused_decode_exports_for_cuda(b, hq, hkv, d, p, s):
+def test_fused_decode_exports_for_cuda(b, hq, hkv, d, p, s, spread):
+  """Both step plans (``spread_suffix``: the splits' shares of prefix and suffix steps, or equal
+  ranges of "prefix, then suffix") lower for CUDA as one Mosaic GPU kernel."""
   import pallas_kernels.gpu as gpu
   dt = jnp.bfloat16
   fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
                                                              impl="pallas:mosaic_gpu")
-  with gpu.flat_decode(0):  # small batches too (they take the flat path by default)
+  with gpu.flat_decode(0), gpu.spread_suffix(spread):  # small batches too (else: flat path)
     text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
                        S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
   assert text.count(f"custom_call @{MOSAIC}") == 1 and "private @_fused_jit" in text

@@ -460,6 +460,21 @@ class TestNativeFusedDecode:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
+class TestNativeFusedDecodeEqualRanges(TestNativeFusedDecode):
+  """The same cases with the earlier step plan (``spread_suffix(False)``: the key splits cut
+  "prefix blocks, then suffix steps" into equal ranges)."""
+
+  def setup_method(self):
+    import pallas_kernels.gpu as gpu
+    self._switch = gpu.spread_suffix(False)
+    self._switch.__enter__()
+
+  def teardown_method(self):
+    self._switch.__exit__(None, None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 class TestNativeFusedDecodeTransposed(TestNativeFusedDecode):
   """The same cases with the suffix steps as transposed products (keys on the wgmma M side,
   max(16, G) query rows as N; column groups of several sequences at G < 16, key splits cutting

@@ -70,6 +70,15 @@ def transposed_suffix(enabled: bool):
   return _setting("TRANSPOSED_SUFFIX", bool(enabled), fm)
 
 
+def spread_suffix(enabled: bool):
+  """Temporarily sets ``shared_attention_mgpu.SPREAD_SUFFIX``: the one-kernel path's key splits
+  each take an equal share of prefix blocks and suffix steps, the suffix steps' position
+  varying over the CTAs (True), or cut "prefix blocks, then suffix steps" into equal ranges
+  (False), for calls traced inside."""
+  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  return _setting("SPREAD_SUFFIX", bool(enabled), fm)
+
+
 # Few sequences with one shared prefix: ONE Triton kernel of per-sequence key splits over the
 # shared keys followed by each sequence's own (suffix_attention.flat_rows), instead of a prefix
 # kernel, a suffix kernel and their launch latencies. Every sequence reads the shared K/V (from

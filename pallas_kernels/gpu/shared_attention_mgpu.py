@@ -22,9 +22,11 @@ suffix of its sequences, block_s)`` blocks of each of its sequences (keys past
 a sequence's length are masked; sequences decoding from one prompt have equal
 lengths). The dispatcher uses it for ``G >= 8`` (:data:`MAX_WASTE`).
 
-Key splits (flash-decoding, when the row tiles do not fill the SMs) cut the
-CTA's step list -- prefix blocks then suffix blocks -- into contiguous ranges;
-their partial states are merged by LSE afterwards.
+Key splits (flash-decoding, when the row tiles do not fill the SMs) each take an
+equal share of the row tile's prefix blocks and of its suffix steps (:func:`step_ranges`);
+their partial states are merged by LSE afterwards. A CTA runs its suffix steps as one run
+among its prefix blocks, starting at a position that varies over the CTAs, so that the
+suffix reads (HBM) are spread over the kernel's run instead of all CTAs reading at once.
 
 Transposed suffix steps (``FusedConfig.transposed_suffix``; off by default, measured slower at
 most shapes, :data:`TRANSPOSED_SUFFIX`): a suffix step multiplies the sequence's 64 keys (wgmma's M side)
@@ -76,6 +78,10 @@ class FusedConfig:
   # Suffix steps as transposed products (see :func:`suffix_columns`): keys on the wgmma M side,
   # max(16, G) query rows as N, instead of the warpgroup's 64 rows against the keys.
   transposed_suffix: bool = False
+  # Each key split takes an equal share of the prefix blocks and of the suffix steps, its suffix
+  # steps starting at a position that varies over the CTAs (see :func:`step_ranges`), instead
+  # of the splits at the end of "prefix blocks, then suffix steps" holding every suffix step.
+  spread_suffix: bool = True
 
 
 # The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) and
@@ -87,6 +93,9 @@ class FusedConfig:
 # from B=512 on, but lose in the decode loop (batch 512 prompt 2K -4.3% tokens/s, batch 256
 # -1.6%): the growing suffixes are read in 64-key blocks.
 TRANSPOSED_SUFFIX = False
+
+# The default of FusedConfig.spread_suffix (read by default_config, i.e. when tracing).
+SPREAD_SUFFIX = True
 
 
 def suffix_columns(rows_per_seq: int) -> int:
@@ -143,7 +152,7 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   Measured on an H100 (tools/device/fused.sh, 2026-11-23): splits from the prefix blocks alone
   ran paper-shape B=16, P=1024 at 31 us (40 steps over 2 CTAs); counted over all steps, 12.7.
   """
-  cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX)
+  cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX, spread_suffix=SPREAD_SUFFIX)
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
   steps = prefix // cfg.block_kv + (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
   splits = max(1, min(num_sms // tiles, steps // 4))
@@ -152,33 +161,71 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
 
 @dataclasses.dataclass(frozen=True)
 class StepRanges:
-  """One CTA split's step list (int32 scalars, traced in the kernel): local steps ``[0, steps)``
-  are global steps ``lo + i`` of ``n_pre`` prefix blocks followed by ``seqs_per_wg * n_sblk``
-  suffix steps; ``[0, a_end)`` unmasked prefix, ``[a_end, c_end)`` the last (masked) prefix
-  block, ``[c_end, steps)`` suffix steps."""
-  n_pre: jax.Array
+  """One CTA split's steps (int32 scalars, traced in the kernel). Local steps ``[0, steps)``:
+  ``[0, o)`` prefix blocks ``p_lo, p_lo + 1, ...`` (unmasked), ``[o, o + n_s)`` suffix steps
+  ``s_lo, s_lo + 1, ...`` (of ``seqs_per_wg * n_sblk``: sequence-major, ``n_sblk`` key blocks
+  each), ``[o + n_s, n_s + n_pf)`` the split's other unmasked prefix blocks, and
+  ``[n_s + n_pf, steps)`` its last prefix block when the prefix ends inside it (masked; 0 or 1
+  step). See :func:`step_ranges`."""
+  n_pre: jax.Array  # the prefix's valid blocks (all splits)
   n_sblk: jax.Array  # key blocks per sequence (the CTA's longest suffix)
-  lo: jax.Array
+  p_lo: jax.Array
+  n_p: jax.Array  # prefix blocks of this split
+  n_pf: jax.Array  # of which unmasked
+  s_lo: jax.Array
+  n_s: jax.Array  # suffix steps of this split
+  o: jax.Array  # where the suffix steps start among the split's steps
   steps: jax.Array
-  a_end: jax.Array
-  c_end: jax.Array
 
 
-def step_ranges(kv_len, max_len, split, *, prefix_blocks: int, block_kv: int, block_s: int,
-                seqs_per_wg: int, splits: int) -> StepRanges:
-  """The kernel's step list for one CTA and split (``kv_len``: valid prefix keys, at most the
+def step_ranges(kv_len, max_len, split, cta=0, *, prefix_blocks: int, block_kv: int,
+                block_s: int, seqs_per_wg: int, splits: int, spread: bool = True,
+                ctas: int = 1) -> StepRanges:
+  """The kernel's steps for one CTA and split (``kv_len``: valid prefix keys, at most the
   buffer; ``max_len``: the CTA's longest suffix, at most the capacity). Pure int32 arithmetic,
-  shared by the kernel and the CPU emulation in the tests."""
+  shared by the kernel and the CPU emulation in the tests.
+
+  ``spread`` (the default): every split takes an equal share of the prefix blocks AND of the
+  suffix steps, and its suffix steps start at a position that varies over the ``ctas`` CTAs
+  of a KV head (``cta`` in ``[0, ctas)``), so that at any time only some CTAs read suffix
+  bytes from HBM while the others run prefix blocks from L2. Otherwise (the earlier plan) the
+  list "prefix blocks, then suffix steps" is cut into ``splits`` ranges of equal step counts:
+  the splits at its end hold every suffix step, and those CTAs read them all at once.
+  """
   i32 = jnp.int32
   n_pre = jnp.minimum(lax.div(kv_len + (block_kv - 1), i32(block_kv)), prefix_blocks)
-  full_pre = lax.div(kv_len, i32(block_kv))
+  full_pre = jnp.minimum(lax.div(kv_len, i32(block_kv)), n_pre)
   n_sblk = lax.div(max_len + (block_s - 1), i32(block_s))
-  n_total = n_pre + seqs_per_wg * n_sblk
-  per_split = lax.div(n_total + (splits - 1), i32(splits))
-  lo = split * per_split
-  steps = jnp.clip(n_total - lo, 0, per_split)
-  return StepRanges(n_pre, n_sblk, lo, steps, jnp.clip(full_pre - lo, 0, steps),
-                    jnp.clip(n_pre - lo, 0, steps))
+  n_suf = seqs_per_wg * n_sblk
+  if spread:
+    p_lo = lax.div(split * n_pre, i32(splits))
+    n_p = lax.div((split + 1) * n_pre, i32(splits)) - p_lo
+    s_lo = lax.div(split * n_suf, i32(splits))
+    n_s = lax.div((split + 1) * n_suf, i32(splits)) - s_lo
+    n_pf = jnp.clip(full_pre - p_lo, 0, n_p)
+    o = lax.div(lax.rem(cta, i32(ctas)) * (n_pf + 1), i32(ctas))  # spread over [0, n_pf]
+  else:
+    n_total = n_pre + n_suf
+    per_split = lax.div(n_total + (splits - 1), i32(splits))
+    lo = split * per_split
+    steps = jnp.clip(n_total - lo, 0, per_split)
+    p_lo = jnp.minimum(lo, n_pre)
+    n_p = jnp.clip(n_pre - lo, 0, steps)
+    n_pf = jnp.clip(full_pre - lo, 0, n_p)
+    s_lo = jnp.maximum(lo - n_pre, 0)
+    n_s = steps - n_p
+    o = n_pf
+  return StepRanges(n_pre, n_sblk, p_lo, n_p, n_pf, s_lo, n_s, o, n_p + n_s)
+
+
+def is_suffix(i, r: StepRanges):
+  """Whether local step ``i`` is a suffix step."""
+  return (i >= r.o) & (i < r.o + r.n_s)
+
+
+def prefix_block(i, r: StepRanges):
+  """The prefix block of local step ``i`` (a prefix step)."""
+  return r.p_lo + jnp.where(i < r.o, i, i - r.n_s)
 
 
 def suffix_step(i, r: StepRanges, *, rows_per_seq: int, transposed: bool = False):
@@ -188,7 +235,7 @@ def suffix_step(i, r: StepRanges, *, rows_per_seq: int, transposed: bool = False
   first suffix step or the group's first) or ends (``end``) the group's state."""
   i32 = jnp.int32
   n_sblk = jnp.maximum(r.n_sblk, 1)
-  u = r.lo + i - r.n_pre
+  u = r.s_lo + i - r.o
   j = lax.div(u, n_sblk)
   blk = u - j * n_sblk
   if not transposed:
@@ -198,8 +245,8 @@ def suffix_step(i, r: StepRanges, *, rows_per_seq: int, transposed: bool = False
   per_group = n_cols // m
   g_first = lax.div(j, i32(per_group)) * n_cols
   col0 = lax.rem(j, i32(per_group)) * m
-  start = (i == r.c_end) | ((col0 == 0) & (blk == 0))
-  end = (i == r.steps - 1) | ((col0 + m == n_cols) & (blk == n_sblk - 1))
+  start = (i == r.o) | ((col0 == 0) & (blk == 0))
+  end = (i == r.o + r.n_s - 1) | ((col0 + m == n_cols) & (blk == n_sblk - 1))
   return j, blk, g_first, col0, start, end
 
 
@@ -228,6 +275,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   seqs_per_wg = block_q // m
   seqs_per_cta = 2 * seqs_per_wg
   prefix_blocks = p // block_kv
+  tiles = r // CTA_ROWS  # row tiles per KV head
   steps_buf = cfg.max_concurrent_steps
   qk_scale = scale * LOG2E
   transposed = cfg.transposed_suffix
@@ -264,10 +312,11 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     # The longest suffix of the CTA's sequences, reduced by XLA beforehand (one load here, not
     # one dependent load per sequence).
     max_len = jnp.clip(tmax_ref[tile], 0, capacity)
-    ranges = step_ranges(kv_len, max_len, split, prefix_blocks=prefix_blocks, block_kv=block_kv,
-                         block_s=block_s, seqs_per_wg=seqs_per_wg, splits=cfg.splits)
-    n_pre, lo, steps = ranges.n_pre, ranges.lo, ranges.steps
-    a_end, c_end = ranges.a_end, ranges.c_end
+    ranges = step_ranges(kv_len, max_len, split, tile * cfg.splits + split,
+                         prefix_blocks=prefix_blocks, block_kv=block_kv, block_s=block_s,
+                         seqs_per_wg=seqs_per_wg, splits=cfg.splits, spread=cfg.spread_suffix,
+                         ctas=tiles * cfg.splits)
+    steps, o, n_s, n_pf = ranges.steps, ranges.o, ranges.n_s, ranges.n_pf
 
     def suffix_coords(i, w: int):
       """Sequence (of warpgroup w) and key block of local step i (a suffix step)."""
@@ -296,8 +345,9 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         if w == 0:
           plgpu.barrier_wait(k_barriers.at[slot])
           return
-        pl.when(lo + i < n_pre)(lambda: plgpu.barrier_wait(k_barriers.at[slot]))
-        pl.when(lo + i >= n_pre)(lambda: plgpu.barrier_wait(k1_barriers.at[slot]))
+        suffix = is_suffix(i, ranges)
+        pl.when(~suffix)(lambda: plgpu.barrier_wait(k_barriers.at[slot]))
+        pl.when(suffix)(lambda: plgpu.barrier_wait(k1_barriers.at[slot]))
 
       plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem, q_barriers.at[w])
       plgpu.barrier_wait(q_barriers.at[w])
@@ -337,7 +387,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         plgpu.barrier_arrive(k_consumed_barriers.at[slot])
         if kind == "prefix_last":
           cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
-          qk = jnp.where(cols + (lo + i) * block_kv < kv_len, qk, -jnp.inf)
+          qk = jnp.where(cols + prefix_block(i, ranges) * block_kv < kv_len, qk, -jnp.inf)
         elif kind == "suffix":
           cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
           qk = jnp.where(cols + blk * block_s < n_valid, qk, -jnp.inf)
@@ -452,20 +502,24 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
         return acc, m_i, l_i, o_t, m_s, l_s
 
-      carry = (acc, m_i, l_i)
-      carry = lax.fori_loop(0, a_end, functools.partial(kv_loop, kind="prefix"), carry)
-      carry = lax.fori_loop(a_end, c_end, functools.partial(kv_loop, kind="prefix_last"), carry)
+      # The steps in order (StepRanges): unmasked prefix blocks, the suffix steps, the other
+      # unmasked prefix blocks, the masked last prefix block.
+      prefix = functools.partial(kv_loop, kind="prefix")
+      carry = lax.fori_loop(0, o, prefix, (acc, m_i, l_i))
       if transposed:
         cols_layout = plgpu.Layout.WGMMA.reduce(0)
         suffix_carry = (
             plgpu.layout_cast(jnp.full((d, n_cols), 0, jnp.float32), plgpu.Layout.WGMMA),
             plgpu.layout_cast(jnp.full((n_cols,), -jnp.inf, jnp.float32), cols_layout),
             plgpu.layout_cast(jnp.full((n_cols,), 0, jnp.float32), cols_layout))
-        acc, m_i, l_i, *_ = lax.fori_loop(c_end, steps, suffix_step_transposed,
-                                          (*carry, *suffix_carry))
+        *carry, _, _, _ = lax.fori_loop(o, o + n_s, suffix_step_transposed,
+                                        (*carry, *suffix_carry))
+        carry = tuple(carry)
       else:
-        acc, m_i, l_i = lax.fori_loop(c_end, steps, functools.partial(kv_loop, kind="suffix"),
-                                      carry)
+        carry = lax.fori_loop(o, o + n_s, functools.partial(kv_loop, kind="suffix"), carry)
+      carry = lax.fori_loop(o + n_s, n_s + n_pf, prefix, carry)
+      acc, m_i, l_i = lax.fori_loop(n_s + n_pf, steps,
+                                    functools.partial(kv_loop, kind="prefix_last"), carry)
       if w == 0:
         perform_schedule_barrier()
 
@@ -494,12 +548,15 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         suf_smem = vs_smem.at[slot] if transposed and which == "v" else smem
         bars = (k_barriers, k1_barriers) if which == "k" else (v_barriers, v1_barriers)
 
-        @pl.when(lo + i < n_pre)
+        suffix = is_suffix(i, ranges)
+
+        @pl.when(~suffix)
         def _prefix():
-          plgpu.copy_gmem_to_smem(src_pre.at[pl.ds((lo + i) * block_kv, block_kv), head], smem,
+          blk = prefix_block(i, ranges)
+          plgpu.copy_gmem_to_smem(src_pre.at[pl.ds(blk * block_kv, block_kv), head], smem,
                                   bars[0].at[slot])
 
-        @pl.when(lo + i >= n_pre)
+        @pl.when(suffix)
         def _suffix():
           for w in (0, 1):  # each warpgroup's sequence into its half of the slot
             seq, _, blk = suffix_coords(i, w)
@@ -557,7 +614,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                   jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32)]
   length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
   lens = jnp.asarray(suffix_lengths, jnp.int32)
-  tiles = r // CTA_ROWS
   tile_max = jnp.pad(lens, (0, tiles * seqs_per_cta - batch)).reshape(tiles, seqs_per_cta).max(1)
   outs = plgpu.kernel(
       entry,

@@ -247,3 +247,49 @@ def test_spread_suffix_runs_start_apart():
                        seqs_per_wg=8, splits=2, spread=True, ctas=128).o) for c in range(128)]
   counts = np.bincount(starts, minlength=65)
   assert counts.max() <= 2 and counts.sum() == 128 and len(counts) == 65
+
+
+def phase_errors(plan_suffix, steps_buf, waits):
+  """Barrier phases a warpgroup skips before waiting again on the same barrier. Mosaic GPU keeps
+  each barrier's phase in the waiting threads and flips it at every wait, so a warpgroup must
+  wait on every phase of a barrier up to its last wait there; ``plan_suffix`` lists whether each
+  local step is a suffix step."""
+  errors = []
+  for w in (0, 1):
+    for slot in range(steps_buf):
+      mine = [(i, sfx) for i, sfx in enumerate(plan_suffix) if i % steps_buf == slot]
+      for name in ("k", "v", "k1", "v1"):
+        arrived = [i for i, sfx in mine if name in fm.arrivals(sfx)]
+        waited = [i for i, sfx in mine if name in waits(w, sfx)]
+        assert set(waited) <= set(arrived), (w, name, waited, arrived)  # no wait without a copy
+        if waited and [i for i in arrived if i <= waited[-1]] != waited:
+          errors.append((w, name, slot))
+  return errors
+
+
+@settings(max_examples=300, deadline=None)
+@given(n_pre=st.integers(0, 40), kv_short=st.integers(0, 127), n_sblk=st.integers(0, 5),
+       seqs_per_wg=st.sampled_from([1, 2, 4, 8, 16, 64]), splits=st.integers(1, 9),
+       spread=st.booleans(), ctas=st.integers(1, 40), cta=st.integers(0, 39),
+       steps_buf=st.sampled_from([2, 3]))
+def test_barrier_phases(n_pre, kv_short, n_sblk, seqs_per_wg, splits, spread, ctas, cta,
+                        steps_buf):
+  """Every consumer warpgroup waits on each phase of every barrier it waits on (see
+  :func:`phase_errors`), for both step plans."""
+  kv_len = max(n_pre * 128 - kv_short, 0)
+  for split in range(splits):
+    rg = ranges(kv_len, n_sblk * 64, split, (cta % ctas) * splits + split, n_pre=n_pre,
+                block_kv=128, block_s=64, seqs_per_wg=seqs_per_wg, splits=splits, spread=spread,
+                ctas=ctas * splits)
+    plan = [x[0] == "suffix" for x in walk(rg)]
+    assert phase_errors(plan, steps_buf, fm.waits) == []
+
+
+def test_barrier_phase_check_catches_skipped_phases():
+  """Warpgroup 1 waiting only on its own half's barriers at suffix steps (what the kernel did
+  before the suffix steps could sit among prefix blocks) skips phases of "k" and "v" as soon
+  as a prefix step follows an odd number of suffix steps on a slot, which hangs the kernel."""
+  own_half = lambda w, sfx: ("k1", "v1") if (w == 1 and sfx) else ("k", "v")
+  assert phase_errors([True, False, False], 2, own_half) == [(1, "k", 0), (1, "v", 0)]
+  assert phase_errors([False, True, True], 2, own_half) == []  # suffix steps last: no skip
+  assert phase_errors([True, False, False], 2, fm.waits) == []

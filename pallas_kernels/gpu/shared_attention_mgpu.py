@@ -228,6 +228,25 @@ def prefix_block(i, r: StepRanges):
   return r.p_lo + jnp.where(i < r.o, i, i - r.n_s)
 
 
+# The K/V slot barriers. The producer's copies complete ("arrive on") "k" and "v" for a prefix
+# step, and for a suffix step "k" and "v" (warpgroup 0's half of the slot) and "k1" and "v1"
+# (warpgroup 1's half). Mosaic GPU tracks a barrier's phase in each waiting thread, flipping it
+# at every wait, so a warpgroup that waits on a barrier at all must wait on every phase of it
+# up to its last wait: warpgroup 1 waits on "k" and "v" at suffix steps too (for data it does
+# not read), because prefix steps may follow them.
+def arrivals(suffix: bool) -> tuple[str, ...]:
+  """The barriers the producer's copies of one step arrive on."""
+  return ("k", "v", "k1", "v1") if suffix else ("k", "v")
+
+
+def waits(w: int, suffix: bool) -> tuple[str, ...]:
+  """The barriers consumer warpgroup ``w`` waits on at one step (the last is the one its data
+  comes with)."""
+  if w == 0 or not suffix:
+    return ("k", "v")
+  return ("k", "k1", "v", "v1")
+
+
 def suffix_step(i, r: StepRanges, *, rows_per_seq: int, transposed: bool = False):
   """Local suffix step ``i`` of a warpgroup: its sequence ``j`` among the warpgroup's, the key
   block ``blk``; with ``transposed``, also the column group's first row ``g_first``, the
@@ -333,21 +352,28 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       qo_smem = qo_smem2.at[w]
       lse_smem = lse_smem2.at[w]
       q_base = tile * CTA_ROWS + w * block_q
-      my_v = v_barriers if w == 0 else v1_barriers
       if transposed:
         pt_smem, osuf_smem, lsuf_smem = pt_smem2.at[w], osuf_smem2.at[w], lsuf_smem2.at[w]
         # Rows of groups this split never reaches: (0, -inf) (their outputs are not written).
         lsuf_smem[...] = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
                                            plgpu.Layout.WGMMA.reduce(1))
 
-      def wait_k(i, slot):
-        """K of local step i has landed (which barrier depends on the step's kind)."""
+      bars = dict(k=k_barriers, v=v_barriers, k1=k1_barriers, v1=v1_barriers)
+
+      def wait_for(kind: str, i, slot):
+        """Waits on the K ("k") or V ("v") barriers of local step i, as :func:`waits` says."""
+        def on(suffix: bool):
+          for name in waits(w, suffix):
+            if name[0] == kind:
+              plgpu.barrier_wait(bars[name].at[slot])
         if w == 0:
-          plgpu.barrier_wait(k_barriers.at[slot])
-          return
-        suffix = is_suffix(i, ranges)
-        pl.when(~suffix)(lambda: plgpu.barrier_wait(k_barriers.at[slot]))
-        pl.when(suffix)(lambda: plgpu.barrier_wait(k1_barriers.at[slot]))
+          on(False)
+        else:
+          suffix = is_suffix(i, ranges)
+          pl.when(~suffix)(lambda: on(False))
+          pl.when(suffix)(lambda: on(True))
+
+      wait_k = functools.partial(wait_for, "k")
 
       plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem, q_barriers.at[w])
       plgpu.barrier_wait(q_barriers.at[w])
@@ -369,10 +395,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         if kind == "suffix":
           half = pl.ds(w * block_s, block_s)
           k_tile, v_tile, n_keys = k_smem.at[slot, half], v_smem.at[slot, half], block_s
-          v_bar = my_v.at[slot]
         else:
           k_tile, v_tile, n_keys = k_smem.at[slot], v_smem.at[slot], block_kv
-          v_bar = v_barriers.at[slot]
 
         if kind == "suffix":  # issued before the product: the load's latency hides behind it
           seq, j, blk = suffix_coords(i, w)
@@ -407,7 +431,9 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         l_i += p_.sum(axis=1)
         acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
         plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
-        plgpu.barrier_wait(v_bar)
+        for name in waits(w, kind == "suffix"):
+          if name[0] == "v":
+            plgpu.barrier_wait(bars[name].at[slot])
         plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
 
         def compute_pv(acc_ref):
@@ -471,7 +497,9 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         plgpu.commit_smem()
         acc, m_i, l_i, o_t, m_s, l_s = lax.optimization_barrier((acc, m_i, l_i, o_t, m_s, l_s))
         plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
-        plgpu.barrier_wait(my_v.at[slot])
+        for name in waits(w, True):
+          if name[0] == "v":
+            plgpu.barrier_wait(bars[name].at[slot])
         plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
 
         def compute_pv(acc_ref):  # V^T P^T [D, n_cols], added to O^T below

@@ -293,3 +293,21 @@ def test_barrier_phase_check_catches_skipped_phases():
   assert phase_errors([True, False, False], 2, own_half) == [(1, "k", 0), (1, "v", 0)]
   assert phase_errors([False, True, True], 2, own_half) == []  # suffix steps last: no skip
   assert phase_errors([True, False, False], 2, fm.waits) == []
+
+
+def test_default_config_spreads_where_it_was_measured_faster():
+  """``spreads``: at most 2 key splits and a prefix of at least twice the suffix steps (the
+  paper shape's B=1024 with P=16K; not P=4K S=512, P=1K, nor 8 splits at B=256); the switch
+  forces either plan."""
+  import pallas_kernels.gpu as gpu
+  cfg = lambda b, p, s: fm.default_config(b * 8, 1, p, s, 8)
+  assert cfg(1024, 16384, 128).spread_suffix and cfg(1024, 16384, 512).spread_suffix
+  assert cfg(1024, 16384, 128).splits == 2
+  assert cfg(1024, 4096, 128).spread_suffix  # a tie there (49.4 / 49.4 us)
+  assert not cfg(1024, 4096, 512).spread_suffix and not cfg(1024, 1024, 128).spread_suffix
+  assert not cfg(256, 16384, 128).spread_suffix and cfg(256, 16384, 128).splits == 8
+  with gpu.spread_suffix(False):
+    assert not cfg(1024, 16384, 128).spread_suffix
+  with gpu.spread_suffix(True):
+    assert cfg(256, 4096, 512).spread_suffix
+  assert fm.SPREAD_SUFFIX is None

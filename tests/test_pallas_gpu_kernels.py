@@ -461,16 +461,25 @@ class TestNativeFusedDecode:
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 class TestNativeFusedDecodeEqualRanges(TestNativeFusedDecode):
-  """The same cases with the earlier step plan (``spread_suffix(False)``: the key splits cut
-  "prefix blocks, then suffix steps" into equal ranges)."""
+  """The same cases with the key splits cutting "prefix blocks, then suffix steps" into equal
+  ranges for every shape (``spread_suffix(False)``)."""
+  spread = False
 
   def setup_method(self):
     import pallas_kernels.gpu as gpu
-    self._switch = gpu.spread_suffix(False)
+    self._switch = gpu.spread_suffix(self.spread)
     self._switch.__enter__()
 
   def teardown_method(self):
     self._switch.__exit__(None, None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
+class TestNativeFusedDecodeSpread(TestNativeFusedDecodeEqualRanges):
+  """The same cases with every shape's splits spreading their suffix steps among their prefix
+  blocks (``spread_suffix(True)``; by default only few splits over a long prefix do)."""
+  spread = True
 
 
 @pytest.mark.gpu

@@ -70,13 +70,14 @@ def transposed_suffix(enabled: bool):
   return _setting("TRANSPOSED_SUFFIX", bool(enabled), fm)
 
 
-def spread_suffix(enabled: bool):
+def spread_suffix(enabled: bool | None):
   """Temporarily sets ``shared_attention_mgpu.SPREAD_SUFFIX``: the one-kernel path's key splits
   each take an equal share of prefix blocks and suffix steps, the suffix steps' position
   varying over the CTAs (True), or cut "prefix blocks, then suffix steps" into equal ranges
-  (False), for calls traced inside."""
+  (False); None: as ``shared_attention_mgpu.spreads`` decides (the default). For calls traced
+  inside."""
   from pallas_kernels.gpu import shared_attention_mgpu as fm
-  return _setting("SPREAD_SUFFIX", bool(enabled), fm)
+  return _setting("SPREAD_SUFFIX", None if enabled is None else bool(enabled), fm)
 
 
 # Few sequences with one shared prefix: ONE Triton kernel of per-sequence key splits over the

@@ -22,11 +22,13 @@ suffix of its sequences, block_s)`` blocks of each of its sequences (keys past
 a sequence's length are masked; sequences decoding from one prompt have equal
 lengths). The dispatcher uses it for ``G >= 8`` (:data:`MAX_WASTE`).
 
-Key splits (flash-decoding, when the row tiles do not fill the SMs) each take an
-equal share of the row tile's prefix blocks and of its suffix steps (:func:`step_ranges`);
-their partial states are merged by LSE afterwards. A CTA runs its suffix steps as one run
-among its prefix blocks, starting at a position that varies over the CTAs, so that the
-suffix reads (HBM) are spread over the kernel's run instead of all CTAs reading at once.
+Key splits (flash-decoding, when the row tiles do not fill the SMs) cut the CTA's
+step list -- prefix blocks then suffix steps -- into ranges of equal step counts, or (with
+few splits and a long prefix, :func:`spreads`) each take an equal share of the prefix blocks
+and of the suffix steps, running the suffix steps as one run among the prefix blocks from a
+position that varies over the CTAs, so that the suffix reads (HBM) are spread over the
+kernel's run instead of coming in one burst at its end (:func:`step_ranges`); the splits'
+partial states are merged by LSE afterwards.
 
 Transposed suffix steps (``FusedConfig.transposed_suffix``; off by default, measured slower at
 most shapes, :data:`TRANSPOSED_SUFFIX`): a suffix step multiplies the sequence's 64 keys (wgmma's M side)
@@ -81,7 +83,8 @@ class FusedConfig:
   # Each key split takes an equal share of the prefix blocks and of the suffix steps, its suffix
   # steps starting at a position that varies over the CTAs (see :func:`step_ranges`), instead
   # of the splits at the end of "prefix blocks, then suffix steps" holding every suffix step.
-  spread_suffix: bool = True
+  # default_config decides (:func:`spreads`).
+  spread_suffix: bool = False
 
 
 # The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) and
@@ -94,8 +97,25 @@ class FusedConfig:
 # -1.6%): the growing suffixes are read in 64-key blocks.
 TRANSPOSED_SUFFIX = False
 
-# The default of FusedConfig.spread_suffix (read by default_config, i.e. when tracing).
-SPREAD_SUFFIX = True
+# FusedConfig.spread_suffix as default_config sets it (read when tracing): None follows
+# :func:`spreads`; True or False forces it (experiments).
+SPREAD_SUFFIX: bool | None = None
+
+
+def spreads(splits: int, prefix_blocks: int, suffix_steps: int) -> bool:
+  """Whether the key splits spread their suffix steps (:func:`step_ranges`): with at most 2
+  splits and at least twice as many prefix blocks as suffix steps, where equal ranges put every
+  suffix step in the last split's tail and those CTAs read the suffixes in one burst.
+
+  Measured on an H100 (tools/device/spread_suffix.py, paper shape, one process per row, 2026-11-23,
+  docs/results/2026-11-23-h100-spread-suffix; device us, spread / equal ranges): B=1024 P=16K
+  S=128 124.1 / 125.9, S=512 159.3 / 167.5 (2 splits, 128 prefix blocks against 16 and 64 suffix
+  steps); B=1024 P=4K S=128 49.4 / 49.4. Slower where the suffix steps dominate, which equal
+  ranges already run alongside the prefix blocks (B=1024 P=4K S=512 114.2 / 103.5, P=1K S=128
+  38.0 / 35.5, S=512 104.0 / 101.2), and no better with 8 splits (B=256 P=16K S=128 36.7 / 36.5,
+  P=4K S=128 17.4 / 17.2, P=4K S=512 37.9 / 34.4).
+  """
+  return splits <= 2 and prefix_blocks >= 2 * suffix_steps
 
 
 def suffix_columns(rows_per_seq: int) -> int:
@@ -152,11 +172,14 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   Measured on an H100 (tools/device/fused.sh, 2026-11-23): splits from the prefix blocks alone
   ran paper-shape B=16, P=1024 at 31 us (40 steps over 2 CTAs); counted over all steps, 12.7.
   """
-  cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX, spread_suffix=SPREAD_SUFFIX)
+  cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX)
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
-  steps = prefix // cfg.block_kv + (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
-  splits = max(1, min(num_sms // tiles, steps // 4))
-  return dataclasses.replace(cfg, splits=splits)
+  prefix_blocks = prefix // cfg.block_kv
+  suffix_steps = (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
+  splits = max(1, min(num_sms // tiles, (prefix_blocks + suffix_steps) // 4))
+  spread = (spreads(splits, prefix_blocks, suffix_steps) if SPREAD_SUFFIX is None
+            else SPREAD_SUFFIX)
+  return dataclasses.replace(cfg, splits=splits, spread_suffix=spread)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,18 +202,18 @@ class StepRanges:
 
 
 def step_ranges(kv_len, max_len, split, cta=0, *, prefix_blocks: int, block_kv: int,
-                block_s: int, seqs_per_wg: int, splits: int, spread: bool = True,
+                block_s: int, seqs_per_wg: int, splits: int, spread: bool = False,
                 ctas: int = 1) -> StepRanges:
   """The kernel's steps for one CTA and split (``kv_len``: valid prefix keys, at most the
   buffer; ``max_len``: the CTA's longest suffix, at most the capacity). Pure int32 arithmetic,
   shared by the kernel and the CPU emulation in the tests.
 
-  ``spread`` (the default): every split takes an equal share of the prefix blocks AND of the
-  suffix steps, and its suffix steps start at a position that varies over the ``ctas`` CTAs
-  of a KV head (``cta`` in ``[0, ctas)``), so that at any time only some CTAs read suffix
-  bytes from HBM while the others run prefix blocks from L2. Otherwise (the earlier plan) the
-  list "prefix blocks, then suffix steps" is cut into ``splits`` ranges of equal step counts:
-  the splits at its end hold every suffix step, and those CTAs read them all at once.
+  By default the list "prefix blocks, then suffix steps" is cut into ``splits`` ranges of
+  equal step counts: the splits at its end hold every suffix step. With ``spread`` every split
+  takes an equal share of the prefix blocks AND of the suffix steps, and its suffix steps start
+  at a position that varies over the ``ctas`` CTAs of a KV head (``cta`` in ``[0, ctas)``), so
+  that at any time only some CTAs read suffix bytes from HBM while the others run prefix blocks
+  from L2 (:func:`spreads` says when the kernel does this).
   """
   i32 = jnp.int32
   n_pre = jnp.minimum(lax.div(kv_len + (block_kv - 1), i32(block_kv)), prefix_blocks)

@@ -263,8 +263,8 @@ def arrivals(suffix: bool) -> tuple[str, ...]:
 
 
 def waits(w: int, suffix: bool) -> tuple[str, ...]:
-  """The barriers consumer warpgroup ``w`` waits on at one step (the last is the one its data
-  comes with)."""
+  """The barriers consumer warpgroup ``w`` waits on at one step (of the K ones and of the V
+  ones, the last is the one its own data comes with)."""
   if w == 0 or not suffix:
     return ("k", "v")
   return ("k", "k1", "v", "v1")

@@ -1,12 +1,14 @@
-"""The one-kernel decode path's step plan, emulated on the CPU in float64.
+"""The one-kernel decode path's step plans, emulated on the CPU in float64.
 
-The Mosaic GPU kernel (``pallas_kernels.gpu.shared_attention_mgpu``) has no interpret mode, and
-its transposed suffix steps have not run on a GPU yet. What decides correctness beyond the
+The Mosaic GPU kernel (``pallas_kernels.gpu.shared_attention_mgpu``) has no interpret mode (its
+native tests run on an H100 through the device tool). What decides correctness beyond the
 arithmetic of each step is the plan: which keys each CTA split and warpgroup visits, where a
 column group's state starts and ends (sequences, key blocks, split boundaries cutting groups),
 and how the parts are merged. These tests run the kernel's own plan functions
-(``step_ranges``, ``suffix_step``) step by step over float64 arrays, with the kernel's masks and
-online softmax, and compare the merged result with full attention.
+(``step_ranges``, ``is_suffix``, ``prefix_block``, ``suffix_step``) step by step over float64
+arrays, with the kernel's masks and online softmax, and compare the merged result with full
+attention; and they check the kernel's barrier protocol (``arrivals``, ``waits``), whose
+mistakes hang the GPU instead of giving a wrong number.
 """
 
 import jax.numpy as jnp

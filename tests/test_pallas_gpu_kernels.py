@@ -350,14 +350,15 @@ class TestNativeMosaic:
     given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples)(
         lambda data, seed: TestInterpret.run_prefix(self, data, seed, case)))()
 
-  @pytest.mark.parametrize("block_kv,splits,p,d", [(128, 1, 640, 128), (192, 1, 640, 128),
-                                                   (192, 3, 1024, 128), (192, 2, 2048, 64),
-                                                   (64, 2, 448, 256)])
-  def test_prefix_kernel_configs(self, block_kv, splits, p, d):
+  @pytest.mark.parametrize("block_kv,splits,p,d,stages", [
+      (128, 1, 640, 128, 2), (192, 1, 640, 128, 2), (192, 3, 1024, 128, 2),
+      (192, 2, 2048, 64, 2), (64, 2, 448, 256, 2), (128, 2, 1152, 128, 3), (128, 1, 384, 64, 3)])
+  def test_prefix_kernel_configs(self, block_kv, splits, p, d, stages):
     """The kernel directly, off its default configuration: key steps that do not divide P (the
-    last block read past P, zero-filled by TMA, and masked), key splits, lengths 0, 1, P."""
+    last block read past P, zero-filled by TMA, and masked), key splits, two or three K/V slots,
+    lengths 0, 1, P."""
     from pallas_kernels.gpu import prefix_attention_mgpu as mg
-    cfg = mg.MosaicPrefixConfig(64, block_kv, 2, splits)
+    cfg = mg.MosaicPrefixConfig(64, block_kv, stages, splits)
     fn = jax.jit(mg.prefix_attention_rows_mgpu, static_argnames=("scale", "config"))
 
     def run(data, seed):
@@ -480,6 +481,23 @@ class TestNativeFusedDecodeSpread(TestNativeFusedDecodeEqualRanges):
   """The same cases with every shape's splits spreading their suffix steps among their prefix
   blocks (``spread_suffix(True)``; by default only few splits over a long prefix do)."""
   spread = True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
+class TestNativeFusedDecodeThreeStages(TestNativeFusedDecode):
+  """The same cases with three K/V slots in flight in the one kernel (``kv_stages(3, 3)``; D = 64
+  and 128 both fit) and in the prefix kernel that the public API runs at G < 8."""
+
+  def setup_method(self):
+    import pallas_kernels.gpu as gpu
+    from pallas_kernels.gpu import shared_attention_mgpu as fm
+    self._switch = gpu.kv_stages(3, 3)
+    self._switch.__enter__()
+    assert fm.default_config(128, 1, 1024, 128, 8, head_dim=128).max_concurrent_steps == 3
+
+  def teardown_method(self):
+    self._switch.__exit__(None, None, None)
 
 
 @pytest.mark.gpu

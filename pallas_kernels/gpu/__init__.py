@@ -121,6 +121,21 @@ def wide_prefix_steps(min_keys: int):
   return _setting("WIDE_MIN_KEYS", int(min_keys), mg)
 
 
+def kv_stages(fused: int | None = None, prefix: int | None = None):
+  """Temporarily sets the K/V slots in flight of the one-kernel decode path
+  (``shared_attention_mgpu.STAGES``) and of the Mosaic GPU prefix kernel's 128-key steps
+  (``prefix_attention_mgpu.STAGES``), where they fit in shared memory; None leaves one as it
+  is. For calls traced inside."""
+  from pallas_kernels.gpu import prefix_attention_mgpu as mg
+  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  stack = contextlib.ExitStack()
+  if fused is not None:
+    stack.enter_context(_setting("STAGES", int(fused), fm))
+  if prefix is not None:
+    stack.enter_context(_setting("STAGES", int(prefix), mg))
+  return stack
+
+
 def flat_shared_reads(batch: int, k) -> int:
   """Bytes of shared K and V read by ``batch`` sequences on the flat path (``k [P, Hkv, D]``)."""
   return 2 * batch * k.size * k.dtype.itemsize

@@ -53,6 +53,18 @@ class MosaicPrefixConfig:
 # (docs/results/2026-11-23-h100-wide-steps/): faster at 8K-16K keys per split, slower at 2K.
 WIDE_MIN_KEYS = 8192
 WIDE_BLOCK_KV = 192  # 2 stages of 192-key K and V tiles + q: 224 KiB of the 227 KiB of shared memory
+# K/V slots in flight with 128-key (or 64-key) steps, where they fit in shared memory
+# (:func:`smem_bytes`; otherwise 2). Read when tracing.
+STAGES = 2
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper CTA may use
+SMEM_RESERVE = 3 * 1024  # barriers and the alignment of the swizzled tiles
+
+
+def smem_bytes(cfg: "MosaicPrefixConfig", head_dim: int, itemsize: int = 2) -> int:
+  """Shared memory of the kernel's buffers (query tiles and the K and V slots; the LSE is
+  stored from registers), plus the reserve for barriers and alignment."""
+  tiles = (2 * cfg.block_q + 2 * cfg.max_concurrent_steps * cfg.block_kv) * head_dim * itemsize
+  return tiles + SMEM_RESERVE
 
 
 def alignment(head_dim: int) -> int:
@@ -87,7 +99,9 @@ def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int = 128,
   block_kv = cfg.block_kv
   if head_dim <= 128 and WIDE_MIN_KEYS and prefix // splits >= WIDE_MIN_KEYS:
     block_kv = WIDE_BLOCK_KV
-  return dataclasses.replace(cfg, splits=splits, block_kv=block_kv)
+  cfg = dataclasses.replace(cfg, splits=splits, block_kv=block_kv)
+  staged = dataclasses.replace(cfg, max_concurrent_steps=STAGES)
+  return staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
 
 
 def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,

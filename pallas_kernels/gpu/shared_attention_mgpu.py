@@ -101,6 +101,26 @@ TRANSPOSED_SUFFIX = False
 # :func:`spreads`; True or False forces it (experiments).
 SPREAD_SUFFIX: bool | None = None
 
+# K/V slots in flight (FusedConfig.max_concurrent_steps) as default_config sets them, where they
+# fit in shared memory (:func:`smem_bytes`; otherwise 2). Read when tracing.
+STAGES = 2
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper CTA may use
+# Barriers and the alignment of the swizzled tiles: Mosaic GPU counted 2,728 bytes beyond the
+# tiles of the three-slot kernel with its LSE staged (jax 0.10.2, lowering for CUDA).
+SMEM_RESERVE = 3 * 1024
+
+
+def smem_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:
+  """Shared memory of the kernel's buffers: the query tiles, ``max_concurrent_steps`` K and V
+  slots (and the transposed steps' tiles), plus :data:`SMEM_RESERVE`."""
+  q = 2 * cfg.block_q * head_dim * itemsize
+  kv = cfg.max_concurrent_steps * 2 * cfg.block_kv * head_dim * itemsize
+  extra = 0
+  if cfg.transposed_suffix:  # probabilities, o^T tile and LSE per warpgroup (n_cols <= 64)
+    n = cfg.block_q
+    extra = 2 * (cfg.block_s * n * itemsize + head_dim * n * itemsize + cfg.block_q * 4)
+  return q + kv + extra + SMEM_RESERVE
+
 
 def spreads(splits: int, prefix_blocks: int, suffix_steps: int) -> bool:
   """Whether the key splits spread their suffix steps (:func:`step_ranges`): with at most 2
@@ -166,7 +186,7 @@ def supported(dtype, head_dim: int, prefix: int, capacity: int, rows_per_seq: in
 
 
 def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_per_seq: int,
-                   num_sms: int = 132) -> FusedConfig:
+                   num_sms: int = 132, head_dim: int = 128) -> FusedConfig:
   """Key splits while the row tiles leave SMs idle, down to ~4 steps per split.
 
   Measured on an H100 (tools/device/fused.sh, 2026-11-23): splits from the prefix blocks alone
@@ -179,7 +199,9 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   splits = max(1, min(num_sms // tiles, (prefix_blocks + suffix_steps) // 4))
   spread = (spreads(splits, prefix_blocks, suffix_steps) if SPREAD_SUFFIX is None
             else SPREAD_SUFFIX)
-  return dataclasses.replace(cfg, splits=splits, spread_suffix=spread)
+  cfg = dataclasses.replace(cfg, splits=splits, spread_suffix=spread)
+  staged = dataclasses.replace(cfg, max_concurrent_steps=STAGES)
+  return staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +356,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     split = lax.axis_index("split")
     smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped[:4]
     wg_idx = lax.axis_index("wg")
-    qo_smem2, k_smem, v_smem, lse_smem2 = smem_buffers
+    qo_smem2, k_smem, v_smem = smem_buffers
     if transposed:
       # V slots: prefix tiles in the 128-byte swizzle of the row products, suffix tiles in the
       # narrower swizzle of the transposed product's probabilities (wgmma needs both operands'
@@ -373,7 +395,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       """Warpgroup w's rows (static w: static halves of the suffix slots)."""
       plgpu.set_max_registers(232, action="increase")
       qo_smem = qo_smem2.at[w]
-      lse_smem = lse_smem2.at[w]
       q_base = tile * CTA_ROWS + w * block_q
       if transposed:
         pt_smem, osuf_smem, lsuf_smem = pt_smem2.at[w], osuf_smem2.at[w], lsuf_smem2.at[w]
@@ -578,10 +599,12 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       safe_l = jnp.where(has, l_i, 1.0)
       acc /= lax.broadcast_in_dim(safe_l, (block_q, d), [0])
       qo_smem[...] = acc.astype(dtype)
-      lse_smem[...] = jnp.where(has, (m_i + jnp.log(safe_l) * (1 / LN2)) * LN2, -jnp.inf)
+      lse = jnp.where(has, (m_i + jnp.log(safe_l) * (1 / LN2)) * LN2, -jnp.inf)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[split, head, pl.ds(q_base, block_q)])
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, head, pl.ds(q_base, block_q)])
+      # The LSE from registers (as the prefix kernel): no staging tile, which lets three K/V
+      # slots fit (:func:`smem_bytes`).
+      lse_ref.at[split, head, pl.ds(q_base, block_q)][...] = lse
       if transposed:
         plgpu.copy_smem_to_gmem(lsuf_smem, lsuf_ref.at[split, head, pl.ds(q_base, block_q)])
       plgpu.wait_smem_to_gmem(0)
@@ -638,7 +661,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     qo_scratch = plgpu.SMEM((compute_wgs, block_q, d), dtype, transforms=(tiling, swizzle))
     k_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
     v_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
-    lse_scratch = plgpu.SMEM((compute_wgs, block_q), jnp.float32)
     extra = []
     if transposed:
       narrow = (plgpu.TilingTransform((8, n_cols)), plgpu.SwizzleTransform(2 * n_cols))
@@ -650,7 +672,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     pl.run_scoped(
         lambda *args: kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref,
                              out_ref, lse_ref, *suffix_out_refs, args),
-        [qo_scratch, k_scratch, v_scratch, lse_scratch],
+        [qo_scratch, k_scratch, v_scratch],
         (plgpu.Barrier(num_barriers=steps_buf),) * 4 + (plgpu.Barrier(num_barriers=compute_wgs),),
         (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf),) * 2,
         plgpu.Barrier(num_arrivals=compute_wgs),
@@ -705,7 +727,7 @@ def fused_decode(q, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, scal
                      f"({hkv}); got {q.shape}")
   g = hq // hkv
   r = b * g
-  cfg = config or default_config(r, hkv, k.shape[0], suffix_k.shape[1], g)
+  cfg = config or default_config(r, hkv, k.shape[0], suffix_k.shape[1], g, head_dim=d)
   q_rows = _common.fold_rows(q, hkv)
   r_pad = pl.cdiv(r, CTA_ROWS) * CTA_ROWS
   if r_pad != r:

@@ -1,0 +1,74 @@
+"""K/V slots in flight (two or three) for the Mosaic GPU kernels, A/B in one process (device
+experiment).
+
+  PYTHONPATH=. python3 tools/device/stages.py --out $OUT [--specs paper:1024:16384:128,...]
+      [--ops s2,s3,...]
+
+Ops on the same inputs (``bench.attention.compare_variants``: profiler device time, outputs
+checked against the first op's):
+
+- ``s2``: ``impl="auto"`` as shipped (two slots unless the defaults say otherwise);
+- ``s3``: three K/V slots in the one-kernel decode path and in the prefix kernel's 128-key steps
+  (``pallas_kernels.gpu.kv_stages(3, 3)``; 192-key prefix steps keep two);
+- ``s3n``: ``s3`` with the prefix kernel on 128-key steps everywhere (``wide_prefix_steps(0)``),
+  so long prefixes take three slots too;
+- ``g4s2`` / ``g4s3``: the one kernel forced on at G = 4 (``MAX_WASTE = 16``), two or three
+  slots;
+- ``apart``: the prefix and suffix kernels one after the other.
+
+Writes ``stages.json``.
+"""
+
+import argparse
+import contextlib
+import os
+
+import pallas_kernels.gpu as gpu
+from jax_shared_attn import shared_prefix_attention
+from jax_shared_attn.bench import attention as bench
+from jax_shared_attn.bench import timing
+from pallas_kernels.gpu import shared_attention_mgpu as fm
+
+SPECS = ",".join(f"paper:{b}:{p}:{s}" for b, p, s in [
+    (1024, 16384, 128), (1024, 16384, 512), (256, 16384, 128), (256, 16384, 512),
+    (1024, 4096, 128), (1024, 4096, 512), (256, 4096, 128), (256, 4096, 512),
+    (1024, 1024, 128), (64, 4096, 128)])
+
+
+def variant(*settings):
+  def op(q, pk, pv, sk, sv):
+    with contextlib.ExitStack() as stack:
+      for s in settings:
+        stack.enter_context(s())
+      return shared_prefix_attention(q, pk, pv, sk, sv, impl="auto")
+  return op
+
+
+OPS = {
+    "s2": variant(),
+    "s3": variant(lambda: gpu.kv_stages(3, 3)),
+    "s3n": variant(lambda: gpu.kv_stages(3, 3), lambda: gpu.wide_prefix_steps(0)),
+    "g4s2": variant(lambda: gpu._setting("MAX_WASTE", 16, fm)),
+    "g4s3": variant(lambda: gpu._setting("MAX_WASTE", 16, fm), lambda: gpu.kv_stages(3, 3)),
+    "apart": bench._ours_split,
+}
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--specs", default=SPECS, help="shape:B:P:S, comma-separated")
+  ap.add_argument("--ops", default="s2,s3,apart", help=f"comma-separated, of {','.join(OPS)}")
+  ap.add_argument("--trials", type=int, default=5)
+  ap.add_argument("--out", default="runs/stages")
+  ap.add_argument("--name", default="stages")
+  args = ap.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  ceilings = (timing.copy_bandwidth(), timing.matmul_rate())
+  print(f"copy {ceilings[0] / 1e9:.0f} GB/s, matmul {ceilings[1] / 1e12:.0f} TFLOP/s", flush=True)
+  ops = {name: OPS[name] for name in args.ops.split(",")}
+  bench.compare_variants(ops, args.specs, trials=args.trials, ceilings=ceilings,
+                         out_json=os.path.join(args.out, f"{args.name}.json"))
+
+
+if __name__ == "__main__":
+  main()

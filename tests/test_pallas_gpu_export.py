@@ -261,6 +261,59 @@ def test_fused_kernel_exports_for_every_group_size(g):
   assert text.count(f"custom_call @{MOSAIC}") == 1
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_kv_slots_follow_the_shared_memory(d):
+  """``kv_stages``: three K/V slots where ``smem_bytes`` says they fit, and those configurations
+  lower for CUDA (Mosaic GPU checks a kernel's shared memory when it lowers); four fit at D = 64
+  only, and Mosaic GPU agrees. The one kernel fits three slots only since its
+  LSE is stored from registers (with a staging tile it was 168 bytes over at D = 128)."""
+  import dataclasses
+  import pallas_kernels.gpu as gpu
+  from pallas_kernels.gpu import prefix_attention_mgpu as mg
+  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  dt = jnp.bfloat16
+  b, g, p, s = 256, 8, 2048, 128
+  fused_cfg = lambda: fm.default_config(b * g, 1, p, s, g, head_dim=d)
+  prefix_cfg = lambda keys, dim: mg.default_config(b * g, 1, keys, dim)
+
+  def lower_fused(cfg):
+    fn = lambda q, k, v, sk, sv, n: fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1, config=cfg)
+    return export_cuda(fn, S((b, 1, g, d), dt), S((p, 1, d), dt), S((p, 1, d), dt),
+                       S((b, s, 1, d), dt), S((b, s, 1, d), dt), S((b,), jnp.int32))
+
+  def lower_prefix(cfg, keys=4096):
+    fn = lambda q, k, v: mg.prefix_attention_rows_mgpu(q, k, v, keys, scale=0.1, config=cfg)
+    return export_cuda(fn, S((1, b * g, d), dt), S((keys, 1, d), dt), S((keys, 1, d), dt))
+
+  assert fused_cfg().max_concurrent_steps == 2 and prefix_cfg(4096, d).max_concurrent_steps == 2
+  with gpu.kv_stages(3, 3):
+    cfg = fused_cfg()
+    assert cfg.max_concurrent_steps == 3
+    assert MOSAIC in lower_fused(cfg)
+    pcfg = prefix_cfg(4096, d)
+    assert (pcfg.block_kv, pcfg.max_concurrent_steps) == (128, 3)
+    assert MOSAIC in lower_prefix(pcfg)
+    wide = mg.default_config(8192, 1, 16384, 128)  # 8K keys per split: 192-key steps, two slots
+    assert (wide.block_kv, wide.max_concurrent_steps) == (192, 2)
+    assert prefix_cfg(4096, 256).max_concurrent_steps == 2
+    with gpu.transposed_suffix(True):  # its extra tiles leave room for three slots at D = 64 only
+      cfg = fused_cfg()
+      assert cfg.max_concurrent_steps == (3 if d == 64 else 2)
+      assert MOSAIC in lower_fused(cfg)
+  # Four slots: the model and Mosaic GPU agree (they fit at D = 64, not at D = 128), and the
+  # defaults take them only where they fit.
+  four = dataclasses.replace(fused_cfg(), max_concurrent_steps=4)
+  fits = fm.smem_bytes(four, d) <= fm.SMEM_LIMIT
+  assert fits == (d == 64)
+  with gpu.kv_stages(4, 4):
+    assert fused_cfg().max_concurrent_steps == (4 if fits else 2)
+  if fits:
+    assert MOSAIC in lower_fused(four)
+  else:
+    with pytest.raises(Exception, match="shared memory"):
+      lower_fused(four)
+
+
 # Suffix capacity 100 takes the split path (the prefix kernel), 128 the one-kernel decode path.
 @pytest.mark.parametrize("capacity,function", [(100, "_mosaic_rows"), (128, "_fused_jit")])
 def test_mosaic_kernel_lowered_once_per_shape(capacity, function):

@@ -54,7 +54,10 @@ class MosaicPrefixConfig:
 WIDE_MIN_KEYS = 8192
 WIDE_BLOCK_KV = 192  # 2 stages of 192-key K and V tiles + q: 224 KiB of the 227 KiB of shared memory
 # K/V slots in flight with 128-key (or 64-key) steps, where they fit in shared memory
-# (:func:`smem_bytes`; otherwise 2). Read when tracing.
+# (:func:`smem_bytes`; otherwise 2). Read when tracing. Three slots of 128 keys were no faster
+# than two on an H100 (tools/device/stages.py, 2026-11-24, Llama-3-8B shape, whole attention, us,
+# two / three: B=1024 P=4K S=128 315.3 / 316.1, B=256 P=4K 90.0 / 90.2) nor than two of 192 keys
+# where those apply (B=1024 P=16K: 592.5 with 192-key steps, 611.5 with three 128-key slots).
 STAGES = 2
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper CTA may use
 SMEM_RESERVE = 3 * 1024  # barriers and the alignment of the swizzled tiles

@@ -102,7 +102,12 @@ TRANSPOSED_SUFFIX = False
 SPREAD_SUFFIX: bool | None = None
 
 # K/V slots in flight (FusedConfig.max_concurrent_steps) as default_config sets them, where they
-# fit in shared memory (:func:`smem_bytes`; otherwise 2). Read when tracing.
+# fit in shared memory (:func:`smem_bytes`; otherwise 2). Read when tracing. Three fit at D = 128
+# since the LSE is stored from registers, pass TestNativeFusedDecodeThreeStages on an H100, and
+# change nothing (tools/device/stages.py, 2026-11-24, docs/results/2026-11-24-h100-stages; paper
+# shape, device us, two / three slots: B=1024 P=16K S=128 123.3 / 123.6, S=512 158.3 / 157.4,
+# P=4K S=128 48.3 / 48.3, B=256 P=4K S=128 17.1 / 17.4): the suffix steps' HBM reads do not wait
+# on the pipeline's depth.
 STAGES = 2
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper CTA may use
 # Barriers and the alignment of the swizzled tiles: Mosaic GPU counted 2,728 bytes beyond the

@@ -409,18 +409,21 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
       bars = dict(k=k_barriers, v=v_barriers, k1=k1_barriers, v1=v1_barriers)
 
+      def wait_on(kind: str, suffix: bool, slot):
+        """Waits on the K ("k") or V ("v") barriers of a prefix or suffix step, as :func:`waits`
+        says."""
+        for name in waits(w, suffix):
+          if name[0] == kind:
+            plgpu.barrier_wait(bars[name].at[slot])
+
       def wait_for(kind: str, i, slot):
-        """Waits on the K ("k") or V ("v") barriers of local step i, as :func:`waits` says."""
-        def on(suffix: bool):
-          for name in waits(w, suffix):
-            if name[0] == kind:
-              plgpu.barrier_wait(bars[name].at[slot])
+        """:func:`wait_on` for local step i, whose kind is known only when the kernel runs."""
         if w == 0:
-          on(False)
+          wait_on(kind, False, slot)
         else:
           suffix = is_suffix(i, ranges)
-          pl.when(~suffix)(lambda: on(False))
-          pl.when(suffix)(lambda: on(True))
+          pl.when(~suffix)(lambda: wait_on(kind, False, slot))
+          pl.when(suffix)(lambda: wait_on(kind, True, slot))
 
       wait_k = functools.partial(wait_for, "k")
 
@@ -480,9 +483,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         l_i += p_.sum(axis=1)
         acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
         plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
-        for name in waits(w, kind == "suffix"):
-          if name[0] == "v":
-            plgpu.barrier_wait(bars[name].at[slot])
+        wait_on("v", kind == "suffix", slot)
         plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
 
         def compute_pv(acc_ref):
@@ -546,9 +547,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         plgpu.commit_smem()
         acc, m_i, l_i, o_t, m_s, l_s = lax.optimization_barrier((acc, m_i, l_i, o_t, m_s, l_s))
         plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
-        for name in waits(w, True):
-          if name[0] == "v":
-            plgpu.barrier_wait(bars[name].at[slot])
+        wait_on("v", True, slot)
         plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
 
         def compute_pv(acc_ref):  # V^T P^T [D, n_cols], added to O^T below

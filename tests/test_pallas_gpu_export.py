@@ -385,3 +385,38 @@ def test_decode_output_written_in_place(tq, transposes):
                      S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
   assert attention_kernels(text) == 2 and MERGE not in text
   assert text.count("stablehlo.transpose") == transposes
+
+
+def test_mosaic_ir_fingerprints_tell_kernels_apart():
+  """``tools/mosaic_ir.py`` (how a kernel refactor is checked without a GPU): the lowered module
+  of one export, without debug info, is the same on a repeat through a caller on other source
+  lines, and differs between two step plans that change the kernel. (Its first use: the
+  ``wait_on`` refactor of shared_attention_mgpu.py, which moved the kernel's own lines, left
+  every module of tools/mosaic_ir.py's list identical.)"""
+  import importlib.util
+  import pathlib
+  import pallas_kernels.gpu as gpu
+  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  path = pathlib.Path(__file__).parents[1] / "tools" / "mosaic_ir.py"
+  spec = importlib.util.spec_from_file_location("mosaic_ir", path)
+  tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tool)
+  dt = jnp.bfloat16
+  b, g, d, p, s = 300, 8, 64, 384, 64
+  ins = (S((b, 1, g, d), dt), S((p, 1, d), dt), S((p, 1, d), dt), S((b, s, 1, d), dt),
+         S((b, s, 1, d), dt), S((b,), jnp.int32))
+  # A fresh function per export (jax.jit would reuse a function's trace and lowering).
+  fn = lambda: lambda q, k, v, sk, sv, n: fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1)
+  # The same function written elsewhere in this file (other source lines, other locations).
+  fn2 = lambda q, k, v, sk, sv, n: (
+      fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1))
+  with gpu.spread_suffix(False):
+    ranges = tool.modules(fn(), *ins)
+    again = tool.modules(fn2, *ins)
+    with pytest.raises(ValueError, match="not exported before"):
+      tool.modules(fn2, *ins)
+  with gpu.spread_suffix(True):
+    spread = tool.modules(fn(), *ins)
+  assert len(ranges) == 1 and len(spread) == 1 and len(ranges[0]) > 10_000
+  assert ranges == again and ranges != spread
+  assert "loc(" not in ranges[0]

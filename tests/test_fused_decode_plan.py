@@ -43,11 +43,9 @@ def walk(rg):
 
 
 def emulate(q, pk, pv, sk, sv, kv_len, lens, *, m, splits, block_kv, block_s, transposed,
-            spread=True, vector_rows=False):
+            spread=True):
   """q [R, D] (rows b * m + g of one KV head, R a multiple of 128), prefix [P, D], suffixes
-  [B, S, D]. Returns the parts as the kernel writes them: a list of (out [R, D], lse [R]).
-  ``vector_rows``: row suffix steps keep other sequences' rows out by per-row vectors, as the
-  kernel does with ``FusedConfig.vector_row_mask``."""
+  [B, S, D]. Returns the parts as the kernel writes them: a list of (out [R, D], lse [R])."""
   r, d = q.shape
   batch = sk.shape[0]
   seqs_per_wg = BLOCK_Q // m
@@ -119,17 +117,12 @@ def emulate(q, pk, pv, sk, sv, kv_len, lens, *, m, splits, block_kv, block_s, tr
             n_valid = lens[seq] if seq < batch else 0
             kb = np.arange(blk * block_s, (blk + 1) * block_s)
             s = rows @ sk[min(seq, batch - 1)][kb].T
-            own_rows = np.arange(BLOCK_Q) // m == j
-            if vector_rows:  # the keys masked in the tile; the rows by vectors
-              s = np.where((kb < n_valid)[None, :], s, -np.inf)
-              m_new = np.where(own_rows, np.maximum(m_i, s.max(1)), m_i)
-            else:
-              s = np.where(own_rows[:, None] & (kb < n_valid)[None, :], s, -np.inf)
-              m_new = np.maximum(m_i, s.max(1))
+            own = (np.arange(BLOCK_Q) // m == j)[:, None] & (kb < n_valid)[None, :]
+            s = np.where(own, s, -np.inf)
+            m_new = np.maximum(m_i, s.max(1))
             m_use = np.where(np.isneginf(m_new), 0.0, m_new)
             alpha = np.exp(m_i - m_use)
-            m_sub = np.where(own_rows, m_use, np.inf) if vector_rows else m_use
-            p = np.exp(s - m_sub[:, None])
+            p = np.exp(s - m_use[:, None])
             l_i = l_i * alpha + p.sum(1)
             acc = acc * alpha[:, None] + p @ sv[min(seq, batch - 1)][kb]
             m_i = m_new
@@ -152,10 +145,10 @@ def merge(parts):
 
 
 @pytest.mark.parametrize("spread", [True, False])
-@pytest.mark.parametrize("transposed,vector_rows", [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize("transposed", [True, False])
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
-def test_plan_against_full_attention(data, transposed, vector_rows, spread):
+def test_plan_against_full_attention(data, transposed, spread):
   m = data.draw(st.sampled_from([1, 2, 4, 8, 16, 32]), label="G")
   batch = data.draw(st.integers(1, 3 * (CTA_ROWS // m)), label="batch")
   splits = data.draw(st.sampled_from([1, 2, 3, 5]), label="splits")
@@ -172,7 +165,7 @@ def test_plan_against_full_attention(data, transposed, vector_rows, spread):
   pk, pv = rng.standard_normal((2, p, d))
   sk, sv = rng.standard_normal((2, batch, cap, d))
   parts = emulate(q, pk, pv, sk, sv, kv_len, lens, m=m, splits=splits, block_kv=block_kv,
-                  block_s=block_s, transposed=transposed, spread=spread, vector_rows=vector_rows)
+                  block_s=block_s, transposed=transposed, spread=spread)
   out, lse = merge(parts)
   for row in range(batch * m):
     b = row // m

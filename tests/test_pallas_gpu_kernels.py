@@ -485,21 +485,6 @@ class TestNativeFusedDecodeSpread(TestNativeFusedDecodeEqualRanges):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
-class TestNativeFusedDecodeVectorRows(TestNativeFusedDecode):
-  """The same cases with the suffix steps keeping other sequences' rows out by per-row vectors
-  (``shared_attention_mgpu.VECTOR_ROW_MASK``) instead of selects over the score tile."""
-
-  def setup_method(self):
-    from pallas_kernels.gpu import shared_attention_mgpu as fm
-    self._before, fm.VECTOR_ROW_MASK = fm.VECTOR_ROW_MASK, True
-
-  def teardown_method(self):
-    from pallas_kernels.gpu import shared_attention_mgpu as fm
-    fm.VECTOR_ROW_MASK = self._before
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 class TestNativeFusedDecodeThreeStages(TestNativeFusedDecode):
   """The same cases with three K/V slots in flight in the one kernel (``kv_stages(3, 3)``; D = 64
   and 128 both fit) and in the prefix kernel that the public API runs at G < 8."""

@@ -85,10 +85,6 @@ class FusedConfig:
   # of the splits at the end of "prefix blocks, then suffix steps" holding every suffix step.
   # default_config decides (:func:`spreads`).
   spread_suffix: bool = False
-  # Suffix steps keep the rows of the warpgroup's other sequences out of the softmax with
-  # per-row vectors (their max and state kept, their probabilities exp2(x - inf) = 0) instead of
-  # two selects over the score tile (:data:`VECTOR_ROW_MASK`).
-  vector_row_mask: bool = False
 
 
 # The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) and
@@ -100,9 +96,6 @@ class FusedConfig:
 # from B=512 on, but lose in the decode loop (batch 512 prompt 2K -4.3% tokens/s, batch 256
 # -1.6%): the growing suffixes are read in 64-key blocks.
 TRANSPOSED_SUFFIX = False
-
-# FusedConfig.vector_row_mask as default_config sets it (read when tracing).
-VECTOR_ROW_MASK = False
 
 # FusedConfig.spread_suffix as default_config sets it (read when tracing): None follows
 # :func:`spreads`; True or False forces it (experiments).
@@ -204,7 +197,7 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   Measured on an H100 (tools/device/fused.sh, 2026-11-23): splits from the prefix blocks alone
   ran paper-shape B=16, P=1024 at 31 us (40 steps over 2 CTAs); counted over all steps, 12.7.
   """
-  cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX, vector_row_mask=VECTOR_ROW_MASK)
+  cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX)
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
   prefix_blocks = prefix // cfg.block_kv
   suffix_steps = (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
@@ -471,30 +464,19 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         if kind == "prefix_last":
           cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
           qk = jnp.where(cols + prefix_block(i, ranges) * block_kv < kv_len, qk, -jnp.inf)
-        own = None  # with vector_row_mask: which of the warpgroup's rows are this sequence's
-        if kind == "suffix":
+        elif kind == "suffix":
           cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
           qk = jnp.where(cols + blk * block_s < n_valid, qk, -jnp.inf)
+          rows = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 0, layout=plgpu.Layout.WGMMA)
           first = j * m  # this sequence's rows within the warpgroup's
-          if cfg.vector_row_mask:
-            rows = plgpu.broadcasted_iota(jnp.int32, (block_q,), 0,
-                                          layout=plgpu.Layout.WGMMA.reduce(1))
-            own = (rows >= first) & (rows < first + m)
-          else:
-            rows = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 0,
-                                          layout=plgpu.Layout.WGMMA)
-            qk = jnp.where(rows >= first, qk, -jnp.inf)
-            qk = jnp.where(rows < first + m, qk, -jnp.inf)
+          qk = jnp.where(rows >= first, qk, -jnp.inf)
+          qk = jnp.where(rows < first + m, qk, -jnp.inf)
         m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
-        if own is not None:  # other sequences' rows keep their state
-          m_ij = jnp.where(own, m_ij, m_i)
         # Rows without a visible key so far keep m = -inf: subtract 0 instead (no inf - inf).
         m_use = m_ij if kind == "prefix" else jnp.where(m_ij == -jnp.inf, 0.0, m_ij)
-        alpha = jnp.exp2(m_i - m_use)  # 1 for other sequences' rows (0 while they are empty)
+        alpha = jnp.exp2(m_i - m_use)
         m_i = m_ij
-        # Other sequences' rows subtract +inf: their probabilities are exp2(-inf) = 0.
-        m_sub = m_use if own is None else jnp.where(own, m_use, jnp.inf)
-        p_ = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_sub, qk.shape, [0]))
+        p_ = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_use, qk.shape, [0]))
         acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
         l_i *= alpha
         p16 = p_.astype(dtype)

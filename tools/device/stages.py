@@ -14,8 +14,6 @@ checked against the first op's):
   so long prefixes take three slots too;
 - ``g4s2`` / ``g4s3``: the one kernel forced on at G = 4 (``MAX_WASTE = 16``), two or three
   slots;
-- ``vrm``: the one kernel's suffix steps masking other sequences' rows by per-row vectors
-  (``VECTOR_ROW_MASK``) instead of two selects over the score tile;
 - ``apart``: the prefix and suffix kernels one after the other.
 
 Writes ``stages.json``.
@@ -52,7 +50,6 @@ OPS = {
     "s3n": variant(lambda: gpu.kv_stages(3, 3), lambda: gpu.wide_prefix_steps(0)),
     "g4s2": variant(lambda: gpu._setting("MAX_WASTE", 16, fm)),
     "g4s3": variant(lambda: gpu._setting("MAX_WASTE", 16, fm), lambda: gpu.kv_stages(3, 3)),
-    "vrm": variant(lambda: gpu._setting("VECTOR_ROW_MASK", True, fm)),
     "apart": bench._ours_split,
 }
 

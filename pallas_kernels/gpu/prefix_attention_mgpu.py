@@ -60,7 +60,10 @@ WIDE_BLOCK_KV = 192  # 2 stages of 192-key K and V tiles + q: 224 KiB of the 227
 # where those apply (B=1024 P=16K: 592.5 with 192-key steps, 611.5 with three 128-key slots).
 STAGES = 2
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper CTA may use
-SMEM_RESERVE = 3 * 1024  # barriers and the alignment of the swizzled tiles
+# Barriers and the alignment of the swizzled tiles (both Mosaic GPU kernels): Mosaic GPU counted
+# 2,728 bytes beyond the tiles of the three-slot one-kernel decode path with its LSE staged
+# (jax 0.10.2, lowering for CUDA).
+SMEM_RESERVE = 3 * 1024
 
 
 def smem_bytes(cfg: "MosaicPrefixConfig", head_dim: int, itemsize: int = 2) -> int:

@@ -64,6 +64,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu import _common
 from pallas_kernels.gpu.merge_kernel import merge_parts, merge_to_sequences
+from pallas_kernels.gpu.prefix_attention_mgpu import SMEM_LIMIT, SMEM_RESERVE
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -109,10 +110,6 @@ SPREAD_SUFFIX: bool | None = None
 # P=4K S=128 48.3 / 48.3, B=256 P=4K S=128 17.1 / 17.4): the suffix steps' HBM reads do not wait
 # on the pipeline's depth.
 STAGES = 2
-SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper CTA may use
-# Barriers and the alignment of the swizzled tiles: Mosaic GPU counted 2,728 bytes beyond the
-# tiles of the three-slot kernel with its LSE staged (jax 0.10.2, lowering for CUDA).
-SMEM_RESERVE = 3 * 1024
 
 
 def smem_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:

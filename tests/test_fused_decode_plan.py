@@ -145,14 +145,18 @@ def merge(parts):
 
 
 @pytest.mark.parametrize("spread", [True, False])
-@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("steps", ["rows", "transposed", "paired"])
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
-def test_plan_against_full_attention(data, transposed, spread):
+def test_plan_against_full_attention(data, steps, spread):
+  """Row suffix steps (half a K/V slot per warpgroup), transposed ones, and paired ones (a
+  whole slot per warpgroup: ``block_s == block_kv``)."""
+  transposed = steps == "transposed"
   m = data.draw(st.sampled_from([1, 2, 4, 8, 16, 32]), label="G")
   batch = data.draw(st.integers(1, 3 * (CTA_ROWS // m)), label="batch")
   splits = data.draw(st.sampled_from([1, 2, 3, 5]), label="splits")
-  block_kv, block_s = 8, 4
+  block_kv = 8
+  block_s = block_kv if steps == "paired" else block_kv // 2
   p = block_kv * data.draw(st.integers(1, 4), label="prefix blocks")
   cap = block_s * data.draw(st.integers(1, 3), label="suffix blocks")
   kv_len = data.draw(st.sampled_from([0, 1, p]) | st.integers(0, p), label="kv_len")
@@ -285,6 +289,66 @@ def test_barrier_phases(n_pre, kv_short, n_sblk, seqs_per_wg, splits, spread, ct
                 ctas=ctas * splits)
     plan = [x[0] == "suffix" for x in walk(rg)]
     assert phase_errors(plan, steps_buf, fm.waits) == []
+
+
+def paired_protocol(rg, steps_buf, waits=fm.paired_waits):
+  """Paired suffix steps, checked over one split's plan: the producer loads ring positions
+  ``0 .. positions - 1`` in order, position ``c`` into slot ``c % steps_buf``; a prefix step's
+  position holds its block (read by both warpgroups), a suffix step's two positions warpgroup
+  0's then 1's keys. Each warpgroup must wait on every position's barrier exactly once (both
+  K and V: every copy arrives on the slot's "k" and "v") and, per slot, in position order.
+  Returns the errors found."""
+  n_pos, steps = int(fm.positions(rg, True)), int(rg.steps)
+  loaded = [tuple(int(x) for x in fm.position_step(jnp.int32(c), rg)) for c in range(n_pos)]
+  errors = []
+  for w in (0, 1):
+    waited = []
+    for i in range(steps):
+      suffix = bool(fm.is_suffix(jnp.int32(i), rg))
+      pos = [int(c) for c in waits(w, jnp.int32(i), rg, suffix)]
+      waited += pos
+      if loaded[pos[0]] != (i, w if suffix else 0):  # its own keys in the slot it reads
+        errors.append(("data", w, i))
+      if suffix and (len(pos) != 2 or loaded[pos[1]] != (i, 1 - w)):
+        errors.append(("other", w, i))
+    if sorted(waited) != list(range(n_pos)):
+      errors.append(("positions", w))
+    for slot in range(steps_buf):
+      mine = [c for c in waited if c % steps_buf == slot]
+      if mine != sorted(mine):
+        errors.append(("phase order", w, slot))
+  return errors
+
+
+@settings(max_examples=300, deadline=None)
+@given(n_pre=st.integers(0, 40), kv_short=st.integers(0, 127), n_sblk=st.integers(0, 5),
+       seqs_per_wg=st.sampled_from([1, 2, 4, 8, 16, 64]), splits=st.integers(1, 9),
+       spread=st.booleans(), ctas=st.integers(1, 40), cta=st.integers(0, 39),
+       steps_buf=st.sampled_from([2, 3]))
+def test_paired_barrier_protocol(n_pre, kv_short, n_sblk, seqs_per_wg, splits, spread, ctas, cta,
+                                 steps_buf):
+  """Paired suffix steps load what each warpgroup reads and wait on every barrier phase in order
+  (:func:`paired_protocol`), for both step plans."""
+  kv_len = max(n_pre * 128 - kv_short, 0)
+  for split in range(splits):
+    rg = ranges(kv_len, n_sblk * 128, split, (cta % ctas) * splits + split, n_pre=n_pre,
+                block_kv=128, block_s=128, seqs_per_wg=seqs_per_wg, splits=splits, spread=spread,
+                ctas=ctas * splits)
+    assert int(fm.positions(rg, True)) == int(rg.steps) + int(rg.n_s)
+    assert paired_protocol(rg, steps_buf) == []
+
+
+def test_paired_protocol_check_catches_mistakes():
+  """The check fails when a warpgroup would read the other warpgroup's slot, or count positions
+  as unpaired steps do (one per step: positions never waited on)."""
+  rg = ranges(2 * 128, 128, 0, 0, n_pre=2, block_kv=128, block_s=128, seqs_per_wg=2, splits=1,
+              spread=False, ctas=1)  # steps: 2 prefix blocks, then 2 suffix steps
+  assert paired_protocol(rg, 3) == []
+  swapped = lambda w, i, r, suffix: fm.paired_waits(w, i, r, suffix)[::-1]
+  errors = paired_protocol(rg, 3, swapped)
+  assert ("data", 0, 2) in errors and ("other", 1, 3) in errors
+  unpaired = lambda w, i, r, suffix: (i,)
+  assert ("positions", 0) in paired_protocol(rg, 2, unpaired)
 
 
 def test_barrier_phase_check_catches_skipped_phases():

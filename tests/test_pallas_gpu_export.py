@@ -5,6 +5,7 @@ so the sweep covers the batch sizes, head dims and GQA ratios that pick
 different configurations; a configuration that cannot lower fails here.
 """
 
+import dataclasses
 import itertools
 
 import jax
@@ -120,6 +121,32 @@ def test_fused_decode_exports_for_cuda(b, hq, hkv, d, p, s, spread):
                        S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
   assert text.count(f"custom_call @{MOSAIC}") == 1 and "private @_fused_jit" in text
   assert attention_kernels(text) == 0  # no Triton kernel but the split merge's
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("b,hq,hkv,d,p,s", [
+    (1024, 8, 1, 128, 16384, 128), (40, 32, 8, 128, 512, 256), (3, 16, 1, 64, 256, 128),
+    (300, 8, 1, 64, 384, 192)])
+def test_fused_decode_paired_suffix_exports_for_cuda(b, hq, hkv, d, p, s, stages):
+  """The one kernel with paired suffix steps (``paired_suffix(True)``) lowers for CUDA with two
+  and three K/V slots; a capacity that is not a multiple of 128 keeps unpaired steps."""
+  import pallas_kernels.gpu as gpu
+  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  dt = jnp.bfloat16
+  fn = lambda q, pk, pv, sk, sv, n: fm.fused_decode(q, pk, pv, p, sk, sv, n, scale=0.1)
+  with gpu.paired_suffix(True), gpu.kv_stages(stages):
+    cfg = fm.default_config(b * hq // hkv, hkv, p, s, hq // hkv, head_dim=d)
+    assert cfg.paired_suffix == (s % 128 == 0) and cfg.max_concurrent_steps == stages
+    assert cfg.block_s == (128 if cfg.paired_suffix else 64)
+    text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
+                       S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
+  assert text.count(f"custom_call @{MOSAIC}") == 1 and "private @_fused_jit" in text
+  assert not fm.PAIRED_SUFFIX  # the switch is restored
+  with pytest.raises(ValueError, match="exclude each other"):
+    bad = dataclasses.replace(cfg, paired_suffix=True, block_s=128, transposed_suffix=True)
+    jax.eval_shape(lambda *a: fm.fused_decode(*a, scale=0.1, config=bad),
+                   S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt), jnp.int32(p),
+                   S((b, 128, hkv, d), dt), S((b, 128, hkv, d), dt), S((b,), jnp.int32))
 
 
 @pytest.mark.parametrize("b,hq,hkv,d,p,s", [

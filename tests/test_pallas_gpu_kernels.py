@@ -5,6 +5,7 @@ machine (CI); ``TestNative`` is the same class with the flag flipped and runs
 the compiled kernels on a CUDA GPU (skipped elsewhere).
 """
 
+import contextlib
 import functools
 
 import jax
@@ -498,6 +499,34 @@ class TestNativeFusedDecodeThreeStages(TestNativeFusedDecode):
 
   def teardown_method(self):
     self._switch.__exit__(None, None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
+class TestNativeFusedDecodePaired(TestNativeFusedDecode):
+  """The same cases with paired suffix steps (``paired_suffix(True)``: each warpgroup takes a
+  whole 128-key slot of one of its sequences; capacities of 64 and 192 keep unpaired steps)."""
+  stages = 2
+
+  def setup_method(self):
+    import pallas_kernels.gpu as gpu
+    from pallas_kernels.gpu import shared_attention_mgpu as fm
+    self._switch = contextlib.ExitStack()
+    self._switch.enter_context(gpu.paired_suffix(True))
+    self._switch.enter_context(gpu.kv_stages(self.stages, self.stages))
+    cfg = fm.default_config(128, 1, 1024, 128, 8, head_dim=128)
+    assert cfg.paired_suffix and cfg.max_concurrent_steps == self.stages
+    assert not fm.default_config(128, 1, 1024, 192, 8, head_dim=128).paired_suffix
+
+  def teardown_method(self):
+    self._switch.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
+class TestNativeFusedDecodePairedThreeStages(TestNativeFusedDecodePaired):
+  """Paired suffix steps with three K/V slots in flight."""
+  stages = 3
 
 
 @pytest.mark.gpu

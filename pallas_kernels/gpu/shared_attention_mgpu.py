@@ -86,6 +86,10 @@ class FusedConfig:
   # of the splits at the end of "prefix blocks, then suffix steps" holding every suffix step.
   # default_config decides (:func:`spreads`).
   spread_suffix: bool = False
+  # Paired suffix steps (block_s == block_kv): a suffix step takes two K/V slots, each holding
+  # block_kv keys of ONE warpgroup's sequence, so each warpgroup multiplies its 64 rows against
+  # a whole slot (half as many steps as with the halves of one slot). See :func:`position`.
+  paired_suffix: bool = False
 
 
 # The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) and
@@ -110,6 +114,10 @@ SPREAD_SUFFIX: bool | None = None
 # P=4K S=128 48.3 / 48.3, B=256 P=4K S=128 17.1 / 17.4): the suffix steps' HBM reads do not wait
 # on the pipeline's depth.
 STAGES = 2
+
+# FusedConfig.paired_suffix as default_config sets it where the suffix capacity is a multiple
+# of block_kv (otherwise the steps are unpaired). Read when tracing.
+PAIRED_SUFFIX = False
 
 
 def smem_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:
@@ -195,6 +203,8 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   ran paper-shape B=16, P=1024 at 31 us (40 steps over 2 CTAs); counted over all steps, 12.7.
   """
   cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX)
+  if PAIRED_SUFFIX and not cfg.transposed_suffix and capacity % cfg.block_kv == 0:
+    cfg = dataclasses.replace(cfg, paired_suffix=True, block_s=cfg.block_kv)
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
   prefix_blocks = prefix // cfg.block_kv
   suffix_steps = (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
@@ -316,6 +326,38 @@ def suffix_step(i, r: StepRanges, *, rows_per_seq: int, transposed: bool = False
   return j, blk, g_first, col0, start, end
 
 
+def position(i, r: StepRanges, paired: bool):
+  """The K/V ring position of local step ``i``'s (first) slot: ``i``, but with paired suffix
+  steps each suffix step before ``i`` takes two positions. Position ``c`` uses slot
+  ``c % max_concurrent_steps``, and the producer loads positions in order."""
+  if not paired:
+    return i
+  return i + jnp.clip(i - r.o, 0, r.n_s)
+
+
+def positions(r: StepRanges, paired: bool):
+  """The split's number of ring positions (K/V slot loads)."""
+  return r.steps + r.n_s if paired else r.steps
+
+
+def position_step(c, r: StepRanges):
+  """Paired suffix steps: the local step loaded at ring position ``c`` and the warpgroup whose
+  keys it holds (0 for a prefix step, read by both), the inverse of :func:`position` (suffix
+  step ``i`` holds warpgroup 0's keys at ``position(i)``, warpgroup 1's at the next)."""
+  in_suffix = (c >= r.o) & (c < r.o + 2 * r.n_s)
+  i = jnp.where(c < r.o, c, jnp.where(in_suffix, r.o + lax.div(c - r.o, 2), c - r.n_s))
+  return i, jnp.where(in_suffix, lax.rem(c - r.o, 2), 0)
+
+
+def paired_waits(w: int, i, r: StepRanges, suffix: bool):
+  """Paired suffix steps: the ring positions whose K (and V) barriers warpgroup ``w`` waits on at
+  local step ``i``, in order: its own slot's first, then (at a suffix step) the other
+  warpgroup's, whose data it does not read (every phase of a barrier must be waited on, see
+  :func:`arrivals`)."""
+  c = position(i, r, True)
+  return (c + w, c + 1 - w) if suffix else (c,)
+
+
 def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *,
                     rows_per_seq: int, scale: float, config: FusedConfig):
   """``q_rows [Hkv, R, D]`` (R a multiple of 128; rows ``b * G + g``, padding past ``B * G``),
@@ -336,8 +378,12 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   m = rows_per_seq
   if r % CTA_ROWS:
     raise ValueError(f"rows ({r}) must be a multiple of {CTA_ROWS}")
-  if block_q % m or 2 * block_s != block_kv:
-    raise ValueError(f"rows_per_seq ({m}) must divide {block_q} and 2 * block_s == block_kv")
+  paired = cfg.paired_suffix
+  if block_q % m or (block_s != block_kv if paired else 2 * block_s != block_kv):
+    raise ValueError(f"rows_per_seq ({m}) must divide {block_q}, and block_s ({block_s}) must "
+                     f"be block_kv ({block_kv}) with paired suffix steps, half of it otherwise")
+  if paired and cfg.transposed_suffix:
+    raise ValueError("paired_suffix and transposed_suffix exclude each other")
   seqs_per_wg = block_q // m
   seqs_per_cta = 2 * seqs_per_wg
   prefix_blocks = p // block_kv
@@ -413,9 +459,17 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           if name[0] == kind:
             plgpu.barrier_wait(bars[name].at[slot])
 
+      def wait_slot(i):
+        """The slot whose K barrier step i waits on first: with paired suffix steps, the
+        warpgroup's own (:func:`paired_waits`; the other's is waited on later in the step)."""
+        c = i
+        if paired:
+          c = position(i, ranges, True) + jnp.where(is_suffix(i, ranges), w, 0)
+        return lax.rem(c, jnp.array(steps_buf, c.dtype))
+
       def wait_for(kind: str, i, slot):
         """:func:`wait_on` for local step i, whose kind is known only when the kernel runs."""
-        if w == 0:
+        if w == 0 or paired:  # paired suffix steps arrive on "k" and "v" only
           wait_on(kind, False, slot)
         else:
           suffix = is_suffix(i, ranges)
@@ -433,15 +487,21 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
       @pl.when(steps > 0)
       def _():
-        wait_k(jnp.int32(0), 0)
+        wait_k(jnp.int32(0), wait_slot(jnp.int32(0)) if paired else 0)
 
       if w == 1:
         perform_schedule_barrier()
 
       def kv_loop(i, carry, kind: str):
         acc, m_i, l_i = carry
-        slot = lax.rem(i, jnp.array(steps_buf, i.dtype))
-        if kind == "suffix":
+        ring = lambda c: lax.rem(c, jnp.array(steps_buf, c.dtype))
+        slot = ring(position(i, ranges, paired))
+        pair = paired and kind == "suffix"
+        if pair:  # a whole slot of the warpgroup's own; the other warpgroup's slot next to it
+          c0, c1 = paired_waits(w, i, ranges, True)
+          slot, other = ring(c0), ring(c1)
+          k_tile, v_tile, n_keys = k_smem.at[slot], v_smem.at[slot], block_kv
+        elif kind == "suffix":
           half = pl.ds(w * block_s, block_s)
           k_tile, v_tile, n_keys = k_smem.at[slot, half], v_smem.at[slot, half], block_s
         else:
@@ -458,6 +518,9 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
         qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, n_keys), jnp.float32))
         plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+        if pair:  # the other warpgroup's K: waited on (its phase), released, not read
+          plgpu.barrier_wait(k_barriers.at[other])
+          plgpu.barrier_arrive(k_consumed_barriers.at[other])
         if kind == "prefix_last":
           cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
           qk = jnp.where(cols + prefix_block(i, ranges) * block_kv < kv_len, qk, -jnp.inf)
@@ -480,17 +543,23 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         l_i += p_.sum(axis=1)
         acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
         plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
-        wait_on("v", kind == "suffix", slot)
+        if pair:
+          plgpu.barrier_wait(v_barriers.at[slot])
+        else:
+          wait_on("v", kind == "suffix", slot)
         plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
 
         def compute_pv(acc_ref):
           plgpu.wgmma(acc_ref, p16, v_tile)
           wait_step = i + 1
-          wait_slot = lax.rem(wait_step, jnp.array(steps_buf, i.dtype))
-          pl.when(wait_step < steps)(lambda: wait_k(wait_step, wait_slot))
+          next_slot = wait_slot(wait_step)
+          pl.when(wait_step < steps)(lambda: wait_k(wait_step, next_slot))
 
         acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_consumed_barriers.at[slot])
+        if pair:
+          plgpu.barrier_wait(v_barriers.at[other])
+          plgpu.barrier_arrive(v_consumed_barriers.at[other])
         return acc, m_i, l_i
 
       def suffix_step_transposed(i, carry):
@@ -550,8 +619,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         def compute_pv(acc_ref):  # V^T P^T [D, n_cols], added to O^T below
           plgpu.wgmma(acc_ref, vs_smem.at[slot, half].transpose((1, 0)), pt_smem)
           wait_step = i + 1
-          wait_slot = lax.rem(wait_step, jnp.array(steps_buf, i.dtype))
-          pl.when(wait_step < steps)(lambda: wait_k(wait_step, wait_slot))
+          next_slot = wait_slot(wait_step)
+          pl.when(wait_step < steps)(lambda: wait_k(wait_step, next_slot))
           return acc_ref[...]
 
         # A zeroed scoped accumulator and an add, not pl.run_state(...)(ACC.init(o_t)): run_state
@@ -617,12 +686,14 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     def _memory_wg():
       plgpu.set_max_registers(40, action="decrease")
 
-      def issue(i, slot, which: str):
+      def issue(c, slot, which: str):
+        """Loads ring position c (local step c unless paired) into the slot."""
         src_pre, src_suf = (k_ref, sk_ref) if which == "k" else (v_ref, sv_ref)
         smem = (k_smem if which == "k" else v_smem).at[slot]
         suf_smem = vs_smem.at[slot] if transposed and which == "v" else smem
         bars = (k_barriers, k1_barriers) if which == "k" else (v_barriers, v1_barriers)
 
+        i, owner = position_step(c, ranges) if paired else (c, None)
         suffix = is_suffix(i, ranges)
 
         @pl.when(~suffix)
@@ -630,6 +701,15 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           blk = prefix_block(i, ranges)
           plgpu.copy_gmem_to_smem(src_pre.at[pl.ds(blk * block_kv, block_kv), head], smem,
                                   bars[0].at[slot])
+
+        if paired:
+          @pl.when(suffix)
+          def _suffix_paired():  # one warpgroup's sequence, block_kv keys: the whole slot
+            seq, _, blk = suffix_coords(i, owner)
+            plgpu.copy_gmem_to_smem(
+                src_suf.at[jnp.minimum(seq, batch - 1), pl.ds(blk * block_s, block_s), head],
+                smem, bars[0].at[slot])
+          return
 
         @pl.when(suffix)
         def _suffix():
@@ -639,13 +719,14 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                 src_suf.at[jnp.minimum(seq, batch - 1), pl.ds(blk * block_s, block_s), head],
                 suf_smem.at[pl.ds(w * block_s, block_s)], bars[w].at[slot])
 
+      n_pos = positions(ranges, paired)
       for i in range(steps_buf):
-        @pl.when(i < steps)
+        @pl.when(i < n_pos)
         def _first(i=i):
           issue(jnp.int32(i), i, "k")
           issue(jnp.int32(i), i, "v")
 
-      @pl.loop(0, jnp.maximum(steps - steps_buf, 0))
+      @pl.loop(0, jnp.maximum(n_pos - steps_buf, 0))
       def _kv_loop(i):
         step = i + steps_buf
         slot = lax.rem(i, jnp.array(steps_buf, i.dtype))

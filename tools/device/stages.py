@@ -1,5 +1,5 @@
-"""K/V slots in flight (two or three) for the Mosaic GPU kernels, A/B in one process (device
-experiment).
+"""K/V slots in flight (two or three) and paired suffix steps for the Mosaic GPU kernels, A/B in
+one process (device experiment).
 
   PYTHONPATH=. python3 tools/device/stages.py --out $OUT [--specs paper:1024:16384:128,...]
       [--ops s2,s3,...]
@@ -14,6 +14,8 @@ checked against the first op's):
   so long prefixes take three slots too;
 - ``g4s2`` / ``g4s3``: the one kernel forced on at G = 4 (``MAX_WASTE = 16``), two or three
   slots;
+- ``p2`` / ``p3``: paired suffix steps in the one kernel (``paired_suffix(True)``: each
+  warpgroup a whole 128-key slot of one sequence), two or three slots;
 - ``apart``: the prefix and suffix kernels one after the other.
 
 Writes ``stages.json``.
@@ -50,6 +52,8 @@ OPS = {
     "s3n": variant(lambda: gpu.kv_stages(3, 3), lambda: gpu.wide_prefix_steps(0)),
     "g4s2": variant(lambda: gpu._setting("MAX_WASTE", 16, fm)),
     "g4s3": variant(lambda: gpu._setting("MAX_WASTE", 16, fm), lambda: gpu.kv_stages(3, 3)),
+    "p2": variant(lambda: gpu.paired_suffix(True)),
+    "p3": variant(lambda: gpu.paired_suffix(True), lambda: gpu.kv_stages(3, 3)),
     "apart": bench._ours_split,
 }
 

@@ -377,3 +377,115 @@ def test_default_config_spreads_where_it_was_measured_faster():
   with gpu.spread_suffix(True):
     assert cfg(256, 4096, 512).spread_suffix
   assert fm.SPREAD_SUFFIX is None
+
+
+def consumer_ops(w, rg, paired, *, early_other=True):
+  """Consumer warpgroup ``w``'s barrier operations over one split, in the kernel's order
+  (``kv_loop``), by ring position: ``("wk", p)`` / ``("wv", p)`` wait for K / V, ``("ak", p)`` /
+  ``("av", p)`` arrive on its consumed barrier, ``("sa",)`` / ``("sw",)`` arrive on / wait for the
+  schedule barrier. With paired suffix steps warpgroup 1 releases the other warpgroup's V slot
+  (the earlier position) before waiting on its own (``early_other``; False: after its product,
+  as warpgroup 0 does with the later position)."""
+  steps = int(rg.steps)
+
+  def own(i):
+    c = int(fm.position(jnp.int32(i), rg, paired))
+    return c + w if paired and bool(fm.is_suffix(jnp.int32(i), rg)) else c
+
+  ops = [("wk", own(0))] if steps else []
+  if w == 1:
+    ops += [("sa",), ("sw",)]
+  for i in range(steps):
+    pair = paired and bool(fm.is_suffix(jnp.int32(i), rg))
+    mine = own(i)
+    other = int(fm.position(jnp.int32(i), rg, paired)) + 1 - w
+    before = pair and w == 1 and early_other
+    ops += [("sa",), ("sw",), ("ak", mine)]  # QK product, then its slot's K is released
+    ops += [("wk", other), ("ak", other)] if pair else []
+    ops += [("sa",)]  # softmax done
+    ops += [("wv", other), ("av", other)] if before else []
+    ops += [("wv", mine), ("sw",)]  # PV product; in it, the next step's K
+    ops += [("wk", own(i + 1))] if i + 1 < steps else []
+    ops += [("av", mine)]
+    ops += [("wv", other), ("av", other)] if pair and not before else []
+  if w == 0:
+    ops += [("sa",), ("sw",)]
+  return ops
+
+
+def producer_ops(n_pos, steps_buf):
+  """The producer's: position ``p`` reuses the slot of ``p - steps_buf`` once both warpgroups
+  released it (``("pk", .)`` / ``("pv", .)``), K then V (``("ik", p)`` / ``("iv", p)``)."""
+  ops = []
+  for p in range(n_pos):
+    ops += ([("pk", p - steps_buf)] if p >= steps_buf else []) + [("ik", p)]
+    ops += ([("pv", p - steps_buf)] if p >= steps_buf else []) + [("iv", p)]
+  return ops
+
+
+def stuck(actors):
+  """Runs the three warpgroups' operation lists (consumer 0, consumer 1, producer) as the
+  barriers allow; returns the operations each is stuck at (empty if all finish). A schedule
+  barrier phase completes at every second arrival, whichever warpgroup makes it."""
+  issued, consumed = set(), {}
+  sched_arrivals, sched_waits = 0, [0, 0]
+  at = [0] * len(actors)
+  while True:
+    moved = False
+    for a, ops in enumerate(actors):
+      while at[a] < len(ops):
+        op, *arg = ops[at[a]]
+        if op in ("wk", "wv"):
+          ok = (op[1], arg[0]) in issued
+        elif op in ("pk", "pv"):
+          ok = consumed.get((op[1], arg[0]), 0) == 2
+        elif op == "sw":
+          ok = sched_arrivals >= 2 * (sched_waits[a] + 1)
+          sched_waits[a] += ok
+        else:
+          ok = True
+          if op in ("ak", "av"):
+            consumed[op[1], arg[0]] = consumed.get((op[1], arg[0]), 0) + 1
+          elif op in ("ik", "iv"):
+            issued.add((op[1], arg[0]))
+          else:
+            sched_arrivals += 1
+        if not ok:
+          break
+        at[a] += 1
+        moved = True
+    if not moved:
+      return [ops[i] for ops, i in zip(actors, at) if i < len(ops)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_pre=st.integers(0, 12), kv_short=st.integers(0, 127), n_sblk=st.integers(0, 3),
+       seqs_per_wg=st.sampled_from([1, 2, 4, 8]), splits=st.integers(1, 4),
+       spread=st.booleans(), ctas=st.integers(1, 8), cta=st.integers(0, 7),
+       steps_buf=st.sampled_from([2, 3]), paired=st.booleans())
+def test_barrier_protocol_runs_to_the_end(n_pre, kv_short, n_sblk, seqs_per_wg, splits, spread,
+                                          ctas, cta, steps_buf, paired):
+  """The producer and the two consumer warpgroups never wait on each other in a cycle (a hang on
+  the GPU), for both step plans, with and without paired suffix steps."""
+  kv_len = max(n_pre * 128 - kv_short, 0)
+  block_s = 128 if paired else 64
+  for split in range(splits):
+    rg = ranges(kv_len, n_sblk * block_s, split, (cta % ctas) * splits + split, n_pre=n_pre,
+                block_kv=128, block_s=block_s, seqs_per_wg=seqs_per_wg, splits=splits,
+                spread=spread, ctas=ctas * splits)
+    actors = [consumer_ops(0, rg, paired), consumer_ops(1, rg, paired),
+              producer_ops(int(fm.positions(rg, paired)), steps_buf)]
+    assert stuck(actors) == []
+
+
+def test_barrier_protocol_check_catches_a_hang():
+  """Paired suffix steps hung on an H100 (2026-11-24) when warpgroup 1 released the other
+  warpgroup's V slot after its product: in the product it waits for its next K, which the
+  producer issues only after that V slot is released (two slots). The check finds it."""
+  rg = ranges(128, 256, 0, 0, n_pre=1, block_kv=128, block_s=128, seqs_per_wg=2, splits=1,
+              spread=False, ctas=1)  # a prefix block, then 4 suffix steps
+  late = [consumer_ops(w, rg, True, early_other=False) for w in (0, 1)]
+  assert stuck(late + [producer_ops(int(fm.positions(rg, True)), 2)]) != []
+  assert stuck(late + [producer_ops(int(fm.positions(rg, True)), 3)]) == []
+  fixed = [consumer_ops(w, rg, True) for w in (0, 1)]
+  assert stuck(fixed + [producer_ops(int(fm.positions(rg, True)), 2)]) == []

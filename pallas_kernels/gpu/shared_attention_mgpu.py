@@ -544,6 +544,9 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
         plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
         if pair:
+          if w == 1:  # the other slot comes first: release it before waiting on anything later
+            plgpu.barrier_wait(v_barriers.at[other])
+            plgpu.barrier_arrive(v_consumed_barriers.at[other])
           plgpu.barrier_wait(v_barriers.at[slot])
         else:
           wait_on("v", kind == "suffix", slot)
@@ -557,7 +560,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
         acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_consumed_barriers.at[slot])
-        if pair:
+        if pair and w == 0:  # the other slot comes next: its V lands last, after this product
           plgpu.barrier_wait(v_barriers.at[other])
           plgpu.barrier_arrive(v_consumed_barriers.at[other])
         return acc, m_i, l_i

@@ -80,12 +80,13 @@ def spread_suffix(enabled: bool | None):
   return _setting("SPREAD_SUFFIX", None if enabled is None else bool(enabled), fm)
 
 
-def paired_suffix(enabled: bool):
+def paired_suffix(enabled: bool | None):
   """Temporarily sets ``shared_attention_mgpu.PAIRED_SUFFIX``: the one-kernel path's suffix
-  steps take two K/V slots, a whole slot of one sequence per warpgroup (where the suffix
-  capacity is a multiple of 128), for calls traced inside."""
+  steps take two K/V slots, a whole slot of one sequence per warpgroup, wherever the suffix
+  capacity is a multiple of 128 (True), never (False), or as ``shared_attention_mgpu.pairs``
+  decides (None, the default). For calls traced inside."""
   from pallas_kernels.gpu import shared_attention_mgpu as fm
-  return _setting("PAIRED_SUFFIX", bool(enabled), fm)
+  return _setting("PAIRED_SUFFIX", None if enabled is None else bool(enabled), fm)
 
 
 # Few sequences with one shared prefix: ONE Triton kernel of per-sequence key splits over the

@@ -115,9 +115,10 @@ SPREAD_SUFFIX: bool | None = None
 # on the pipeline's depth.
 STAGES = 2
 
-# FusedConfig.paired_suffix as default_config sets it where the suffix capacity is a multiple
-# of block_kv (otherwise the steps are unpaired). Read when tracing.
-PAIRED_SUFFIX = False
+# FusedConfig.paired_suffix as default_config sets it (read when tracing): None follows
+# :func:`pairs` (with three K/V slots); True pairs wherever the suffix capacity is a multiple of
+# block_kv (with :data:`STAGES` slots; experiments), False never.
+PAIRED_SUFFIX: bool | None = None
 
 
 def smem_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:
@@ -146,6 +147,22 @@ def spreads(splits: int, prefix_blocks: int, suffix_steps: int) -> bool:
   P=4K S=128 17.4 / 17.2, P=4K S=512 37.9 / 34.4).
   """
   return splits <= 2 and prefix_blocks >= 2 * suffix_steps
+
+
+def pairs(splits: int, capacity: int, block_kv: int = 128) -> bool:
+  """Whether default_config pairs the suffix steps (:attr:`FusedConfig.paired_suffix`, with
+  three K/V slots): at most 2 key splits and suffixes of one slot (``capacity == block_kv``).
+
+  Measured on an H100 (tools/device/stages.py, paper shape, 2026-11-24, three runs,
+  docs/results/2026-11-24-h100-paired; device us, unpaired two slots / paired three slots):
+  B=1024 P=16K S=128 123.5 / 122.4, 123.7 / 122.0, 123.7 / 122.4; P=4K S=128 48.6 / 47.2,
+  48.3 / 46.8, 48.0 / 47.0; P=1K S=128 35.7 / 35.3, 35.5 / 35.4 (three slots unpaired:
+  124.8, 48.7, 35.6). Not better with longer suffixes (P=16K S=512 157.6 / 157.2, 159.2 / 159.8,
+  160.1 / 156.8; P=4K S=512 103.4 / 106.4) nor with 8 splits (B=256 P=16K S=128 36.8 / 38.3,
+  P=4K S=128 17.2 / 17.8, S=512 33.9 / 34.5); paired with two slots was slower everywhere
+  (a step holds both slots: P=4K S=512 129.9).
+  """
+  return splits <= 2 and capacity == block_kv
 
 
 def suffix_columns(rows_per_seq: int) -> int:
@@ -202,18 +219,30 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   Measured on an H100 (tools/device/fused.sh, 2026-11-23): splits from the prefix blocks alone
   ran paper-shape B=16, P=1024 at 31 us (40 steps over 2 CTAs); counted over all steps, 12.7.
   """
-  cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX)
-  if PAIRED_SUFFIX and not cfg.transposed_suffix and capacity % cfg.block_kv == 0:
-    cfg = dataclasses.replace(cfg, paired_suffix=True, block_s=cfg.block_kv)
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
-  prefix_blocks = prefix // cfg.block_kv
-  suffix_steps = (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
-  splits = max(1, min(num_sms // tiles, (prefix_blocks + suffix_steps) // 4))
-  spread = (spreads(splits, prefix_blocks, suffix_steps) if SPREAD_SUFFIX is None
-            else SPREAD_SUFFIX)
-  cfg = dataclasses.replace(cfg, splits=splits, spread_suffix=spread)
-  staged = dataclasses.replace(cfg, max_concurrent_steps=STAGES)
-  return staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
+  prefix_blocks = prefix // FusedConfig.block_kv
+
+  def plan(cfg: FusedConfig, stages: int) -> FusedConfig:
+    suffix_steps = (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
+    splits = max(1, min(num_sms // tiles, (prefix_blocks + suffix_steps) // 4))
+    spread = (spreads(splits, prefix_blocks, suffix_steps) if SPREAD_SUFFIX is None
+              else SPREAD_SUFFIX)
+    cfg = dataclasses.replace(cfg, splits=splits, spread_suffix=spread)
+    staged = dataclasses.replace(cfg, max_concurrent_steps=stages)
+    return staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
+
+  base = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX)
+  cfg = plan(base, STAGES)
+  if base.transposed_suffix or capacity % base.block_kv or PAIRED_SUFFIX is False:
+    return cfg
+  paired = dataclasses.replace(base, paired_suffix=True, block_s=base.block_kv)
+  if PAIRED_SUFFIX:
+    return plan(paired, STAGES)
+  if pairs(cfg.splits, capacity, base.block_kv):
+    paired = plan(paired, max(3, STAGES))
+    if paired.max_concurrent_steps >= 3:  # paired steps hold two slots: two alone starve them
+      return paired
+  return cfg
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ checked against the first op's):
   so long prefixes take three slots too;
 - ``g4s2`` / ``g4s3``: the one kernel forced on at G = 4 (``MAX_WASTE = 16``), two or three
   slots;
+- ``u2``: ``s2`` with the suffix steps never paired (``paired_suffix(False)``);
 - ``p2`` / ``p3``: paired suffix steps in the one kernel (``paired_suffix(True)``: each
   warpgroup a whole 128-key slot of one sequence), two or three slots;
 - ``apart``: the prefix and suffix kernels one after the other.
@@ -52,6 +53,7 @@ OPS = {
     "s3n": variant(lambda: gpu.kv_stages(3, 3), lambda: gpu.wide_prefix_steps(0)),
     "g4s2": variant(lambda: gpu._setting("MAX_WASTE", 16, fm)),
     "g4s3": variant(lambda: gpu._setting("MAX_WASTE", 16, fm), lambda: gpu.kv_stages(3, 3)),
+    "u2": variant(lambda: gpu.paired_suffix(False)),
     "p2": variant(lambda: gpu.paired_suffix(True)),
     "p3": variant(lambda: gpu.paired_suffix(True), lambda: gpu.kv_stages(3, 3)),
     "apart": bench._ours_split,

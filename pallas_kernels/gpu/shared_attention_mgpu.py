@@ -22,6 +22,12 @@ suffix of its sequences, block_s)`` blocks of each of its sequences (keys past
 a sequence's length are masked; sequences decoding from one prompt have equal
 lengths). The dispatcher uses it for ``G >= 8`` (:data:`MAX_WASTE`).
 
+Paired suffix steps (``FusedConfig.paired_suffix``, ``block_s == block_kv``; :func:`pairs` says
+where): a suffix step takes two K/V ring positions, each a whole slot of ONE warpgroup's sequence
+(warpgroup 0's at the first, warpgroup 1's at the next, :func:`position`), so each warpgroup takes
+``block_kv`` keys of one of its sequences per step: half the steps, the same products. Each
+warpgroup waits on and releases the other's slot too (barrier phases, :func:`paired_waits`).
+
 Key splits (flash-decoding, when the row tiles do not fill the SMs) cut the CTA's
 step list -- prefix blocks then suffix steps -- into ranges of equal step counts, or (with
 few splits and a long prefix, :func:`spreads`) each take an equal share of the prefix blocks

@@ -19,12 +19,15 @@ checked against the first op's):
   warpgroup a whole 128-key slot of one sequence), two or three slots;
 - ``apart``: the prefix and suffix kernels one after the other.
 
-Writes ``stages.json``.
+``--suffix-length N`` gives every sequence N valid suffix keys of the capacity S (as in decoding,
+where the suffixes grow into their buffers; default: all S). Writes ``stages.json``.
 """
 
 import argparse
 import contextlib
 import os
+
+import jax.numpy as jnp
 
 import pallas_kernels.gpu as gpu
 from jax_shared_attn import shared_prefix_attention
@@ -38,12 +41,17 @@ SPECS = ",".join(f"paper:{b}:{p}:{s}" for b, p, s in [
     (1024, 1024, 128), (64, 4096, 128)])
 
 
+SUFFIX_LENGTH = None  # --suffix-length
+
+
 def variant(*settings):
   def op(q, pk, pv, sk, sv):
+    lens = (None if SUFFIX_LENGTH is None
+            else jnp.full((q.shape[0],), min(SUFFIX_LENGTH, sk.shape[1]), jnp.int32))
     with contextlib.ExitStack() as stack:
       for s in settings:
         stack.enter_context(s())
-      return shared_prefix_attention(q, pk, pv, sk, sv, impl="auto")
+      return shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=lens, impl="auto")
   return op
 
 
@@ -67,11 +75,17 @@ def main():
   ap.add_argument("--trials", type=int, default=5)
   ap.add_argument("--out", default="runs/stages")
   ap.add_argument("--name", default="stages")
+  ap.add_argument("--suffix-length", type=int, default=None,
+                  help="valid suffix keys per sequence (default: the whole capacity S)")
   args = ap.parse_args()
+  global SUFFIX_LENGTH
+  SUFFIX_LENGTH = args.suffix_length
   os.makedirs(args.out, exist_ok=True)
   ceilings = (timing.copy_bandwidth(), timing.matmul_rate())
   print(f"copy {ceilings[0] / 1e9:.0f} GB/s, matmul {ceilings[1] / 1e12:.0f} TFLOP/s", flush=True)
   ops = {name: OPS[name] for name in args.ops.split(",")}
+  if SUFFIX_LENGTH is not None and "apart" in ops:
+    raise SystemExit("--suffix-length: the apart op takes full suffixes only")
   bench.compare_variants(ops, args.specs, trials=args.trials, ceilings=ceilings,
                          out_json=os.path.join(args.out, f"{args.name}.json"))
 

@@ -141,7 +141,7 @@ def test_fused_decode_paired_suffix_exports_for_cuda(b, hq, hkv, d, p, s, stages
     text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
                        S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
   assert text.count(f"custom_call @{MOSAIC}") == 1 and "private @_fused_jit" in text
-  assert fm.PAIRED_SUFFIX is None  # the switch is restored
+  assert fm.PAIRED_SUFFIX is False  # the switch is restored
   with pytest.raises(ValueError, match="exclude each other"):
     bad = dataclasses.replace(cfg, paired_suffix=True, block_s=128, transposed_suffix=True)
     jax.eval_shape(lambda *a: fm.fused_decode(*a, scale=0.1, config=bad),

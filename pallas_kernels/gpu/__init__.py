@@ -80,13 +80,13 @@ def spread_suffix(enabled: bool | None):
   return _setting("SPREAD_SUFFIX", None if enabled is None else bool(enabled), fm)
 
 
-def paired_suffix(enabled: bool | None):
+def paired_suffix(enabled: bool):
   """Temporarily sets ``shared_attention_mgpu.PAIRED_SUFFIX``: the one-kernel path's suffix
   steps take two K/V slots, a whole slot of one sequence per warpgroup, wherever the suffix
-  capacity is a multiple of 128 (True), never (False), or as ``shared_attention_mgpu.pairs``
-  decides (None, the default). For calls traced inside."""
+  capacity is a multiple of 128 (off by default; measured slower in decoding), for calls traced
+  inside."""
   from pallas_kernels.gpu import shared_attention_mgpu as fm
-  return _setting("PAIRED_SUFFIX", None if enabled is None else bool(enabled), fm)
+  return _setting("PAIRED_SUFFIX", bool(enabled), fm)
 
 
 # Few sequences with one shared prefix: ONE Triton kernel of per-sequence key splits over the

@@ -22,8 +22,8 @@ suffix of its sequences, block_s)`` blocks of each of its sequences (keys past
 a sequence's length are masked; sequences decoding from one prompt have equal
 lengths). The dispatcher uses it for ``G >= 8`` (:data:`MAX_WASTE`).
 
-Paired suffix steps (``FusedConfig.paired_suffix``, ``block_s == block_kv``; :func:`pairs` says
-where): a suffix step takes two K/V ring positions, each a whole slot of ONE warpgroup's sequence
+Paired suffix steps (``FusedConfig.paired_suffix``, ``block_s == block_kv``; off by default,
+:data:`PAIRED_SUFFIX`): a suffix step takes two K/V ring positions, each a whole slot of ONE warpgroup's sequence
 (warpgroup 0's at the first, warpgroup 1's at the next, :func:`position`), so each warpgroup takes
 ``block_kv`` keys of one of its sequences per step: half the steps, the same products. Each
 warpgroup waits on and releases the other's slot too (barrier phases, :func:`paired_waits`).
@@ -121,10 +121,14 @@ SPREAD_SUFFIX: bool | None = None
 # on the pipeline's depth.
 STAGES = 2
 
-# FusedConfig.paired_suffix as default_config sets it (read when tracing): None follows
-# :func:`pairs` (with three K/V slots); True pairs wherever the suffix capacity is a multiple of
-# block_kv (with :data:`STAGES` slots; experiments), False never.
-PAIRED_SUFFIX: bool | None = None
+# FusedConfig.paired_suffix as default_config sets it (read when tracing): True pairs wherever
+# the suffix capacity is a multiple of block_kv (with :data:`STAGES` K/V slots; experiments).
+# Off: with three slots paired steps save 1.1-1.7 us where every suffix fills its 128-key slot
+# (paper shape B=1024 S=128, three runs), but lose where the suffixes are half full or less, as
+# in the first half of decoding into a 128-key buffer (64 valid keys: P=16K 122.6 vs 118.1 us,
+# P=4K 47.1 vs 41.7), and lose with longer suffixes or 8 key splits; with two slots they lose
+# everywhere (tools/device/stages.py, 2026-11-24, docs/results/2026-11-24-h100-paired).
+PAIRED_SUFFIX = False
 
 
 def smem_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:
@@ -153,22 +157,6 @@ def spreads(splits: int, prefix_blocks: int, suffix_steps: int) -> bool:
   P=4K S=128 17.4 / 17.2, P=4K S=512 37.9 / 34.4).
   """
   return splits <= 2 and prefix_blocks >= 2 * suffix_steps
-
-
-def pairs(splits: int, capacity: int, block_kv: int = 128) -> bool:
-  """Whether default_config pairs the suffix steps (:attr:`FusedConfig.paired_suffix`, with
-  three K/V slots): at most 2 key splits and suffixes of one slot (``capacity == block_kv``).
-
-  Measured on an H100 (tools/device/stages.py, paper shape, 2026-11-24, three runs,
-  docs/results/2026-11-24-h100-paired; device us, unpaired two slots / paired three slots):
-  B=1024 P=16K S=128 123.5 / 122.4, 123.7 / 122.0, 123.7 / 122.4; P=4K S=128 48.6 / 47.2,
-  48.3 / 46.8, 48.0 / 47.0; P=1K S=128 35.7 / 35.3, 35.5 / 35.4 (three slots unpaired:
-  124.8, 48.7, 35.6). Not better with longer suffixes (P=16K S=512 157.6 / 157.2, 159.2 / 159.8,
-  160.1 / 156.8; P=4K S=512 103.4 / 106.4) nor with 8 splits (B=256 P=16K S=128 36.8 / 38.3,
-  P=4K S=128 17.2 / 17.8, S=512 33.9 / 34.5); paired with two slots was slower everywhere
-  (a step holds both slots: P=4K S=512 129.9).
-  """
-  return splits <= 2 and capacity == block_kv
 
 
 def suffix_columns(rows_per_seq: int) -> int:
@@ -238,17 +226,9 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
     return staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
 
   base = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX)
-  cfg = plan(base, STAGES)
-  if base.transposed_suffix or capacity % base.block_kv or PAIRED_SUFFIX is False:
-    return cfg
-  paired = dataclasses.replace(base, paired_suffix=True, block_s=base.block_kv)
-  if PAIRED_SUFFIX:
-    return plan(paired, STAGES)
-  if pairs(cfg.splits, capacity, base.block_kv):
-    paired = plan(paired, max(3, STAGES))
-    if paired.max_concurrent_steps >= 3:  # paired steps hold two slots: two alone starve them
-      return paired
-  return cfg
+  if PAIRED_SUFFIX and not base.transposed_suffix and capacity % base.block_kv == 0:
+    base = dataclasses.replace(base, paired_suffix=True, block_s=base.block_kv)
+  return plan(base, STAGES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -255,6 +255,15 @@ def test_spread_suffix_runs_start_apart():
   assert counts.max() <= 2 and counts.sum() == 128 and len(counts) == 65
 
 
+# Step plans for the barrier checks: prefix length, suffix blocks, sequences per warpgroup, key
+# splits, both step plans, the CTA among its KV head's, K/V slots.
+BARRIER_PLANS = dict(
+    n_pre=st.integers(0, 40), kv_short=st.integers(0, 127), n_sblk=st.integers(0, 5),
+    seqs_per_wg=st.sampled_from([1, 2, 4, 8, 16, 64]), splits=st.integers(1, 9),
+    spread=st.booleans(), ctas=st.integers(1, 40), cta=st.integers(0, 39),
+    steps_buf=st.sampled_from([2, 3]))
+
+
 def phase_errors(plan_suffix, steps_buf, waits):
   """Barrier phases a warpgroup skips before waiting again on the same barrier. Mosaic GPU keeps
   each barrier's phase in the waiting threads and flips it at every wait, so a warpgroup must
@@ -274,10 +283,7 @@ def phase_errors(plan_suffix, steps_buf, waits):
 
 
 @settings(max_examples=300, deadline=None)
-@given(n_pre=st.integers(0, 40), kv_short=st.integers(0, 127), n_sblk=st.integers(0, 5),
-       seqs_per_wg=st.sampled_from([1, 2, 4, 8, 16, 64]), splits=st.integers(1, 9),
-       spread=st.booleans(), ctas=st.integers(1, 40), cta=st.integers(0, 39),
-       steps_buf=st.sampled_from([2, 3]))
+@given(**BARRIER_PLANS)
 def test_barrier_phases(n_pre, kv_short, n_sblk, seqs_per_wg, splits, spread, ctas, cta,
                         steps_buf):
   """Every consumer warpgroup waits on each phase of every barrier it waits on (see
@@ -321,10 +327,7 @@ def paired_protocol(rg, steps_buf, waits=fm.paired_waits):
 
 
 @settings(max_examples=300, deadline=None)
-@given(n_pre=st.integers(0, 40), kv_short=st.integers(0, 127), n_sblk=st.integers(0, 5),
-       seqs_per_wg=st.sampled_from([1, 2, 4, 8, 16, 64]), splits=st.integers(1, 9),
-       spread=st.booleans(), ctas=st.integers(1, 40), cta=st.integers(0, 39),
-       steps_buf=st.sampled_from([2, 3]))
+@given(**BARRIER_PLANS)
 def test_paired_barrier_protocol(n_pre, kv_short, n_sblk, seqs_per_wg, splits, spread, ctas, cta,
                                  steps_buf):
   """Paired suffix steps load what each warpgroup reads and wait on every barrier phase in order

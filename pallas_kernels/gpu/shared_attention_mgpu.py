@@ -23,10 +23,11 @@ a sequence's length are masked; sequences decoding from one prompt have equal
 lengths). The dispatcher uses it for ``G >= 8`` (:data:`MAX_WASTE`).
 
 Paired suffix steps (``FusedConfig.paired_suffix``, ``block_s == block_kv``; off by default,
-:data:`PAIRED_SUFFIX`): a suffix step takes two K/V ring positions, each a whole slot of ONE warpgroup's sequence
-(warpgroup 0's at the first, warpgroup 1's at the next, :func:`position`), so each warpgroup takes
-``block_kv`` keys of one of its sequences per step: half the steps, the same products. Each
-warpgroup waits on and releases the other's slot too (barrier phases, :func:`paired_waits`).
+:data:`PAIRED_SUFFIX`): a suffix step takes two K/V ring positions, each a whole slot of ONE
+warpgroup's sequence (warpgroup 0's at the first, warpgroup 1's at the next, :func:`position`),
+so each warpgroup takes ``block_kv`` keys of one of its sequences per step: half the steps, the
+same products. Each warpgroup waits on and releases the other's slot too (barrier phases,
+:func:`paired_waits`).
 
 Key splits (flash-decoding, when the row tiles do not fill the SMs) cut the CTA's
 step list -- prefix blocks then suffix steps -- into ranges of equal step counts, or (with
@@ -213,22 +214,18 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   Measured on an H100 (tools/device/fused.sh, 2026-11-23): splits from the prefix blocks alone
   ran paper-shape B=16, P=1024 at 31 us (40 steps over 2 CTAs); counted over all steps, 12.7.
   """
+  cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX)
+  if PAIRED_SUFFIX and not cfg.transposed_suffix and capacity % cfg.block_kv == 0:
+    cfg = dataclasses.replace(cfg, paired_suffix=True, block_s=cfg.block_kv)
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
-  prefix_blocks = prefix // FusedConfig.block_kv
-
-  def plan(cfg: FusedConfig, stages: int) -> FusedConfig:
-    suffix_steps = (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
-    splits = max(1, min(num_sms // tiles, (prefix_blocks + suffix_steps) // 4))
-    spread = (spreads(splits, prefix_blocks, suffix_steps) if SPREAD_SUFFIX is None
-              else SPREAD_SUFFIX)
-    cfg = dataclasses.replace(cfg, splits=splits, spread_suffix=spread)
-    staged = dataclasses.replace(cfg, max_concurrent_steps=stages)
-    return staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
-
-  base = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX)
-  if PAIRED_SUFFIX and not base.transposed_suffix and capacity % base.block_kv == 0:
-    base = dataclasses.replace(base, paired_suffix=True, block_s=base.block_kv)
-  return plan(base, STAGES)
+  prefix_blocks = prefix // cfg.block_kv
+  suffix_steps = (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
+  splits = max(1, min(num_sms // tiles, (prefix_blocks + suffix_steps) // 4))
+  spread = (spreads(splits, prefix_blocks, suffix_steps) if SPREAD_SUFFIX is None
+            else SPREAD_SUFFIX)
+  cfg = dataclasses.replace(cfg, splits=splits, spread_suffix=spread)
+  staged = dataclasses.replace(cfg, max_concurrent_steps=STAGES)
+  return staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,15 +10,22 @@ stream), and XLA merges the two states afterwards (fused into the layout change)
 
 * ``split``: the shipped two-kernel path (``fused_decode(False)``, ``flat_decode(0)``),
 * ``sep``: prefix, suffix without prior, XLA merge, one stream (what the merge pass costs),
-* ``side_prefix`` / ``side_suffix``: the same with the prefix / the suffix on stream 1.
+* ``side_prefix`` / ``side_suffix``: the same with the prefix / the suffix on stream 1,
+* with ``--prefix-sms N``, ``sep_smsN`` / ``side_suffix_smsN``: the prefix kernel's key splits
+  chosen for N SMs instead of 132 (fewer CTAs, so SMs are left free for the suffix kernel:
+  does the block scheduler then run the two side by side?).
 
 Device time is the profiler's union of kernel intervals over all streams
-(``jax_shared_attn.bench.timing``), so overlap shows as a shorter time. Run on the GPU machine:
+(``jax_shared_attn.bench.timing``), so overlap shows as a shorter time; the table at the end
+also gives each variant's summed kernel time and the overlap (sum minus busy). Run on the GPU machine:
 ``PYTHONPATH=. python3 tools/device/streams.py --out $OUT``. Writes ``streams.json`` and prints a
 table. A development tool.
 """
 
 import argparse
+import contextlib
+import functools
+import json
 import os
 
 import jax.numpy as jnp
@@ -28,6 +35,7 @@ from jax_shared_attn import shared_prefix_attention
 from jax_shared_attn.bench import attention as bench
 from jax_shared_attn.merge import merge_states
 from pallas_kernels.gpu import _common
+from pallas_kernels.gpu import prefix_attention_mgpu as mg
 from pallas_kernels.gpu.prefix_attention import prefix_attention_rows
 from pallas_kernels.gpu.suffix_attention import suffix_rows
 
@@ -42,8 +50,26 @@ def _side(fn, stream):
               out_memory_spaces=(core.MemorySpace.Device, core.MemorySpace.Device))
 
 
-def decoupled(prefix_stream=None, suffix_stream=None):
-  def op(q, pk, pv, sk, sv):
+@contextlib.contextmanager
+def _prefix_sms(num_sms):
+  """While tracing: the Mosaic prefix kernel's splits chosen as if the GPU had ``num_sms``."""
+  if num_sms is None:
+    yield
+    return
+  orig = mg.default_config
+  mg.default_config = functools.partial(orig, num_sms=num_sms)
+  try:
+    yield
+  finally:
+    mg.default_config = orig
+
+
+def decoupled(prefix_stream=None, suffix_stream=None, prefix_sms=None):
+  def op(*args):
+    with _prefix_sms(prefix_sms):
+      return _op(*args)
+
+  def _op(q, pk, pv, sk, sv):
     b, tq, hq, d = q.shape
     hkv = pk.shape[1]
     m = tq * (hq // hkv)
@@ -87,6 +113,45 @@ VARIANTS = {
 }
 
 
+def stream_report(op, spec, calls=3):
+  """Kernel intervals of a few calls of ``op`` on ``spec``'s inputs, with the stream each ran on
+  (the profiler's line names): did the two kernels run on two streams, and at the same time?"""
+  import glob
+  import tempfile
+
+  import jax
+  from jax.profiler import ProfileData
+  from jax_shared_attn.bench.attention import SHAPES, AttentionShape, _inputs
+
+  name, b, p, s = spec.split(":")
+  hq, hkv, d = SHAPES[{"llama": "llama-3-8b"}.get(name, name)]
+  args = _inputs(AttentionShape(int(b), int(p), int(s), hq, hkv, d), jnp.bfloat16, 0)
+  fn = jax.jit(op)
+  jax.block_until_ready(fn(*args))
+  # The entry computation's schedule: where XLA put the async start/done around the kernels.
+  hlo = fn.lower(*args).compile().as_text()
+  entry = hlo[hlo.index("ENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  schedule = [ln.strip()[:160] for ln in entry.splitlines()
+              if any(t in ln for t in ("call-start", "call-done", "custom-call", "async", "fusion("))]
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+    path = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0]
+    rows = []
+    for plane in ProfileData.from_file(path).planes:
+      if not plane.name.startswith("/device:GPU"):
+        continue
+      for line in plane.lines:
+        if line.name.startswith("Stream #"):
+          rows += [(ev.start_ns, ev.duration_ns, line.name[:24], ev.name[:50]) for ev in line.events]
+  rows.sort()
+  t0 = rows[0][0] if rows else 0
+  return schedule, [dict(start_us=(a - t0) / 1e3, dur_us=dur / 1e3, stream=st, kernel=k)
+                    for a, dur, st, k in rows]
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--configs", default="llama:1024:1024:128,llama:1024:2048:64,"
@@ -95,11 +160,45 @@ def main():
                   "paper:1024:4096:128")
   ap.add_argument("--variants", default=",".join(VARIANTS))
   ap.add_argument("--trials", type=int, default=3)
+  ap.add_argument("--prefix-sms", type=int, default=None,
+                  help="also time sep / side_suffix with the prefix splits chosen for N SMs")
+  ap.add_argument("--report", default=None,
+                  help="VARIANT@SPEC: print the kernel intervals and streams of a few calls")
   ap.add_argument("--out", default=".")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
-  bench.compare_variants({v: VARIANTS[v] for v in args.variants.split(",")}, args.configs,
-                         trials=args.trials, out_json=os.path.join(args.out, "streams.json"))
+  variants = dict(VARIANTS)
+  if args.prefix_sms:
+    n = args.prefix_sms
+    variants[f"sep_sms{n}"] = decoupled(prefix_sms=n)
+    variants[f"side_suffix_sms{n}"] = decoupled(suffix_stream=1, prefix_sms=n)
+  if args.report:
+    v, spec = args.report.split("@")
+    schedule, events = stream_report(variants[v], spec)
+    print("\n".join(schedule))
+    for e in events:
+      print(f"{e['start_us']:9.1f} {e['dur_us']:8.1f}  {e['stream']:24s} {e['kernel']}")
+    with open(os.path.join(args.out, f"report_{v}.json"), "w") as f:
+      json.dump(dict(schedule=schedule, events=events), f, indent=1)
+    return
+  names = args.variants.split(",")
+  if args.prefix_sms:
+    names += [f"sep_sms{args.prefix_sms}", f"side_suffix_sms{args.prefix_sms}"]
+  rows = bench.compare_variants({v: variants[v] for v in names}, args.configs,
+                                trials=args.trials, out_json=os.path.join(args.out, "streams.json"))
+  print("\n| shape | B | P | S | variant | busy us | kernels summed us | overlap us | kernels |")
+  print("|---|---:|---:|---:|---|---:|---:|---:|---|")
+  for r in rows:
+    for v in names:
+      if not isinstance(r.get(v), float):
+        continue
+      ks = r.get(f"{v}_kernels", [])
+      total = sum(k["us"] for k in ks)
+      top = "; ".join(f"{k['name'][:40]} {k['us']:.1f}" for k in ks[:3])
+      print(f"| {r['shape']} | {r['B']} | {r['P']} | {r['S']} | {v} | {r[v]:.1f} | {total:.1f} | "
+            f"{total - r[v]:.1f} | {top} |")
+  with open(os.path.join(args.out, "overlap.json"), "w") as f:
+    json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ class Event:
   name: str
   start_ns: float
   duration_ns: float
+  stream: str = ""  # the profiler's line, e.g. "Stream #14(Compute)"
 
   @property
   def end_ns(self) -> float:
@@ -55,7 +56,7 @@ def events_from_xspace(planes) -> list[Event] | None:
     stream_lines = [line for line in plane.lines if _STREAM_LINE.match(line.name)]
     for line in stream_lines:
       for ev in line.events:
-        events.append(Event(ev.name, float(ev.start_ns), float(ev.duration_ns)))
+        events.append(Event(ev.name, float(ev.start_ns), float(ev.duration_ns), line.name))
   return sorted(events, key=lambda e: e.start_ns) if found else None
 
 

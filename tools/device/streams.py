@@ -28,11 +28,13 @@ import functools
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 
 import pallas_kernels.gpu as gpu
 from jax_shared_attn import shared_prefix_attention
 from jax_shared_attn.bench import attention as bench
+from jax_shared_attn.bench import profile as profile_lib
 from jax_shared_attn.merge import merge_states
 from pallas_kernels.gpu import _common
 from pallas_kernels.gpu import prefix_attention_mgpu as mg
@@ -116,16 +118,9 @@ VARIANTS = {
 def stream_report(op, spec, calls=3):
   """Kernel intervals of a few calls of ``op`` on ``spec``'s inputs, with the stream each ran on
   (the profiler's line names): did the two kernels run on two streams, and at the same time?"""
-  import glob
-  import tempfile
-
-  import jax
-  from jax.profiler import ProfileData
-  from jax_shared_attn.bench.attention import SHAPES, AttentionShape, _inputs
-
   name, b, p, s = spec.split(":")
-  hq, hkv, d = SHAPES[{"llama": "llama-3-8b"}.get(name, name)]
-  args = _inputs(AttentionShape(int(b), int(p), int(s), hq, hkv, d), jnp.bfloat16, 0)
+  hq, hkv, d = bench.SHAPES[{"llama": "llama-3-8b"}.get(name, name)]
+  args = bench._inputs(bench.AttentionShape(int(b), int(p), int(s), hq, hkv, d), jnp.bfloat16, 0)
   fn = jax.jit(op)
   jax.block_until_ready(fn(*args))
   # The entry computation's schedule: where XLA put the async start/done around the kernels.
@@ -134,22 +129,11 @@ def stream_report(op, spec, calls=3):
   entry = entry[:entry.index("\n}")]
   schedule = [ln.strip()[:160] for ln in entry.splitlines()
               if any(t in ln for t in ("call-start", "call-done", "custom-call", "async", "fusion("))]
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp):
-      for _ in range(calls):
-        jax.block_until_ready(fn(*args))
-    path = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0]
-    rows = []
-    for plane in ProfileData.from_file(path).planes:
-      if not plane.name.startswith("/device:GPU"):
-        continue
-      for line in plane.lines:
-        if line.name.startswith("Stream #"):
-          rows += [(ev.start_ns, ev.duration_ns, line.name[:24], ev.name[:50]) for ev in line.events]
-  rows.sort()
-  t0 = rows[0][0] if rows else 0
-  return schedule, [dict(start_us=(a - t0) / 1e3, dur_us=dur / 1e3, stream=st, kernel=k)
-                    for a, dur, st, k in rows]
+  events = profile_lib.device_events(
+      lambda: [jax.block_until_ready(fn(*args)) for _ in range(calls)]) or []
+  t0 = events[0].start_ns if events else 0
+  return schedule, [dict(start_us=(e.start_ns - t0) / 1e3, dur_us=e.duration_ns / 1e3,
+                         stream=e.stream[:24], kernel=e.name[:50]) for e in events]
 
 
 def main():

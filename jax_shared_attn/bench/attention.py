@@ -117,6 +117,14 @@ def _jax_pallas_hydragen(q, pk, pv, sk, sv):
   return out.astype(q.dtype)
 
 
+def parse_spec(spec: str) -> tuple[str, AttentionShape]:
+  """``shape:B:P:S`` (shape ``paper`` / ``llama`` / a :data:`SHAPES` name) -> (shape, the
+  configuration)."""
+  name, b, p, s = spec.split(":")
+  hq, hkv, d = SHAPES[{"llama": "llama-3-8b"}.get(name, name)]
+  return name, AttentionShape(int(b), int(p), int(s), hq, hkv, d)
+
+
 def compare_variants(ops: dict, specs: str, *, trials: int, out_json: str | None = None,
                      ceilings: tuple[float, float] | None = None) -> list[dict]:
   """Development comparisons: each ``shape:B:P:S`` of ``specs`` (comma-separated; shape
@@ -124,15 +132,12 @@ def compare_variants(ops: dict, specs: str, *, trials: int, out_json: str | None
   inputs with :func:`timing.compare_ops` (outputs checked against the first op's). Writes the
   rows to ``out_json`` after each configuration, prints them, and ends with a Markdown table;
   ``ceilings`` (copy bytes/s, matmul FLOP/s) adds a floor column."""
-  aliases = {"llama": "llama-3-8b"}
   rows = []
   for spec in specs.split(","):
-    name, b, p, s = spec.split(":")
-    hq, hkv, d = SHAPES[aliases.get(name, name)]
-    shape = AttentionShape(int(b), int(p), int(s), hq, hkv, d)
+    name, shape = parse_spec(spec)
     make = functools.partial(_inputs, shape, jnp.bfloat16)
     n = timing.sets_needed(timing.tree_bytes(jax.eval_shape(lambda: make(0))))
-    row = dict(shape=name, B=int(b), P=int(p), S=int(s))
+    row = dict(shape=name, B=shape.batch, P=shape.prefix, S=shape.suffix)
     if ceilings:
       row["floor_us"] = shape.floor_s(*ceilings) * 1e6
     row.update(timing.compare_ops(ops, make, n_sets=n, trials=trials))

@@ -38,9 +38,8 @@ def shipped(q, pk, pv, sk, sv, lens):
 
 
 def run(spec: str, sets: int, trials: int) -> dict:
-  name, b, p, s = spec.split(":")
-  hq, hkv, d = bench.SHAPES[{"llama": "llama-3-8b"}.get(name, name)]
-  shape = bench.AttentionShape(int(b), int(p), int(s), hq, hkv, d)
+  shape = bench.parse_spec(spec)[1]
+  hkv, d = shape.kv_heads, shape.head_dim
   q, pk, pv, _, _ = bench._inputs(shape, jnp.bfloat16, 0)
   suffixes = [bench._inputs(shape, jnp.bfloat16, i)[3:] for i in range(sets)]
   full = jnp.full((shape.batch,), shape.suffix, jnp.int32)

@@ -118,9 +118,7 @@ VARIANTS = {
 def stream_report(op, spec, calls=3):
   """Kernel intervals of a few calls of ``op`` on ``spec``'s inputs, with the stream each ran on
   (the profiler's line names): did the two kernels run on two streams, and at the same time?"""
-  name, b, p, s = spec.split(":")
-  hq, hkv, d = bench.SHAPES[{"llama": "llama-3-8b"}.get(name, name)]
-  args = bench._inputs(bench.AttentionShape(int(b), int(p), int(s), hq, hkv, d), jnp.bfloat16, 0)
+  args = bench._inputs(bench.parse_spec(spec)[1], jnp.bfloat16, 0)
   fn = jax.jit(op)
   jax.block_until_ready(fn(*args))
   # The entry computation's schedule: where XLA put the async start/done around the kernels.

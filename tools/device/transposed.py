@@ -61,9 +61,7 @@ def trace(args):
   import jax
   import jax.numpy as jnp
   jax.config.update("jax_traceback_filtering", "off")
-  name, b, p, s = args.configs.split(",")[0].split(":")
-  hq, hkv, d = bench.SHAPES[{"llama": "llama-3-8b"}.get(name, name)]
-  shape = bench.AttentionShape(int(b), int(p), int(s), hq, hkv, d)
+  shape = bench.parse_spec(args.configs.split(",")[0])[1]
   q, pk, pv, sk, sv = bench._inputs(shape, jnp.bfloat16, 0)
   try:
     out = jax.block_until_ready(jax.jit(transposed)(q, pk, pv, sk, sv))

@@ -341,6 +341,24 @@ def test_kv_slots_follow_the_shared_memory(d):
       lower_fused(four)
 
 
+@pytest.mark.parametrize("block_kv,splits,d,stages", [(128, 2, 128, 2), (192, 2, 128, 2),
+                                                     (128, 1, 64, 3), (64, 3, 256, 2)])
+def test_prefix_kernel_overlap_exports_for_cuda(block_kv, splits, d, stages):
+  """The Mosaic prefix kernel with the intra-warpgroup overlap (``MosaicPrefixConfig.overlap``)
+  lowers for CUDA with 128-, 192- and 64-key steps, two or three K/V slots; its module differs
+  from the kernel's without it."""
+  from pallas_kernels.gpu import prefix_attention_mgpu as mg
+  dt, keys = jnp.bfloat16, 4096
+
+  def lower(cfg):
+    fn = lambda q, k, v: mg.prefix_attention_rows_mgpu(q, k, v, keys, scale=0.1, config=cfg)
+    return export_cuda(fn, S((1, 1024, d), dt), S((keys, 1, d), dt), S((keys, 1, d), dt))
+
+  cfg = mg.MosaicPrefixConfig(64, block_kv, stages, splits)
+  over = lower(dataclasses.replace(cfg, overlap=True))
+  assert MOSAIC in over and over != lower(cfg)
+
+
 # Suffix capacity 100 takes the split path (the prefix kernel), 128 the one-kernel decode path.
 @pytest.mark.parametrize("capacity,function", [(100, "_mosaic_rows"), (128, "_fused_jit")])
 def test_mosaic_kernel_lowered_once_per_shape(capacity, function):

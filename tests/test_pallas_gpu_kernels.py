@@ -351,15 +351,17 @@ class TestNativeMosaic:
     given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples)(
         lambda data, seed: TestInterpret.run_prefix(self, data, seed, case)))()
 
-  @pytest.mark.parametrize("block_kv,splits,p,d,stages", [
-      (128, 1, 640, 128, 2), (192, 1, 640, 128, 2), (192, 3, 1024, 128, 2),
-      (192, 2, 2048, 64, 2), (64, 2, 448, 256, 2), (128, 2, 1152, 128, 3), (128, 1, 384, 64, 3)])
-  def test_prefix_kernel_configs(self, block_kv, splits, p, d, stages):
+  @pytest.mark.parametrize("block_kv,splits,p,d,stages,overlap", [
+      (128, 1, 640, 128, 2, False), (192, 1, 640, 128, 2, False), (192, 3, 1024, 128, 2, False),
+      (192, 2, 2048, 64, 2, False), (64, 2, 448, 256, 2, False), (128, 2, 1152, 128, 3, False),
+      (128, 1, 384, 64, 3, False), (128, 1, 640, 128, 2, True), (192, 3, 1024, 128, 2, True),
+      (128, 2, 2048, 64, 2, True), (64, 2, 448, 256, 2, True), (128, 2, 1152, 128, 3, True)])
+  def test_prefix_kernel_configs(self, block_kv, splits, p, d, stages, overlap):
     """The kernel directly, off its default configuration: key steps that do not divide P (the
     last block read past P, zero-filled by TMA, and masked), key splits, two or three K/V slots,
-    lengths 0, 1, P."""
+    the intra-warpgroup overlap, lengths 0, 1, P."""
     from pallas_kernels.gpu import prefix_attention_mgpu as mg
-    cfg = mg.MosaicPrefixConfig(64, block_kv, stages, splits)
+    cfg = mg.MosaicPrefixConfig(64, block_kv, stages, splits, overlap)
     fn = jax.jit(mg.prefix_attention_rows_mgpu, static_argnames=("scale", "config"))
 
     def run(data, seed):

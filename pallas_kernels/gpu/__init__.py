@@ -130,6 +130,14 @@ def wide_prefix_steps(min_keys: int):
   return _setting("WIDE_MIN_KEYS", int(min_keys), mg)
 
 
+def prefix_overlap(enabled: bool):
+  """Temporarily sets ``prefix_attention_mgpu.OVERLAP``: the Mosaic GPU prefix kernel's 128-key
+  steps at D = 128 with FlashAttention-3's intra-warpgroup overlap (the default) or without,
+  for calls traced inside."""
+  from pallas_kernels.gpu import prefix_attention_mgpu as mg
+  return _setting("OVERLAP", bool(enabled), mg)
+
+
 def kv_stages(fused: int | None = None, prefix: int | None = None):
   """Temporarily sets the K/V slots in flight of the one-kernel decode path
   (``shared_attention_mgpu.STAGES``) and of the Mosaic GPU prefix kernel's 128-key steps

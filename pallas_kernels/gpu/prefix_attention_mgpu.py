@@ -6,7 +6,11 @@ tensor cores the way FlashAttention-3 is: per CTA, two consumer warpgroups
 each own ``block_q`` query rows and run ``wgmma`` on K/V tiles that a third,
 producer warpgroup streams into shared memory with TMA, ``max_concurrent_steps``
 deep; a schedule barrier makes the two consumers alternate between the
-tensor cores and the softmax. Adapted from JAX's
+tensor cores and the softmax. With ``MosaicPrefixConfig.overlap`` (the default
+for 128-key steps at D = 128) a consumer also overlaps its own softmax with its
+previous step's ``P V`` product, and the two consumers pass a turn to issue
+products instead of meeting at a barrier (FlashAttention-3's intra-warpgroup
+overlap and ping-pong). Adapted from JAX's
 ``pallas/ops/gpu/attention_mgpu.py`` (forward pass) with: the score scale,
 the prefix length as a runtime value (blocks past it are never loaded; the
 last one is masked), key splits as a grid axis (flash-decoding for small
@@ -45,6 +49,10 @@ class MosaicPrefixConfig:
   block_kv: int = 128
   max_concurrent_steps: int = 2
   splits: int = 1
+  # FlashAttention-3's intra-warpgroup overlap: a consumer issues the scores of step j and the
+  # product P_{j-1} V_{j-1} back to back and runs step j's softmax while the latter is on the
+  # tensor cores (:func:`_overlapped_consumer`).
+  overlap: bool = False
 
 
 # Keys per split from which the kernel takes 192-key steps instead of 128 (D <= 128; 0: never).
@@ -59,6 +67,14 @@ WIDE_BLOCK_KV = 192  # 2 stages of 192-key K and V tiles + q: 224 KiB of the 227
 # two / three: B=1024 P=4K S=128 315.3 / 316.1, B=256 P=4K 90.0 / 90.2) nor than two of 192 keys
 # where those apply (B=1024 P=16K: 592.5 with 192-key steps, 611.5 with three 128-key slots).
 STAGES = 2
+# FlashAttention-3's intra-warpgroup overlap (MosaicPrefixConfig.overlap) as default_config sets it
+# (read when tracing): on for 128-key steps at D = 128, where it was measured faster on an H100
+# (tools/device/overlap.py, 2026-11-24, device us, plain / overlapped: Llama-3-8B B=256 P=4K
+# 31.0 / 30.6, B=1024 P=4K 108.4 / 106.3, paper shape B=1024 P=4K 30.7 / 30.1). Not with 192-key
+# steps: S, P and O no longer fit in a consumer's 232 registers (ptxas spills and serialises the
+# wgmma: 157.8 vs 101.7 us at B=1024 P=16K), and 128-key overlapped steps only tie those (102.4
+# vs 102.5; Llama B=256 P=16K 107.4 vs 105.6). docs/results/2026-11-24-h100-overlap/.
+OVERLAP = True
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper CTA may use
 # Barriers and the alignment of the swizzled tiles (both Mosaic GPU kernels): Mosaic GPU counted
 # 2,728 bytes beyond the tiles of the three-slot one-kernel decode path with its LSE staged
@@ -96,7 +112,8 @@ def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int = 128,
 
   Shared memory holds q (2 x 64 rows) and ``max_concurrent_steps`` K and V
   tiles: with D = 256, 64-key tiles keep it under the 227 KiB of a Hopper SM.
-  Long key ranges per split take 192-key steps (:data:`WIDE_MIN_KEYS`).
+  Long key ranges per split take 192-key steps (:data:`WIDE_MIN_KEYS`); 128-key steps at
+  D = 128 the intra-warpgroup overlap (:data:`OVERLAP`).
   """
   cfg = MosaicPrefixConfig(block_kv=64 if head_dim > 128 else 128)
   tiles = pl.cdiv(rows, 2 * cfg.block_q) * kv_heads
@@ -105,7 +122,8 @@ def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int = 128,
   block_kv = cfg.block_kv
   if head_dim <= 128 and WIDE_MIN_KEYS and prefix // splits >= WIDE_MIN_KEYS:
     block_kv = WIDE_BLOCK_KV
-  cfg = dataclasses.replace(cfg, splits=splits, block_kv=block_kv)
+  cfg = dataclasses.replace(cfg, splits=splits, block_kv=block_kv,
+                            overlap=OVERLAP and block_kv == 128 and head_dim == 128)
   staged = dataclasses.replace(cfg, max_concurrent_steps=STAGES)
   return staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
 
@@ -150,7 +168,123 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
       plgpu.barrier_arrive(schedule_barrier)
       plgpu.barrier_wait(schedule_barrier)
 
-    @pl.when(wg_idx < 2)
+    def store(qo_smem, q_base, acc, m_i, l_i):
+      has = l_i > 0  # a split without keys gives (0, -inf), not 0/0
+      safe_l = jnp.where(has, l_i, 1.0)
+      acc /= lax.broadcast_in_dim(safe_l, (block_q, d), [0])
+      qo_smem[...] = acc.astype(dtype)
+      lse = jnp.where(has, (m_i + jnp.log(safe_l) * (1 / LN2)) * LN2, -jnp.inf)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[split, head, pl.ds(q_base, block_q)])
+      lse_ref.at[split, head, pl.ds(q_base, block_q)][...] = lse
+      plgpu.wait_smem_to_gmem(0)
+
+    def softmax(qk, m_i, l_i, step, masked: bool):
+      """One step's online softmax: the new row max and sum, the old state's scale and the
+      probabilities in float32 (a split's first block always holds a valid key)."""
+      if masked:
+        kv_ids = plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA)
+        qk = jnp.where(kv_ids + (first_block + step) * block_kv < kv_len, qk, -jnp.inf)
+      m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
+      alpha = jnp.exp2(m_i - m_ij)
+      p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+      l_i = l_i * alpha + p.sum(axis=1)
+      return m_ij, l_i, alpha, p
+
+    def _overlapped_consumer():
+      """FlashAttention-3's intra-warpgroup overlap (and its ping-pong between the two
+      consumer warpgroups, as a turn to issue products): step j issues ``S_j = Q K_j^T`` and
+      ``O += P_{j-1} V_{j-1}`` back to back, waits for ``S_j`` only, and runs its softmax while
+      the product of the previous step's probabilities is on the tensor cores; O is rescaled
+      once that is done. Registers: S_j, P_{j-1} and O live at once (64 + 32 + 64 per thread
+      at 128 keys)."""
+      plgpu.set_max_registers(232, action="increase")
+      qo_smem = qo_smem2.at[wg_idx]
+      q_base = lax.axis_index("q_seq") * (2 * block_q) + wg_idx * block_q
+      plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem,
+                              q_barriers.at[wg_idx])
+      plgpu.barrier_wait(q_barriers.at[wg_idx])
+      ring = lambda c: lax.rem(c, jnp.array(steps_buf, c.dtype))
+      # The warpgroups take turns issuing their products (FlashAttention-3's ping-pong as a
+      # token: schedule_barrier holds one single-arrival barrier per warpgroup, "your turn"),
+      # but their softmaxes may run at the same time. Warpgroup 0 issues first.
+      take_turn = lambda: plgpu.barrier_wait(schedule_barrier.at[wg_idx])
+      pass_turn = lambda: plgpu.barrier_arrive(schedule_barrier.at[1 - wg_idx])
+
+      @pl.when(kv_steps > 0)
+      def _steps():
+        plgpu.barrier_wait(k_barriers.at[0])
+
+        def first_scores(s_ref):
+          pl.when(wg_idx == 1)(take_turn)
+          plgpu.wgmma(s_ref, qo_smem, k_smem.at[0].transpose((1, 0)))
+          pass_turn()
+          return s_ref[...]
+
+        qk = pl.run_scoped(first_scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+        plgpu.barrier_arrive(k_consumed_barriers.at[0])
+        m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        m_i, l_i, _, p = softmax(qk, m_i, l_i, 0, masked=True)
+        p16 = p.astype(dtype)
+        acc = plgpu.layout_cast(jnp.full((block_q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(j, carry, masked: bool):
+          acc, m_i, l_i, p_prev = carry
+          slot, prev = ring(j), ring(j - 1)
+
+          def body(o_ref, s_ref):
+            o_ref[...] = acc
+            plgpu.barrier_wait(k_barriers.at[slot])
+            take_turn()
+            plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+            plgpu.barrier_wait(v_barriers.at[prev])
+            plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
+            pass_turn()
+            qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j; P_{j-1} V_{j-1} runs on
+            plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+            m_n, l_n, alpha, p = softmax(qk, m_i, l_i, j, masked)
+            # Computed before the wait below (LLVM may not sink them past it), and converted to
+            # q's dtype after it: the product in flight reads P_{j-1} from the registers the
+            # loop carries P in (FlashAttention-3 converts after the wait, too).
+            m_n, l_n, alpha, p = lax.optimization_barrier((m_n, l_n, alpha, p))
+            o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+            plgpu.barrier_arrive(v_consumed_barriers.at[prev])
+            return o * lax.broadcast_in_dim(alpha, o.shape, [0]), m_n, l_n, p.astype(dtype)
+
+          return pl.run_scoped(body, plgpu.ACC((block_q, d), jnp.float32),
+                               plgpu.ACC((block_q, block_kv), jnp.float32))
+
+        carry = (acc, m_i, l_i, p16)
+        split_at = jnp.maximum(full_steps, 1)
+        carry = lax.fori_loop(1, split_at, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(split_at, kv_steps, functools.partial(step, masked=True), carry)
+        acc, m_i, l_i, p16 = carry
+        last = ring(kv_steps - 1)
+
+        def last_product(o_ref):
+          o_ref[...] = acc
+          plgpu.barrier_wait(v_barriers.at[last])
+          take_turn()
+          plgpu.wgmma(o_ref, p16, v_smem.at[last])
+          pass_turn()  # warpgroup 1's last arrival is never waited on (the kernel ends)
+          return o_ref[...]
+
+        acc = pl.run_scoped(last_product, plgpu.ACC((block_q, d), jnp.float32))
+        plgpu.barrier_arrive(v_consumed_barriers.at[last])
+        store(qo_smem, q_base, acc, m_i, l_i)
+
+      @pl.when(kv_steps == 0)
+      def _empty():
+        zero = plgpu.layout_cast(jnp.full((block_q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
+        store(qo_smem, q_base, zero,
+              plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1)),
+              plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1)))
+
     def _compute_wg():
       plgpu.set_max_registers(232, action="increase")
       qo_smem = qo_smem2.at[wg_idx]
@@ -223,16 +357,9 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
       acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps, functools.partial(kv_loop, masked=True),
                                     (acc, m_i, l_i))
       pl.when(wg_idx == 0)(perform_schedule_barrier)
+      store(qo_smem, q_base, acc, m_i, l_i)
 
-      has = l_i > 0  # a split without keys gives (0, -inf), not 0/0
-      safe_l = jnp.where(has, l_i, 1.0)
-      acc /= lax.broadcast_in_dim(safe_l, (block_q, d), [0])
-      qo_smem[...] = acc.astype(dtype)
-      lse = jnp.where(has, (m_i + jnp.log(safe_l) * (1 / LN2)) * LN2, -jnp.inf)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[split, head, pl.ds(q_base, block_q)])
-      lse_ref.at[split, head, pl.ds(q_base, block_q)][...] = lse
-      plgpu.wait_smem_to_gmem(0)
+    pl.when(wg_idx < 2)(_overlapped_consumer if cfg.overlap else _compute_wg)
 
     @pl.when(wg_idx == 2)
     def _memory_wg():
@@ -269,7 +396,9 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
         (plgpu.Barrier(num_barriers=steps_buf), plgpu.Barrier(num_barriers=steps_buf),
          plgpu.Barrier(num_barriers=compute_wgs)),
         (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf),) * 2,
-        plgpu.Barrier(num_arrivals=compute_wgs),
+        # The ping-pong: one barrier both warpgroups meet at, or (overlap) one per warpgroup.
+        (plgpu.Barrier(num_barriers=compute_wgs) if cfg.overlap
+         else plgpu.Barrier(num_arrivals=compute_wgs)),
         collective_axes="wg",
     )
 

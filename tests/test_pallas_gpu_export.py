@@ -359,6 +359,21 @@ def test_prefix_kernel_overlap_exports_for_cuda(block_kv, splits, d, stages):
   assert MOSAIC in over and over != lower(cfg)
 
 
+def test_prefix_overlap_default_and_switch():
+  """``default_config`` overlaps 128-key steps at D = 128 only (not 192-key steps, whose S, P and
+  O do not fit in the registers, nor D 64/256, not measured); ``prefix_overlap`` switches it."""
+  import pallas_kernels.gpu as gpu
+  from pallas_kernels.gpu import prefix_attention_mgpu as mg
+  short, wide = mg.default_config(8192, 1, 4096, 128), mg.default_config(8192, 1, 16384, 128)
+  assert (short.block_kv, short.overlap) == (128, True)
+  assert (wide.block_kv, wide.overlap) == (192, False)
+  assert not mg.default_config(8192, 1, 4096, 64).overlap
+  assert not mg.default_config(8192, 1, 4096, 256).overlap
+  with gpu.prefix_overlap(False):
+    assert not mg.default_config(8192, 1, 4096, 128).overlap
+  assert mg.default_config(8192, 1, 4096, 128).overlap
+
+
 # Suffix capacity 100 takes the split path (the prefix kernel), 128 the one-kernel decode path.
 @pytest.mark.parametrize("capacity,function", [(100, "_mosaic_rows"), (128, "_fused_jit")])
 def test_mosaic_kernel_lowered_once_per_shape(capacity, function):

@@ -359,28 +359,6 @@ def test_prefix_kernel_overlap_exports_for_cuda(block_kv, splits, d, stages):
   assert MOSAIC in over and over != lower(cfg)
 
 
-@pytest.mark.parametrize("b,p,s,d,extra", [
-    (1024, 16384, 128, 128, {}), (256, 4096, 128, 128, {}), (64, 1024, 512, 64, {}),
-    (1024, 16384, 128, 128, {"spread_suffix": True}),
-    (1024, 4096, 128, 128, {"paired_suffix": True, "block_s": 128, "max_concurrent_steps": 3}),
-    (256, 4096, 128, 128, {"transposed_suffix": True})])
-def test_fused_decode_overlap_exports_for_cuda(b, p, s, d, extra):
-  """The one kernel with overlapped prefix runs (``FusedConfig.overlap``) lowers for CUDA with
-  equal and spread step ranges, paired and transposed suffix steps, D 64/128; the switch sets
-  it."""
-  import pallas_kernels.gpu as gpu
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
-  g, dt = 8, jnp.bfloat16
-  assert not fm.default_config(b * g, 1, p, s, g, head_dim=d).overlap
-  with gpu.fused_overlap(True):
-    cfg = dataclasses.replace(fm.default_config(b * g, 1, p, s, g, head_dim=d), **extra)
-  assert cfg.overlap
-  fn = lambda q, k, v, sk, sv, n: fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1, config=cfg)
-  text = export_cuda(fn, S((b, 1, g, d), dt), S((p, 1, d), dt), S((p, 1, d), dt),
-                     S((b, s, 1, d), dt), S((b, s, 1, d), dt), S((b,), jnp.int32))
-  assert MOSAIC in text
-
-
 def test_prefix_overlap_default_and_switch():
   """``default_config`` overlaps 128-key steps at D = 128 only (not 192-key steps, whose S, P and
   O do not fit in the registers, nor D 64/256, not measured); ``prefix_overlap`` switches it."""

@@ -488,34 +488,6 @@ class TestNativeFusedDecodeSpread(TestNativeFusedDecodeEqualRanges):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
-class TestNativeFusedDecodeOverlap(TestNativeFusedDecode):
-  """The same cases with the one kernel's unmasked prefix runs overlapped
-  (``fused_overlap(True)``: a warpgroup's softmax under its previous ``P V`` product, a turn to
-  issue products passed between the warpgroups within a run)."""
-  spread = None
-
-  def setup_method(self):
-    import pallas_kernels.gpu as gpu
-    from pallas_kernels.gpu import shared_attention_mgpu as fm
-    self._switch = contextlib.ExitStack()
-    self._switch.enter_context(gpu.fused_overlap(True))
-    self._switch.enter_context(gpu.spread_suffix(self.spread))
-    assert fm.default_config(128, 1, 1024, 128, 8, head_dim=128).overlap
-
-  def teardown_method(self):
-    self._switch.__exit__(None, None, None)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
-class TestNativeFusedDecodeOverlapSpread(TestNativeFusedDecodeOverlap):
-  """Overlapped prefix runs with every shape's suffix steps spread among its prefix blocks (two
-  prefix runs per split, around the suffix steps)."""
-  spread = True
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 class TestNativeFusedDecodeThreeStages(TestNativeFusedDecode):
   """The same cases with three K/V slots in flight in the one kernel (``kv_stages(3, 3)``; D = 64
   and 128 both fit) and in the prefix kernel that the public API runs at G < 8."""

@@ -138,14 +138,6 @@ def prefix_overlap(enabled: bool):
   return _setting("OVERLAP", bool(enabled), mg)
 
 
-def fused_overlap(enabled: bool):
-  """Temporarily sets ``shared_attention_mgpu.OVERLAP``: the one-kernel decode path's unmasked
-  prefix runs with FlashAttention-3's intra-warpgroup overlap (off by default), for calls
-  traced inside."""
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
-  return _setting("OVERLAP", bool(enabled), fm)
-
-
 def kv_stages(fused: int | None = None, prefix: int | None = None):
   """Temporarily sets the K/V slots in flight of the one-kernel decode path
   (``shared_attention_mgpu.STAGES``) and of the Mosaic GPU prefix kernel's 128-key steps

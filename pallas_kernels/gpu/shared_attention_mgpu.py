@@ -97,11 +97,6 @@ class FusedConfig:
   # block_kv keys of ONE warpgroup's sequence, so each warpgroup multiplies its 64 rows against
   # a whole slot (half as many steps as with the halves of one slot). See :func:`position`.
   paired_suffix: bool = False
-  # The unmasked prefix runs with FlashAttention-3's intra-warpgroup overlap (as
-  # ``prefix_attention_mgpu.MosaicPrefixConfig.overlap``): a warpgroup's softmax of block j runs
-  # while its product of block j-1's probabilities is on the tensor cores, the two warpgroups
-  # passing a turn to issue products within a run (:data:`OVERLAP`).
-  overlap: bool = False
 
 
 # The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) and
@@ -135,9 +130,6 @@ STAGES = 2
 # P=4K 47.1 vs 41.7), and lose with longer suffixes or 8 key splits; with two slots they lose
 # everywhere (tools/device/stages.py, 2026-11-24, docs/results/2026-11-24-h100-paired).
 PAIRED_SUFFIX = False
-
-# FusedConfig.overlap as default_config sets it (read when tracing).
-OVERLAP = False
 
 
 def smem_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:
@@ -222,7 +214,7 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   Measured on an H100 (tools/device/fused.sh, 2026-11-23): splits from the prefix blocks alone
   ran paper-shape B=16, P=1024 at 31 us (40 steps over 2 CTAs); counted over all steps, 12.7.
   """
-  cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX, overlap=OVERLAP)
+  cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX)
   if PAIRED_SUFFIX and not cfg.transposed_suffix and capacity % cfg.block_kv == 0:
     cfg = dataclasses.replace(cfg, paired_suffix=True, block_s=cfg.block_kv)
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
@@ -431,8 +423,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       # swizzles equal); a slot holds one or the other (written after its last reader is done).
       v_smem, vs_smem = v_smem
       pt_smem2, osuf_smem2, lsuf_smem2 = scoped[4]
-    if cfg.overlap:
-      turn_barriers = scoped[-1]  # one single-arrival barrier per warpgroup: "your turn"
     # Per slot: K and V landed (prefix steps, and warpgroup 0's half of suffix steps); warpgroup
     # 1's half of suffix steps; the query tiles.
     k_barriers, v_barriers, k1_barriers, v1_barriers, q_barriers = buffer_barriers
@@ -669,99 +659,10 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
         return acc, m_i, l_i, o_t, m_s, l_s
 
-      ring = lambda c: lax.rem(c, jnp.array(steps_buf, c.dtype))
-      pos = lambda i: ring(position(i, ranges, paired))  # a prefix step's K/V slot
-
-      def overlapped_prefix(lo, hi, carry):
-        """Unmasked prefix steps ``[lo, hi)`` (``hi > lo``; step lo's K already waited on) with
-        the intra-warpgroup overlap, as the prefix kernel's ``_overlapped_consumer``: step j
-        issues ``S_j`` and ``P_{j-1} V_{j-1}`` back to back and runs its softmax while the
-        latter is on the tensor cores. Within the run the warpgroups pass a turn to issue
-        products (warpgroup 0 first; it takes warpgroup 1's last pass at the end, so the turn
-        barriers are balanced per run); around it they meet at the schedule barrier as the
-        plain steps do (warpgroup 1 one meeting ahead): warpgroup 0 catches up before the run,
-        warpgroup 1 goes ahead again after it. Ends by waiting on step hi's K, as a plain step
-        would have."""
-        take_turn = lambda: plgpu.barrier_wait(turn_barriers.at[w])
-        pass_turn = lambda: plgpu.barrier_arrive(turn_barriers.at[1 - w])
-        acc, m_i, l_i = carry
-        if w == 0:
-          perform_schedule_barrier()
-
-        def softmax(qk, m_i, l_i):
-          m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
-          alpha = jnp.exp2(m_i - m_ij)
-          p_ = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
-          return m_ij, l_i * alpha + p_.sum(axis=1), alpha, p_
-
-        first = pos(lo)
-
-        def first_scores(s_ref):
-          if w == 1:
-            take_turn()
-          plgpu.wgmma(s_ref, qo_smem, k_smem.at[first].transpose((1, 0)))
-          pass_turn()
-          return s_ref[...]
-
-        qk = pl.run_scoped(first_scores, plgpu.ACC((block_q, block_kv), jnp.float32))
-        plgpu.barrier_arrive(k_consumed_barriers.at[first])
-        m_i, l_i, alpha, p_ = softmax(qk, m_i, l_i)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-        def step(j, carry):
-          acc, m_i, l_i, p_prev = carry
-          slot, prev = pos(j), pos(j - 1)
-
-          def body(o_ref, s_ref):
-            o_ref[...] = acc
-            plgpu.barrier_wait(k_barriers.at[slot])
-            take_turn()
-            plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-            plgpu.barrier_wait(v_barriers.at[prev])
-            plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
-            pass_turn()
-            qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-            plgpu.barrier_arrive(k_consumed_barriers.at[slot])
-            m_n, l_n, alpha, p_ = softmax(qk, m_i, l_i)
-            # Computed before the wait, converted after it (the product in flight reads P_{j-1}
-            # from the registers the loop carries P in).
-            m_n, l_n, alpha, p_ = lax.optimization_barrier((m_n, l_n, alpha, p_))
-            o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
-            plgpu.barrier_arrive(v_consumed_barriers.at[prev])
-            return o * lax.broadcast_in_dim(alpha, o.shape, [0]), m_n, l_n, p_.astype(dtype)
-
-          return pl.run_scoped(body, plgpu.ACC((block_q, d), jnp.float32),
-                               plgpu.ACC((block_q, block_kv), jnp.float32))
-
-        acc, m_i, l_i, p16 = lax.fori_loop(lo + 1, hi, step, (acc, m_i, l_i, p_.astype(dtype)))
-        last = pos(hi - 1)
-
-        def last_product(o_ref):
-          o_ref[...] = acc
-          plgpu.barrier_wait(v_barriers.at[last])
-          take_turn()
-          plgpu.wgmma(o_ref, p16, v_smem.at[last])
-          pass_turn()
-          return o_ref[...]
-
-        acc = pl.run_scoped(last_product, plgpu.ACC((block_q, d), jnp.float32))
-        plgpu.barrier_arrive(v_consumed_barriers.at[last])
-        if w == 0:
-          take_turn()
-        else:
-          perform_schedule_barrier()
-        pl.when(hi < steps)(lambda: wait_k(hi, wait_slot(hi)))
-        return acc, m_i, l_i
-
-      def prefix_run(lo, hi, carry):
-        if not cfg.overlap:
-          return lax.fori_loop(lo, hi, prefix, carry)
-        return lax.cond(hi > lo, functools.partial(overlapped_prefix, lo, hi), lambda c: c, carry)
-
       # The steps in order (StepRanges): unmasked prefix blocks, the suffix steps, the other
       # unmasked prefix blocks, the masked last prefix block.
       prefix = functools.partial(kv_loop, kind="prefix")
-      carry = prefix_run(jnp.int32(0), o, (acc, m_i, l_i))
+      carry = lax.fori_loop(0, o, prefix, (acc, m_i, l_i))
       if transposed:
         cols_layout = plgpu.Layout.WGMMA.reduce(0)
         suffix_carry = (
@@ -773,7 +674,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         carry = tuple(carry)
       else:
         carry = lax.fori_loop(o, o + n_s, functools.partial(kv_loop, kind="suffix"), carry)
-      carry = prefix_run(o + n_s, n_s + n_pf, carry)
+      carry = lax.fori_loop(o + n_s, n_s + n_pf, prefix, carry)
       acc, m_i, l_i = lax.fori_loop(n_s + n_pf, steps,
                                     functools.partial(kv_loop, kind="prefix_last"), carry)
       if w == 0:
@@ -873,7 +774,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf),) * 2,
         plgpu.Barrier(num_arrivals=compute_wgs),
         *extra,
-        *([plgpu.Barrier(num_barriers=compute_wgs)] if cfg.overlap else []),
         collective_axes="wg",
     )
 

@@ -1,5 +1,5 @@
-"""K/V slots in flight (two or three), paired suffix steps and the overlapped prefix runs for the
-Mosaic GPU kernels, A/B in one process (device experiment).
+"""K/V slots in flight (two or three) and paired suffix steps for the Mosaic GPU kernels, A/B in
+one process (device experiment).
 
   PYTHONPATH=. python3 tools/device/stages.py --out $OUT [--specs paper:1024:16384:128,...]
       [--ops s2,s3,...]
@@ -17,9 +17,6 @@ checked against the first op's):
 - ``u2``: ``s2`` with the suffix steps never paired (``paired_suffix(False)``);
 - ``p2`` / ``p3``: paired suffix steps in the one kernel (``paired_suffix(True)``: each
   warpgroup a whole 128-key slot of one sequence), two or three slots;
-- ``o2``: the one kernel's unmasked prefix runs with the intra-warpgroup overlap
-  (``fused_overlap(True)``); ``o2eq`` / ``s2eq``: with and without it, equal step ranges forced
-  (``spread_suffix(False)``: one prefix run per split);
 - ``apart``: the prefix and suffix kernels one after the other.
 
 ``--suffix-length N`` gives every sequence N valid suffix keys of the capacity S (as in decoding,
@@ -67,9 +64,6 @@ OPS = {
     "u2": variant(lambda: gpu.paired_suffix(False)),
     "p2": variant(lambda: gpu.paired_suffix(True)),
     "p3": variant(lambda: gpu.paired_suffix(True), lambda: gpu.kv_stages(3, 3)),
-    "o2": variant(lambda: gpu.fused_overlap(True)),
-    "o2eq": variant(lambda: gpu.fused_overlap(True), lambda: gpu.spread_suffix(False)),
-    "s2eq": variant(lambda: gpu.spread_suffix(False)),
     "apart": bench._ours_split,
 }
 

@@ -128,6 +128,24 @@ def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int = 128,
   return staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
 
 
+def store_result(acc, m_i, l_i, qo_smem, out_dst, lse_dst, *, dtype, extra=None):
+  """A consumer warpgroup's epilogue (this kernel's and the one-kernel decode path's): ``O / l``
+  in ``dtype`` through its query tile in shared memory to ``out_dst`` (TMA), the natural-log LSE
+  from registers to ``lse_dst``; rows without keys give ``(0, -inf)``, not 0/0. ``extra``
+  issues further copies before the wait for them all."""
+  has = l_i > 0
+  safe_l = jnp.where(has, l_i, 1.0)
+  acc /= lax.broadcast_in_dim(safe_l, acc.shape, [0])
+  qo_smem[...] = acc.astype(dtype)
+  lse = jnp.where(has, (m_i + jnp.log(safe_l) * (1 / LN2)) * LN2, -jnp.inf)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(qo_smem, out_dst)
+  lse_dst[...] = lse
+  if extra is not None:
+    extra()
+  plgpu.wait_smem_to_gmem(0)
+
+
 def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
                                config: MosaicPrefixConfig):
   """``q_rows [Hkv, R, D]`` (R a multiple of 2*block_q), ``k, v [P, Hkv, D]``.
@@ -169,15 +187,19 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
       plgpu.barrier_wait(schedule_barrier)
 
     def store(qo_smem, q_base, acc, m_i, l_i):
-      has = l_i > 0  # a split without keys gives (0, -inf), not 0/0
-      safe_l = jnp.where(has, l_i, 1.0)
-      acc /= lax.broadcast_in_dim(safe_l, (block_q, d), [0])
-      qo_smem[...] = acc.astype(dtype)
-      lse = jnp.where(has, (m_i + jnp.log(safe_l) * (1 / LN2)) * LN2, -jnp.inf)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[split, head, pl.ds(q_base, block_q)])
-      lse_ref.at[split, head, pl.ds(q_base, block_q)][...] = lse
-      plgpu.wait_smem_to_gmem(0)
+      rows = pl.ds(q_base, block_q)
+      store_result(acc, m_i, l_i, qo_smem, out_ref.at[split, head, rows],
+                   lse_ref.at[split, head, rows], dtype=dtype)
+
+    def load_q():
+      """A consumer's registers raised and its query tile loaded: (the tile, its first row)."""
+      plgpu.set_max_registers(232, action="increase")
+      qo_smem = qo_smem2.at[wg_idx]
+      q_base = lax.axis_index("q_seq") * (2 * block_q) + wg_idx * block_q
+      plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem,
+                              q_barriers.at[wg_idx])
+      plgpu.barrier_wait(q_barriers.at[wg_idx])
+      return qo_smem, q_base
 
     def softmax(qk, m_i, l_i, step, masked: bool):
       """One step's online softmax: the new row max and sum, the old state's scale and the
@@ -198,12 +220,7 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
       the product of the previous step's probabilities is on the tensor cores; O is rescaled
       once that is done. Registers: S_j, P_{j-1} and O live at once (64 + 32 + 64 per thread
       at 128 keys)."""
-      plgpu.set_max_registers(232, action="increase")
-      qo_smem = qo_smem2.at[wg_idx]
-      q_base = lax.axis_index("q_seq") * (2 * block_q) + wg_idx * block_q
-      plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem,
-                              q_barriers.at[wg_idx])
-      plgpu.barrier_wait(q_barriers.at[wg_idx])
+      qo_smem, q_base = load_q()
       ring = lambda c: lax.rem(c, jnp.array(steps_buf, c.dtype))
       # The warpgroups take turns issuing their products (FlashAttention-3's ping-pong as a
       # token: schedule_barrier holds one single-arrival barrier per warpgroup, "your turn"),
@@ -286,12 +303,7 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
                                 plgpu.Layout.WGMMA.reduce(1)))
 
     def _compute_wg():
-      plgpu.set_max_registers(232, action="increase")
-      qo_smem = qo_smem2.at[wg_idx]
-      q_base = lax.axis_index("q_seq") * (2 * block_q) + wg_idx * block_q
-      plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem,
-                              q_barriers.at[wg_idx])
-      plgpu.barrier_wait(q_barriers.at[wg_idx])
+      qo_smem, q_base = load_q()
       m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
                               plgpu.Layout.WGMMA.reduce(1))
       l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))

@@ -71,7 +71,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu import _common
 from pallas_kernels.gpu.merge_kernel import merge_parts, merge_to_sequences
-from pallas_kernels.gpu.prefix_attention_mgpu import SMEM_LIMIT, SMEM_RESERVE
+from pallas_kernels.gpu.prefix_attention_mgpu import SMEM_LIMIT, SMEM_RESERVE, store_result
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -680,19 +680,14 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       if w == 0:
         perform_schedule_barrier()
 
-      has = l_i > 0  # a split without visible keys gives (0, -inf), not 0/0
-      safe_l = jnp.where(has, l_i, 1.0)
-      acc /= lax.broadcast_in_dim(safe_l, (block_q, d), [0])
-      qo_smem[...] = acc.astype(dtype)
-      lse = jnp.where(has, (m_i + jnp.log(safe_l) * (1 / LN2)) * LN2, -jnp.inf)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[split, head, pl.ds(q_base, block_q)])
-      # The LSE from registers (as the prefix kernel): no staging tile, which lets three K/V
-      # slots fit (:func:`smem_bytes`).
-      lse_ref.at[split, head, pl.ds(q_base, block_q)][...] = lse
-      if transposed:
-        plgpu.copy_smem_to_gmem(lsuf_smem, lsuf_ref.at[split, head, pl.ds(q_base, block_q)])
-      plgpu.wait_smem_to_gmem(0)
+      # A split without visible keys gives (0, -inf). The LSE goes from registers (as the prefix
+      # kernel's): no staging tile, which lets three K/V slots fit (:func:`smem_bytes`).
+      rows = pl.ds(q_base, block_q)
+      suffix_lse = None
+      if transposed:  # the suffix part's LSE, staged per warpgroup
+        suffix_lse = lambda: plgpu.copy_smem_to_gmem(lsuf_smem, lsuf_ref.at[split, head, rows])
+      store_result(acc, m_i, l_i, qo_smem, out_ref.at[split, head, rows],
+                   lse_ref.at[split, head, rows], dtype=dtype, extra=suffix_lse)
 
     pl.when(wg_idx == 0)(functools.partial(consumer, 0))
     pl.when(wg_idx == 1)(functools.partial(consumer, 1))

@@ -359,6 +359,30 @@ def test_prefix_kernel_overlap_exports_for_cuda(block_kv, splits, d, stages):
   assert MOSAIC in over and over != lower(cfg)
 
 
+@pytest.mark.parametrize("b,g,d,extra", [(1024, 8, 128, {}), (300, 8, 64, {}), (100, 16, 128, {}),
+                                         (256, 8, 128, {"transposed_suffix": True})])
+def test_fused_tile_max_in_kernel_exports_for_cuda(b, g, d, extra):
+  """With ``TILE_MAX_IN_KERNEL`` the one kernel lowers without XLA's reduction of the suffix
+  lengths before it (and with it otherwise); G < 8 (more than MAX_TILE_LOADS sequences per CTA)
+  keeps the reduction."""
+  import pallas_kernels.gpu as gpu
+  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  dt, p, s = jnp.bfloat16, 1024, 128
+
+  def lower(cfg):
+    fn = lambda q, k, v, sk, sv, n: fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1, config=cfg)
+    return export_cuda(fn, S((b, 1, g, d), dt), S((p, 1, d), dt), S((p, 1, d), dt),
+                       S((b, s, 1, d), dt), S((b, s, 1, d), dt), S((b,), jnp.int32))
+
+  with gpu._setting("TILE_MAX_IN_KERNEL", True, fm):
+    cfg = dataclasses.replace(fm.default_config(b * g, 1, p, s, g, head_dim=d), **extra)
+    assert not fm.default_config(b * 4, 1, p, s, 4, head_dim=d).tile_max_in_kernel
+  assert cfg.tile_max_in_kernel
+  inside = lower(cfg)
+  assert MOSAIC in inside and "stablehlo.reduce" not in inside
+  assert "stablehlo.reduce" in lower(dataclasses.replace(cfg, tile_max_in_kernel=False))
+
+
 def test_prefix_overlap_default_and_switch():
   """``default_config`` overlaps 128-key steps at D = 128 only (not 192-key steps, whose S, P and
   O do not fit in the registers, nor D 64/256, not measured); ``prefix_overlap`` switches it."""

@@ -488,6 +488,23 @@ class TestNativeFusedDecodeSpread(TestNativeFusedDecodeEqualRanges):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
+class TestNativeFusedDecodeTileMax(TestNativeFusedDecode):
+  """The same cases with each CTA taking its sequences' longest suffix itself
+  (``TILE_MAX_IN_KERNEL``; ragged and empty suffixes, batches that end inside a row tile)."""
+
+  def setup_method(self):
+    import pallas_kernels.gpu as gpu
+    from pallas_kernels.gpu import shared_attention_mgpu as fm
+    self._switch = gpu._setting("TILE_MAX_IN_KERNEL", True, fm)
+    self._switch.__enter__()
+    assert fm.default_config(128, 1, 1024, 128, 8, head_dim=128).tile_max_in_kernel
+
+  def teardown_method(self):
+    self._switch.__exit__(None, None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 class TestNativeFusedDecodeThreeStages(TestNativeFusedDecode):
   """The same cases with three K/V slots in flight in the one kernel (``kv_stages(3, 3)``; D = 64
   and 128 both fit) and in the prefix kernel that the public API runs at G < 8."""

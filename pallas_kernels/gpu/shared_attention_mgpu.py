@@ -97,6 +97,9 @@ class FusedConfig:
   # block_kv keys of ONE warpgroup's sequence, so each warpgroup multiplies its 64 rows against
   # a whole slot (half as many steps as with the halves of one slot). See :func:`position`.
   paired_suffix: bool = False
+  # Each CTA takes the longest suffix of its sequences itself (one load per sequence) instead of
+  # reading it from a reduction XLA runs before the kernel (:data:`TILE_MAX_IN_KERNEL`).
+  tile_max_in_kernel: bool = False
 
 
 # The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) and
@@ -130,6 +133,11 @@ STAGES = 2
 # P=4K 47.1 vs 41.7), and lose with longer suffixes or 8 key splits; with two slots they lose
 # everywhere (tools/device/stages.py, 2026-11-24, docs/results/2026-11-24-h100-paired).
 PAIRED_SUFFIX = False
+
+# FusedConfig.tile_max_in_kernel as default_config sets it (read when tracing), where a CTA holds
+# at most MAX_TILE_LOADS sequences (G >= 8).
+TILE_MAX_IN_KERNEL = False
+MAX_TILE_LOADS = 16
 
 
 def smem_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:
@@ -214,7 +222,9 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   Measured on an H100 (tools/device/fused.sh, 2026-11-23): splits from the prefix blocks alone
   ran paper-shape B=16, P=1024 at 31 us (40 steps over 2 CTAs); counted over all steps, 12.7.
   """
-  cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX)
+  cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX,
+                    tile_max_in_kernel=TILE_MAX_IN_KERNEL
+                    and 2 * FusedConfig.block_q // rows_per_seq <= MAX_TILE_LOADS)
   if PAIRED_SUFFIX and not cfg.transposed_suffix and capacity % cfg.block_kv == 0:
     cfg = dataclasses.replace(cfg, paired_suffix=True, block_s=cfg.block_kv)
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
@@ -433,9 +443,15 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     # many blocks per sequence as the longest of the CTA's sequences needs.
     kv_len = jnp.minimum(len_ref[0], p)
     seq0 = tile * seqs_per_cta
-    # The longest suffix of the CTA's sequences, reduced by XLA beforehand (one load here, not
-    # one dependent load per sequence).
-    max_len = jnp.clip(tmax_ref[tile], 0, capacity)
+    # The longest suffix of the CTA's sequences: independent loads of each (their latencies
+    # overlap), or reduced by XLA beforehand (one load here, but a kernel launch there).
+    if tmax_ref is None:
+      max_len = functools.reduce(jnp.maximum, [
+          jnp.where(seq0 + i < batch, slen_ref[jnp.minimum(seq0 + i, batch - 1)], 0)
+          for i in range(seqs_per_cta)])
+    else:
+      max_len = tmax_ref[tile]
+    max_len = jnp.clip(max_len, 0, capacity)
     ranges = step_ranges(kv_len, max_len, split, tile * cfg.splits + split,
                          prefix_blocks=prefix_blocks, block_kv=block_kv, block_s=block_s,
                          seqs_per_wg=seqs_per_wg, splits=cfg.splits, spread=cfg.spread_suffix,
@@ -745,8 +761,10 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         plgpu.barrier_wait(v_consumed_barriers.at[slot])
         issue(step, slot, "v")
 
-  def entry(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref,
-            *suffix_out_refs):
+  def entry(len_ref, slen_ref, *refs):
+    if cfg.tile_max_in_kernel:
+      refs = (None, *refs)
+    tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref, *suffix_out_refs = refs
     compute_wgs = 2
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
@@ -779,7 +797,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                   jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32)]
   length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
   lens = jnp.asarray(suffix_lengths, jnp.int32)
-  tile_max = jnp.pad(lens, (0, tiles * seqs_per_cta - batch)).reshape(tiles, seqs_per_cta).max(1)
+  tile_max = () if cfg.tile_max_in_kernel else (
+      jnp.pad(lens, (0, tiles * seqs_per_cta - batch)).reshape(tiles, seqs_per_cta).max(1),)
   outs = plgpu.kernel(
       entry,
       out_type=out_shape,
@@ -788,7 +807,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(length, lens, tile_max, q_rows, k, v, suffix_k, suffix_v)
+  )(length, lens, *tile_max, q_rows, k, v, suffix_k, suffix_v)
   return outs
 
 

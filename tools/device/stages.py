@@ -17,6 +17,8 @@ checked against the first op's):
 - ``u2``: ``s2`` with the suffix steps never paired (``paired_suffix(False)``);
 - ``p2`` / ``p3``: paired suffix steps in the one kernel (``paired_suffix(True)``: each
   warpgroup a whole 128-key slot of one sequence), two or three slots;
+- ``tk``: the one kernel takes each row tile's longest suffix itself (``TILE_MAX_IN_KERNEL``)
+  instead of XLA's reduction before it;
 - ``apart``: the prefix and suffix kernels one after the other.
 
 ``--suffix-length N`` gives every sequence N valid suffix keys of the capacity S (as in decoding,
@@ -64,6 +66,7 @@ OPS = {
     "u2": variant(lambda: gpu.paired_suffix(False)),
     "p2": variant(lambda: gpu.paired_suffix(True)),
     "p3": variant(lambda: gpu.paired_suffix(True), lambda: gpu.kv_stages(3, 3)),
+    "tk": variant(lambda: gpu._setting("TILE_MAX_IN_KERNEL", True, fm)),
     "apart": bench._ours_split,
 }
 

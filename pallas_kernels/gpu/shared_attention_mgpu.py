@@ -135,7 +135,10 @@ STAGES = 2
 PAIRED_SUFFIX = False
 
 # FusedConfig.tile_max_in_kernel as default_config sets it (read when tracing), where a CTA holds
-# at most MAX_TILE_LOADS sequences (G >= 8).
+# at most MAX_TILE_LOADS sequences (G >= 8). Off: passes TestNativeFusedDecodeTileMax on an H100
+# and measured neutral to 1.3 us faster (tools/device/stages.py, 2026-11-24, paper shape: the
+# headline 124.9 both ways), but in a run without length arrays, where XLA's reduction is a
+# 0.3 us broadcast (docs/results/2026-11-24-h100-tile-max); the attention benchmark decides.
 TILE_MAX_IN_KERNEL = False
 MAX_TILE_LOADS = 16
 

@@ -374,7 +374,7 @@ def test_fused_tile_max_in_kernel_exports_for_cuda(b, g, d, extra):
     return export_cuda(fn, S((b, 1, g, d), dt), S((p, 1, d), dt), S((p, 1, d), dt),
                        S((b, s, 1, d), dt), S((b, s, 1, d), dt), S((b,), jnp.int32))
 
-  with gpu._setting("TILE_MAX_IN_KERNEL", True, fm):
+  with gpu.tile_max_in_kernel(True):
     cfg = dataclasses.replace(fm.default_config(b * g, 1, p, s, g, head_dim=d), **extra)
     assert not fm.default_config(b * 4, 1, p, s, 4, head_dim=d).tile_max_in_kernel
   assert cfg.tile_max_in_kernel

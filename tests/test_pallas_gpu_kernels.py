@@ -495,7 +495,7 @@ class TestNativeFusedDecodeTileMax(TestNativeFusedDecode):
   def setup_method(self):
     import pallas_kernels.gpu as gpu
     from pallas_kernels.gpu import shared_attention_mgpu as fm
-    self._switch = gpu._setting("TILE_MAX_IN_KERNEL", True, fm)
+    self._switch = gpu.tile_max_in_kernel(True)
     self._switch.__enter__()
     assert fm.default_config(128, 1, 1024, 128, 8, head_dim=128).tile_max_in_kernel
 

@@ -138,6 +138,14 @@ def prefix_overlap(enabled: bool):
   return _setting("OVERLAP", bool(enabled), mg)
 
 
+def tile_max_in_kernel(enabled: bool):
+  """Temporarily sets ``shared_attention_mgpu.TILE_MAX_IN_KERNEL``: the one-kernel decode path
+  takes each row tile's longest suffix itself instead of XLA's reduction before it (off by
+  default; not yet measured with length arrays), for calls traced inside."""
+  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  return _setting("TILE_MAX_IN_KERNEL", bool(enabled), fm)
+
+
 def kv_stages(fused: int | None = None, prefix: int | None = None):
   """Temporarily sets the K/V slots in flight of the one-kernel decode path
   (``shared_attention_mgpu.STAGES``) and of the Mosaic GPU prefix kernel's 128-key steps

@@ -66,7 +66,7 @@ OPS = {
     "u2": variant(lambda: gpu.paired_suffix(False)),
     "p2": variant(lambda: gpu.paired_suffix(True)),
     "p3": variant(lambda: gpu.paired_suffix(True), lambda: gpu.kv_stages(3, 3)),
-    "tk": variant(lambda: gpu._setting("TILE_MAX_IN_KERNEL", True, fm)),
+    "tk": variant(lambda: gpu.tile_max_in_kernel(True)),
     "apart": bench._ours_split,
 }
 

@@ -504,3 +504,40 @@ def test_mosaic_ir_fingerprints_tell_kernels_apart():
   assert len(ranges) == 1 and len(spread) == 1 and len(ranges[0]) > 10_000
   assert ranges == again and ranges != spread
   assert "loc(" not in ranges[0]
+
+
+@pytest.mark.parametrize("b,g,hkv,d,p,s,extra", [
+    (1024, 8, 1, 128, 16384, 128, {}),  # 2 splits (the paper's headline)
+    (512, 8, 1, 128, 4096, 128, {}),  # 4 splits
+    (700, 8, 2, 64, 2048, 64, {"splits": 3, "spread_suffix": True}),
+    (1024, 8, 1, 128, 1024, 128, {"paired_suffix": True, "block_s": 128}),
+    (300, 16, 1, 128, 1024, 192, {"splits": 2, "tile_max_in_kernel": True})])
+def test_fused_cluster_merge_exports_for_cuda(b, g, hkv, d, p, s, extra):
+  """With ``CLUSTER_MERGE`` the one kernel merges its key splits itself: it lowers for CUDA as a
+  cluster kernel, and the module has no merge kernel after it (it does without the switch).
+  ``default_config`` takes it for 2-4 splits only."""
+  import pallas_kernels.gpu as gpu
+  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  dt = jnp.bfloat16
+
+  def lower(cfg):
+    fn = lambda q, k, v, sk, sv, n: fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1, config=cfg)
+    return export_cuda(fn, S((b, 1, g * hkv, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
+                       S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
+
+  with gpu.cluster_merge(True):
+    cfg = dataclasses.replace(fm.default_config(b * g, hkv, p, s, g, head_dim=d), **extra)
+    assert not fm.default_config(256 * 8, 1, 4096, 128, 8).cluster_merge  # 8 splits
+  assert not fm.default_config(b * g, hkv, p, s, g, head_dim=d).cluster_merge  # restored
+  cfg = dataclasses.replace(cfg, cluster_merge=True)
+  assert 2 <= cfg.splits <= fm.MAX_CLUSTER_SPLITS
+  inside = lower(cfg)
+  assert inside.count(f"custom_call @{MOSAIC}") == 1 and MERGE not in inside
+  assert MERGE in lower(dataclasses.replace(cfg, cluster_merge=False)) or hkv > 1
+  for bad in ({"splits": 1}, {"splits": 8},
+              {"transposed_suffix": True, "paired_suffix": False, "block_s": 64}):
+    with pytest.raises(ValueError, match="cluster_merge needs"):
+      jax.eval_shape(lambda *a: fm.fused_rows_mgpu(
+          *a, rows_per_seq=g, scale=0.1, config=dataclasses.replace(cfg, **bad)),
+          S((hkv, -(-b * g // 128) * 128, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt), S((1,), jnp.int32),
+          S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))

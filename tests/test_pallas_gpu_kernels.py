@@ -6,6 +6,7 @@ the compiled kernels on a CUDA GPU (skipped elsewhere).
 """
 
 import contextlib
+import dataclasses
 import functools
 
 import jax
@@ -423,7 +424,7 @@ FUSED_CASES = (
 class TestNativeFusedDecode:
   examples = 5
 
-  def run(self, data, seed, case, dtype="bfloat16"):
+  def run(self, data, seed, case, dtype="bfloat16", config=None):
     b, hq, hkv, d, p, s = case
     count_case("fused_decode")
     rng = np.random.default_rng(seed)
@@ -441,8 +442,10 @@ class TestNativeFusedDecode:
     # The kernel directly (any G), and the public API (the one kernel where G >= 8).
     from pallas_kernels.gpu import shared_attention_mgpu as fm
     out, lse = fm.fused_decode(q, pk, pv, jnp.int32(plen), sk, sv, jnp.asarray(lens),
-                               scale=d**-0.5)
+                               scale=d**-0.5, config=config)
     check(out, lse, *ref, dtype)
+    if config is not None:
+      return
     out, lse = shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=plen,
                                        suffix_lengths=lens, impl="pallas:mosaic_gpu",
                                        return_lse=True)
@@ -501,6 +504,37 @@ class TestNativeFusedDecodeTileMax(TestNativeFusedDecode):
 
   def teardown_method(self):
     self._switch.__exit__(None, None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
+class TestNativeFusedDecodeClusterMerge(TestNativeFusedDecode):
+  """The same cases with the key splits merged inside the kernel (``cluster_merge(True)``: where
+  there are 2-4 splits, 4 of the 6 cases; the others keep the merge kernel), and configurations
+  set directly: 2, 3 and 4 splits, two KV heads, spread suffix steps, paired steps, lengths
+  taken in the kernel."""
+
+  def setup_method(self):
+    import pallas_kernels.gpu as gpu
+    from pallas_kernels.gpu import shared_attention_mgpu as fm
+    self._switch = gpu.cluster_merge(True)
+    self._switch.__enter__()
+    assert fm.default_config(8192, 1, 16384, 128, 8, head_dim=128).cluster_merge
+
+  def teardown_method(self):
+    self._switch.__exit__(None, None, None)
+
+  @pytest.mark.parametrize("splits,extra", [
+      (2, {}), (3, {"spread_suffix": True}), (4, {}), (2, {"paired_suffix": True, "block_s": 128}),
+      (3, {"tile_max_in_kernel": True}), (4, {"spread_suffix": True, "max_concurrent_steps": 3})])
+  def test_configs(self, splits, extra):
+    from pallas_kernels.gpu import shared_attention_mgpu as fm
+    case = (100, 16, 2, 128, 1024, 128)  # G = 8, 7 row tiles per KV head (the last partial)
+    b, hq, hkv, d, p, s = case
+    cfg = dataclasses.replace(fm.default_config(b * hq // hkv, hkv, p, s, hq // hkv, head_dim=d),
+                              splits=splits, cluster_merge=True, **extra)
+    given(data=st.data(), seed=SEEDS)(settings(max_examples=4, deadline=None)(
+        lambda data, seed: self.run(data, seed, case, config=cfg)))()
 
 
 @pytest.mark.gpu

@@ -125,17 +125,26 @@ def parse_spec(spec: str) -> tuple[str, AttentionShape]:
   return name, AttentionShape(int(b), int(p), int(s), hq, hkv, d)
 
 
+def _ragged_inputs(shape: AttentionShape, dtype, seed: int):
+  """:func:`_inputs` plus random suffix lengths in [1, S] (int32 ``[B]``)."""
+  lens = jax.random.randint(jax.random.key(seed + 7919), (shape.batch,), 1, shape.suffix + 1,
+                            jnp.int32)
+  return (*_inputs(shape, dtype, seed), lens)
+
+
 def compare_variants(ops: dict, specs: str, *, trials: int, out_json: str | None = None,
-                     ceilings: tuple[float, float] | None = None) -> list[dict]:
+                     ceilings: tuple[float, float] | None = None,
+                     ragged: bool = False) -> list[dict]:
   """Development comparisons: each ``shape:B:P:S`` of ``specs`` (comma-separated; shape
   ``paper`` / ``llama`` / a :data:`SHAPES` name) timed for every op of ``ops`` on the same bf16
   inputs with :func:`timing.compare_ops` (outputs checked against the first op's). Writes the
   rows to ``out_json`` after each configuration, prints them, and ends with a Markdown table;
-  ``ceilings`` (copy bytes/s, matmul FLOP/s) adds a floor column."""
+  ``ceilings`` (copy bytes/s, matmul FLOP/s) adds a floor column; ``ragged`` passes every op
+  a sixth argument, random suffix lengths (:func:`_ragged_inputs`)."""
   rows = []
   for spec in specs.split(","):
     name, shape = parse_spec(spec)
-    make = functools.partial(_inputs, shape, jnp.bfloat16)
+    make = functools.partial(_ragged_inputs if ragged else _inputs, shape, jnp.bfloat16)
     n = timing.sets_needed(timing.tree_bytes(jax.eval_shape(lambda: make(0))))
     row = dict(shape=name, B=shape.batch, P=shape.prefix, S=shape.suffix)
     if ceilings:

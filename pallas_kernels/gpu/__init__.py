@@ -146,6 +146,15 @@ def tile_max_in_kernel(enabled: bool):
   return _setting("TILE_MAX_IN_KERNEL", bool(enabled), fm)
 
 
+def cluster_merge(enabled: bool):
+  """Temporarily sets ``shared_attention_mgpu.CLUSTER_MERGE``: the one-kernel decode path merges
+  its key splits inside the kernel (each row tile's splits one thread-block cluster, the others
+  pushing their rows into the first's shared memory) instead of the merge kernel after it, for
+  calls traced inside."""
+  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  return _setting("CLUSTER_MERGE", bool(enabled), fm)
+
+
 def kv_stages(fused: int | None = None, prefix: int | None = None):
   """Temporarily sets the K/V slots in flight of the one-kernel decode path
   (``shared_attention_mgpu.STAGES``) and of the Mosaic GPU prefix kernel's 128-key steps

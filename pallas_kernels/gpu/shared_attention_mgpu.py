@@ -35,7 +35,12 @@ few splits and a long prefix, :func:`spreads`) each take an equal share of the p
 and of the suffix steps, running the suffix steps as one run among the prefix blocks from a
 position that varies over the CTAs, so that the suffix reads (HBM) are spread over the
 kernel's run instead of coming in one burst at its end (:func:`step_ranges`); the splits'
-partial states are merged by LSE afterwards.
+partial states are merged by LSE afterwards, or (``FusedConfig.cluster_merge``, :data:`CLUSTER_MERGE`)
+inside the kernel: the splits of a row tile are one thread-block cluster, and once every consumer
+warpgroup of the cluster is done with its K/V slots (a cluster barrier) the other splits push their
+normalised outputs and LSEs into the first split's shared memory (``plgpu.async_store_smem``:
+``st.async`` into the peer CTA, completing on its barrier; the receive tiles alias the K/V slots),
+which merges them in registers and writes the final rows.
 
 Transposed suffix steps (``FusedConfig.transposed_suffix``; off by default, measured slower at
 most shapes, :data:`TRANSPOSED_SUFFIX`): a suffix step multiplies the sequence's 64 keys (wgmma's M side)
@@ -100,6 +105,9 @@ class FusedConfig:
   # Each CTA takes the longest suffix of its sequences itself (one load per sequence) instead of
   # reading it from a reduction XLA runs before the kernel (:data:`TILE_MAX_IN_KERNEL`).
   tile_max_in_kernel: bool = False
+  # The key splits of a row tile run as one cluster and merge in the kernel (module docstring,
+  # :data:`CLUSTER_MERGE`); the output has one split. Needs 2 <= splits <= MAX_CLUSTER_SPLITS.
+  cluster_merge: bool = False
 
 
 # The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) and
@@ -141,6 +149,27 @@ PAIRED_SUFFIX = False
 # 0.3 us broadcast (docs/results/2026-11-24-h100-tile-max); the attention benchmark decides.
 TILE_MAX_IN_KERNEL = False
 MAX_TILE_LOADS = 16
+
+# FusedConfig.cluster_merge as default_config sets it (read when tracing), for 2 <= splits <=
+# MAX_CLUSTER_SPLITS (a cluster of up to 4 CTAs fits in a GPC with room to spare, and the
+# receive tiles of 3 peers fit in the K/V slots: :func:`cluster_recv_bytes`).
+CLUSTER_MERGE = False
+MAX_CLUSTER_SPLITS = 4
+LSE_COLS = 8  # a peer's LSE travels as a [64, 8] float32 tile (WGMMA layout; wgmma's N >= 8)
+
+
+def cluster_recv_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:
+  """Shared memory the first split of a cluster receives into: per other split and consumer
+  warpgroup, its output tile and its LSE tile (aliasing the K/V slots, :func:`smem_bytes`)."""
+  per_wg = cfg.block_q * head_dim * itemsize + cfg.block_q * LSE_COLS * 4
+  return (cfg.splits - 1) * 2 * per_wg
+
+
+def cluster_merge_fits(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> bool:
+  """Whether ``cfg`` can merge its key splits in the kernel (:data:`CLUSTER_MERGE`)."""
+  kv = cfg.max_concurrent_steps * 2 * cfg.block_kv * head_dim * itemsize
+  return (2 <= cfg.splits <= MAX_CLUSTER_SPLITS and not cfg.transposed_suffix
+          and cluster_recv_bytes(cfg, head_dim, itemsize) <= kv)
 
 
 def smem_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:
@@ -238,7 +267,10 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
             else SPREAD_SUFFIX)
   cfg = dataclasses.replace(cfg, splits=splits, spread_suffix=spread)
   staged = dataclasses.replace(cfg, max_concurrent_steps=STAGES)
-  return staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
+  cfg = staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
+  if CLUSTER_MERGE and cluster_merge_fits(cfg, head_dim):
+    cfg = dataclasses.replace(cfg, cluster_merge=True)
+  return cfg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,8 +421,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   prefix ``k, v [P, Hkv, D]``, ``kv_length`` int32 ``[1]``, suffixes ``[B, S, Hkv, D]``,
   ``suffix_lengths`` int32 ``[B]``.
 
-  Returns ``out [splits, Hkv, R, D]`` in q's dtype and natural-log ``lse [splits, Hkv, R]``;
-  with transposed suffix steps those are the prefix part, followed by the suffix part
+  Returns ``out [splits, Hkv, R, D]`` in q's dtype and natural-log ``lse [splits, Hkv, R]``
+  (one split, merged, with ``cluster_merge``); with transposed suffix steps those are the prefix part, followed by the suffix part
   ``[splits, Hkv, R / N, D, N]`` (q's dtype; groups a split never reached are not written,
   their LSE is -inf) and its LSE ``[splits, Hkv, R]``.
   """
@@ -409,6 +441,10 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                      f"be block_kv ({block_kv}) with paired suffix steps, half of it otherwise")
   if paired and cfg.transposed_suffix:
     raise ValueError("paired_suffix and transposed_suffix exclude each other")
+  clustered = cfg.cluster_merge
+  if clustered and not cluster_merge_fits(cfg, d, jnp.dtype(dtype).itemsize):
+    raise ValueError(f"cluster_merge needs 2 <= splits <= {MAX_CLUSTER_SPLITS}, row suffix "
+                     f"steps and room for the receive tiles in the K/V slots; got {cfg}")
   seqs_per_wg = block_q // m
   seqs_per_cta = 2 * seqs_per_wg
   prefix_blocks = p // block_kv
@@ -429,7 +465,11 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     split = lax.axis_index("split")
     smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped[:4]
     wg_idx = lax.axis_index("wg")
-    qo_smem2, k_smem, v_smem = smem_buffers
+    if clustered:  # the receive tiles alias the K/V slots (used once every step is done)
+      qo_smem2, ((k_smem, v_smem), (recv_o, recv_l)) = smem_buffers
+      recv_barriers, done_barrier = scoped[4]
+    else:
+      qo_smem2, k_smem, v_smem = smem_buffers
     if transposed:
       # V slots: prefix tiles in the 128-byte swizzle of the row products, suffix tiles in the
       # narrower swizzle of the transposed product's probabilities (wgmma needs both operands'
@@ -702,11 +742,52 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       # A split without visible keys gives (0, -inf). The LSE goes from registers (as the prefix
       # kernel's): no staging tile, which lets three K/V slots fit (:func:`smem_bytes`).
       rows = pl.ds(q_base, block_q)
+      if clustered:
+        merge_in_cluster(w, acc, m_i, l_i, qo_smem, rows)
+        return
       suffix_lse = None
       if transposed:  # the suffix part's LSE, staged per warpgroup
         suffix_lse = lambda: plgpu.copy_smem_to_gmem(lsuf_smem, lsuf_ref.at[split, head, rows])
       store_result(acc, m_i, l_i, qo_smem, out_ref.at[split, head, rows],
                    lse_ref.at[split, head, rows], dtype=dtype, extra=suffix_lse)
+
+    def merge_in_cluster(w: int, acc, m_i, l_i, qo_smem, rows):
+      """Warpgroup w's epilogue with ``cluster_merge``: splits > 0 push their normalised rows
+      and LSE to split 0, which merges them with its own (exact LSE merge) and stores."""
+      has = l_i > 0
+      out = acc / lax.broadcast_in_dim(jnp.where(has, l_i, 1.0), acc.shape, [0])
+      lse = jnp.where(has, (m_i + jnp.log(jnp.where(has, l_i, 1.0)) * (1 / LN2)) * LN2,
+                      -jnp.inf)
+      # Every consumer warpgroup of the cluster is past its last step: split 0's K/V slots,
+      # where the receive tiles live, are free.
+      plgpu.barrier_arrive(done_barrier)
+      plgpu.barrier_wait(done_barrier)
+
+      @pl.when(split > 0)
+      def _send():
+        dst = dict(cluster_idx=jnp.int32(0), cluster_dim="split")
+        plgpu.async_store_smem(out.astype(dtype), recv_o.at[split - 1, w],
+                               recv_barriers.at[w], **dst)
+        plgpu.async_store_smem(lax.broadcast_in_dim(lse, (block_q, LSE_COLS), [0]),
+                               recv_l.at[split - 1, w], recv_barriers.at[w], **dst)
+
+      @pl.when(split == 0)
+      def _merge():
+        plgpu.barrier_wait(recv_barriers.at[w])
+        parts = [(out, lse)]
+        for j in range(cfg.splits - 1):
+          o_j = plgpu.load(recv_o.at[j, w], (), layout=plgpu.Layout.WGMMA)
+          l_j = jnp.max(plgpu.load(recv_l.at[j, w], (), layout=plgpu.Layout.WGMMA), axis=1)
+          parts.append((o_j.astype(jnp.float32), l_j))
+        top = functools.reduce(jnp.maximum, [l for _, l in parts])
+        top = jnp.where(top == -jnp.inf, 0.0, top)  # rows no split has keys for: (0, -inf)
+        weights = [jnp.exp(l - top) for _, l in parts]
+        total = functools.reduce(jnp.add, weights)
+        merged = functools.reduce(jnp.add, [
+            o * lax.broadcast_in_dim(wt, o.shape, [0]) for (o, _), wt in zip(parts, weights)])
+        # As an unnormalised state (sum, base-2 max, total): store_result divides and logs.
+        store_result(merged, top * LOG2E, total, qo_smem, out_ref.at[0, head, rows],
+                     lse_ref.at[0, head, rows], dtype=dtype)
 
     pl.when(wg_idx == 0)(functools.partial(consumer, 0))
     pl.when(wg_idx == 1)(functools.partial(consumer, 1))
@@ -774,18 +855,27 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     qo_scratch = plgpu.SMEM((compute_wgs, block_q, d), dtype, transforms=(tiling, swizzle))
     k_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
     v_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
-    extra = []
+    buffers, extra = [qo_scratch, k_scratch, v_scratch], []
     if transposed:
       narrow = (plgpu.TilingTransform((8, n_cols)), plgpu.SwizzleTransform(2 * n_cols))
-      v_scratch = plgpu.RefUnion(
+      buffers[2] = plgpu.RefUnion(
           v_scratch, plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=narrow))
       extra = [(plgpu.SMEM((compute_wgs, block_s, n_cols), dtype, transforms=narrow),
                 plgpu.SMEM((compute_wgs, d, n_cols), dtype, transforms=narrow),
                 plgpu.SMEM((compute_wgs, block_q), jnp.float32))]
+    if clustered:  # receive tiles in the K/V slots' memory; per-warpgroup receive barriers
+      peers = cfg.splits - 1
+      lse_t = (plgpu.TilingTransform((8, LSE_COLS)), plgpu.SwizzleTransform(4 * LSE_COLS))
+      buffers = [qo_scratch, plgpu.RefUnion(
+          (k_scratch, v_scratch),
+          (plgpu.SMEM((peers, compute_wgs, block_q, d), dtype, transforms=(tiling, swizzle)),
+           plgpu.SMEM((peers, compute_wgs, block_q, LSE_COLS), jnp.float32, transforms=lse_t)))]
+      extra = [(plgpu.Barrier(num_arrivals=2 * peers, num_barriers=compute_wgs),
+                plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=compute_wgs))]
     pl.run_scoped(
         lambda *args: kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref,
                              out_ref, lse_ref, *suffix_out_refs, args),
-        [qo_scratch, k_scratch, v_scratch],
+        buffers,
         (plgpu.Barrier(num_barriers=steps_buf),) * 4 + (plgpu.Barrier(num_barriers=compute_wgs),),
         (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf),) * 2,
         plgpu.Barrier(num_arrivals=compute_wgs),
@@ -793,8 +883,9 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         collective_axes="wg",
     )
 
-  out_shape = [jax.ShapeDtypeStruct((cfg.splits, hkv, r, d), dtype),
-               jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32)]
+  out_splits = 1 if clustered else cfg.splits
+  out_shape = [jax.ShapeDtypeStruct((out_splits, hkv, r, d), dtype),
+               jax.ShapeDtypeStruct((out_splits, hkv, r), jnp.float32)]
   if transposed:  # the suffix part: o^T per column group, and its LSE per row
     out_shape += [jax.ShapeDtypeStruct((cfg.splits, hkv, r // n_cols, d, n_cols), dtype),
                   jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32)]
@@ -802,11 +893,15 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   lens = jnp.asarray(suffix_lengths, jnp.int32)
   tile_max = () if cfg.tile_max_in_kernel else (
       jnp.pad(lens, (0, tiles * seqs_per_cta - batch)).reshape(tiles, seqs_per_cta).max(1),)
+  if clustered:  # the splits of a row tile: one cluster
+    mesh = dict(grid=(hkv, r // CTA_ROWS), grid_names=("heads", "q_seq"), cluster=(cfg.splits,),
+                cluster_names=("split",))
+  else:
+    mesh = dict(grid=(hkv, r // CTA_ROWS, cfg.splits), grid_names=("heads", "q_seq", "split"))
   outs = plgpu.kernel(
       entry,
       out_type=out_shape,
-      grid=(hkv, r // CTA_ROWS, cfg.splits),
-      grid_names=("heads", "q_seq", "split"),
+      **mesh,
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -19,10 +19,14 @@ checked against the first op's):
   warpgroup a whole 128-key slot of one sequence), two or three slots;
 - ``tk``: the one kernel takes each row tile's longest suffix itself (``TILE_MAX_IN_KERNEL``)
   instead of XLA's reduction before it;
+- ``cm``: the one kernel merges its 2-4 key splits itself, each row tile's splits one cluster
+  (``CLUSTER_MERGE``), instead of the merge kernel after it; ``cmtk``: ``cm`` and ``tk``;
 - ``apart``: the prefix and suffix kernels one after the other.
 
 ``--suffix-length N`` gives every sequence N valid suffix keys of the capacity S (as in decoding,
-where the suffixes grow into their buffers; default: all S). Writes ``stages.json``.
+where the suffixes grow into their buffers; default: all S), a constant inside the jitted op.
+``--ragged`` instead passes each input set its own random lengths in [1, S] as an int32 array
+argument (what a caller's length array costs: XLA cannot fold it). Writes ``stages.json``.
 """
 
 import argparse
@@ -47,9 +51,9 @@ SUFFIX_LENGTH = None  # --suffix-length
 
 
 def variant(*settings):
-  def op(q, pk, pv, sk, sv):
-    lens = (None if SUFFIX_LENGTH is None
-            else jnp.full((q.shape[0],), min(SUFFIX_LENGTH, sk.shape[1]), jnp.int32))
+  def op(q, pk, pv, sk, sv, lens=None):
+    if lens is None and SUFFIX_LENGTH is not None:
+      lens = jnp.full((q.shape[0],), min(SUFFIX_LENGTH, sk.shape[1]), jnp.int32)
     with contextlib.ExitStack() as stack:
       for s in settings:
         stack.enter_context(s())
@@ -67,6 +71,8 @@ OPS = {
     "p2": variant(lambda: gpu.paired_suffix(True)),
     "p3": variant(lambda: gpu.paired_suffix(True), lambda: gpu.kv_stages(3, 3)),
     "tk": variant(lambda: gpu.tile_max_in_kernel(True)),
+    "cm": variant(lambda: gpu.cluster_merge(True)),
+    "cmtk": variant(lambda: gpu.cluster_merge(True), lambda: gpu.tile_max_in_kernel(True)),
     "apart": bench._ours_split,
 }
 
@@ -80,6 +86,8 @@ def main():
   ap.add_argument("--name", default="stages")
   ap.add_argument("--suffix-length", type=int, default=None,
                   help="valid suffix keys per sequence (default: the whole capacity S)")
+  ap.add_argument("--ragged", action="store_true",
+                  help="random suffix lengths in [1, S] per input set, passed as an argument")
   args = ap.parse_args()
   global SUFFIX_LENGTH
   SUFFIX_LENGTH = args.suffix_length
@@ -87,10 +95,11 @@ def main():
   ceilings = (timing.copy_bandwidth(), timing.matmul_rate())
   print(f"copy {ceilings[0] / 1e9:.0f} GB/s, matmul {ceilings[1] / 1e12:.0f} TFLOP/s", flush=True)
   ops = {name: OPS[name] for name in args.ops.split(",")}
-  if SUFFIX_LENGTH is not None and "apart" in ops:
-    raise SystemExit("--suffix-length: the apart op takes full suffixes only")
+  if (SUFFIX_LENGTH is not None or args.ragged) and "apart" in ops:
+    raise SystemExit("--suffix-length / --ragged: the apart op takes full suffixes only")
   bench.compare_variants(ops, args.specs, trials=args.trials, ceilings=ceilings,
-                         out_json=os.path.join(args.out, f"{args.name}.json"))
+                         out_json=os.path.join(args.out, f"{args.name}.json"),
+                         ragged=args.ragged)
 
 
 if __name__ == "__main__":

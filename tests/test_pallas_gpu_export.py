@@ -539,5 +539,6 @@ def test_fused_cluster_merge_exports_for_cuda(b, g, hkv, d, p, s, extra):
     with pytest.raises(ValueError, match="cluster_merge needs"):
       jax.eval_shape(lambda *a: fm.fused_rows_mgpu(
           *a, rows_per_seq=g, scale=0.1, config=dataclasses.replace(cfg, **bad)),
-          S((hkv, -(-b * g // 128) * 128, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt), S((1,), jnp.int32),
+          S((hkv, -(-b * g // 128) * 128, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
+          S((1,), jnp.int32),
           S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))

@@ -35,12 +35,12 @@ few splits and a long prefix, :func:`spreads`) each take an equal share of the p
 and of the suffix steps, running the suffix steps as one run among the prefix blocks from a
 position that varies over the CTAs, so that the suffix reads (HBM) are spread over the
 kernel's run instead of coming in one burst at its end (:func:`step_ranges`); the splits'
-partial states are merged by LSE afterwards, or (``FusedConfig.cluster_merge``, :data:`CLUSTER_MERGE`)
-inside the kernel: the splits of a row tile are one thread-block cluster, and once every consumer
-warpgroup of the cluster is done with its K/V slots (a cluster barrier) the other splits push their
-normalised outputs and LSEs into the first split's shared memory (``plgpu.async_store_smem``:
-``st.async`` into the peer CTA, completing on its barrier; the receive tiles alias the K/V slots),
-which merges them in registers and writes the final rows.
+partial states are merged by LSE afterwards, or (``FusedConfig.cluster_merge``,
+:data:`CLUSTER_MERGE`) inside the kernel: the splits of a row tile are one thread-block cluster,
+and once every consumer warpgroup of the cluster is done with its K/V slots (a cluster barrier)
+the other splits push their normalised outputs and LSEs into the first split's shared memory
+(``plgpu.async_store_smem``: ``st.async`` into the peer CTA, completing on its barrier; the
+receive tiles alias the K/V slots), which merges them in registers and writes the final rows.
 
 Transposed suffix steps (``FusedConfig.transposed_suffix``; off by default, measured slower at
 most shapes, :data:`TRANSPOSED_SUFFIX`): a suffix step multiplies the sequence's 64 keys (wgmma's M side)
@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 
 import jax
@@ -156,6 +157,16 @@ MAX_TILE_LOADS = 16
 CLUSTER_MERGE = False
 MAX_CLUSTER_SPLITS = 4
 LSE_COLS = 8  # a peer's LSE travels as a [64, 8] float32 tile (WGMMA layout; wgmma's N >= 8)
+
+
+_LOAD_NEEDS_IDX = (inspect.signature(plgpu.load).parameters["idx"].default
+                   is inspect.Parameter.empty)
+
+
+def load_tile(ref, layout):
+  """``plgpu.load`` of a whole shared-memory ref in ``layout`` (jax 0.10 needs the index
+  argument, which jax 0.11 deprecates in favour of ``ref.at[...]``)."""
+  return plgpu.load(ref, (), layout=layout) if _LOAD_NEEDS_IDX else plgpu.load(ref, layout=layout)
 
 
 def cluster_recv_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:
@@ -422,7 +433,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   ``suffix_lengths`` int32 ``[B]``.
 
   Returns ``out [splits, Hkv, R, D]`` in q's dtype and natural-log ``lse [splits, Hkv, R]``
-  (one split, merged, with ``cluster_merge``); with transposed suffix steps those are the prefix part, followed by the suffix part
+  (one split, merged, with ``cluster_merge``); with transposed suffix steps those are the
+  prefix part, followed by the suffix part
   ``[splits, Hkv, R / N, D, N]`` (q's dtype; groups a split never reached are not written,
   their LSE is -inf) and its LSE ``[splits, Hkv, R]``.
   """
@@ -755,9 +767,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       """Warpgroup w's epilogue with ``cluster_merge``: splits > 0 push their normalised rows
       and LSE to split 0, which merges them with its own (exact LSE merge) and stores."""
       has = l_i > 0
-      out = acc / lax.broadcast_in_dim(jnp.where(has, l_i, 1.0), acc.shape, [0])
-      lse = jnp.where(has, (m_i + jnp.log(jnp.where(has, l_i, 1.0)) * (1 / LN2)) * LN2,
-                      -jnp.inf)
+      safe_l = jnp.where(has, l_i, 1.0)
+      lse = jnp.where(has, (m_i + jnp.log(safe_l) * (1 / LN2)) * LN2, -jnp.inf)
       # Every consumer warpgroup of the cluster is past its last step: split 0's K/V slots,
       # where the receive tiles live, are free.
       plgpu.barrier_arrive(done_barrier)
@@ -766,6 +777,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       @pl.when(split > 0)
       def _send():
         dst = dict(cluster_idx=jnp.int32(0), cluster_dim="split")
+        out = acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])
         plgpu.async_store_smem(out.astype(dtype), recv_o.at[split - 1, w],
                                recv_barriers.at[w], **dst)
         plgpu.async_store_smem(lax.broadcast_in_dim(lse, (block_q, LSE_COLS), [0]),
@@ -774,20 +786,20 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       @pl.when(split == 0)
       def _merge():
         plgpu.barrier_wait(recv_barriers.at[w])
-        parts = [(out, lse)]
-        for j in range(cfg.splits - 1):
-          o_j = plgpu.load(recv_o.at[j, w], (), layout=plgpu.Layout.WGMMA)
-          l_j = jnp.max(plgpu.load(recv_l.at[j, w], (), layout=plgpu.Layout.WGMMA), axis=1)
-          parts.append((o_j.astype(jnp.float32), l_j))
-        top = functools.reduce(jnp.maximum, [l for _, l in parts])
+        # The LSEs first, then one output tile at a time into the sum (registers: the sum and
+        # one tile, as in the loop).
+        lses = [lse] + [jnp.max(load_tile(recv_l.at[j, w], plgpu.Layout.WGMMA), axis=1)
+                        for j in range(cfg.splits - 1)]
+        top = functools.reduce(jnp.maximum, lses)
         top = jnp.where(top == -jnp.inf, 0.0, top)  # rows no split has keys for: (0, -inf)
-        weights = [jnp.exp(l - top) for _, l in parts]
-        total = functools.reduce(jnp.add, weights)
-        merged = functools.reduce(jnp.add, [
-            o * lax.broadcast_in_dim(wt, o.shape, [0]) for (o, _), wt in zip(parts, weights)])
+        weights = [jnp.exp(l - top) for l in lses]
+        merged = acc * lax.broadcast_in_dim(weights[0] / safe_l, acc.shape, [0])
+        for j in range(cfg.splits - 1):
+          o_j = load_tile(recv_o.at[j, w], plgpu.Layout.WGMMA).astype(jnp.float32)
+          merged += o_j * lax.broadcast_in_dim(weights[j + 1], acc.shape, [0])
         # As an unnormalised state (sum, base-2 max, total): store_result divides and logs.
-        store_result(merged, top * LOG2E, total, qo_smem, out_ref.at[0, head, rows],
-                     lse_ref.at[0, head, rows], dtype=dtype)
+        store_result(merged, top * LOG2E, functools.reduce(jnp.add, weights), qo_smem,
+                     out_ref.at[0, head, rows], lse_ref.at[0, head, rows], dtype=dtype)
 
     pl.when(wg_idx == 0)(functools.partial(consumer, 0))
     pl.when(wg_idx == 1)(functools.partial(consumer, 1))

@@ -22,6 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.gpu.shared_attention_mgpu import load_tile
+
 ROWS, COLS, LSE_COLS = 64, 128, 8
 
 
@@ -39,7 +41,7 @@ def probe(x, *, cluster: int):
     c = lax.axis_index("c")
     plgpu.copy_gmem_to_smem(x_ref.at[blk, c], x_smem, bar_in)
     plgpu.barrier_wait(bar_in)
-    mine = plgpu.load(x_smem, (), layout=plgpu.Layout.WGMMA)
+    mine = load_tile(x_smem, plgpu.Layout.WGMMA)
     # Each part's "LSE": its rows' maxima plus c (computed here: the probe is about the hand-off).
     my_lse = jnp.max(mine.astype(jnp.float32), axis=1) + c.astype(jnp.float32)
     plgpu.barrier_arrive(bar_done)
@@ -58,8 +60,8 @@ def probe(x, *, cluster: int):
       plgpu.barrier_wait(bar_recv)
       parts = [(mine.astype(jnp.float32), my_lse)]
       for j in range(cluster - 1):
-        o = plgpu.load(recv_o.at[j], (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        l = jnp.max(plgpu.load(recv_l.at[j], (), layout=plgpu.Layout.WGMMA), axis=1)
+        o = load_tile(recv_o.at[j], plgpu.Layout.WGMMA).astype(jnp.float32)
+        l = jnp.max(load_tile(recv_l.at[j], plgpu.Layout.WGMMA), axis=1)
         parts.append((o, l))
       m = functools.reduce(jnp.maximum, [l for _, l in parts])
       ws = [jnp.exp(l - m) for _, l in parts]

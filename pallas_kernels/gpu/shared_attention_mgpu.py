@@ -38,9 +38,12 @@ kernel's run instead of coming in one burst at its end (:func:`step_ranges`); th
 partial states are merged by LSE afterwards, or (``FusedConfig.cluster_merge``,
 :data:`CLUSTER_MERGE`) inside the kernel: the splits of a row tile are one thread-block cluster,
 and once every consumer warpgroup of the cluster is done with its K/V slots (a cluster barrier)
-the other splits push their normalised outputs and LSEs into the first split's shared memory
-(``plgpu.async_store_smem``: ``st.async`` into the peer CTA, completing on its barrier; the
-receive tiles alias the K/V slots), which merges them in registers and writes the final rows.
+each warpgroup's 64 rows are merged by one CTA of the cluster -- warpgroup w's by split w -- to
+which the other splits' warpgroup w push their normalised rows and LSEs
+(``plgpu.async_store_smem``: ``st.async`` into the peer CTA's shared memory, completing on its
+barrier; the receive tiles alias the K/V slots); it merges them in registers and writes the
+final rows. With two splits the two CTAs exchange one tile each and each merges and stores half
+the rows.
 
 Transposed suffix steps (``FusedConfig.transposed_suffix``; off by default, measured slower at
 most shapes, :data:`TRANSPOSED_SUFFIX`): a suffix step multiplies the sequence's 64 keys (wgmma's M side)
@@ -170,10 +173,9 @@ def load_tile(ref, layout):
 
 
 def cluster_recv_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:
-  """Shared memory the first split of a cluster receives into: per other split and consumer
-  warpgroup, its output tile and its LSE tile (aliasing the K/V slots, :func:`smem_bytes`)."""
-  per_wg = cfg.block_q * head_dim * itemsize + cfg.block_q * LSE_COLS * 4
-  return (cfg.splits - 1) * 2 * per_wg
+  """Shared memory a CTA of a cluster receives into (aliasing the K/V slots, :func:`smem_bytes`):
+  per other split, one warpgroup's output tile and its LSE tile."""
+  return (cfg.splits - 1) * (cfg.block_q * head_dim * itemsize + cfg.block_q * LSE_COLS * 4)
 
 
 def cluster_merge_fits(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> bool:
@@ -479,7 +481,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     wg_idx = lax.axis_index("wg")
     if clustered:  # the receive tiles alias the K/V slots (used once every step is done)
       qo_smem2, ((k_smem, v_smem), (recv_o, recv_l)) = smem_buffers
-      recv_barriers, done_barrier = scoped[4]
+      recv_barrier, done_barrier = scoped[4]
     else:
       qo_smem2, k_smem, v_smem = smem_buffers
     if transposed:
@@ -764,8 +766,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                    lse_ref.at[split, head, rows], dtype=dtype, extra=suffix_lse)
 
     def merge_in_cluster(w: int, acc, m_i, l_i, qo_smem, rows):
-      """Warpgroup w's epilogue with ``cluster_merge``: splits > 0 push their normalised rows
-      and LSE to split 0, which merges them with its own (exact LSE merge) and stores."""
+      """Warpgroup w's epilogue with ``cluster_merge``: the rows of warpgroup w are merged by
+      split w (exact LSE merge) and stored there; the other splits push theirs to it."""
       has = l_i > 0
       safe_l = jnp.where(has, l_i, 1.0)
       lse = jnp.where(has, (m_i + jnp.log(safe_l) * (1 / LN2)) * LN2, -jnp.inf)
@@ -774,28 +776,28 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       plgpu.barrier_arrive(done_barrier)
       plgpu.barrier_wait(done_barrier)
 
-      @pl.when(split > 0)
-      def _send():
-        dst = dict(cluster_idx=jnp.int32(0), cluster_dim="split")
+      @pl.when(split != w)
+      def _send():  # into the owner's receive tile of this split (senders in split order)
+        dst = dict(cluster_idx=jnp.int32(w), cluster_dim="split")
+        j = split - (split > w).astype(split.dtype)
         out = acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])
-        plgpu.async_store_smem(out.astype(dtype), recv_o.at[split - 1, w],
-                               recv_barriers.at[w], **dst)
+        plgpu.async_store_smem(out.astype(dtype), recv_o.at[j], recv_barrier, **dst)
         plgpu.async_store_smem(lax.broadcast_in_dim(lse, (block_q, LSE_COLS), [0]),
-                               recv_l.at[split - 1, w], recv_barriers.at[w], **dst)
+                               recv_l.at[j], recv_barrier, **dst)
 
-      @pl.when(split == 0)
+      @pl.when(split == w)
       def _merge():
-        plgpu.barrier_wait(recv_barriers.at[w])
+        plgpu.barrier_wait(recv_barrier)
         # The LSEs first, then one output tile at a time into the sum (registers: the sum and
         # one tile, as in the loop).
-        lses = [lse] + [jnp.max(load_tile(recv_l.at[j, w], plgpu.Layout.WGMMA), axis=1)
+        lses = [lse] + [jnp.max(load_tile(recv_l.at[j], plgpu.Layout.WGMMA), axis=1)
                         for j in range(cfg.splits - 1)]
         top = functools.reduce(jnp.maximum, lses)
         top = jnp.where(top == -jnp.inf, 0.0, top)  # rows no split has keys for: (0, -inf)
         weights = [jnp.exp(l - top) for l in lses]
         merged = acc * lax.broadcast_in_dim(weights[0] / safe_l, acc.shape, [0])
         for j in range(cfg.splits - 1):
-          o_j = load_tile(recv_o.at[j, w], plgpu.Layout.WGMMA).astype(jnp.float32)
+          o_j = load_tile(recv_o.at[j], plgpu.Layout.WGMMA).astype(jnp.float32)
           merged += o_j * lax.broadcast_in_dim(weights[j + 1], acc.shape, [0])
         # As an unnormalised state (sum, base-2 max, total): store_result divides and logs.
         store_result(merged, top * LOG2E, functools.reduce(jnp.add, weights), qo_smem,
@@ -880,9 +882,9 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       lse_t = (plgpu.TilingTransform((8, LSE_COLS)), plgpu.SwizzleTransform(4 * LSE_COLS))
       buffers = [qo_scratch, plgpu.RefUnion(
           (k_scratch, v_scratch),
-          (plgpu.SMEM((peers, compute_wgs, block_q, d), dtype, transforms=(tiling, swizzle)),
-           plgpu.SMEM((peers, compute_wgs, block_q, LSE_COLS), jnp.float32, transforms=lse_t)))]
-      extra = [(plgpu.Barrier(num_arrivals=2 * peers, num_barriers=compute_wgs),
+          (plgpu.SMEM((peers, block_q, d), dtype, transforms=(tiling, swizzle)),
+           plgpu.SMEM((peers, block_q, LSE_COLS), jnp.float32, transforms=lse_t)))]
+      extra = [(plgpu.Barrier(num_arrivals=2 * peers),
                 plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=compute_wgs))]
     pl.run_scoped(
         lambda *args: kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref,

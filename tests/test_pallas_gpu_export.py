@@ -513,9 +513,9 @@ def test_mosaic_ir_fingerprints_tell_kernels_apart():
     (1024, 8, 1, 128, 1024, 128, {"paired_suffix": True, "block_s": 128}),
     (300, 16, 1, 128, 1024, 192, {"splits": 2, "tile_max_in_kernel": True})])
 def test_fused_cluster_merge_exports_for_cuda(b, g, hkv, d, p, s, extra):
-  """With ``CLUSTER_MERGE`` the one kernel merges its key splits itself: it lowers for CUDA as a
-  cluster kernel, and the module has no merge kernel after it (it does without the switch).
-  ``default_config`` takes it for 2-4 splits only."""
+  """With ``cluster_merge`` the one kernel merges its key splits itself: it lowers for CUDA as a
+  cluster kernel (2-4 splits), and the module has no merge kernel after it (it does without).
+  ``default_config`` takes it with two splits only, and not with the switch off."""
   import pallas_kernels.gpu as gpu
   from pallas_kernels.gpu import shared_attention_mgpu as fm
   dt = jnp.bfloat16
@@ -525,11 +525,12 @@ def test_fused_cluster_merge_exports_for_cuda(b, g, hkv, d, p, s, extra):
     return export_cuda(fn, S((b, 1, g * hkv, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
                        S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
 
-  with gpu.cluster_merge(True):
-    cfg = dataclasses.replace(fm.default_config(b * g, hkv, p, s, g, head_dim=d), **extra)
-    assert not fm.default_config(256 * 8, 1, 4096, 128, 8).cluster_merge  # 8 splits
-  assert not fm.default_config(b * g, hkv, p, s, g, head_dim=d).cluster_merge  # restored
-  cfg = dataclasses.replace(cfg, cluster_merge=True)
+  cfg = fm.default_config(b * g, hkv, p, s, g, head_dim=d)
+  assert fm.CLUSTER_MERGE and cfg.cluster_merge == (cfg.splits == 2)
+  with gpu.cluster_merge(False):
+    assert not fm.default_config(b * g, hkv, p, s, g, head_dim=d).cluster_merge
+  assert not fm.default_config(256 * 8, 1, 4096, 128, 8).cluster_merge  # 8 splits
+  cfg = dataclasses.replace(cfg, cluster_merge=True, **extra)
   assert 2 <= cfg.splits <= fm.MAX_CLUSTER_SPLITS
   inside = lower(cfg)
   assert inside.count(f"custom_call @{MOSAIC}") == 1 and MERGE not in inside

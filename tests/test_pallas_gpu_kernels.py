@@ -491,16 +491,17 @@ class TestNativeFusedDecodeSpread(TestNativeFusedDecodeEqualRanges):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
-class TestNativeFusedDecodeTileMax(TestNativeFusedDecode):
-  """The same cases with each CTA taking its sequences' longest suffix itself
-  (``TILE_MAX_IN_KERNEL``; ragged and empty suffixes, batches that end inside a row tile)."""
+class TestNativeFusedDecodeXlaTileMax(TestNativeFusedDecode):
+  """The same cases with XLA reducing the suffix lengths to each row tile's longest before the
+  kernel (``tile_max_in_kernel(False)``; by default each CTA takes its sequences' longest suffix
+  itself)."""
 
   def setup_method(self):
     import pallas_kernels.gpu as gpu
     from pallas_kernels.gpu import shared_attention_mgpu as fm
-    self._switch = gpu.tile_max_in_kernel(True)
-    self._switch.__enter__()
     assert fm.default_config(128, 1, 1024, 128, 8, head_dim=128).tile_max_in_kernel
+    self._switch = gpu.tile_max_in_kernel(False)
+    self._switch.__enter__()
 
   def teardown_method(self):
     self._switch.__exit__(None, None, None)
@@ -508,25 +509,25 @@ class TestNativeFusedDecodeTileMax(TestNativeFusedDecode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
-class TestNativeFusedDecodeClusterMerge(TestNativeFusedDecode):
-  """The same cases with the key splits merged inside the kernel (``cluster_merge(True)``: where
-  there are 2-4 splits, 4 of the 6 cases; the others keep the merge kernel), and configurations
-  set directly: 2, 3 and 4 splits, two KV heads, spread suffix steps, paired steps, lengths
-  taken in the kernel."""
+class TestNativeFusedDecodeMergeKernel(TestNativeFusedDecode):
+  """The same cases with the key splits merged by the merge kernel after the one kernel
+  (``cluster_merge(False)``; by default two splits merge inside it, 3 of the 6 cases), and
+  cluster-merging configurations set directly: 2, 3 and 4 splits, two KV heads, spread suffix
+  steps, paired steps, lengths reduced by XLA or in the kernel, three K/V slots."""
 
   def setup_method(self):
     import pallas_kernels.gpu as gpu
     from pallas_kernels.gpu import shared_attention_mgpu as fm
-    self._switch = gpu.cluster_merge(True)
-    self._switch.__enter__()
     assert fm.default_config(8192, 1, 16384, 128, 8, head_dim=128).cluster_merge
+    self._switch = gpu.cluster_merge(False)
+    self._switch.__enter__()
 
   def teardown_method(self):
     self._switch.__exit__(None, None, None)
 
   @pytest.mark.parametrize("splits,extra", [
       (2, {}), (3, {"spread_suffix": True}), (4, {}), (2, {"paired_suffix": True, "block_s": 128}),
-      (3, {"tile_max_in_kernel": True}), (4, {"spread_suffix": True, "max_concurrent_steps": 3})])
+      (3, {"tile_max_in_kernel": False}), (4, {"spread_suffix": True, "max_concurrent_steps": 3})])
   def test_configs(self, splits, extra):
     from pallas_kernels.gpu import shared_attention_mgpu as fm
     case = (100, 16, 2, 128, 1024, 128)  # G = 8, 7 row tiles per KV head (the last partial)

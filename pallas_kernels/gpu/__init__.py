@@ -140,8 +140,8 @@ def prefix_overlap(enabled: bool):
 
 def tile_max_in_kernel(enabled: bool):
   """Temporarily sets ``shared_attention_mgpu.TILE_MAX_IN_KERNEL``: the one-kernel decode path
-  takes each row tile's longest suffix itself instead of XLA's reduction before it (off by
-  default; not yet measured with length arrays), for calls traced inside."""
+  takes each row tile's longest suffix itself instead of XLA's reduction before it (the
+  default), for calls traced inside."""
   from pallas_kernels.gpu import shared_attention_mgpu as fm
   return _setting("TILE_MAX_IN_KERNEL", bool(enabled), fm)
 
@@ -149,8 +149,8 @@ def tile_max_in_kernel(enabled: bool):
 def cluster_merge(enabled: bool):
   """Temporarily sets ``shared_attention_mgpu.CLUSTER_MERGE``: the one-kernel decode path merges
   its key splits inside the kernel (each row tile's splits one thread-block cluster, the others
-  pushing their rows into the first's shared memory) instead of the merge kernel after it, for
-  calls traced inside."""
+  pushing their rows into the CTA that merges them) instead of the merge kernel after it (the
+  default with two splits), for calls traced inside."""
   from pallas_kernels.gpu import shared_attention_mgpu as fm
   return _setting("CLUSTER_MERGE", bool(enabled), fm)
 

@@ -147,17 +147,30 @@ STAGES = 2
 PAIRED_SUFFIX = False
 
 # FusedConfig.tile_max_in_kernel as default_config sets it (read when tracing), where a CTA holds
-# at most MAX_TILE_LOADS sequences (G >= 8). Off: passes TestNativeFusedDecodeTileMax on an H100
-# and measured neutral to 1.3 us faster (tools/device/stages.py, 2026-11-24, paper shape: the
-# headline 124.9 both ways), but in a run without length arrays, where XLA's reduction is a
-# 0.3 us broadcast (docs/results/2026-11-24-h100-tile-max); the attention benchmark decides.
-TILE_MAX_IN_KERNEL = False
+# at most MAX_TILE_LOADS sequences (G >= 8). Passes TestNativeFusedDecodeTileMax on an H100. Alone
+# it measured neutral (tools/device/stages.py --ragged, 2026-11-24, paper shape, two runs, device
+# us default / in the kernel: B=1024 P=16K S=128 123.7 / 123.0 and 123.2 / 124.3, P=4K 48.9 / 49.3
+# and 49.5 / 48.3, S=512 158.9 / 157.0 and 158.6 / 157.1): XLA still clamps the lengths in a
+# fusion of its own. With the split merge in the kernel (CLUSTER_MERGE) it was faster at every
+# point (the kernel alone 0.3-1.1 us, and one XLA fusion less with full suffixes), so it is on;
+# docs/results/2026-11-24-h100-cluster-merge.
+TILE_MAX_IN_KERNEL = True
 MAX_TILE_LOADS = 16
 
-# FusedConfig.cluster_merge as default_config sets it (read when tracing), for 2 <= splits <=
-# MAX_CLUSTER_SPLITS (a cluster of up to 4 CTAs fits in a GPC with room to spare, and the
-# receive tiles of 3 peers fit in the K/V slots: :func:`cluster_recv_bytes`).
-CLUSTER_MERGE = False
+# FusedConfig.cluster_merge as default_config sets it (read when tracing): with exactly two key
+# splits (each row tile's two CTAs one cluster). The kernel takes 2 <= splits <=
+# MAX_CLUSTER_SPLITS (the receive tiles of 3 peers fit in the K/V slots,
+# :func:`cluster_recv_bytes`; TestNativeFusedDecodeClusterMerge passes with 2, 3 and 4), but four
+# splits ran 2x slower on the H100 (paper B=512 P=4K S=128 54.6 vs 28.0 us, P=16K 130.2 vs 66.1):
+# 32 clusters of 4 whole-SM CTAs did not fit at once on the GPCs, and the last ran as a second
+# wave. Two splits, against the merge kernel after the kernel (tools/device/stages.py, paper
+# shape, 2026-11-24, with TILE_MAX_IN_KERNEL, device us shipped before / cluster merge): B=1024
+# P=16K S=128 123.2 / 122.4, P=4K 48.9 / 46.4, ragged suffixes P=16K S=128 124.8 / 124.1, P=4K
+# 49.0 / 47.5, S=512 159.3 / 156.9 (docs/results/2026-11-24-h100-cluster-merge). The kernel
+# itself is 1.3-3.4 us longer (0.8 of it the cluster launch alone) than without the exchange;
+# the merge kernel it replaces took 3.1.
+CLUSTER_MERGE = True
+CLUSTER_MERGE_SPLITS = 2
 MAX_CLUSTER_SPLITS = 4
 LSE_COLS = 8  # a peer's LSE travels as a [64, 8] float32 tile (WGMMA layout; wgmma's N >= 8)
 
@@ -281,7 +294,7 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   cfg = dataclasses.replace(cfg, splits=splits, spread_suffix=spread)
   staged = dataclasses.replace(cfg, max_concurrent_steps=STAGES)
   cfg = staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
-  if CLUSTER_MERGE and cluster_merge_fits(cfg, head_dim):
+  if CLUSTER_MERGE and cfg.splits == CLUSTER_MERGE_SPLITS and cluster_merge_fits(cfg, head_dim):
     cfg = dataclasses.replace(cfg, cluster_merge=True)
   return cfg
 

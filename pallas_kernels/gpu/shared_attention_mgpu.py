@@ -147,9 +147,9 @@ STAGES = 2
 PAIRED_SUFFIX = False
 
 # FusedConfig.tile_max_in_kernel as default_config sets it (read when tracing), where a CTA holds
-# at most MAX_TILE_LOADS sequences (G >= 8). Passes TestNativeFusedDecodeTileMax on an H100. Alone
-# it measured neutral (tools/device/stages.py --ragged, 2026-11-24, paper shape, two runs, device
-# us default / in the kernel: B=1024 P=16K S=128 123.7 / 123.0 and 123.2 / 124.3, P=4K 48.9 / 49.3
+# at most MAX_TILE_LOADS sequences (G >= 8); TestNativeFusedDecodeXlaTileMax covers the off
+# case. Alone it measured neutral (tools/device/stages.py --ragged, 2026-11-24, paper shape, two
+# runs, device us default / in the kernel: B=1024 P=16K S=128 123.7 / 123.0 and 123.2 / 124.3, P=4K 48.9 / 49.3
 # and 49.5 / 48.3, S=512 158.9 / 157.0 and 158.6 / 157.1): XLA still clamps the lengths in a
 # fusion of its own. With the split merge in the kernel (CLUSTER_MERGE) it was faster at every
 # point (the kernel alone 0.3-1.1 us, and one XLA fusion less with full suffixes), so it is on;
@@ -160,7 +160,7 @@ MAX_TILE_LOADS = 16
 # FusedConfig.cluster_merge as default_config sets it (read when tracing): with exactly two key
 # splits (each row tile's two CTAs one cluster). The kernel takes 2 <= splits <=
 # MAX_CLUSTER_SPLITS (the receive tiles of 3 peers fit in the K/V slots,
-# :func:`cluster_recv_bytes`; TestNativeFusedDecodeClusterMerge passes with 2, 3 and 4), but four
+# :func:`cluster_recv_bytes`; TestNativeFusedDecodeMergeKernel passes with 2, 3 and 4), but four
 # splits ran 2x slower on the H100 (paper B=512 P=4K S=128 54.6 vs 28.0 us, P=16K 130.2 vs 66.1):
 # 32 clusters of 4 whole-SM CTAs did not fit at once on the GPCs, and the last ran as a second
 # wave. Two splits, against the merge kernel after the kernel (tools/device/stages.py, paper
@@ -784,8 +784,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       has = l_i > 0
       safe_l = jnp.where(has, l_i, 1.0)
       lse = jnp.where(has, (m_i + jnp.log(safe_l) * (1 / LN2)) * LN2, -jnp.inf)
-      # Every consumer warpgroup of the cluster is past its last step: split 0's K/V slots,
-      # where the receive tiles live, are free.
+      # Every consumer warpgroup of the cluster is past its last step: every CTA's K/V slots,
+      # where its receive tiles live, are free.
       plgpu.barrier_arrive(done_barrier)
       plgpu.barrier_wait(done_barrier)
 
@@ -890,7 +890,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       extra = [(plgpu.SMEM((compute_wgs, block_s, n_cols), dtype, transforms=narrow),
                 plgpu.SMEM((compute_wgs, d, n_cols), dtype, transforms=narrow),
                 plgpu.SMEM((compute_wgs, block_q), jnp.float32))]
-    if clustered:  # receive tiles in the K/V slots' memory; per-warpgroup receive barriers
+    if clustered:  # receive tiles in the K/V slots' memory; their barrier; the cluster barrier
       peers = cfg.splits - 1
       lse_t = (plgpu.TilingTransform((8, LSE_COLS)), plgpu.SwizzleTransform(4 * LSE_COLS))
       buffers = [qo_scratch, plgpu.RefUnion(

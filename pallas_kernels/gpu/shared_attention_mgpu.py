@@ -147,11 +147,11 @@ STAGES = 2
 PAIRED_SUFFIX = False
 
 # FusedConfig.tile_max_in_kernel as default_config sets it (read when tracing), where a CTA holds
-# at most MAX_TILE_LOADS sequences (G >= 8); TestNativeFusedDecodeXlaTileMax covers the off
-# case. Alone it measured neutral (tools/device/stages.py --ragged, 2026-11-24, paper shape, two
-# runs, device us default / in the kernel: B=1024 P=16K S=128 123.7 / 123.0 and 123.2 / 124.3,
-# P=4K 48.9 / 49.3 and 49.5 / 48.3, S=512 158.9 / 157.0 and 158.6 / 157.1): XLA still clamps the
-# lengths in a fusion of its own. With the split merge in the kernel (CLUSTER_MERGE) it was faster at every
+# at most MAX_TILE_LOADS sequences (G >= 8); TestNativeFusedDecodeXlaTileMax covers the off case.
+# Alone it measured neutral (tools/device/stages.py --ragged, 2026-11-24, paper shape, two runs,
+# device us default / in the kernel: B=1024 P=16K S=128 123.7 / 123.0 and 123.2 / 124.3, P=4K 48.9
+# / 49.3 and 49.5 / 48.3, S=512 158.9 / 157.0 and 158.6 / 157.1): XLA still clamps the lengths in a
+# fusion of its own. With the split merge in the kernel (CLUSTER_MERGE) it was faster at every
 # point (the kernel alone 0.3-1.1 us, and one XLA fusion less with full suffixes), so it is on;
 # docs/results/2026-11-24-h100-cluster-merge.
 TILE_MAX_IN_KERNEL = True

@@ -719,20 +719,11 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           first = j * m  # this sequence's rows within the warpgroup's
           qk = jnp.where(rows >= first, qk, -jnp.inf)
           qk = jnp.where(rows < first + m, qk, -jnp.inf)
-        elif kind == "mixed":  # the suffix half as in a suffix step; the prefix half is unmasked
-          cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
-          rows = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 0, layout=plgpu.Layout.WGMMA)
-          s_off = w * block_s  # the suffix half's first column
-          suf = (cols < block_s) if w == 0 else (cols >= block_s)
-          first = j * m
-          qk = jnp.where(suf & (cols + (blk * block_s - s_off) >= n_valid), -jnp.inf, qk)
-          qk = jnp.where(suf & (rows < first), -jnp.inf, qk)
-          qk = jnp.where(suf & (rows >= first + m), -jnp.inf, qk)
+        if kind == "mixed":
+          return mixed_softmax_pv(i, qk, acc, m_i, l_i, slot, j, blk, n_valid)
         m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
         # Rows without a visible key so far keep m = -inf: subtract 0 instead (no inf - inf).
-        # Every row sees the block_s unmasked prefix keys of a mixed step.
-        m_use = (m_ij if kind in ("prefix", "mixed")
-                 else jnp.where(m_ij == -jnp.inf, 0.0, m_ij))
+        m_use = m_ij if kind == "prefix" else jnp.where(m_ij == -jnp.inf, 0.0, m_ij)
         alpha = jnp.exp2(m_i - m_use)
         m_i = m_ij
         p_ = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_use, qk.shape, [0]))
@@ -748,7 +739,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
             plgpu.barrier_arrive(v_consumed_barriers.at[other])
           plgpu.barrier_wait(v_barriers.at[slot])
         else:
-          wait_on("v", dict(suffix=SUFFIX, mixed=MIXED).get(kind, PREFIX), slot)
+          wait_on("v", kind == "suffix", slot)
         plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
 
         def compute_pv(acc_ref):
@@ -763,6 +754,46 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           plgpu.barrier_wait(v_barriers.at[other])
           plgpu.barrier_arrive(v_consumed_barriers.at[other])
         return acc, m_i, l_i
+
+      def mixed_softmax_pv(i, qk, acc, m_i, l_i, slot, j, blk, n_valid):
+        """The rest of a mixed step: the score tile's halves (registers, sliced) are the suffix
+        keys and the prefix keys; only the suffix half is masked (keys past the sequence's length
+        by a select, the other sequences' rows by per-row vectors: their suffix probabilities are
+        exp2(x - inf) = 0), and P V is two products of block_s keys."""
+        suf = slice(0, block_s) if w == 0 else slice(block_s, 2 * block_s)
+        pre = slice(block_s, 2 * block_s) if w == 0 else slice(0, block_s)
+        qs, qp = qk[:, suf], qk[:, pre]
+        cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_s), 1, layout=plgpu.Layout.WGMMA)
+        qs = jnp.where(cols + blk * block_s < n_valid, qs, -jnp.inf)
+        rows = plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+        own = (rows >= j * m) & (rows < j * m + m)
+        m_s = jnp.where(own, qs.max(axis=1) * qk_scale, -jnp.inf)
+        # Every row sees the block_s unmasked prefix keys: m_ij is finite.
+        m_ij = jnp.maximum(m_i, jnp.maximum(qp.max(axis=1) * qk_scale, m_s))
+        alpha = jnp.exp2(m_i - m_ij)
+        m_sub = jnp.where(own, m_ij, jnp.inf)
+        p_s = jnp.exp2(qs * qk_scale - lax.broadcast_in_dim(m_sub, qs.shape, [0]))
+        p_p = jnp.exp2(qp * qk_scale - lax.broadcast_in_dim(m_ij, qp.shape, [0]))
+        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i = l_i * alpha + p_s.sum(axis=1) + p_p.sum(axis=1)
+        halves = (p_s.astype(dtype), p_p.astype(dtype))
+        if w == 1:
+          halves = halves[::-1]  # in key order: the prefix half first
+        acc, l_i, m_ij, halves = lax.optimization_barrier((acc, l_i, m_ij, halves))
+        plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
+        wait_on("v", MIXED, slot)
+        plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
+
+        def compute_pv(acc_ref):
+          for h, p16 in enumerate(halves):  # slot rows [w + h] * block_s: the keys of column half h
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot, pl.ds((w + h) * block_s, block_s)])
+          wait_step = i + 1
+          next_slot = wait_slot(wait_step)
+          pl.when(wait_step < steps)(lambda: wait_k(wait_step, next_slot))
+
+        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_consumed_barriers.at[slot])
+        return acc, m_ij, l_i
 
       def suffix_step_transposed(i, carry):
         """S^T = K Q_g^T for the column group g of n_cols rows holding the step's sequence: keys

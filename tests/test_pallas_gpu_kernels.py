@@ -560,7 +560,8 @@ class TestNativeFusedDecodeMixed(TestNativeFusedDecode):
       ((100, 16, 2, 128, 1024, 128), {"splits": 3, "spread_suffix": True, "cluster_merge": False}),
       ((64, 8, 1, 64, 2048, 192), {"splits": 8, "tile_max_in_kernel": False, "cluster_merge": False}),
       ((64, 8, 1, 128, 512, 256), {"splits": 1, "cluster_merge": False}),
-      ((256, 8, 1, 128, 4096, 128), {"splits": 2, "spread_suffix": False, "cluster_merge": True})])
+      ((256, 8, 1, 128, 4096, 128), {"splits": 2, "spread_suffix": False, "cluster_merge": True}),
+      ((100, 16, 2, 128, 1024, 128), {"splits": 2, "cluster_merge": True, "suffix_prefetch": 4})])
   def test_configs(self, case, extra):
     from pallas_kernels.gpu import shared_attention_mgpu as fm
     b, hq, hkv, d, p, s = case

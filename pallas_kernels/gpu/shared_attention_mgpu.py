@@ -117,6 +117,9 @@ class FusedConfig:
   # suffix keys, half shared prefix keys -- as in a prefix step. The slots hold block_kv +
   # block_s keys; the key splits take equal shares of the prefix blocks and the suffix steps.
   mixed_suffix: bool = False
+  # The producer prefetches the suffix K/V of the step this many steps ahead into L2
+  # (plgpu.async_prefetch) when it issues a step's copies; 0: none (experiments).
+  suffix_prefetch: int = 0
 
 
 # The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) and
@@ -190,6 +193,9 @@ LSE_COLS = 8  # a peer's LSE travels as a [64, 8] float32 tile (WGMMA layout; wg
 # prefix-sized step: a CTA whose split holds n_s suffix steps and at least n_s / 2 prefix blocks
 # runs n_s / 2 fewer steps.
 MIXED_SUFFIX = False
+
+# FusedConfig.suffix_prefetch as default_config sets it (read when tracing; experiments).
+SUFFIX_PREFETCH = 0
 
 
 _LOAD_NEEDS_IDX = (inspect.signature(plgpu.load).parameters["idx"].default
@@ -306,6 +312,7 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX,
                     tile_max_in_kernel=TILE_MAX_IN_KERNEL
                     and 2 * FusedConfig.block_q // rows_per_seq <= MAX_TILE_LOADS)
+  cfg = dataclasses.replace(cfg, suffix_prefetch=SUFFIX_PREFETCH)
   if MIXED_SUFFIX and not cfg.transposed_suffix:
     cfg = dataclasses.replace(cfg, mixed_suffix=True)
   elif PAIRED_SUFFIX and not cfg.transposed_suffix and capacity % cfg.block_kv == 0:
@@ -1005,7 +1012,22 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                 src_suf.at[jnp.minimum(seq, batch - 1), pl.ds(blk * block_s, block_s), head],
                 suf_smem.at[pl.ds(w * block_s, block_s)], bars[w].at[slot])
 
+      def prefetch(c):
+        """L2 prefetch of the suffix K/V of local step c + suffix_prefetch, if a suffix step."""
+        ahead = c + cfg.suffix_prefetch
+
+        @pl.when(is_suffix(ahead, ranges))
+        def _():
+          for w in (0, 1):
+            seq, _, blk = suffix_coords(ahead, w)
+            for src in (sk_ref, sv_ref):
+              plgpu.async_prefetch(
+                  src.at[jnp.minimum(seq, batch - 1), pl.ds(blk * block_s, block_s), head])
+
       n_pos = positions(ranges, paired)
+      if cfg.suffix_prefetch and not paired:
+        for i in range(min(steps_buf, cfg.suffix_prefetch)):  # the steps no issue covers
+          pl.when(i + cfg.suffix_prefetch >= steps_buf)(functools.partial(prefetch, jnp.int32(i)))
       for i in range(steps_buf):
         @pl.when(i < n_pos)
         def _first(i=i):
@@ -1016,6 +1038,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       def _kv_loop(i):
         step = i + steps_buf
         slot = lax.rem(i, jnp.array(steps_buf, i.dtype))
+        if cfg.suffix_prefetch and not paired:
+          prefetch(step)
         plgpu.barrier_wait(k_consumed_barriers.at[slot])
         issue(step, slot, "k")
         plgpu.barrier_wait(v_consumed_barriers.at[slot])

@@ -23,34 +23,27 @@ CTA_ROWS = 2 * BLOCK_Q
 
 
 def ranges(kv_len, max_len, split, cta, *, n_pre, block_kv, block_s, seqs_per_wg, splits,
-           spread, ctas, mixed=False):
+           spread, ctas):
   return fm.step_ranges(jnp.int32(kv_len), jnp.int32(max_len), jnp.int32(split), jnp.int32(cta),
                         prefix_blocks=n_pre, block_kv=block_kv, block_s=block_s,
-                        seqs_per_wg=seqs_per_wg, splits=splits, spread=spread, ctas=ctas,
-                        mixed=mixed)
+                        seqs_per_wg=seqs_per_wg, splits=splits, spread=spread, ctas=ctas)
 
 
-def walk(rg, block_kv=128, block_s=64):
-  """The kernel's local steps of one split in order: ("prefix", block, masked), ("suffix",) or
-  ("mixed", first prefix key) (a suffix step that also takes ``block_s`` prefix keys)."""
-  o, n_s, n_pf, n_mb, steps = (int(x) for x in (rg.o, rg.n_s, rg.n_pf, rg.n_mb, rg.steps))
+def walk(rg):
+  """The kernel's local steps of one split in order: ("prefix", block, masked) or ("suffix",)."""
+  o, n_s, n_pf, steps = (int(x) for x in (rg.o, rg.n_s, rg.n_pf, rg.steps))
   out = []
   for i in range(steps):
-    kind = int(fm.step_kind(jnp.int32(i), rg))
-    if kind == fm.MIXED:
-      assert o <= i < o + int(rg.n_m)
-      out.append(("mixed", int(fm.mixed_keys(jnp.int32(i), rg, block_kv, block_s))))
-    elif bool(fm.is_suffix(jnp.int32(i), rg)):
-      assert kind == fm.SUFFIX and o + int(rg.n_m) <= i < o + n_s
+    if bool(fm.is_suffix(jnp.int32(i), rg)):
+      assert o <= i < o + n_s
       out.append(("suffix",))
     else:
-      assert kind == fm.PREFIX
-      out.append(("prefix", int(fm.prefix_block(jnp.int32(i), rg)), i >= n_s + n_pf - n_mb))
+      out.append(("prefix", int(fm.prefix_block(jnp.int32(i), rg)), i >= n_s + n_pf))
   return out
 
 
 def emulate(q, pk, pv, sk, sv, kv_len, lens, *, m, splits, block_kv, block_s, transposed,
-            spread=True, mixed=False):
+            spread=True):
   """q [R, D] (rows b * m + g of one KV head, R a multiple of 128), prefix [P, D], suffixes
   [B, S, D]. Returns the parts as the kernel writes them: a list of (out [R, D], lse [R])."""
   r, d = q.shape
@@ -67,10 +60,9 @@ def emulate(q, pk, pv, sk, sv, kv_len, lens, *, m, splits, block_kv, block_s, tr
       tile_lens = [lens[s] if s < batch else 0 for s in range(seq0, seq0 + 2 * seqs_per_wg)]
       rg = ranges(kv_len, max(tile_lens), split, tile * splits + split,
                   n_pre=pk.shape[0] // block_kv, block_kv=block_kv, block_s=block_s,
-                  seqs_per_wg=seqs_per_wg, splits=splits, spread=spread, ctas=tiles * splits,
-                  mixed=mixed)
+                  seqs_per_wg=seqs_per_wg, splits=splits, spread=spread, ctas=tiles * splits)
       steps, o, n_s = (int(x) for x in (rg.steps, rg.o, rg.n_s))
-      plan = walk(rg, block_kv, block_s)
+      plan = walk(rg)
       for w in (0, 1):
         base = tile * CTA_ROWS + w * BLOCK_Q
         rows = q[base:base + BLOCK_Q]
@@ -83,9 +75,6 @@ def emulate(q, pk, pv, sk, sv, kv_len, lens, *, m, splits, block_kv, block_s, tr
             block = range(blk * block_kv, (blk + 1) * block_kv)
             assert masked or block[-1] < kv_len
             keys += [k for k in block if k < kv_len]
-          elif step[0] == "mixed":  # block_s prefix keys, unmasked: all must be valid
-            assert step[1] + block_s <= kv_len
-            keys += list(range(step[1], step[1] + block_s))
         if keys:
           s = rows @ pk[keys].T
           mx = s.max(1, keepdims=True)
@@ -156,13 +145,12 @@ def merge(parts):
 
 
 @pytest.mark.parametrize("spread", [True, False])
-@pytest.mark.parametrize("steps", ["rows", "transposed", "paired", "mixed"])
+@pytest.mark.parametrize("steps", ["rows", "transposed", "paired"])
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_plan_against_full_attention(data, steps, spread):
-  """Row suffix steps (half a K/V slot per warpgroup), transposed ones, paired ones (a whole
-  slot per warpgroup: ``block_s == block_kv``) and mixed ones (row suffix steps that also take
-  half a prefix block each)."""
+  """Row suffix steps (half a K/V slot per warpgroup), transposed ones, and paired ones (a
+  whole slot per warpgroup: ``block_s == block_kv``)."""
   transposed = steps == "transposed"
   m = data.draw(st.sampled_from([1, 2, 4, 8, 16, 32]), label="G")
   batch = data.draw(st.integers(1, 3 * (CTA_ROWS // m)), label="batch")
@@ -181,7 +169,7 @@ def test_plan_against_full_attention(data, steps, spread):
   pk, pv = rng.standard_normal((2, p, d))
   sk, sv = rng.standard_normal((2, batch, cap, d))
   parts = emulate(q, pk, pv, sk, sv, kv_len, lens, m=m, splits=splits, block_kv=block_kv,
-                  block_s=block_s, transposed=transposed, spread=spread, mixed=steps == "mixed")
+                  block_s=block_s, transposed=transposed, spread=spread)
   out, lse = merge(parts)
   for row in range(batch * m):
     b = row // m
@@ -220,54 +208,41 @@ def check_group_cut(plan):
 @settings(max_examples=300, deadline=None)
 @given(n_pre=st.integers(0, 300), kv_short=st.integers(0, 127), n_sblk=st.integers(0, 5),
        seqs_per_wg=st.sampled_from([1, 2, 4, 8, 16, 32, 64]), splits=st.integers(1, 9),
-       spread=st.booleans(), tiles=st.integers(1, 40), tile=st.integers(0, 39),
-       mixed=st.booleans())
+       spread=st.booleans(), tiles=st.integers(1, 40), tile=st.integers(0, 39))
 def test_splits_tile_the_step_list(n_pre, kv_short, n_sblk, seqs_per_wg, splits, spread, tiles,
-                                   tile, mixed):
-  """Over a row tile's key splits, every valid prefix key and every suffix step is visited
+                                   tile):
+  """Over a row tile's key splits, every valid prefix block and every suffix step is visited
   exactly once; only the prefix's last block is masked, and only when the prefix ends inside it,
   as its split's last step; each split's suffix steps are one run in order. Equal counts
   (``spread=False``) cut the list into ranges of at most ``ceil(steps / splits)``; ``spread``
   gives each split its share of both kinds, within one step of an equal share, and starts the
-  CTAs' suffix runs at positions spread over the split's unmasked prefix blocks. With ``mixed``
-  the splits take shares as with ``spread``, and the first suffix steps of each split take the
-  halves of its first unmasked prefix blocks, as many as there are pairs of suffix steps and
-  unmasked blocks: each mixed pair saves a step."""
+  CTAs' suffix runs at positions spread over the split's unmasked prefix blocks."""
   tile = tile % tiles
   block_kv, block_s = 128, 64
   kv_len = max(n_pre * block_kv - kv_short, 0)
   n_suf = seqs_per_wg * n_sblk
   rgs = [ranges(kv_len, n_sblk * block_s, s, tile * splits + s, n_pre=n_pre, block_kv=block_kv,
                 block_s=block_s, seqs_per_wg=seqs_per_wg, splits=splits, spread=spread,
-                ctas=tiles * splits, mixed=mixed) for s in range(splits)]
+                ctas=tiles * splits) for s in range(splits)]
   n_valid = int(rgs[0].n_pre)
   assert n_valid == -(-kv_len // block_kv)
-  keys, suffix = [], []
+  blocks, suffix = [], []
   for rg in rgs:
     plan = walk(rg)
-    o, n_s, s_lo, n_m = int(rg.o), int(rg.n_s), int(rg.s_lo), int(rg.n_m)
-    assert [x[0] for x in plan[o:o + n_s]] == ["mixed"] * n_m + ["suffix"] * (n_s - n_m)
+    o, n_s, s_lo = int(rg.o), int(rg.n_s), int(rg.s_lo)
+    assert [x[0] for x in plan[o:o + n_s]] == ["suffix"] * n_s
     suffix += list(range(s_lo, s_lo + n_s))
     prefix = [x for x in plan if x[0] == "prefix"]
-    keys += [k for _, blk, _ in prefix for k in range(blk * block_kv, (blk + 1) * block_kv)]
-    halves = [x[1] for x in plan if x[0] == "mixed"]
-    keys += [k for h in halves for k in range(h, h + block_s)]
-    # The mixed steps take the split's first unmasked blocks, in order, and as many as fit.
-    p_lo, n_pf = int(rg.p_lo), int(rg.n_pf)
-    assert halves == [p_lo * block_kv + t * block_s for t in range(n_m)]
-    assert n_m == (2 * min(n_s // 2, n_pf) if mixed else 0) and n_m == 2 * int(rg.n_mb)
-    assert len(plan) == len(prefix) + n_s
+    blocks += [x[1] for x in prefix]
     for k, (_, blk, masked) in enumerate(prefix):
       assert masked == (blk == n_valid - 1 and kv_len % block_kv != 0)
       assert not masked or k == len(prefix) - 1 and plan[-1] == prefix[-1]
     total = n_valid + n_suf
-    if spread or mixed:
-      assert abs(len(prefix) + n_m / 2 - n_valid / splits) < 1 and abs(n_s - n_suf / splits) < 1
+    if spread:
+      assert abs(len(prefix) - n_valid / splits) < 1 and abs(n_s - n_suf / splits) < 1
     else:
       assert len(plan) <= -(-total // splits)
-  # Every valid prefix key once (the masked block's keys past kv_len are masked in the kernel).
-  assert sorted(k for k in keys if k < kv_len) == list(range(kv_len))
-  assert len(keys) == n_valid * block_kv
+  assert sorted(blocks) == list(range(n_valid))
   assert suffix == list(range(n_suf))
 
 
@@ -292,14 +267,13 @@ BARRIER_PLANS = dict(
 def phase_errors(plan_suffix, steps_buf, waits):
   """Barrier phases a warpgroup skips before waiting again on the same barrier. Mosaic GPU keeps
   each barrier's phase in the waiting threads and flips it at every wait, so a warpgroup must
-  wait on every phase of a barrier up to its last wait there; ``plan_suffix`` lists each local
-  step's kind (a bool: suffix step or prefix step; or ``fm.PREFIX``, ``fm.SUFFIX``,
-  ``fm.MIXED``)."""
+  wait on every phase of a barrier up to its last wait there; ``plan_suffix`` lists whether each
+  local step is a suffix step."""
   errors = []
   for w in (0, 1):
     for slot in range(steps_buf):
       mine = [(i, sfx) for i, sfx in enumerate(plan_suffix) if i % steps_buf == slot]
-      for name in ("k", "v", "k1", "v1", "kb", "vb"):
+      for name in ("k", "v", "k1", "v1"):
         arrived = [i for i, sfx in mine if name in fm.arrivals(sfx)]
         waited = [i for i, sfx in mine if name in waits(w, sfx)]
         assert set(waited) <= set(arrived), (w, name, waited, arrived)  # no wait without a copy
@@ -309,18 +283,17 @@ def phase_errors(plan_suffix, steps_buf, waits):
 
 
 @settings(max_examples=300, deadline=None)
-@given(**BARRIER_PLANS, mixed=st.booleans())
+@given(**BARRIER_PLANS)
 def test_barrier_phases(n_pre, kv_short, n_sblk, seqs_per_wg, splits, spread, ctas, cta,
-                        steps_buf, mixed):
+                        steps_buf):
   """Every consumer warpgroup waits on each phase of every barrier it waits on (see
-  :func:`phase_errors`), for both step plans, with and without mixed steps."""
+  :func:`phase_errors`), for both step plans."""
   kv_len = max(n_pre * 128 - kv_short, 0)
-  kinds = dict(prefix=fm.PREFIX, suffix=fm.SUFFIX, mixed=fm.MIXED)
   for split in range(splits):
     rg = ranges(kv_len, n_sblk * 64, split, (cta % ctas) * splits + split, n_pre=n_pre,
                 block_kv=128, block_s=64, seqs_per_wg=seqs_per_wg, splits=splits, spread=spread,
-                ctas=ctas * splits, mixed=mixed)
-    plan = [kinds[x[0]] for x in walk(rg)]
+                ctas=ctas * splits)
+    plan = [x[0] == "suffix" for x in walk(rg)]
     assert phase_errors(plan, steps_buf, fm.waits) == []
 
 
@@ -492,19 +465,17 @@ def stuck(actors):
 @given(n_pre=st.integers(0, 12), kv_short=st.integers(0, 127), n_sblk=st.integers(0, 3),
        seqs_per_wg=st.sampled_from([1, 2, 4, 8]), splits=st.integers(1, 4),
        spread=st.booleans(), ctas=st.integers(1, 8), cta=st.integers(0, 7),
-       steps_buf=st.sampled_from([2, 3]), steps=st.sampled_from(["rows", "paired", "mixed"]))
+       steps_buf=st.sampled_from([2, 3]), paired=st.booleans())
 def test_barrier_protocol_runs_to_the_end(n_pre, kv_short, n_sblk, seqs_per_wg, splits, spread,
-                                          ctas, cta, steps_buf, steps):
+                                          ctas, cta, steps_buf, paired):
   """The producer and the two consumer warpgroups never wait on each other in a cycle (a hang on
-  the GPU), for both step plans, with row, paired or mixed suffix steps (a mixed step's copies
-  are issued together, as a suffix step's, and waited on together)."""
+  the GPU), for both step plans, with and without paired suffix steps."""
   kv_len = max(n_pre * 128 - kv_short, 0)
-  paired = steps == "paired"
   block_s = 128 if paired else 64
   for split in range(splits):
     rg = ranges(kv_len, n_sblk * block_s, split, (cta % ctas) * splits + split, n_pre=n_pre,
                 block_kv=128, block_s=block_s, seqs_per_wg=seqs_per_wg, splits=splits,
-                spread=spread, ctas=ctas * splits, mixed=steps == "mixed")
+                spread=spread, ctas=ctas * splits)
     actors = [consumer_ops(0, rg, paired), consumer_ops(1, rg, paired),
               producer_ops(int(fm.positions(rg, paired)), steps_buf)]
     assert stuck(actors) == []

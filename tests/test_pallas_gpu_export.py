@@ -543,36 +543,3 @@ def test_fused_cluster_merge_exports_for_cuda(b, g, hkv, d, p, s, extra):
           S((hkv, -(-b * g // 128) * 128, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
           S((1,), jnp.int32),
           S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
-
-
-@pytest.mark.parametrize("b,g,hkv,d,p,s,extra", [
-    (1024, 8, 1, 128, 16384, 128, {}),  # 2 splits, merged in the cluster
-    (256, 8, 1, 128, 4096, 512, {}),  # 8 splits, the merge kernel
-    (1024, 8, 1, 128, 1024, 512, {}),  # more suffix steps than prefix halves
-    (300, 16, 2, 64, 1024, 192, {"splits": 3, "spread_suffix": True}),
-    (1024, 8, 1, 128, 16384, 128, {"cluster_merge": False, "tile_max_in_kernel": False})])
-def test_fused_mixed_suffix_exports_for_cuda(b, g, hkv, d, p, s, extra):
-  """With ``mixed_suffix`` (each suffix step also takes half a prefix block; slots of 192 keys)
-  the one kernel lowers for CUDA, its two K/V slots within shared memory (three do not fit);
-  the switch sets it and it excludes paired and transposed suffix steps."""
-  import pallas_kernels.gpu as gpu
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
-  dt = jnp.bfloat16
-  ins = (S((b, 1, g * hkv, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
-         S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
-  with gpu.mixed_suffix(True), gpu.kv_stages(3):
-    cfg = fm.default_config(b * g, hkv, p, s, g, head_dim=d)
-  assert cfg.mixed_suffix and cfg.max_concurrent_steps == (3 if d == 64 else 2)
-  assert fm.smem_bytes(cfg, d) <= fm.SMEM_LIMIT and fm.slot_keys(cfg) == 192
-  assert not fm.default_config(b * g, hkv, p, s, g, head_dim=d).mixed_suffix or fm.MIXED_SUFFIX
-  cfg = dataclasses.replace(cfg, **extra)
-  fn = lambda q, k, v, sk, sv, n: fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1, config=cfg)
-  text = export_cuda(fn, *ins)
-  assert text.count(f"custom_call @{MOSAIC}") == 1
-  assert (MERGE in text) == (not cfg.cluster_merge and cfg.splits > 1 and hkv == 1)
-  for bad in ({"paired_suffix": True, "block_s": 128}, {"transposed_suffix": True}):
-    with pytest.raises(ValueError, match="mixed_suffix excludes"):
-      jax.eval_shape(lambda *a: fm.fused_rows_mgpu(
-          *a, rows_per_seq=g, scale=0.1, config=dataclasses.replace(cfg, **bad)),
-          S((hkv, -(-b * g // 128) * 128, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
-          S((1,), jnp.int32), S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))

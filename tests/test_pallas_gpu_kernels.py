@@ -540,39 +540,6 @@ class TestNativeFusedDecodeMergeKernel(TestNativeFusedDecode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
-class TestNativeFusedDecodeMixed(TestNativeFusedDecode):
-  """The same cases with mixed steps (``mixed_suffix(True)``: each suffix step also takes half a
-  prefix block), and mixed configurations set directly: 1, 2, 3 and 8 key splits, the split
-  merge in the cluster or in the merge kernel, spread suffix runs or not, lengths reduced by XLA,
-  D = 64, two KV heads."""
-
-  def setup_method(self):
-    import pallas_kernels.gpu as gpu
-    self._switch = gpu.mixed_suffix(True)
-    self._switch.__enter__()
-
-  def teardown_method(self):
-    self._switch.__exit__(None, None, None)
-
-  @pytest.mark.parametrize("case,extra", [
-      ((100, 16, 2, 128, 1024, 128), {"splits": 2, "cluster_merge": True}),
-      ((100, 16, 2, 128, 1024, 128), {"splits": 2, "cluster_merge": False}),
-      ((100, 16, 2, 128, 1024, 128), {"splits": 3, "spread_suffix": True, "cluster_merge": False}),
-      ((64, 8, 1, 64, 2048, 192), {"splits": 8, "tile_max_in_kernel": False, "cluster_merge": False}),
-      ((64, 8, 1, 128, 512, 256), {"splits": 1, "cluster_merge": False}),
-      ((256, 8, 1, 128, 4096, 128), {"splits": 2, "spread_suffix": False, "cluster_merge": True}),
-      ((100, 16, 2, 128, 1024, 128), {"splits": 2, "cluster_merge": True, "suffix_prefetch": 4})])
-  def test_configs(self, case, extra):
-    from pallas_kernels.gpu import shared_attention_mgpu as fm
-    b, hq, hkv, d, p, s = case
-    cfg = dataclasses.replace(fm.default_config(b * hq // hkv, hkv, p, s, hq // hkv, head_dim=d),
-                              mixed_suffix=True, **extra)
-    given(data=st.data(), seed=SEEDS)(settings(max_examples=4, deadline=None)(
-        lambda data, seed: self.run(data, seed, case, config=cfg)))()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 class TestNativeFusedDecodeThreeStages(TestNativeFusedDecode):
   """The same cases with three K/V slots in flight in the one kernel (``kv_stages(3, 3)``; D = 64
   and 128 both fit) and in the prefix kernel that the public API runs at G < 8."""

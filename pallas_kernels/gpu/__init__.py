@@ -89,14 +89,6 @@ def paired_suffix(enabled: bool):
   return _setting("PAIRED_SUFFIX", bool(enabled), fm)
 
 
-def mixed_suffix(enabled: bool):
-  """Temporarily sets ``shared_attention_mgpu.MIXED_SUFFIX``: the one-kernel path's suffix steps
-  also take half a prefix block each (a 64 x 128 step of 64 suffix and 64 prefix keys per
-  warpgroup instead of a 64 x 64 one), for calls traced inside."""
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
-  return _setting("MIXED_SUFFIX", bool(enabled), fm)
-
-
 # Few sequences with one shared prefix: ONE Triton kernel of per-sequence key splits over the
 # shared keys followed by each sequence's own (suffix_attention.flat_rows), instead of a prefix
 # kernel, a suffix kernel and their launch latencies. Every sequence reads the shared K/V (from

@@ -112,14 +112,6 @@ class FusedConfig:
   # The key splits of a row tile run as one cluster and merge in the kernel (module docstring,
   # :data:`CLUSTER_MERGE`); the output has one split. Needs 2 <= splits <= MAX_CLUSTER_SPLITS.
   cluster_merge: bool = False
-  # Mixed steps (see :data:`MIXED_SUFFIX`): a suffix step also carries block_s prefix keys, so
-  # each warpgroup multiplies its 64 rows against block_kv keys -- half its own sequence's
-  # suffix keys, half shared prefix keys -- as in a prefix step. The slots hold block_kv +
-  # block_s keys; the key splits take equal shares of the prefix blocks and the suffix steps.
-  mixed_suffix: bool = False
-  # The producer prefetches the suffix K/V of the step this many steps ahead into L2
-  # (plgpu.async_prefetch) when it issues a step's copies; 0: none (experiments).
-  suffix_prefetch: int = 0
 
 
 # The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) and
@@ -131,6 +123,12 @@ class FusedConfig:
 # from B=512 on, but lose in the decode loop (batch 512 prompt 2K -4.3% tokens/s, batch 256
 # -1.6%): the growing suffixes are read in 64-key blocks.
 TRANSPOSED_SUFFIX = False
+
+# Mixed steps -- each suffix step also carrying half a prefix block in 192-key slots, so each
+# warpgroup runs one 64 x 128 step of 64 suffix and 64 prefix keys -- passed the native tests
+# and ran slower at every point on an H100 (2026-11-24, paper B=1024 P=16K S=128 125.4 vs 122.0
+# us, P=4K 52.0 vs 46.5): a mixed step cost a prefix step plus ~1.1 us. Reverted; the patch is in
+# docs/results/2026-11-24-h100-mixed-steps.
 
 # FusedConfig.spread_suffix as default_config sets it (read when tracing): None follows
 # :func:`spreads`; True or False forces it (experiments).
@@ -182,21 +180,6 @@ CLUSTER_MERGE_SPLITS = 2
 MAX_CLUSTER_SPLITS = 4
 LSE_COLS = 8  # a peer's LSE travels as a [64, 8] float32 tile (WGMMA layout; wgmma's N >= 8)
 
-# FusedConfig.mixed_suffix as default_config sets it (read when tracing). A row suffix step
-# multiplies one sequence's 64 keys against a warpgroup's 64 rows: a 64 x 64 score tile, half a
-# prefix step's products, for which it cost about as long as a prefix step (~1.4 vs ~1.6 us at
-# the paper's headline shape, docs/results/2026-11-24-h100-l2-suffix): the per-step latency of
-# the two products and the softmax, not the bytes, not the masking. A mixed step puts block_s
-# prefix keys next to the warpgroup's block_s suffix keys in one slot (warpgroup 0 reads slot
-# rows [0, 128): its suffix keys, then the prefix keys; warpgroup 1 rows [64, 192): the prefix
-# keys, then its suffix keys) and runs one 64 x 128 step, so the suffix's products ride on a
-# prefix-sized step: a CTA whose split holds n_s suffix steps and at least n_s / 2 prefix blocks
-# runs n_s / 2 fewer steps.
-MIXED_SUFFIX = False
-
-# FusedConfig.suffix_prefetch as default_config sets it (read when tracing; experiments).
-SUFFIX_PREFETCH = 0
-
 
 _LOAD_NEEDS_IDX = (inspect.signature(plgpu.load).parameters["idx"].default
                    is inspect.Parameter.empty)
@@ -208,12 +191,6 @@ def load_tile(ref, layout):
   return plgpu.load(ref, (), layout=layout) if _LOAD_NEEDS_IDX else plgpu.load(ref, layout=layout)
 
 
-def slot_keys(cfg: "FusedConfig") -> int:
-  """Keys a K/V slot holds: ``block_kv``, or ``block_kv + block_s`` with mixed steps (the
-  prefix's ``block_s`` keys between the two warpgroups' suffix keys)."""
-  return cfg.block_kv + (cfg.block_s if cfg.mixed_suffix else 0)
-
-
 def cluster_recv_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:
   """Shared memory a CTA of a cluster receives into (aliasing the K/V slots, :func:`smem_bytes`):
   per other split, one warpgroup's output tile and its LSE tile."""
@@ -222,7 +199,7 @@ def cluster_recv_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> 
 
 def cluster_merge_fits(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> bool:
   """Whether ``cfg`` can merge its key splits in the kernel (:data:`CLUSTER_MERGE`)."""
-  kv = cfg.max_concurrent_steps * 2 * slot_keys(cfg) * head_dim * itemsize
+  kv = cfg.max_concurrent_steps * 2 * cfg.block_kv * head_dim * itemsize
   return (2 <= cfg.splits <= MAX_CLUSTER_SPLITS and not cfg.transposed_suffix
           and cluster_recv_bytes(cfg, head_dim, itemsize) <= kv)
 
@@ -231,7 +208,7 @@ def smem_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:
   """Shared memory of the kernel's buffers: the query tiles, ``max_concurrent_steps`` K and V
   slots (and the transposed steps' tiles), plus :data:`SMEM_RESERVE`."""
   q = 2 * cfg.block_q * head_dim * itemsize
-  kv = cfg.max_concurrent_steps * 2 * slot_keys(cfg) * head_dim * itemsize
+  kv = cfg.max_concurrent_steps * 2 * cfg.block_kv * head_dim * itemsize
   extra = 0
   if cfg.transposed_suffix:  # probabilities, o^T tile and LSE per warpgroup (n_cols <= 64)
     n = cfg.block_q
@@ -312,10 +289,7 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX,
                     tile_max_in_kernel=TILE_MAX_IN_KERNEL
                     and 2 * FusedConfig.block_q // rows_per_seq <= MAX_TILE_LOADS)
-  cfg = dataclasses.replace(cfg, suffix_prefetch=SUFFIX_PREFETCH)
-  if MIXED_SUFFIX and not cfg.transposed_suffix:
-    cfg = dataclasses.replace(cfg, mixed_suffix=True)
-  elif PAIRED_SUFFIX and not cfg.transposed_suffix and capacity % cfg.block_kv == 0:
+  if PAIRED_SUFFIX and not cfg.transposed_suffix and capacity % cfg.block_kv == 0:
     cfg = dataclasses.replace(cfg, paired_suffix=True, block_s=cfg.block_kv)
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
   prefix_blocks = prefix // cfg.block_kv
@@ -334,13 +308,11 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
 @dataclasses.dataclass(frozen=True)
 class StepRanges:
   """One CTA split's steps (int32 scalars, traced in the kernel). Local steps ``[0, steps)``:
-  ``[0, o)`` prefix blocks ``p_lo + n_mb, p_lo + n_mb + 1, ...`` (unmasked), ``[o, o + n_s)``
-  suffix steps ``s_lo, s_lo + 1, ...`` (of ``seqs_per_wg * n_sblk``: sequence-major, ``n_sblk``
-  key blocks each), of which the first ``n_m`` are mixed (each also takes half of one of the
-  prefix blocks ``p_lo .. p_lo + n_mb - 1``, in order), ``[o + n_s, n_s + n_pf - n_mb)`` the
-  split's other unmasked prefix blocks, and ``[n_s + n_pf - n_mb, steps)`` its last prefix block
-  when the prefix ends inside it (masked; 0 or 1 step). Without mixed steps ``n_m = n_mb = 0``.
-  See :func:`step_ranges`."""
+  ``[0, o)`` prefix blocks ``p_lo, p_lo + 1, ...`` (unmasked), ``[o, o + n_s)`` suffix steps
+  ``s_lo, s_lo + 1, ...`` (of ``seqs_per_wg * n_sblk``: sequence-major, ``n_sblk`` key blocks
+  each), ``[o + n_s, n_s + n_pf)`` the split's other unmasked prefix blocks, and
+  ``[n_s + n_pf, steps)`` its last prefix block when the prefix ends inside it (masked; 0 or 1
+  step). See :func:`step_ranges`."""
   n_pre: jax.Array  # the prefix's valid blocks (all splits)
   n_sblk: jax.Array  # key blocks per sequence (the CTA's longest suffix)
   p_lo: jax.Array
@@ -350,13 +322,11 @@ class StepRanges:
   n_s: jax.Array  # suffix steps of this split
   o: jax.Array  # where the suffix steps start among the split's steps
   steps: jax.Array
-  n_m: jax.Array | int = 0  # mixed steps: the first n_m suffix steps
-  n_mb: jax.Array | int = 0  # prefix blocks the mixed steps take (n_m / 2)
 
 
 def step_ranges(kv_len, max_len, split, cta=0, *, prefix_blocks: int, block_kv: int,
                 block_s: int, seqs_per_wg: int, splits: int, spread: bool = False,
-                ctas: int = 1, mixed: bool = False) -> StepRanges:
+                ctas: int = 1) -> StepRanges:
   """The kernel's steps for one CTA and split (``kv_len``: valid prefix keys, at most the
   buffer; ``max_len``: the CTA's longest suffix, at most the capacity). Pure int32 arithmetic,
   shared by the kernel and the CPU emulation in the tests.
@@ -367,33 +337,19 @@ def step_ranges(kv_len, max_len, split, cta=0, *, prefix_blocks: int, block_kv: 
   at a position that varies over the ``ctas`` CTAs of a KV head (``cta`` in ``[0, ctas)``), so
   that at any time only some CTAs read suffix bytes from HBM while the others run prefix blocks
   from L2 (:func:`spreads` says when the kernel does this).
-
-  With ``mixed`` (``block_s * 2 == block_kv``) every split takes equal shares of both kinds (as
-  with ``spread``), and its first ``n_m = 2 * min(n_s // 2, n_pf)`` suffix steps are mixed steps,
-  each also taking half of one of the split's first ``n_mb = n_m / 2`` (unmasked) prefix blocks;
-  ``spread`` then only moves where the suffix run starts among the other unmasked blocks.
   """
   i32 = jnp.int32
   n_pre = jnp.minimum(lax.div(kv_len + (block_kv - 1), i32(block_kv)), prefix_blocks)
   full_pre = jnp.minimum(lax.div(kv_len, i32(block_kv)), n_pre)
   n_sblk = lax.div(max_len + (block_s - 1), i32(block_s))
   n_suf = seqs_per_wg * n_sblk
-  n_m = n_mb = 0
-  if spread or mixed:
+  if spread:
     p_lo = lax.div(split * n_pre, i32(splits))
     n_p = lax.div((split + 1) * n_pre, i32(splits)) - p_lo
     s_lo = lax.div(split * n_suf, i32(splits))
     n_s = lax.div((split + 1) * n_suf, i32(splits)) - s_lo
     n_pf = jnp.clip(full_pre - p_lo, 0, n_p)
-    if mixed:
-      n_mb = jnp.minimum(lax.div(n_s, i32(2)), n_pf)
-      n_m = 2 * n_mb
-    free = n_pf - n_mb  # unmasked blocks for plain prefix steps
-    if spread:
-      o = lax.div(lax.rem(cta, i32(ctas)) * (free + 1), i32(ctas))  # spread over [0, free]
-    else:
-      o = free
-    return StepRanges(n_pre, n_sblk, p_lo, n_p, n_pf, s_lo, n_s, o, n_p - n_mb + n_s, n_m, n_mb)
+    o = lax.div(lax.rem(cta, i32(ctas)) * (n_pf + 1), i32(ctas))  # spread over [0, n_pf]
   else:
     n_total = n_pre + n_suf
     per_split = lax.div(n_total + (splits - 1), i32(splits))
@@ -409,33 +365,13 @@ def step_ranges(kv_len, max_len, split, cta=0, *, prefix_blocks: int, block_kv: 
 
 
 def is_suffix(i, r: StepRanges):
-  """Whether local step ``i`` is a suffix step (mixed or not)."""
+  """Whether local step ``i`` is a suffix step."""
   return (i >= r.o) & (i < r.o + r.n_s)
-
-
-def is_mixed(i, r: StepRanges):
-  """Whether local step ``i`` is a mixed step (a suffix step that also takes prefix keys)."""
-  return (i >= r.o) & (i < r.o + r.n_m)
-
-
-def step_kind(i, r: StepRanges):
-  """Local step ``i``'s kind: :data:`PREFIX`, :data:`SUFFIX` or :data:`MIXED` (int32)."""
-  return jnp.where(is_mixed(i, r), MIXED, jnp.where(is_suffix(i, r), SUFFIX, PREFIX))
-
-
-PREFIX, SUFFIX, MIXED = 0, 1, 2
 
 
 def prefix_block(i, r: StepRanges):
   """The prefix block of local step ``i`` (a prefix step)."""
-  return r.p_lo + r.n_mb + jnp.where(i < r.o, i, i - r.n_s)
-
-
-def mixed_keys(i, r: StepRanges, block_kv: int, block_s: int):
-  """The first of the ``block_s`` prefix keys of local step ``i`` (a mixed step): mixed step
-  ``t`` takes half ``t % 2`` of block ``p_lo + t // 2``."""
-  t = i - r.o
-  return (r.p_lo + lax.div(t, 2)) * block_kv + lax.rem(t, 2) * block_s
+  return r.p_lo + jnp.where(i < r.o, i, i - r.n_s)
 
 
 # The K/V slot barriers. The producer's copies complete ("arrive on") "k" and "v" for a prefix
@@ -444,27 +380,15 @@ def mixed_keys(i, r: StepRanges, block_kv: int, block_s: int):
 # at every wait, so a warpgroup that waits on a barrier at all must wait on every phase of it
 # up to its last wait: warpgroup 1 waits on "k" and "v" at suffix steps too (for data it does
 # not read), because prefix steps may follow them.
-#
-# A mixed step's copies: warpgroup 0's suffix keys into slot rows [0, block_s) ("k", "v"), the
-# prefix keys into [block_s, 2 block_s) ("kb", "vb": loaded at mixed steps only, waited on by both
-# warpgroups), warpgroup 1's suffix keys into [2 block_s, 3 block_s) ("k1", "v1").
-def arrivals(kind) -> tuple[str, ...]:
-  """The barriers the producer's copies of one step arrive on (``kind``: a step kind, or a bool
-  for a suffix / prefix step)."""
-  kind = int(kind)
-  if kind == MIXED:
-    return ("k", "v", "kb", "vb", "k1", "v1")
-  return ("k", "v", "k1", "v1") if kind == SUFFIX else ("k", "v")
+def arrivals(suffix: bool) -> tuple[str, ...]:
+  """The barriers the producer's copies of one step arrive on."""
+  return ("k", "v", "k1", "v1") if suffix else ("k", "v")
 
 
-def waits(w: int, kind) -> tuple[str, ...]:
-  """The barriers consumer warpgroup ``w`` waits on at one step of ``kind`` (as in
-  :func:`arrivals`): every barrier its data arrives on, and warpgroup 1 also "k" and "v" at
-  (mixed) suffix steps, whose data it does not read."""
-  kind = int(kind)
-  if kind == MIXED:
-    return ("k", "kb", "v", "vb") if w == 0 else ("k", "kb", "k1", "v", "vb", "v1")
-  if w == 0 or kind == PREFIX:
+def waits(w: int, suffix: bool) -> tuple[str, ...]:
+  """The barriers consumer warpgroup ``w`` waits on at one step (of the K ones and of the V
+  ones, the last is the one its own data comes with)."""
+  if w == 0 or not suffix:
     return ("k", "v")
   return ("k", "k1", "v", "v1")
 
@@ -550,9 +474,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                      f"be block_kv ({block_kv}) with paired suffix steps, half of it otherwise")
   if paired and cfg.transposed_suffix:
     raise ValueError("paired_suffix and transposed_suffix exclude each other")
-  mixed = cfg.mixed_suffix
-  if mixed and (paired or cfg.transposed_suffix):
-    raise ValueError("mixed_suffix excludes paired_suffix and transposed_suffix")
   clustered = cfg.cluster_merge
   if clustered and not cluster_merge_fits(cfg, d, jnp.dtype(dtype).itemsize):
     raise ValueError(f"cluster_merge needs 2 <= splits <= {MAX_CLUSTER_SPLITS}, row suffix "
@@ -590,8 +511,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       pt_smem2, osuf_smem2, lsuf_smem2 = scoped[4]
     # Per slot: K and V landed (prefix steps, and warpgroup 0's half of suffix steps); warpgroup
     # 1's half of suffix steps; the query tiles.
-    k_barriers, v_barriers, k1_barriers, v1_barriers, q_barriers, *mix_barriers = buffer_barriers
-    kb_barriers, vb_barriers = mix_barriers if mixed else (None, None)
+    k_barriers, v_barriers, k1_barriers, v1_barriers, q_barriers = buffer_barriers
     k_consumed_barriers, v_consumed_barriers = consumed_barriers
 
     # The CTA's step list: the prefix's valid blocks, then suffix steps in which each
@@ -611,9 +531,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     ranges = step_ranges(kv_len, max_len, split, tile * cfg.splits + split,
                          prefix_blocks=prefix_blocks, block_kv=block_kv, block_s=block_s,
                          seqs_per_wg=seqs_per_wg, splits=cfg.splits, spread=cfg.spread_suffix,
-                         ctas=tiles * cfg.splits, mixed=mixed)
+                         ctas=tiles * cfg.splits)
     steps, o, n_s, n_pf = ranges.steps, ranges.o, ranges.n_s, ranges.n_pf
-    n_m, n_mb = ranges.n_m, ranges.n_mb
 
     def suffix_coords(i, w: int):
       """Sequence (of warpgroup w) and key block of local step i (a suffix step)."""
@@ -635,13 +554,12 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         lsuf_smem[...] = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
                                            plgpu.Layout.WGMMA.reduce(1))
 
-      bars = dict(k=k_barriers, v=v_barriers, k1=k1_barriers, v1=v1_barriers, kb=kb_barriers,
-                  vb=vb_barriers)
+      bars = dict(k=k_barriers, v=v_barriers, k1=k1_barriers, v1=v1_barriers)
 
-      def wait_on(kind: str, step: int, slot):
-        """Waits on the K ("k") or V ("v") barriers of a step of kind ``step`` (PREFIX, SUFFIX or
-        MIXED; a bool: SUFFIX or PREFIX), as :func:`waits` says."""
-        for name in waits(w, step):
+      def wait_on(kind: str, suffix: bool, slot):
+        """Waits on the K ("k") or V ("v") barriers of a prefix or suffix step, as :func:`waits`
+        says."""
+        for name in waits(w, suffix):
           if name[0] == kind:
             plgpu.barrier_wait(bars[name].at[slot])
 
@@ -655,12 +573,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
       def wait_for(kind: str, i, slot):
         """:func:`wait_on` for local step i, whose kind is known only when the kernel runs."""
-        if mixed:  # three kinds, with different barriers for both warpgroups
-          step = step_kind(i, ranges)
-          for kd in ((PREFIX, SUFFIX, MIXED) if w == 1 else (PREFIX, MIXED)):
-            hit = (step == kd) if w == 1 or kd == MIXED else (step != MIXED)
-            pl.when(hit)(functools.partial(wait_on, kind, kd, slot))
-        elif w == 0 or paired:  # paired suffix steps arrive on "k" and "v" only
+        if w == 0 or paired:  # paired suffix steps arrive on "k" and "v" only
           wait_on(kind, False, slot)
         else:
           suffix = is_suffix(i, ranges)
@@ -695,14 +608,10 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         elif kind == "suffix":
           half = pl.ds(w * block_s, block_s)
           k_tile, v_tile, n_keys = k_smem.at[slot, half], v_smem.at[slot, half], block_s
-        elif kind == "mixed":  # warpgroup 0: [suffix, prefix] keys; warpgroup 1: [prefix, suffix]
-          rows_w = pl.ds(w * block_s, block_kv)
-          k_tile, v_tile, n_keys = k_smem.at[slot, rows_w], v_smem.at[slot, rows_w], block_kv
         else:
-          whole = pl.ds(0, block_kv)  # (a mixed-step slot holds block_s keys more)
-          k_tile, v_tile, n_keys = k_smem.at[slot, whole], v_smem.at[slot, whole], block_kv
+          k_tile, v_tile, n_keys = k_smem.at[slot], v_smem.at[slot], block_kv
 
-        if kind in ("suffix", "mixed"):  # before the product: the load's latency hides behind it
+        if kind == "suffix":  # issued before the product: the load's latency hides behind it
           seq, j, blk = suffix_coords(i, w)
           n_valid = jnp.where(seq < batch, slen_ref[jnp.minimum(seq, batch - 1)], 0)
 
@@ -726,8 +635,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           first = j * m  # this sequence's rows within the warpgroup's
           qk = jnp.where(rows >= first, qk, -jnp.inf)
           qk = jnp.where(rows < first + m, qk, -jnp.inf)
-        if kind == "mixed":
-          return mixed_softmax_pv(i, qk, acc, m_i, l_i, slot, j, blk, n_valid)
         m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
         # Rows without a visible key so far keep m = -inf: subtract 0 instead (no inf - inf).
         m_use = m_ij if kind == "prefix" else jnp.where(m_ij == -jnp.inf, 0.0, m_ij)
@@ -761,46 +668,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           plgpu.barrier_wait(v_barriers.at[other])
           plgpu.barrier_arrive(v_consumed_barriers.at[other])
         return acc, m_i, l_i
-
-      def mixed_softmax_pv(i, qk, acc, m_i, l_i, slot, j, blk, n_valid):
-        """The rest of a mixed step: the score tile's halves (registers, sliced) are the suffix
-        keys and the prefix keys; only the suffix half is masked (keys past the sequence's length
-        by a select, the other sequences' rows by per-row vectors: their suffix probabilities are
-        exp2(x - inf) = 0), and P V is two products of block_s keys."""
-        suf = slice(0, block_s) if w == 0 else slice(block_s, 2 * block_s)
-        pre = slice(block_s, 2 * block_s) if w == 0 else slice(0, block_s)
-        qs, qp = qk[:, suf], qk[:, pre]
-        cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_s), 1, layout=plgpu.Layout.WGMMA)
-        qs = jnp.where(cols + blk * block_s < n_valid, qs, -jnp.inf)
-        rows = plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
-        own = (rows >= j * m) & (rows < j * m + m)
-        m_s = jnp.where(own, qs.max(axis=1) * qk_scale, -jnp.inf)
-        # Every row sees the block_s unmasked prefix keys: m_ij is finite.
-        m_ij = jnp.maximum(m_i, jnp.maximum(qp.max(axis=1) * qk_scale, m_s))
-        alpha = jnp.exp2(m_i - m_ij)
-        m_sub = jnp.where(own, m_ij, jnp.inf)
-        p_s = jnp.exp2(qs * qk_scale - lax.broadcast_in_dim(m_sub, qs.shape, [0]))
-        p_p = jnp.exp2(qp * qk_scale - lax.broadcast_in_dim(m_ij, qp.shape, [0]))
-        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l_i = l_i * alpha + p_s.sum(axis=1) + p_p.sum(axis=1)
-        halves = (p_s.astype(dtype), p_p.astype(dtype))
-        if w == 1:
-          halves = halves[::-1]  # in key order: the prefix half first
-        acc, l_i, m_ij, halves = lax.optimization_barrier((acc, l_i, m_ij, halves))
-        plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
-        wait_on("v", MIXED, slot)
-        plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
-
-        def compute_pv(acc_ref):
-          for h, p16 in enumerate(halves):  # slot rows [w + h] * block_s: the keys of column half h
-            plgpu.wgmma(acc_ref, p16, v_smem.at[slot, pl.ds((w + h) * block_s, block_s)])
-          wait_step = i + 1
-          next_slot = wait_slot(wait_step)
-          pl.when(wait_step < steps)(lambda: wait_k(wait_step, next_slot))
-
-        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_consumed_barriers.at[slot])
-        return acc, m_ij, l_i
 
       def suffix_step_transposed(i, carry):
         """S^T = K Q_g^T for the column group g of n_cols rows holding the step's sequence: keys
@@ -898,11 +765,9 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                                         (*carry, *suffix_carry))
         carry = tuple(carry)
       else:
-        if mixed:
-          carry = lax.fori_loop(o, o + n_m, functools.partial(kv_loop, kind="mixed"), carry)
-        carry = lax.fori_loop(o + n_m, o + n_s, functools.partial(kv_loop, kind="suffix"), carry)
-      carry = lax.fori_loop(o + n_s, n_s + n_pf - n_mb, prefix, carry)
-      acc, m_i, l_i = lax.fori_loop(n_s + n_pf - n_mb, steps,
+        carry = lax.fori_loop(o, o + n_s, functools.partial(kv_loop, kind="suffix"), carry)
+      carry = lax.fori_loop(o + n_s, n_s + n_pf, prefix, carry)
+      acc, m_i, l_i = lax.fori_loop(n_s + n_pf, steps,
                                     functools.partial(kv_loop, kind="prefix_last"), carry)
       if w == 0:
         perform_schedule_barrier()
@@ -973,27 +838,12 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
         i, owner = position_step(c, ranges) if paired else (c, None)
         suffix = is_suffix(i, ranges)
-        if mixed:
-          mix = is_mixed(i, ranges)
-          suffix = suffix & ~mix
 
-          @pl.when(mix)
-          def _mixed():  # [wg 0's suffix keys, prefix keys, wg 1's suffix keys]
-            start = mixed_keys(i, ranges, block_kv, block_s)
-            bar_b = (kb_barriers if which == "k" else vb_barriers).at[slot]
-            plgpu.copy_gmem_to_smem(src_pre.at[pl.ds(start, block_s), head],
-                                    smem.at[pl.ds(block_s, block_s)], bar_b)
-            for w in (0, 1):
-              seq, _, blk = suffix_coords(i, w)
-              plgpu.copy_gmem_to_smem(
-                  src_suf.at[jnp.minimum(seq, batch - 1), pl.ds(blk * block_s, block_s), head],
-                  smem.at[pl.ds(2 * w * block_s, block_s)], bars[w].at[slot])
-
-        @pl.when(~suffix if not mixed else ~suffix & ~mix)
+        @pl.when(~suffix)
         def _prefix():
           blk = prefix_block(i, ranges)
-          plgpu.copy_gmem_to_smem(src_pre.at[pl.ds(blk * block_kv, block_kv), head],
-                                  smem.at[pl.ds(0, block_kv)], bars[0].at[slot])
+          plgpu.copy_gmem_to_smem(src_pre.at[pl.ds(blk * block_kv, block_kv), head], smem,
+                                  bars[0].at[slot])
 
         if paired:
           @pl.when(suffix)
@@ -1012,22 +862,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                 src_suf.at[jnp.minimum(seq, batch - 1), pl.ds(blk * block_s, block_s), head],
                 suf_smem.at[pl.ds(w * block_s, block_s)], bars[w].at[slot])
 
-      def prefetch(c):
-        """L2 prefetch of the suffix K/V of local step c + suffix_prefetch, if a suffix step."""
-        ahead = c + cfg.suffix_prefetch
-
-        @pl.when(is_suffix(ahead, ranges))
-        def _():
-          for w in (0, 1):
-            seq, _, blk = suffix_coords(ahead, w)
-            for src in (sk_ref, sv_ref):
-              plgpu.async_prefetch(
-                  src.at[jnp.minimum(seq, batch - 1), pl.ds(blk * block_s, block_s), head])
-
       n_pos = positions(ranges, paired)
-      if cfg.suffix_prefetch and not paired:
-        for i in range(min(steps_buf, cfg.suffix_prefetch)):  # the steps no issue covers
-          pl.when(i + cfg.suffix_prefetch >= steps_buf)(functools.partial(prefetch, jnp.int32(i)))
       for i in range(steps_buf):
         @pl.when(i < n_pos)
         def _first(i=i):
@@ -1038,8 +873,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       def _kv_loop(i):
         step = i + steps_buf
         slot = lax.rem(i, jnp.array(steps_buf, i.dtype))
-        if cfg.suffix_prefetch and not paired:
-          prefetch(step)
         plgpu.barrier_wait(k_consumed_barriers.at[slot])
         issue(step, slot, "k")
         plgpu.barrier_wait(v_consumed_barriers.at[slot])
@@ -1053,9 +886,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
     qo_scratch = plgpu.SMEM((compute_wgs, block_q, d), dtype, transforms=(tiling, swizzle))
-    slot_rows = slot_keys(cfg)
-    k_scratch = plgpu.SMEM((steps_buf, slot_rows, d), dtype, transforms=(tiling, swizzle))
-    v_scratch = plgpu.SMEM((steps_buf, slot_rows, d), dtype, transforms=(tiling, swizzle))
+    k_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
+    v_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
     buffers, extra = [qo_scratch, k_scratch, v_scratch], []
     if transposed:
       narrow = (plgpu.TilingTransform((8, n_cols)), plgpu.SwizzleTransform(2 * n_cols))
@@ -1077,8 +909,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         lambda *args: kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref,
                              out_ref, lse_ref, *suffix_out_refs, args),
         buffers,
-        ((plgpu.Barrier(num_barriers=steps_buf),) * 4 + (plgpu.Barrier(num_barriers=compute_wgs),)
-         + (plgpu.Barrier(num_barriers=steps_buf),) * (2 if mixed else 0)),
+        (plgpu.Barrier(num_barriers=steps_buf),) * 4 + (plgpu.Barrier(num_barriers=compute_wgs),),
         (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf),) * 2,
         plgpu.Barrier(num_arrivals=compute_wgs),
         *extra,

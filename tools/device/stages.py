@@ -21,11 +21,6 @@ checked against the first op's):
   instead of XLA's reduction before it;
 - ``cm``: the one kernel merges its 2-4 key splits itself, each row tile's splits one cluster
   (``CLUSTER_MERGE``), instead of the merge kernel after it; ``cmtk``: ``cm`` and ``tk``;
-- ``mx``: mixed steps in the one kernel (``mixed_suffix(True)``: each suffix step also takes half
-  a prefix block, a 64 x 128 step instead of a 64 x 64 one); ``mxs``: ``mx`` with every shape's
-  suffix runs starting at spread positions (``spread_suffix(True)``); ``mxp`` / ``s2p``: ``mx`` /
-  ``s2`` with the producer prefetching the suffix K/V of the step 4 ahead into L2
-  (``SUFFIX_PREFETCH``);
 - ``apart``: the prefix and suffix kernels one after the other.
 
 ``--suffix-length N`` gives every sequence N valid suffix keys of the capacity S (as in decoding,
@@ -78,10 +73,6 @@ OPS = {
     "tk": variant(lambda: gpu.tile_max_in_kernel(True)),
     "cm": variant(lambda: gpu.cluster_merge(True)),
     "cmtk": variant(lambda: gpu.cluster_merge(True), lambda: gpu.tile_max_in_kernel(True)),
-    "mx": variant(lambda: gpu.mixed_suffix(True)),
-    "mxs": variant(lambda: gpu.mixed_suffix(True), lambda: gpu.spread_suffix(True)),
-    "mxp": variant(lambda: gpu.mixed_suffix(True), lambda: gpu._setting("SUFFIX_PREFETCH", 4, fm)),
-    "s2p": variant(lambda: gpu._setting("SUFFIX_PREFETCH", 4, fm)),
     "apart": bench._ours_split,
 }
 

@@ -599,41 +599,6 @@ class TestNativeFusedDecodeTransposed(TestNativeFusedDecode):
     self._switch.__exit__(None, None, None)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
-class TestNativeFusedDecodeMulticast(TestNativeFusedDecode):
-  """The same cases with pairs of row tiles loading each prefix block once for both (TMA
-  multicast, ``multicast(True)``; one-tile heads run unpaired), and multicast configurations set
-  directly: 1-4 key splits, spread suffix steps, paired steps, lengths reduced by XLA, three K/V
-  slots, an odd tile count padded to whole pairs, two KV heads."""
-
-  def setup_method(self):
-    import pallas_kernels.gpu as gpu
-    from pallas_kernels.gpu import shared_attention_mgpu as fm
-    self._switch = gpu.multicast(True)
-    self._switch.__enter__()
-    assert fm.default_config(8192, 1, 16384, 128, 8, head_dim=128).multicast
-
-  def teardown_method(self):
-    self._switch.__exit__(None, None, None)
-
-  @pytest.mark.parametrize("case,extra", [
-      ((100, 16, 2, 128, 1024, 128), {"splits": 1}),
-      ((100, 16, 2, 128, 1024, 128), {"splits": 2, "spread_suffix": True}),
-      ((100, 16, 2, 128, 1024, 128), {"splits": 3, "tile_max_in_kernel": False}),
-      ((100, 16, 2, 128, 1024, 128), {"splits": 4, "max_concurrent_steps": 3}),
-      ((100, 16, 2, 128, 1024, 128), {"splits": 2, "paired_suffix": True, "block_s": 128}),
-      ((37, 8, 1, 64, 640, 192), {"splits": 2}),  # 3 row tiles, padded to 4
-  ])
-  def test_configs(self, case, extra):
-    from pallas_kernels.gpu import shared_attention_mgpu as fm
-    b, hq, hkv, d, p, s = case
-    cfg = dataclasses.replace(fm.default_config(b * hq // hkv, hkv, p, s, hq // hkv, head_dim=d),
-                              multicast=True, cluster_merge=False, **extra)
-    given(data=st.data(), seed=SEEDS)(settings(max_examples=4, deadline=None)(
-        lambda data, seed: self.run(data, seed, case, config=cfg)))()
-
-
 @pytest.mark.parametrize("itemsize", [2, 4])
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 def test_default_configs_fit_the_shared_memory(itemsize, head_dim):

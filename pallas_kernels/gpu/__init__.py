@@ -155,14 +155,6 @@ def cluster_merge(enabled: bool):
   return _setting("CLUSTER_MERGE", bool(enabled), fm)
 
 
-def multicast(enabled: bool):
-  """Temporarily sets ``shared_attention_mgpu.MULTICAST``: the one-kernel decode path runs pairs
-  of row tiles as one cluster that loads each prefix block once for both (TMA multicast), for
-  calls traced inside."""
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
-  return _setting("MULTICAST", bool(enabled), fm)
-
-
 def kv_stages(fused: int | None = None, prefix: int | None = None):
   """Temporarily sets the K/V slots in flight of the one-kernel decode path
   (``shared_attention_mgpu.STAGES``) and of the Mosaic GPU prefix kernel's 128-key steps

@@ -112,10 +112,6 @@ class FusedConfig:
   # The key splits of a row tile run as one cluster and merge in the kernel (module docstring,
   # :data:`CLUSTER_MERGE`); the output has one split. Needs 2 <= splits <= MAX_CLUSTER_SPLITS.
   cluster_merge: bool = False
-  # Pairs of row tiles (same KV head and split) run as one cluster and load each prefix block
-  # once for both: each CTA's TMA copies half the block and multicasts it into both CTAs' slots
-  # (:data:`MULTICAST`). Excludes cluster_merge and transposed_suffix.
-  multicast: bool = False
 
 
 # The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) and
@@ -133,6 +129,13 @@ TRANSPOSED_SUFFIX = False
 # and ran slower at every point on an H100 (2026-11-24, paper B=1024 P=16K S=128 125.4 vs 122.0
 # us, P=4K 52.0 vs 46.5): a mixed step cost a prefix step plus ~1.1 us. Reverted; the patch is in
 # docs/results/2026-11-24-h100-mixed-steps.
+
+# TMA multicast -- pairs of row tiles as one cluster, each CTA loading half of every prefix block
+# into both -- passed the native tests and did not shorten the kernel on an H100 (2026-11-24,
+# paper B=1024 P=16K S=128 120.0 us + the 3.1 us merge kernel vs 121.7 us shipped; B=256 P=4K
+# 14.9 vs 14.6 us, both with the merge kernel): the kernel is not short of L2 bandwidth.
+# Reverted; the patch, and diagnostic builds that time the parts of a suffix step, are in
+# docs/results/2026-11-24-h100-multicast.
 
 # FusedConfig.spread_suffix as default_config sets it (read when tracing): None follows
 # :func:`spreads`; True or False forces it (experiments).
@@ -182,15 +185,6 @@ MAX_TILE_LOADS = 16
 CLUSTER_MERGE = True
 CLUSTER_MERGE_SPLITS = 2
 MAX_CLUSTER_SPLITS = 4
-# FusedConfig.multicast as default_config sets it (read when tracing), wherever a KV head has at
-# least two row tiles. Every CTA reads the whole prefix, block by block, from L2; the two row
-# tiles of a pair share those reads through TMA multicast: each CTA's copy takes half of the block
-# from L2 and writes it into the shared memory of both. The pair's CTAs run the same step list
-# (the same prefix blocks and as many suffix steps: the longest suffix of the pair's sequences),
-# and a K/V slot is refilled only when the consumer warpgroups of both CTAs are done with it (the
-# "consumed" barriers are cluster barriers).
-MULTICAST = False
-PAIR = 2  # row tiles per multicast cluster
 LSE_COLS = 8  # a peer's LSE travels as a [64, 8] float32 tile (WGMMA layout; wgmma's N >= 8)
 
 
@@ -304,19 +298,16 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
                     and 2 * FusedConfig.block_q // rows_per_seq <= MAX_TILE_LOADS)
   if PAIRED_SUFFIX and not cfg.transposed_suffix and capacity % cfg.block_kv == 0:
     cfg = dataclasses.replace(cfg, paired_suffix=True, block_s=cfg.block_kv)
-  multicast = MULTICAST and not cfg.transposed_suffix and rows > CTA_ROWS
-  group = PAIR if multicast else 1  # row tiles per KV head padded to whole pairs
-  tiles = pl.cdiv(rows, CTA_ROWS * group) * group * kv_heads
+  tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
   prefix_blocks = prefix // cfg.block_kv
   suffix_steps = (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
   splits = max(1, min(num_sms // tiles, (prefix_blocks + suffix_steps) // 4))
   spread = (spreads(splits, prefix_blocks, suffix_steps) if SPREAD_SUFFIX is None
             else SPREAD_SUFFIX)
-  cfg = dataclasses.replace(cfg, splits=splits, spread_suffix=spread, multicast=multicast)
+  cfg = dataclasses.replace(cfg, splits=splits, spread_suffix=spread)
   staged = dataclasses.replace(cfg, max_concurrent_steps=STAGES)
   cfg = staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
-  if (CLUSTER_MERGE and not cfg.multicast and cfg.splits == CLUSTER_MERGE_SPLITS
-      and cluster_merge_fits(cfg, head_dim)):
+  if CLUSTER_MERGE and cfg.splits == CLUSTER_MERGE_SPLITS and cluster_merge_fits(cfg, head_dim):
     cfg = dataclasses.replace(cfg, cluster_merge=True)
   return cfg
 
@@ -482,13 +473,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   cfg = config
   block_q, block_kv, block_s = cfg.block_q, cfg.block_kv, cfg.block_s
   m = rows_per_seq
-  multicast = cfg.multicast
-  group = PAIR if multicast else 1  # row tiles that run the same step list
-  if r % (CTA_ROWS * group):
-    raise ValueError(f"rows ({r}) must be a multiple of {CTA_ROWS * group}"
-                     + (" with multicast" if multicast else ""))
-  if multicast and (cfg.cluster_merge or cfg.transposed_suffix):
-    raise ValueError("multicast excludes cluster_merge and transposed_suffix")
+  if r % CTA_ROWS:
+    raise ValueError(f"rows ({r}) must be a multiple of {CTA_ROWS}")
   paired = cfg.paired_suffix
   if block_q % m or (block_s != block_kv if paired else 2 * block_s != block_kv):
     raise ValueError(f"rows_per_seq ({m}) must divide {block_q}, and block_s ({block_s}) must "
@@ -515,10 +501,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     else:
       (scoped,) = rest
     head = lax.axis_index("heads")
-    if multicast:
-      tile = lax.axis_index("q_pair") * PAIR + lax.axis_index("pair")
-    else:
-      tile = lax.axis_index("q_seq")
+    tile = lax.axis_index("q_seq")
     split = lax.axis_index("split")
     smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped[:4]
     wg_idx = lax.axis_index("wg")
@@ -543,22 +526,19 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     # many blocks per sequence as the longest of the CTA's sequences needs.
     kv_len = jnp.minimum(len_ref[0], p)
     seq0 = tile * seqs_per_cta
-    # The longest suffix of the CTA's sequences (with multicast: of the pair's, whose CTAs run
-    # the same steps): independent loads of each (their latencies overlap), or reduced by XLA
-    # beforehand (one load here, but a kernel launch there).
-    tile_group = lax.div(tile, jnp.int32(group))
+    # The longest suffix of the CTA's sequences: independent loads of each (their latencies
+    # overlap), or reduced by XLA beforehand (one load here, but a kernel launch there).
     if tmax_ref is None:
-      first = tile_group * group * seqs_per_cta
       max_len = functools.reduce(jnp.maximum, [
-          jnp.where(first + i < batch, slen_ref[jnp.minimum(first + i, batch - 1)], 0)
-          for i in range(group * seqs_per_cta)])
+          jnp.where(seq0 + i < batch, slen_ref[jnp.minimum(seq0 + i, batch - 1)], 0)
+          for i in range(seqs_per_cta)])
     else:
-      max_len = tmax_ref[tile_group]
+      max_len = tmax_ref[tile]
     max_len = jnp.clip(max_len, 0, capacity)
-    ranges = step_ranges(kv_len, max_len, split, tile_group * cfg.splits + split,
+    ranges = step_ranges(kv_len, max_len, split, tile * cfg.splits + split,
                          prefix_blocks=prefix_blocks, block_kv=block_kv, block_s=block_s,
                          seqs_per_wg=seqs_per_wg, splits=cfg.splits, spread=cfg.spread_suffix,
-                         ctas=tiles // group * cfg.splits)
+                         ctas=tiles * cfg.splits)
     steps, o, n_s, n_pf = ranges.steps, ranges.o, ranges.n_s, ranges.n_pf
 
     def suffix_coords(i, w: int):
@@ -867,10 +847,10 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         suffix = is_suffix(i, ranges)
 
         @pl.when(~suffix)
-        def _prefix():  # with multicast: half of the block, into both CTAs of the pair
+        def _prefix():
           blk = prefix_block(i, ranges)
           plgpu.copy_gmem_to_smem(src_pre.at[pl.ds(blk * block_kv, block_kv), head], smem,
-                                  bars[0].at[slot], collective_axes="pair" if multicast else None)
+                                  bars[0].at[slot])
 
         if paired:
           @pl.when(suffix)
@@ -905,16 +885,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         plgpu.barrier_wait(v_consumed_barriers.at[slot])
         issue(step, slot, "v")
 
-      if multicast:
-        # The peer's consumers release their last slots on this CTA's barriers too: wait for
-        # every such arrival, so that no CTA of the pair exits while the other may still
-        # signal it.
-        @pl.loop(jnp.maximum(n_pos - steps_buf, 0), n_pos)
-        def _quiesce(c):
-          slot = lax.rem(c, jnp.array(steps_buf, c.dtype))
-          plgpu.barrier_wait(k_consumed_barriers.at[slot])
-          plgpu.barrier_wait(v_consumed_barriers.at[slot])
-
   def entry(len_ref, slen_ref, *refs):
     if cfg.tile_max_in_kernel:
       refs = (None, *refs)
@@ -947,9 +917,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                              out_ref, lse_ref, *suffix_out_refs, args),
         buffers,
         (plgpu.Barrier(num_barriers=steps_buf),) * 4 + (plgpu.Barrier(num_barriers=compute_wgs),),
-        ((plgpu.ClusterBarrier(collective_axes=("pair",), num_arrivals=compute_wgs,
-                               num_barriers=steps_buf) if multicast else
-          plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf)),) * 2,
+        (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf),) * 2,
         plgpu.Barrier(num_arrivals=compute_wgs),
         *extra,
         collective_axes="wg",
@@ -963,14 +931,11 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                   jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32)]
   length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
   lens = jnp.asarray(suffix_lengths, jnp.int32)
-  tile_max = () if cfg.tile_max_in_kernel else (jnp.pad(
-      lens, (0, tiles * seqs_per_cta - batch)).reshape(tiles // group, -1).max(1),)
+  tile_max = () if cfg.tile_max_in_kernel else (
+      jnp.pad(lens, (0, tiles * seqs_per_cta - batch)).reshape(tiles, seqs_per_cta).max(1),)
   if clustered:  # the splits of a row tile: one cluster
     mesh = dict(grid=(hkv, r // CTA_ROWS), grid_names=("heads", "q_seq"), cluster=(cfg.splits,),
                 cluster_names=("split",))
-  elif multicast:  # pairs of row tiles: one cluster
-    mesh = dict(grid=(hkv, tiles // PAIR, cfg.splits), grid_names=("heads", "q_pair", "split"),
-                cluster=(PAIR,), cluster_names=("pair",))
   else:
     mesh = dict(grid=(hkv, r // CTA_ROWS, cfg.splits), grid_names=("heads", "q_seq", "split"))
   outs = plgpu.kernel(
@@ -1013,8 +978,7 @@ def fused_decode(q, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, scal
   r = b * g
   cfg = config or default_config(r, hkv, k.shape[0], suffix_k.shape[1], g, head_dim=d)
   q_rows = _common.fold_rows(q, hkv)
-  unit = CTA_ROWS * (PAIR if cfg.multicast else 1)  # the kernel's rows: whole tiles (pairs)
-  r_pad = pl.cdiv(r, unit) * unit
+  r_pad = pl.cdiv(r, CTA_ROWS) * CTA_ROWS
   if r_pad != r:
     q_rows = jnp.pad(q_rows, ((0, 0), (0, r_pad - r), (0, 0)))
   length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))

@@ -21,8 +21,6 @@ checked against the first op's):
   instead of XLA's reduction before it;
 - ``cm``: the one kernel merges its 2-4 key splits itself, each row tile's splits one cluster
   (``CLUSTER_MERGE``), instead of the merge kernel after it; ``cmtk``: ``cm`` and ``tk``;
-- ``mc``: pairs of row tiles load each prefix block once for both (TMA multicast,
-  ``MULTICAST``); ``mc3``: ``mc`` with three K/V slots;
 - ``apart``: the prefix and suffix kernels one after the other.
 
 ``--suffix-length N`` gives every sequence N valid suffix keys of the capacity S (as in decoding,
@@ -75,8 +73,6 @@ OPS = {
     "tk": variant(lambda: gpu.tile_max_in_kernel(True)),
     "cm": variant(lambda: gpu.cluster_merge(True)),
     "cmtk": variant(lambda: gpu.cluster_merge(True), lambda: gpu.tile_max_in_kernel(True)),
-    "mc": variant(lambda: gpu.multicast(True)),
-    "mc3": variant(lambda: gpu.multicast(True), lambda: gpu.kv_stages(3, 3)),
     "apart": bench._ours_split,
 }
 

@@ -112,6 +112,14 @@ class FusedConfig:
   # The key splits of a row tile run as one cluster and merge in the kernel (module docstring,
   # :data:`CLUSTER_MERGE`); the output has one split. Needs 2 <= splits <= MAX_CLUSTER_SPLITS.
   cluster_merge: bool = False
+  # A fourth warpgroup takes the suffixes (:func:`side_range`): transposed products of each
+  # column group of max(16, G) rows against its sequences' own keys, with their own K/V slots,
+  # concurrently with the two consumer warpgroups' prefix blocks, which fold its result into
+  # their state at the end. The consumers then run no suffix steps. Needs splits >= 2.
+  suffix_wg: bool = False
+  # Registers per thread (consumer, producer, suffix warpgroup) for experiments; () takes
+  # :data:`REGS` (or :data:`SIDE_REGS` with ``suffix_wg``).
+  regs: tuple[int, ...] = ()
 
 
 # The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) and
@@ -188,6 +196,38 @@ MAX_CLUSTER_SPLITS = 4
 LSE_COLS = 8  # a peer's LSE travels as a [64, 8] float32 tile (WGMMA layout; wgmma's N >= 8)
 
 
+# Registers per thread: consumer and producer warpgroups (three warpgroups, 384 threads:
+# 2 * 232 + 40 <= 512 of the 65,536 a CTA may hold over 128 threads' worth), and with the
+# suffix warpgroup (four, 512 threads) consumer, producer and suffix warpgroup.
+REGS = (232, 40)
+SIDE_REGS = (216, 24, 56)
+
+# FusedConfig.suffix_wg as default_config sets it (read when tracing; experiments).
+SUFFIX_WG = False
+
+
+def side_groups(rows_per_seq: int) -> int:
+  """Column groups of a row tile that the suffix warpgroup takes (:func:`suffix_columns` rows
+  each: the sequences of a group share its transposed products, masked by column)."""
+  return CTA_ROWS // suffix_columns(rows_per_seq)
+
+
+def side_range(split, splits: int, groups: int):
+  """The column groups ``[lo, hi)`` of its row tile that split ``split``'s suffix warpgroup
+  takes: an equal share each, so that with two splits each CTA's are one consumer's rows."""
+  i32 = jnp.int32
+  return lax.div(split * groups, i32(splits)), lax.div((split + 1) * groups, i32(splits))
+
+
+def side_bytes(cfg: "FusedConfig", head_dim: int, rows_per_seq: int, itemsize: int = 2) -> int:
+  """Shared memory of the suffix warpgroup: one K and one V slot of ``block_s`` keys, the
+  probabilities, its groups' normalised ``o^T`` tiles and the tile's LSEs."""
+  n = suffix_columns(rows_per_seq)
+  held = pl.cdiv(side_groups(rows_per_seq), cfg.splits)
+  return ((2 * cfg.block_s + cfg.block_s * n // head_dim + held * n) * head_dim * itemsize
+          + CTA_ROWS * 4)
+
+
 _LOAD_NEEDS_IDX = (inspect.signature(plgpu.load).parameters["idx"].default
                    is inspect.Parameter.empty)
 
@@ -211,15 +251,19 @@ def cluster_merge_fits(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> 
           and cluster_recv_bytes(cfg, head_dim, itemsize) <= kv)
 
 
-def smem_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:
+def smem_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2,
+               rows_per_seq: int = 8) -> int:
   """Shared memory of the kernel's buffers: the query tiles, ``max_concurrent_steps`` K and V
-  slots (and the transposed steps' tiles), plus :data:`SMEM_RESERVE`."""
+  slots (and the transposed steps' tiles, or the suffix warpgroup's, :func:`side_bytes`), plus
+  :data:`SMEM_RESERVE`."""
   q = 2 * cfg.block_q * head_dim * itemsize
   kv = cfg.max_concurrent_steps * 2 * cfg.block_kv * head_dim * itemsize
   extra = 0
   if cfg.transposed_suffix:  # probabilities, o^T tile and LSE per warpgroup (n_cols <= 64)
     n = cfg.block_q
     extra = 2 * (cfg.block_s * n * itemsize + head_dim * n * itemsize + cfg.block_q * 4)
+  if cfg.suffix_wg:
+    extra = side_bytes(cfg, head_dim, rows_per_seq, itemsize)
   return q + kv + extra + SMEM_RESERVE
 
 
@@ -309,7 +353,18 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   cfg = staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
   if CLUSTER_MERGE and cfg.splits == CLUSTER_MERGE_SPLITS and cluster_merge_fits(cfg, head_dim):
     cfg = dataclasses.replace(cfg, cluster_merge=True)
+  side = dataclasses.replace(cfg, suffix_wg=True, spread_suffix=False, max_concurrent_steps=2)
+  if (SUFFIX_WG and side_fits(side, head_dim, rows_per_seq)):
+    cfg = side
   return cfg
+
+
+def side_fits(cfg: FusedConfig, head_dim: int, rows_per_seq: int, itemsize: int = 2) -> bool:
+  """Whether ``cfg`` (with ``suffix_wg``) can run: row suffix steps, two or more key splits
+  and the suffix warpgroup's buffers within the shared memory."""
+  return (not cfg.paired_suffix and not cfg.transposed_suffix and cfg.splits >= 2
+          and rows_per_seq <= cfg.block_q
+          and smem_bytes(cfg, head_dim, itemsize, rows_per_seq) <= SMEM_LIMIT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,6 +540,16 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   if clustered and not cluster_merge_fits(cfg, d, jnp.dtype(dtype).itemsize):
     raise ValueError(f"cluster_merge needs 2 <= splits <= {MAX_CLUSTER_SPLITS}, row suffix "
                      f"steps and room for the receive tiles in the K/V slots; got {cfg}")
+  side = cfg.suffix_wg
+  if side and (paired or cfg.transposed_suffix or cfg.splits < 2 or m > block_q):
+    raise ValueError(f"suffix_wg needs row suffix steps (not paired or transposed), splits >= 2 "
+                     f"and rows_per_seq <= {block_q}; got {cfg}, rows_per_seq={m}")
+  regs = cfg.regs or (SIDE_REGS if side else REGS)
+  if len(regs) != 3 + side - 1 or 2 * regs[0] + sum(regs[1:]) > 512 or any(n % 8 for n in regs):
+    # setmaxnreg.inc waits for registers the other warpgroups give back: over 65,536 it hangs.
+    raise ValueError(f"regs {regs}: one per warpgroup kind (consumer, producer"
+                     f"{', suffix' if side else ''}), multiples of 8, 2 * consumer + the others "
+                     f"<= 512 (65,536 registers over 128-thread warpgroups)")
   seqs_per_wg = block_q // m
   seqs_per_cta = 2 * seqs_per_wg
   prefix_blocks = p // block_kv
@@ -493,6 +558,10 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   qk_scale = scale * LOG2E
   transposed = cfg.transposed_suffix
   n_cols = suffix_columns(m)  # transposed suffix steps: query rows per step (a column group)
+  groups = side_groups(m)  # the suffix warpgroup's column groups per row tile
+  wg_groups = block_q // n_cols  # of which in one consumer warpgroup's rows
+  per_group = n_cols // m  # sequences per column group
+  held = pl.cdiv(groups, cfg.splits)  # groups a split's suffix warpgroup takes at most
 
   def kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref,
              *rest):
@@ -505,6 +574,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     split = lax.axis_index("split")
     smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped[:4]
     wg_idx = lax.axis_index("wg")
+    if side:  # the suffix warpgroup's buffers and barriers (last)
+      (sk_smem, sv_smem, spt_smem, osuf_all, lsuf_all), (sk_bar, sv_bar, side_done) = scoped[-1]
     if clustered:  # the receive tiles alias the K/V slots (used once every step is done)
       qo_smem2, ((k_smem, v_smem), (recv_o, recv_l)) = smem_buffers
       recv_barrier, done_barrier = scoped[4]
@@ -528,7 +599,9 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     seq0 = tile * seqs_per_cta
     # The longest suffix of the CTA's sequences: independent loads of each (their latencies
     # overlap), or reduced by XLA beforehand (one load here, but a kernel launch there).
-    if tmax_ref is None:
+    if side:  # the consumers run no suffix steps
+      max_len = jnp.int32(0)
+    elif tmax_ref is None:
       max_len = functools.reduce(jnp.maximum, [
           jnp.where(seq0 + i < batch, slen_ref[jnp.minimum(seq0 + i, batch - 1)], 0)
           for i in range(seqs_per_cta)])
@@ -552,7 +625,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
     def consumer(w: int):
       """Warpgroup w's rows (static w: static halves of the suffix slots)."""
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(regs[0], action="increase")
       qo_smem = qo_smem2.at[w]
       q_base = tile * CTA_ROWS + w * block_q
       if transposed:
@@ -778,6 +851,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                                     functools.partial(kv_loop, kind="prefix_last"), carry)
       if w == 0:
         perform_schedule_barrier()
+      if side:
+        acc, m_i, l_i = fold_suffix(w, acc, m_i, l_i)
 
       # A split without visible keys gives (0, -inf). The LSE goes from registers (as the prefix
       # kernel's): no staging tile, which lets three K/V slots fit (:func:`smem_bytes`).
@@ -829,12 +904,163 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         store_result(merged, top * LOG2E, functools.reduce(jnp.add, weights), qo_smem,
                      out_ref.at[0, head, rows], lse_ref.at[0, head, rows], dtype=dtype)
 
+    def seq_length(seq):
+      """Valid suffix keys of sequence ``seq`` (0 past the batch), at most the capacity."""
+      n = jnp.where(seq < batch, slen_ref[jnp.minimum(seq, batch - 1)], 0)
+      return jnp.clip(n, 0, capacity)
+
+    def fold_suffix(w: int, acc, m_i, l_i):
+      """Consumer w's rows: the suffix warpgroup's normalised ``o`` and base-2 LSE folded into the
+      prefix state (exact LSE merge). Its ``o^T`` tiles come out of shared memory transposed, as
+      wgmma's B operand against a 0/1 placement matrix in registers (``E[r, c] = 1`` where row
+      ``r`` of the warpgroup is column ``c`` of the held group): each held group lands on its
+      rows, the others' rows get 0, and their LSE is -inf (the suffix warpgroup's reset)."""
+      g_lo, g_hi = side_range(split, cfg.splits, groups)
+      plgpu.barrier_wait(side_done)
+      rows = plgpu.broadcasted_iota(jnp.int32, (block_q, n_cols), 0, layout=plgpu.Layout.WGMMA)
+      cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_cols), 1, layout=plgpu.Layout.WGMMA)
+
+      def place(acc_ref):
+        for k in range(held):
+          g = g_lo + k
+          first = (g - w * wg_groups) * n_cols  # the group's first row among the warpgroup's
+          hit = (rows == cols + first) & (g < g_hi)
+          plgpu.wgmma(acc_ref, jnp.where(hit, 1.0, 0.0).astype(dtype),
+                      osuf_all.at[k].transpose((1, 0)))
+        return acc_ref[...]
+
+      o_s = pl.run_scoped(place, plgpu.ACC((block_q, d), jnp.float32))
+      l_s2 = load_tile(lsuf_all.at[pl.ds(w * block_q, block_q)], plgpu.Layout.WGMMA.reduce(1))
+      m_new = jnp.maximum(m_i, l_s2)
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m_i - m_use)
+      beta = jnp.exp2(l_s2 - m_use)
+      acc = (acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+             + o_s * lax.broadcast_in_dim(beta, acc.shape, [0]))
+      return acc, m_new, l_i * alpha + beta
+
+    def suffix_wg():
+      """The suffix warpgroup: for each column group it holds (:func:`side_range`), each of the
+      group's sequences' ``block_s``-key blocks up to the longest of them (blocks past that are
+      not loaded), ``S^T = K Q_g^T`` with keys on wgmma's M side, a softmax over the keys (a
+      cross-warp reduction; the consumers run none, so Mosaic GPU's scratch area is its own),
+      ``O^T += V^T P^T``; at the group's end its normalised ``o^T`` and base-2 LSE go to shared
+      memory for the consumers' :func:`fold_suffix`. One K and one V slot: the next unit's K
+      loads while this one's softmax and PV product run, its V while the next S^T runs."""
+      plgpu.set_max_registers(regs[2], action="decrease")
+      i32 = jnp.int32
+      g_lo, g_hi = side_range(split, cfg.splits, groups)
+      for k in range(held):  # finite o tiles and LSE -inf until a group writes its own
+        osuf_all.at[k][...] = plgpu.layout_cast(jnp.full((d, n_cols), 0, dtype),
+                                                plgpu.Layout.WGMMA)
+      lsuf_all[...] = plgpu.layout_cast(jnp.full((CTA_ROWS,), -jnp.inf, jnp.float32),
+                                        plgpu.Layout.WGMMA.reduce(1))
+      # Units u in [0, total): held group k, its sequence j, key block blk (group-major).
+      nbs, cum = [], [i32(0)]
+      for k in range(held):
+        g = g_lo + k
+        longest = functools.reduce(jnp.maximum, [
+            seq_length(seq0 + g * per_group + j) for j in range(per_group)])
+        nb = jnp.where(g < g_hi, lax.div(longest + (block_s - 1), i32(block_s)), 0)
+        nbs.append(nb)
+        cum.append(cum[-1] + per_group * nb)
+      total = cum[-1]
+
+      def pick(k, values):
+        out = values[0]
+        for i in range(1, len(values)):
+          out = jnp.where(k == i, values[i], out)
+        return out
+
+      def locate(u):
+        k = functools.reduce(jnp.add, [(u >= cum[i + 1]).astype(i32) for i in range(held - 1)],
+                             i32(0))
+        nb = jnp.maximum(pick(k, nbs), 1)
+        t = u - pick(k, cum[:held])
+        j = lax.div(t, nb)
+        g = g_lo + k
+        return k, g, j, t - j * nb, t == 0, t == per_group * nb - 1
+
+      def issue(u, which: str):
+        _, g, j, blk, _, _ = locate(u)
+        seq = jnp.minimum(seq0 + g * per_group + j, batch - 1)
+        src, dst, bar = (sk_ref, sk_smem, sk_bar) if which == "k" else (sv_ref, sv_smem, sv_bar)
+        plgpu.copy_gmem_to_smem(src.at[seq, pl.ds(blk * block_s, block_s), head], dst, bar)
+
+      @pl.when(total > 0)
+      def _run():
+        issue(i32(0), "k")
+        issue(i32(0), "v")
+        plgpu.barrier_wait(q_barriers.at[0])
+        plgpu.barrier_wait(q_barriers.at[1])
+
+        def unit(u, carry):
+          o_t, m_s, l_s = carry
+          k, g, j, blk, start, end = locate(u)
+          n_valid = seq_length(seq0 + g * per_group + j)
+          # A new group's state starts here (arithmetic, not a select: see the transposed steps).
+          keep = jnp.where(start, 0.0, 1.0).astype(jnp.float32)
+          o_t, l_s = o_t * keep, l_s * keep
+          m_s = m_s + jnp.where(start, -jnp.inf, 0.0).astype(jnp.float32)
+          q_t = qo_smem2.at[lax.div(g, i32(wg_groups)),
+                            pl.ds(lax.rem(g, i32(wg_groups)) * n_cols, n_cols)]
+          plgpu.barrier_wait(sk_bar)
+
+          def compute_st(acc_ref):
+            plgpu.wgmma(acc_ref, sk_smem, q_t.transpose((1, 0)))
+            return acc_ref[...]
+
+          st = pl.run_scoped(compute_st, plgpu.ACC((block_s, n_cols), jnp.float32))
+          pl.when(u + 1 < total)(lambda: issue(u + 1, "k"))
+          keys = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 0, layout=plgpu.Layout.WGMMA)
+          cols = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 1, layout=plgpu.Layout.WGMMA)
+          st = jnp.where(keys + blk * block_s < n_valid, st, -jnp.inf)
+          st = jnp.where(cols >= j * m, st, -jnp.inf)
+          st = jnp.where(cols < j * m + m, st, -jnp.inf)
+          m_new = jnp.maximum(m_s, st.max(axis=0) * qk_scale)
+          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # columns with no visible key yet
+          alpha = jnp.exp2(m_s - m_use)
+          p_t = jnp.exp2(st * qk_scale - lax.broadcast_in_dim(m_use, st.shape, [1]))
+          l_s = l_s * alpha + p_t.sum(axis=0)
+          o_t = o_t * lax.broadcast_in_dim(alpha, o_t.shape, [1])
+          spt_smem[...] = p_t.astype(dtype)  # wgmma's B operand lives in shared memory
+          plgpu.commit_smem()
+          plgpu.barrier_wait(sv_bar)
+
+          def compute_pv(acc_ref):  # V^T P^T [D, n_cols]
+            plgpu.wgmma(acc_ref, sv_smem.transpose((1, 0)), spt_smem)
+            return acc_ref[...]
+
+          o_t = o_t + pl.run_scoped(compute_pv, plgpu.ACC((d, n_cols), jnp.float32))
+          pl.when(u + 1 < total)(lambda: issue(u + 1, "v"))
+
+          @pl.when(end)
+          def _write_group():
+            has = l_s > 0
+            safe = jnp.where(has, l_s, 1.0)
+            osuf_all.at[k][...] = (o_t / lax.broadcast_in_dim(safe, o_t.shape, [1])).astype(dtype)
+            lsuf_all.at[pl.ds(g * n_cols, n_cols)][...] = jnp.where(
+                has, m_new + jnp.log(safe) * (1 / LN2), -jnp.inf)
+
+          return o_t, m_new, l_s
+
+        cols_layout = plgpu.Layout.WGMMA.reduce(0)
+        lax.fori_loop(0, total, unit, (
+            plgpu.layout_cast(jnp.full((d, n_cols), 0, jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((n_cols,), -jnp.inf, jnp.float32), cols_layout),
+            plgpu.layout_cast(jnp.full((n_cols,), 0, jnp.float32), cols_layout)))
+
+      plgpu.commit_smem()  # the o^T tiles are read by the consumers' wgmma (async proxy)
+      plgpu.barrier_arrive(side_done)
+
     pl.when(wg_idx == 0)(functools.partial(consumer, 0))
     pl.when(wg_idx == 1)(functools.partial(consumer, 1))
+    if side:
+      pl.when(wg_idx == 3)(suffix_wg)
 
     @pl.when(wg_idx == 2)
     def _memory_wg():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(regs[1], action="decrease")
 
       def issue(c, slot, which: str):
         """Loads ring position c (local step c unless paired) into the slot."""
@@ -912,6 +1138,15 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
            plgpu.SMEM((peers, block_q, LSE_COLS), jnp.float32, transforms=lse_t)))]
       extra = [(plgpu.Barrier(num_arrivals=2 * peers),
                 plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=compute_wgs))]
+    if side:  # K (128-byte swizzle, against the query tiles) and V, probabilities, o^T tiles
+      narrow = (plgpu.TilingTransform((8, n_cols)), plgpu.SwizzleTransform(2 * n_cols))
+      extra.append((
+          (plgpu.SMEM((block_s, d), dtype, transforms=(tiling, swizzle)),
+           plgpu.SMEM((block_s, d), dtype, transforms=narrow),
+           plgpu.SMEM((block_s, n_cols), dtype, transforms=narrow),
+           plgpu.SMEM((held, d, n_cols), dtype, transforms=narrow),
+           plgpu.SMEM((CTA_ROWS,), jnp.float32)),
+          (plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier())))
     pl.run_scoped(
         lambda *args: kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref,
                              out_ref, lse_ref, *suffix_out_refs, args),
@@ -942,7 +1177,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       entry,
       out_type=out_shape,
       **mesh,
-      num_threads=3,
+      num_threads=4 if side else 3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(length, lens, *tile_max, q_rows, k, v, suffix_k, suffix_v)

@@ -73,6 +73,9 @@ OPS = {
     "tk": variant(lambda: gpu.tile_max_in_kernel(True)),
     "cm": variant(lambda: gpu.cluster_merge(True)),
     "cmtk": variant(lambda: gpu.cluster_merge(True), lambda: gpu.tile_max_in_kernel(True)),
+    "sw": variant(lambda: gpu.suffix_warpgroup(True)),
+    "sw8": variant(lambda: gpu.suffix_warpgroup(True),
+                   lambda: gpu._setting("SIDE_REGS", (208, 32, 64), fm)),
     "apart": bench._ours_split,
 }
 

@@ -120,6 +120,10 @@ class FusedConfig:
   # Registers per thread (consumer, producer, suffix warpgroup) for experiments; () takes
   # :data:`REGS` (or :data:`SIDE_REGS` with ``suffix_wg``).
   regs: tuple[int, ...] = ()
+  # Timing diagnostics of the suffix warpgroup (wrong outputs): "noload" (no K/V loads, products
+  # on whatever the slots hold), "nocompute" (loads and waits only), "l2" (blocks of the prefix,
+  # which sits in L2, instead of the suffixes).
+  side_diag: str = ""
 
 
 # The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) and
@@ -202,8 +206,10 @@ LSE_COLS = 8  # a peer's LSE travels as a [64, 8] float32 tile (WGMMA layout; wg
 REGS = (232, 40)
 SIDE_REGS = (216, 24, 56)
 
-# FusedConfig.suffix_wg as default_config sets it (read when tracing; experiments).
+# FusedConfig.suffix_wg as default_config sets it (read when tracing; experiments), and its
+# FusedConfig.side_diag (timing diagnostics only).
 SUFFIX_WG = False
+SIDE_DIAG = ""
 
 
 def side_groups(rows_per_seq: int) -> int:
@@ -353,7 +359,8 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   cfg = staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
   if CLUSTER_MERGE and cfg.splits == CLUSTER_MERGE_SPLITS and cluster_merge_fits(cfg, head_dim):
     cfg = dataclasses.replace(cfg, cluster_merge=True)
-  side = dataclasses.replace(cfg, suffix_wg=True, spread_suffix=False, max_concurrent_steps=2)
+  side = dataclasses.replace(cfg, suffix_wg=True, spread_suffix=False, max_concurrent_steps=2,
+                             side_diag=SIDE_DIAG)
   if (SUFFIX_WG and side_fits(side, head_dim, rows_per_seq)):
     cfg = side
   return cfg
@@ -981,11 +988,24 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         g = g_lo + k
         return k, g, j, t - j * nb, t == 0, t == per_group * nb - 1
 
+      diag = cfg.side_diag
+
       def issue(u, which: str):
+        if diag == "noload":
+          return
         _, g, j, blk, _, _ = locate(u)
         seq = jnp.minimum(seq0 + g * per_group + j, batch - 1)
         src, dst, bar = (sk_ref, sk_smem, sk_bar) if which == "k" else (sv_ref, sv_smem, sv_bar)
+        if diag == "l2":
+          pre = k_ref if which == "k" else v_ref
+          row = lax.rem(seq * 4 + blk, i32(p // block_s)) * block_s
+          plgpu.copy_gmem_to_smem(pre.at[pl.ds(row, block_s), head], dst, bar)
+          return
         plgpu.copy_gmem_to_smem(src.at[seq, pl.ds(blk * block_s, block_s), head], dst, bar)
+
+      def wait(bar):
+        if diag != "noload":
+          plgpu.barrier_wait(bar)
 
       @pl.when(total > 0)
       def _run():
@@ -1004,7 +1024,12 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           m_s = m_s + jnp.where(start, -jnp.inf, 0.0).astype(jnp.float32)
           q_t = qo_smem2.at[lax.div(g, i32(wg_groups)),
                             pl.ds(lax.rem(g, i32(wg_groups)) * n_cols, n_cols)]
-          plgpu.barrier_wait(sk_bar)
+          wait(sk_bar)
+          if diag == "nocompute":
+            pl.when(u + 1 < total)(lambda: issue(u + 1, "k"))
+            wait(sv_bar)
+            pl.when(u + 1 < total)(lambda: issue(u + 1, "v"))
+            return o_t, m_s, l_s
 
           def compute_st(acc_ref):
             plgpu.wgmma(acc_ref, sk_smem, q_t.transpose((1, 0)))
@@ -1025,7 +1050,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           o_t = o_t * lax.broadcast_in_dim(alpha, o_t.shape, [1])
           spt_smem[...] = p_t.astype(dtype)  # wgmma's B operand lives in shared memory
           plgpu.commit_smem()
-          plgpu.barrier_wait(sv_bar)
+          wait(sv_bar)
 
           def compute_pv(acc_ref):  # V^T P^T [D, n_cols]
             plgpu.wgmma(acc_ref, sv_smem.transpose((1, 0)), spt_smem)

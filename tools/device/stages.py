@@ -76,6 +76,12 @@ OPS = {
     "sw": variant(lambda: gpu.suffix_warpgroup(True)),
     "sw8": variant(lambda: gpu.suffix_warpgroup(True),
                    lambda: gpu._setting("SIDE_REGS", (208, 32, 64), fm)),
+    **{f"swr{i}": variant(lambda: gpu.suffix_warpgroup(True),
+                         lambda r=r: gpu._setting("SIDE_REGS", r, fm))
+       for i, r in enumerate([(168, 24, 152), (200, 24, 88), (176, 40, 120)], 1)},
+    **{f"sw_{d}": variant(lambda: gpu.suffix_warpgroup(True),
+                          lambda d=d: gpu._setting("SIDE_DIAG", d, fm))
+       for d in ("noload", "nocompute", "l2")},
     "apart": bench._ours_split,
 }
 

@@ -56,6 +56,16 @@ group's end (``[splits, Hkv, R / N, D, N]`` in q's dtype, and its LSE); the merg
 (:func:`merge_kernel.merge_to_sequences`) merges it with the prefix part and the key splits,
 reading both where the kernel wrote them and writing ``[B, 1, Hq, D]``.
 
+The suffix warpgroup (``FusedConfig.suffix_wg``; off by default, :data:`SUFFIX_WG`): a fourth
+warpgroup per CTA takes the suffixes while the two consumer warpgroups run only prefix blocks.
+Split ``s`` of a row tile holds an equal share of its column groups (:func:`side_range`: with two
+splits, one consumer warpgroup's rows each) and, per group, its sequences' ``block_s``-key blocks
+up to the longest of the group's sequences (not the tile's): transposed products as above, with
+one K and one V slot of its own. At a group's end its normalised ``o^T`` and base-2 LSE go to
+shared memory; when the consumers are past their last prefix block they fold them into their
+state: a wgmma of a 0/1 placement matrix in registers against the ``o^T`` tile read transposed
+puts each group's rows in place, then an exact LSE merge (:func:`fold_suffix`).
+
 Keys and values past ``kv_length`` / ``suffix_lengths[b]`` (inside the buffers)
 are multiplied by a zero probability: they must be finite, which the model's
 zero-initialised caches guarantee (this is also true of the prefix kernel's
@@ -120,10 +130,6 @@ class FusedConfig:
   # Registers per thread (consumer, producer, suffix warpgroup) for experiments; () takes
   # :data:`REGS` (or :data:`SIDE_REGS` with ``suffix_wg``).
   regs: tuple[int, ...] = ()
-  # Timing diagnostics of the suffix warpgroup (wrong outputs): "noload" (no K/V loads, products
-  # on whatever the slots hold), "nocompute" (loads and waits only), "l2" (blocks of the prefix,
-  # which sits in L2, instead of the suffixes).
-  side_diag: str = ""
 
 
 # The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) and
@@ -202,14 +208,26 @@ LSE_COLS = 8  # a peer's LSE travels as a [64, 8] float32 tile (WGMMA layout; wg
 
 # Registers per thread: consumer and producer warpgroups (three warpgroups, 384 threads:
 # 2 * 232 + 40 <= 512 of the 65,536 a CTA may hold over 128 threads' worth), and with the
-# suffix warpgroup (four, 512 threads) consumer, producer and suffix warpgroup.
+# suffix warpgroup (four, 512 threads) consumer, producer and suffix warpgroup. These are the
+# setmaxnreg values at run time; ptxas compiles the whole kernel under the launch's cap (168
+# registers at 384 threads, no spills; 128 at 512 threads, 228 bytes spilled whatever the
+# split: MOSAIC_GPU_DUMP_PTXAS=1 on the H100, 2026-11-24), and the four register splits tried
+# with the suffix warpgroup ran within 0.4 us of each other.
 REGS = (232, 40)
 SIDE_REGS = (216, 24, 56)
 
-# FusedConfig.suffix_wg as default_config sets it (read when tracing; experiments), and its
-# FusedConfig.side_diag (timing diagnostics only).
+# FusedConfig.suffix_wg as default_config sets it (read when tracing; experiments). Off: on the
+# H100 (tools/device/side_wg.sh, paper shape, 2026-11-24, three runs, device us shipped / suffix
+# warpgroup) it passes TestNativeFusedDecodeSuffixWarpgroup (13 of 13) and is 1.1-1.3 us faster
+# at B=1024 P=16K S=128 (122.2 / 121.0, 121.0 / 119.9, 121.3 / 120.0) and B=256 P=16K S=128
+# (36.6 / 36.1), but much slower wherever the suffixes are a larger share: B=1024 P=4K S=128
+# 45.9 / 75.8, B=256 P=4K 17.1 / 23.9, B=1024 P=16K S=512 153.8 / 266.9. Its units (one 64-key
+# block of one group) take ~4.5 us each against the consumers' traffic, so it ends last there.
+# Diagnostic builds (docs/results/2026-11-24-h100-suffix-warpgroup) put the suffixes' cost to
+# the consumers at the headline as ~4.2 us for the loads alone (no products) and ~4.7 for the
+# products alone (no loads), against 109.4 us with every suffix empty: even free products would
+# leave 113.6 us, above the 112.9 that 25x needs.
 SUFFIX_WG = False
-SIDE_DIAG = ""
 
 
 def side_groups(rows_per_seq: int) -> int:
@@ -359,8 +377,7 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   cfg = staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
   if CLUSTER_MERGE and cfg.splits == CLUSTER_MERGE_SPLITS and cluster_merge_fits(cfg, head_dim):
     cfg = dataclasses.replace(cfg, cluster_merge=True)
-  side = dataclasses.replace(cfg, suffix_wg=True, spread_suffix=False, max_concurrent_steps=2,
-                             side_diag=SIDE_DIAG)
+  side = dataclasses.replace(cfg, suffix_wg=True, spread_suffix=False, max_concurrent_steps=2)
   if (SUFFIX_WG and side_fits(side, head_dim, rows_per_seq)):
     cfg = side
   return cfg
@@ -988,24 +1005,11 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         g = g_lo + k
         return k, g, j, t - j * nb, t == 0, t == per_group * nb - 1
 
-      diag = cfg.side_diag
-
       def issue(u, which: str):
-        if diag == "noload":
-          return
         _, g, j, blk, _, _ = locate(u)
         seq = jnp.minimum(seq0 + g * per_group + j, batch - 1)
         src, dst, bar = (sk_ref, sk_smem, sk_bar) if which == "k" else (sv_ref, sv_smem, sv_bar)
-        if diag == "l2":
-          pre = k_ref if which == "k" else v_ref
-          row = lax.rem(seq * 4 + blk, i32(p // block_s)) * block_s
-          plgpu.copy_gmem_to_smem(pre.at[pl.ds(row, block_s), head], dst, bar)
-          return
         plgpu.copy_gmem_to_smem(src.at[seq, pl.ds(blk * block_s, block_s), head], dst, bar)
-
-      def wait(bar):
-        if diag != "noload":
-          plgpu.barrier_wait(bar)
 
       @pl.when(total > 0)
       def _run():
@@ -1024,12 +1028,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           m_s = m_s + jnp.where(start, -jnp.inf, 0.0).astype(jnp.float32)
           q_t = qo_smem2.at[lax.div(g, i32(wg_groups)),
                             pl.ds(lax.rem(g, i32(wg_groups)) * n_cols, n_cols)]
-          wait(sk_bar)
-          if diag == "nocompute":
-            pl.when(u + 1 < total)(lambda: issue(u + 1, "k"))
-            wait(sv_bar)
-            pl.when(u + 1 < total)(lambda: issue(u + 1, "v"))
-            return o_t, m_s, l_s
+          plgpu.barrier_wait(sk_bar)
 
           def compute_st(acc_ref):
             plgpu.wgmma(acc_ref, sk_smem, q_t.transpose((1, 0)))
@@ -1050,7 +1049,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           o_t = o_t * lax.broadcast_in_dim(alpha, o_t.shape, [1])
           spt_smem[...] = p_t.astype(dtype)  # wgmma's B operand lives in shared memory
           plgpu.commit_smem()
-          wait(sv_bar)
+          plgpu.barrier_wait(sv_bar)
 
           def compute_pv(acc_ref):  # V^T P^T [D, n_cols]
             plgpu.wgmma(acc_ref, sv_smem.transpose((1, 0)), spt_smem)

@@ -21,6 +21,9 @@ checked against the first op's):
   instead of XLA's reduction before it;
 - ``cm``: the one kernel merges its 2-4 key splits itself, each row tile's splits one cluster
   (``CLUSTER_MERGE``), instead of the merge kernel after it; ``cmtk``: ``cm`` and ``tk``;
+- ``sw``: the suffixes on a fourth warpgroup of each CTA (``suffix_warpgroup(True)``,
+  ``FusedConfig.suffix_wg``; the diagnostic and register-split ops of its measurement are in
+  ``docs/results/2026-11-24-h100-suffix-warpgroup/diagnostics.patch``);
 - ``apart``: the prefix and suffix kernels one after the other.
 
 ``--suffix-length N`` gives every sequence N valid suffix keys of the capacity S (as in decoding,
@@ -74,14 +77,6 @@ OPS = {
     "cm": variant(lambda: gpu.cluster_merge(True)),
     "cmtk": variant(lambda: gpu.cluster_merge(True), lambda: gpu.tile_max_in_kernel(True)),
     "sw": variant(lambda: gpu.suffix_warpgroup(True)),
-    "sw8": variant(lambda: gpu.suffix_warpgroup(True),
-                   lambda: gpu._setting("SIDE_REGS", (208, 32, 64), fm)),
-    **{f"swr{i}": variant(lambda: gpu.suffix_warpgroup(True),
-                         lambda r=r: gpu._setting("SIDE_REGS", r, fm))
-       for i, r in enumerate([(168, 24, 152), (200, 24, 88), (176, 40, 120)], 1)},
-    **{f"sw_{d}": variant(lambda: gpu.suffix_warpgroup(True),
-                          lambda d=d: gpu._setting("SIDE_DIAG", d, fm))
-       for d in ("noload", "nocompute", "l2")},
     "apart": bench._ours_split,
 }
 

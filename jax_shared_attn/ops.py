@@ -188,8 +188,8 @@ def suffix_alignment(impl: str = "auto", rows_per_seq: int = 1) -> int:
   """
   if segment_alignment(impl) == 1:
     return 1
-  from pallas_kernels.gpu import shared_attention_mgpu as fm  # deferred, as in resolve
-  return fm.FusedConfig().block_s if fm.worthwhile(rows_per_seq) else 1
+  from pallas_kernels.gpu import shared_attention_plan as fp
+  return fp.FusedConfig().block_s if fp.worthwhile(rows_per_seq) else 1
 
 
 def resolve(impl: str, fn: str) -> AttentionOps:

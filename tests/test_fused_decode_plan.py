@@ -2,7 +2,8 @@
 
 The Mosaic GPU kernel (``pallas_kernels.gpu.shared_attention_mgpu``) has no interpret mode (its
 native tests run on an H100 through the device tool). What decides correctness beyond the
-arithmetic of each step is the plan: which keys each CTA split and warpgroup visits, where a
+arithmetic of each step is the plan (``pallas_kernels.gpu.shared_attention_plan``, which this
+file mirrors): which keys each CTA split and warpgroup visits, where a
 column group's state starts and ends (sequences, key blocks, split boundaries cutting groups),
 and how the parts are merged. These tests run the kernel's own plan functions
 (``step_ranges``, ``is_suffix``, ``prefix_block``, ``suffix_step``) step by step over float64
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pallas_kernels.gpu import shared_attention_mgpu as fm
+from pallas_kernels.gpu import shared_attention_plan as fp
 
 BLOCK_Q = 64  # rows per consumer warpgroup, as in the kernel
 CTA_ROWS = 2 * BLOCK_Q
@@ -24,7 +25,7 @@ CTA_ROWS = 2 * BLOCK_Q
 
 def ranges(kv_len, max_len, split, cta, *, n_pre, block_kv, block_s, seqs_per_wg, splits,
            spread, ctas):
-  return fm.step_ranges(jnp.int32(kv_len), jnp.int32(max_len), jnp.int32(split), jnp.int32(cta),
+  return fp.step_ranges(jnp.int32(kv_len), jnp.int32(max_len), jnp.int32(split), jnp.int32(cta),
                         prefix_blocks=n_pre, block_kv=block_kv, block_s=block_s,
                         seqs_per_wg=seqs_per_wg, splits=splits, spread=spread, ctas=ctas)
 
@@ -34,11 +35,11 @@ def walk(rg):
   o, n_s, n_pf, steps = (int(x) for x in (rg.o, rg.n_s, rg.n_pf, rg.steps))
   out = []
   for i in range(steps):
-    if bool(fm.is_suffix(jnp.int32(i), rg)):
+    if bool(fp.is_suffix(jnp.int32(i), rg)):
       assert o <= i < o + n_s
       out.append(("suffix",))
     else:
-      out.append(("prefix", int(fm.prefix_block(jnp.int32(i), rg)), i >= n_s + n_pf))
+      out.append(("prefix", int(fp.prefix_block(jnp.int32(i), rg)), i >= n_s + n_pf))
   return out
 
 
@@ -49,7 +50,7 @@ def emulate(q, pk, pv, sk, sv, kv_len, lens, *, m, splits, block_kv, block_s, tr
   r, d = q.shape
   batch = sk.shape[0]
   seqs_per_wg = BLOCK_Q // m
-  n_cols = fm.suffix_columns(m)
+  n_cols = fp.suffix_columns(m)
   tiles = r // CTA_ROWS
   parts = []
   for split in range(splits):
@@ -85,7 +86,7 @@ def emulate(q, pk, pv, sk, sv, kv_len, lens, *, m, splits, block_kv, block_s, tr
         if transposed:
           o_t = m_s = l_s = None
           for i in range(o, o + n_s):
-            j, blk, g_first, col0, start, end = (int(x) for x in fm.suffix_step(
+            j, blk, g_first, col0, start, end = (int(x) for x in fp.suffix_step(
                 jnp.int32(i), rg, rows_per_seq=m, transposed=True))
             seq = seq0 + w * seqs_per_wg + j
             n_valid = lens[seq] if seq < batch else 0
@@ -112,7 +113,7 @@ def emulate(q, pk, pv, sk, sv, kv_len, lens, *, m, splits, block_kv, block_s, tr
         else:  # row steps: the warpgroup's 64 rows, other sequences' rows masked
           acc, m_i, l_i = np.zeros((BLOCK_Q, d)), np.full(BLOCK_Q, -np.inf), np.zeros(BLOCK_Q)
           for i in range(o, o + n_s):
-            j, blk = (int(x) for x in fm.suffix_step(jnp.int32(i), rg, rows_per_seq=m))
+            j, blk = (int(x) for x in fp.suffix_step(jnp.int32(i), rg, rows_per_seq=m))
             seq = seq0 + w * seqs_per_wg + j
             n_valid = lens[seq] if seq < batch else 0
             kb = np.arange(blk * block_s, (blk + 1) * block_s)
@@ -193,7 +194,7 @@ def test_a_column_group_cut_by_a_split_is_written_by_both():
     rg = ranges(8, 8, 1, 1, n_pre=1, block_kv=8, block_s=4, seqs_per_wg=16, splits=2,
                 spread=spread, ctas=2)
     o, n_s = int(rg.o), int(rg.n_s)
-    plan = [tuple(int(x) for x in fm.suffix_step(jnp.int32(i), rg, rows_per_seq=4,
+    plan = [tuple(int(x) for x in fp.suffix_step(jnp.int32(i), rg, rows_per_seq=4,
                                                  transposed=True)) for i in range(o, o + n_s)]
     check_group_cut(plan)
 
@@ -274,7 +275,7 @@ def phase_errors(plan_suffix, steps_buf, waits):
     for slot in range(steps_buf):
       mine = [(i, sfx) for i, sfx in enumerate(plan_suffix) if i % steps_buf == slot]
       for name in ("k", "v", "k1", "v1"):
-        arrived = [i for i, sfx in mine if name in fm.arrivals(sfx)]
+        arrived = [i for i, sfx in mine if name in fp.arrivals(sfx)]
         waited = [i for i, sfx in mine if name in waits(w, sfx)]
         assert set(waited) <= set(arrived), (w, name, waited, arrived)  # no wait without a copy
         if waited and [i for i in arrived if i <= waited[-1]] != waited:
@@ -294,23 +295,23 @@ def test_barrier_phases(n_pre, kv_short, n_sblk, seqs_per_wg, splits, spread, ct
                 block_kv=128, block_s=64, seqs_per_wg=seqs_per_wg, splits=splits, spread=spread,
                 ctas=ctas * splits)
     plan = [x[0] == "suffix" for x in walk(rg)]
-    assert phase_errors(plan, steps_buf, fm.waits) == []
+    assert phase_errors(plan, steps_buf, fp.waits) == []
 
 
-def paired_protocol(rg, steps_buf, waits=fm.paired_waits):
+def paired_protocol(rg, steps_buf, waits=fp.paired_waits):
   """Paired suffix steps, checked over one split's plan: the producer loads ring positions
   ``0 .. positions - 1`` in order, position ``c`` into slot ``c % steps_buf``; a prefix step's
   position holds its block (read by both warpgroups), a suffix step's two positions warpgroup
   0's then 1's keys. Each warpgroup must wait on every position's barrier exactly once (both
   K and V: every copy arrives on the slot's "k" and "v") and, per slot, in position order.
   Returns the errors found."""
-  n_pos, steps = int(fm.positions(rg, True)), int(rg.steps)
-  loaded = [tuple(int(x) for x in fm.position_step(jnp.int32(c), rg)) for c in range(n_pos)]
+  n_pos, steps = int(fp.positions(rg, True)), int(rg.steps)
+  loaded = [tuple(int(x) for x in fp.position_step(jnp.int32(c), rg)) for c in range(n_pos)]
   errors = []
   for w in (0, 1):
     waited = []
     for i in range(steps):
-      suffix = bool(fm.is_suffix(jnp.int32(i), rg))
+      suffix = bool(fp.is_suffix(jnp.int32(i), rg))
       pos = [int(c) for c in waits(w, jnp.int32(i), rg, suffix)]
       waited += pos
       if loaded[pos[0]] != (i, w if suffix else 0):  # its own keys in the slot it reads
@@ -337,7 +338,7 @@ def test_paired_barrier_protocol(n_pre, kv_short, n_sblk, seqs_per_wg, splits, s
     rg = ranges(kv_len, n_sblk * 128, split, (cta % ctas) * splits + split, n_pre=n_pre,
                 block_kv=128, block_s=128, seqs_per_wg=seqs_per_wg, splits=splits, spread=spread,
                 ctas=ctas * splits)
-    assert int(fm.positions(rg, True)) == int(rg.steps) + int(rg.n_s)
+    assert int(fp.positions(rg, True)) == int(rg.steps) + int(rg.n_s)
     assert paired_protocol(rg, steps_buf) == []
 
 
@@ -347,7 +348,7 @@ def test_paired_protocol_check_catches_mistakes():
   rg = ranges(2 * 128, 128, 0, 0, n_pre=2, block_kv=128, block_s=128, seqs_per_wg=2, splits=1,
               spread=False, ctas=1)  # steps: 2 prefix blocks, then 2 suffix steps
   assert paired_protocol(rg, 3) == []
-  swapped = lambda w, i, r, suffix: fm.paired_waits(w, i, r, suffix)[::-1]
+  swapped = lambda w, i, r, suffix: fp.paired_waits(w, i, r, suffix)[::-1]
   errors = paired_protocol(rg, 3, swapped)
   assert ("data", 0, 2) in errors and ("other", 1, 3) in errors
   unpaired = lambda w, i, r, suffix: (i,)
@@ -361,7 +362,7 @@ def test_barrier_phase_check_catches_skipped_phases():
   own_half = lambda w, sfx: ("k1", "v1") if (w == 1 and sfx) else ("k", "v")
   assert phase_errors([True, False, False], 2, own_half) == [(1, "k", 0), (1, "v", 0)]
   assert phase_errors([False, True, True], 2, own_half) == []  # suffix steps last: no skip
-  assert phase_errors([True, False, False], 2, fm.waits) == []
+  assert phase_errors([True, False, False], 2, fp.waits) == []
 
 
 def test_default_config_spreads_where_it_was_measured_faster():
@@ -369,7 +370,7 @@ def test_default_config_spreads_where_it_was_measured_faster():
   paper shape's B=1024 with P=16K; not P=4K S=512, P=1K, nor 8 splits at B=256); the switch
   forces either plan."""
   import pallas_kernels.gpu as gpu
-  cfg = lambda b, p, s: fm.default_config(b * 8, 1, p, s, 8)
+  cfg = lambda b, p, s: fp.default_config(b * 8, 1, p, s, 8)
   assert cfg(1024, 16384, 128).spread_suffix and cfg(1024, 16384, 512).spread_suffix
   assert cfg(1024, 16384, 128).splits == 2
   assert cfg(1024, 4096, 128).spread_suffix  # a tie there (49.4 / 49.4 us)
@@ -379,7 +380,7 @@ def test_default_config_spreads_where_it_was_measured_faster():
     assert not cfg(1024, 16384, 128).spread_suffix
   with gpu.spread_suffix(True):
     assert cfg(256, 4096, 512).spread_suffix
-  assert fm.SPREAD_SUFFIX is None
+  assert fp.SPREAD_SUFFIX is None
 
 
 def consumer_ops(w, rg, paired, *, early_other=True):
@@ -392,16 +393,16 @@ def consumer_ops(w, rg, paired, *, early_other=True):
   steps = int(rg.steps)
 
   def own(i):
-    c = int(fm.position(jnp.int32(i), rg, paired))
-    return c + w if paired and bool(fm.is_suffix(jnp.int32(i), rg)) else c
+    c = int(fp.position(jnp.int32(i), rg, paired))
+    return c + w if paired and bool(fp.is_suffix(jnp.int32(i), rg)) else c
 
   ops = [("wk", own(0))] if steps else []
   if w == 1:
     ops += [("sa",), ("sw",)]
   for i in range(steps):
-    pair = paired and bool(fm.is_suffix(jnp.int32(i), rg))
+    pair = paired and bool(fp.is_suffix(jnp.int32(i), rg))
     mine = own(i)
-    other = int(fm.position(jnp.int32(i), rg, paired)) + 1 - w
+    other = int(fp.position(jnp.int32(i), rg, paired)) + 1 - w
     before = pair and w == 1 and early_other
     ops += [("sa",), ("sw",), ("ak", mine)]  # QK product, then its slot's K is released
     ops += [("wk", other), ("ak", other)] if pair else []
@@ -477,7 +478,7 @@ def test_barrier_protocol_runs_to_the_end(n_pre, kv_short, n_sblk, seqs_per_wg, 
                 block_kv=128, block_s=block_s, seqs_per_wg=seqs_per_wg, splits=splits,
                 spread=spread, ctas=ctas * splits)
     actors = [consumer_ops(0, rg, paired), consumer_ops(1, rg, paired),
-              producer_ops(int(fm.positions(rg, paired)), steps_buf)]
+              producer_ops(int(fp.positions(rg, paired)), steps_buf)]
     assert stuck(actors) == []
 
 
@@ -488,18 +489,18 @@ def test_barrier_protocol_check_catches_a_hang():
   rg = ranges(128, 256, 0, 0, n_pre=1, block_kv=128, block_s=128, seqs_per_wg=2, splits=1,
               spread=False, ctas=1)  # a prefix block, then 4 suffix steps
   late = [consumer_ops(w, rg, True, early_other=False) for w in (0, 1)]
-  assert stuck(late + [producer_ops(int(fm.positions(rg, True)), 2)]) != []
-  assert stuck(late + [producer_ops(int(fm.positions(rg, True)), 3)]) == []
+  assert stuck(late + [producer_ops(int(fp.positions(rg, True)), 2)]) != []
+  assert stuck(late + [producer_ops(int(fp.positions(rg, True)), 3)]) == []
   fixed = [consumer_ops(w, rg, True) for w in (0, 1)]
-  assert stuck(fixed + [producer_ops(int(fm.positions(rg, True)), 2)]) == []
+  assert stuck(fixed + [producer_ops(int(fp.positions(rg, True)), 2)]) == []
 
 
 def test_paired_suffix_is_a_switch():
   """Paired suffix steps are off by default (slower in decoding, see
-  ``shared_attention_mgpu.PAIRED_SUFFIX``); ``paired_suffix(True)`` pairs wherever the capacity is
+  ``shared_attention_plan.PAIRED_SUFFIX``); ``paired_suffix(True)`` pairs wherever the capacity is
   a multiple of 128, with the slots ``kv_stages`` sets, and never with transposed steps."""
   import pallas_kernels.gpu as gpu
-  cfg = lambda b, p, s: fm.default_config(b * 8, 1, p, s, 8)
+  cfg = lambda b, p, s: fp.default_config(b * 8, 1, p, s, 8)
   for c in (cfg(1024, 16384, 128), cfg(1024, 16384, 512), cfg(256, 4096, 128)):
     assert not c.paired_suffix and c.block_s == 64 and c.max_concurrent_steps == 2
   with gpu.paired_suffix(True):
@@ -510,4 +511,4 @@ def test_paired_suffix_is_a_switch():
       assert cfg(1024, 16384, 128).max_concurrent_steps == 3
     with gpu.transposed_suffix(True):
       assert not cfg(1024, 16384, 128).paired_suffix
-  assert fm.PAIRED_SUFFIX is False
+  assert fp.PAIRED_SUFFIX is False

@@ -132,16 +132,17 @@ def test_fused_decode_paired_suffix_exports_for_cuda(b, hq, hkv, d, p, s, stages
   and three K/V slots; a capacity that is not a multiple of 128 keeps unpaired steps."""
   import pallas_kernels.gpu as gpu
   from pallas_kernels.gpu import shared_attention_mgpu as fm
+  from pallas_kernels.gpu import shared_attention_plan as fp
   dt = jnp.bfloat16
   fn = lambda q, pk, pv, sk, sv, n: fm.fused_decode(q, pk, pv, p, sk, sv, n, scale=0.1)
   with gpu.paired_suffix(True), gpu.kv_stages(stages):
-    cfg = fm.default_config(b * hq // hkv, hkv, p, s, hq // hkv, head_dim=d)
+    cfg = fp.default_config(b * hq // hkv, hkv, p, s, hq // hkv, head_dim=d)
     assert cfg.paired_suffix == (s % 128 == 0) and cfg.max_concurrent_steps == stages
     assert cfg.block_s == (128 if cfg.paired_suffix else 64)
     text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
                        S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
   assert text.count(f"custom_call @{MOSAIC}") == 1 and "private @_fused_jit" in text
-  assert fm.PAIRED_SUFFIX is False  # the switch is restored
+  assert fp.PAIRED_SUFFIX is False  # the switch is restored
   with pytest.raises(ValueError, match="exclude each other"):
     bad = dataclasses.replace(cfg, paired_suffix=True, block_s=128, transposed_suffix=True)
     jax.eval_shape(lambda *a: fm.fused_decode(*a, scale=0.1, config=bad),
@@ -157,12 +158,12 @@ def test_fused_decode_transposed_suffix_exports_for_cuda(b, hq, hkv, d, p, s):
   for CUDA: one Mosaic GPU kernel, whose suffix part (o^T per column group of max(16, G) rows)
   comes out beside the prefix part and is merged with it, read in place, by the merge kernel."""
   import pallas_kernels.gpu as gpu
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  from pallas_kernels.gpu import shared_attention_plan as fp
   dt = jnp.bfloat16
   fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
                                                              impl="pallas:mosaic_gpu")
   g = hq // hkv
-  assert fm.waste(g, transposed=True) == max(16, g) // g and fm.waste(g) == 64 // g
+  assert fp.waste(g, transposed=True) == max(16, g) // g and fp.waste(g) == 64 // g
   with gpu.flat_decode(0), gpu.transposed_suffix(True):
     text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
                        S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
@@ -173,7 +174,7 @@ def test_fused_decode_transposed_suffix_exports_for_cuda(b, hq, hkv, d, p, s):
   # Merged in place into [B, 1, Hq, D] by one merge kernel: no concatenation, no transpose of
   # the suffix part.
   assert "hydragen_merge_sequences" in text and "concatenate" not in text
-  assert not fm.TRANSPOSED_SUFFIX  # the switch is restored
+  assert not fp.TRANSPOSED_SUFFIX  # the switch is restored
 
 
 # The small-batch path on both families: G 1..8, D 64/80/128/256, Tq 1 and 4 (causal inside
@@ -298,9 +299,10 @@ def test_kv_slots_follow_the_shared_memory(d):
   import pallas_kernels.gpu as gpu
   from pallas_kernels.gpu import prefix_attention_mgpu as mg
   from pallas_kernels.gpu import shared_attention_mgpu as fm
+  from pallas_kernels.gpu import shared_attention_plan as fp
   dt = jnp.bfloat16
   b, g, p, s = 256, 8, 2048, 128
-  fused_cfg = lambda: fm.default_config(b * g, 1, p, s, g, head_dim=d)
+  fused_cfg = lambda: fp.default_config(b * g, 1, p, s, g, head_dim=d)
   prefix_cfg = lambda keys, dim: mg.default_config(b * g, 1, keys, dim)
 
   def lower_fused(cfg):
@@ -330,7 +332,7 @@ def test_kv_slots_follow_the_shared_memory(d):
   # Four slots: the model and Mosaic GPU agree (they fit at D = 64, not at D = 128), and the
   # defaults take them only where they fit.
   four = dataclasses.replace(fused_cfg(), max_concurrent_steps=4)
-  fits = fm.smem_bytes(four, d) <= fm.SMEM_LIMIT
+  fits = fp.smem_bytes(four, d) <= fp.SMEM_LIMIT
   assert fits == (d == 64)
   with gpu.kv_stages(4, 4):
     assert fused_cfg().max_concurrent_steps == (4 if fits else 2)
@@ -367,6 +369,7 @@ def test_fused_tile_max_in_kernel_exports_for_cuda(b, g, d, extra):
   keeps the reduction."""
   import pallas_kernels.gpu as gpu
   from pallas_kernels.gpu import shared_attention_mgpu as fm
+  from pallas_kernels.gpu import shared_attention_plan as fp
   dt, p, s = jnp.bfloat16, 1024, 128
 
   def lower(cfg):
@@ -375,8 +378,8 @@ def test_fused_tile_max_in_kernel_exports_for_cuda(b, g, d, extra):
                        S((b, s, 1, d), dt), S((b, s, 1, d), dt), S((b,), jnp.int32))
 
   with gpu.tile_max_in_kernel(True):
-    cfg = dataclasses.replace(fm.default_config(b * g, 1, p, s, g, head_dim=d), **extra)
-    assert not fm.default_config(b * 4, 1, p, s, 4, head_dim=d).tile_max_in_kernel
+    cfg = dataclasses.replace(fp.default_config(b * g, 1, p, s, g, head_dim=d), **extra)
+    assert not fp.default_config(b * 4, 1, p, s, 4, head_dim=d).tile_max_in_kernel
   assert cfg.tile_max_in_kernel
   inside = lower(cfg)
   assert MOSAIC in inside and "stablehlo.reduce" not in inside
@@ -396,9 +399,10 @@ def test_fused_suffix_warpgroup_exports_for_cuda(b, hq, hkv, d, p, s, splits, ex
   give a split groups of both consumer warpgroups), with and without the cluster merge."""
   import pallas_kernels.gpu as gpu
   from pallas_kernels.gpu import shared_attention_mgpu as fm
+  from pallas_kernels.gpu import shared_attention_plan as fp
   dt, g = jnp.bfloat16, hq // hkv
   with gpu.suffix_warpgroup(True):
-    cfg = fm.default_config(b * g, hkv, p, s, g, head_dim=d)
+    cfg = fp.default_config(b * g, hkv, p, s, g, head_dim=d)
   if splits is not None:
     cfg = dataclasses.replace(cfg, splits=splits, **extra)
   assert cfg.suffix_wg and not cfg.spread_suffix
@@ -414,15 +418,16 @@ def test_suffix_warpgroup_default_switch_and_limits():
   configurations are refused by name."""
   import pallas_kernels.gpu as gpu
   from pallas_kernels.gpu import shared_attention_mgpu as fm
-  assert not fm.default_config(8192, 1, 16384, 128, 8, head_dim=128).suffix_wg
+  from pallas_kernels.gpu import shared_attention_plan as fp
+  assert not fp.default_config(8192, 1, 16384, 128, 8, head_dim=128).suffix_wg
   with gpu.suffix_warpgroup(True):
-    on = fm.default_config(8192, 1, 16384, 128, 8, head_dim=128)
+    on = fp.default_config(8192, 1, 16384, 128, 8, head_dim=128)
     assert on.suffix_wg and on.splits == 2 and on.cluster_merge
-    one_split = fm.default_config(16384, 1, 16384, 128, 8, head_dim=128)
+    one_split = fp.default_config(16384, 1, 16384, 128, 8, head_dim=128)
     assert one_split.splits == 1 and not one_split.suffix_wg
-  assert fm.smem_bytes(on, 128, 2, 8) <= fm.SMEM_LIMIT
-  assert not fm.side_fits(dataclasses.replace(on, splits=1), 128, 8)
-  assert not fm.side_fits(dataclasses.replace(on, paired_suffix=True), 128, 8)
+  assert fp.smem_bytes(on, 128, 2, 8) <= fp.SMEM_LIMIT
+  assert not fp.side_fits(dataclasses.replace(on, splits=1), 128, 8)
+  assert not fp.side_fits(dataclasses.replace(on, paired_suffix=True), 128, 8)
   dt, b, p, s = jnp.bfloat16, 64, 1024, 128
   args = (S((b, 1, 8, 128), dt), S((p, 1, 128), dt), S((p, 1, 128), dt), S((b, s, 1, 128), dt),
           S((b, s, 1, 128), dt), S((b,), jnp.int32))
@@ -574,6 +579,7 @@ def test_fused_cluster_merge_exports_for_cuda(b, g, hkv, d, p, s, extra):
   ``default_config`` takes it with two splits only, and not with the switch off."""
   import pallas_kernels.gpu as gpu
   from pallas_kernels.gpu import shared_attention_mgpu as fm
+  from pallas_kernels.gpu import shared_attention_plan as fp
   dt = jnp.bfloat16
 
   def lower(cfg):
@@ -581,13 +587,13 @@ def test_fused_cluster_merge_exports_for_cuda(b, g, hkv, d, p, s, extra):
     return export_cuda(fn, S((b, 1, g * hkv, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
                        S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
 
-  cfg = fm.default_config(b * g, hkv, p, s, g, head_dim=d)
-  assert fm.CLUSTER_MERGE and cfg.cluster_merge == (cfg.splits == 2)
+  cfg = fp.default_config(b * g, hkv, p, s, g, head_dim=d)
+  assert fp.CLUSTER_MERGE and cfg.cluster_merge == (cfg.splits == 2)
   with gpu.cluster_merge(False):
-    assert not fm.default_config(b * g, hkv, p, s, g, head_dim=d).cluster_merge
-  assert not fm.default_config(256 * 8, 1, 4096, 128, 8).cluster_merge  # 8 splits
+    assert not fp.default_config(b * g, hkv, p, s, g, head_dim=d).cluster_merge
+  assert not fp.default_config(256 * 8, 1, 4096, 128, 8).cluster_merge  # 8 splits
   cfg = dataclasses.replace(cfg, cluster_merge=True, **extra)
-  assert 2 <= cfg.splits <= fm.MAX_CLUSTER_SPLITS
+  assert 2 <= cfg.splits <= fp.MAX_CLUSTER_SPLITS
   inside = lower(cfg)
   assert inside.count(f"custom_call @{MOSAIC}") == 1 and MERGE not in inside
   assert MERGE in lower(dataclasses.replace(cfg, cluster_merge=False)) or hkv > 1

@@ -454,9 +454,9 @@ class TestNativeFusedDecode:
   @pytest.mark.parametrize("case", FUSED_CASES)
   def test_against_oracle(self, case):
     import pallas_kernels.gpu as gpu
-    from pallas_kernels.gpu import shared_attention_mgpu as fm
+    from pallas_kernels.gpu import shared_attention_plan as fp
     b, hq, hkv, d, p, s = case
-    assert gpu.FUSED_DECODE and fm.supported(jnp.bfloat16, d, p, s, hq // hkv, fm.FusedConfig())
+    assert gpu.FUSED_DECODE and fp.supported(jnp.bfloat16, d, p, s, hq // hkv, fp.FusedConfig())
     given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples, deadline=None)(
         lambda data, seed: self.run(data, seed, case)))()
 
@@ -498,8 +498,8 @@ class TestNativeFusedDecodeXlaTileMax(TestNativeFusedDecode):
 
   def setup_method(self):
     import pallas_kernels.gpu as gpu
-    from pallas_kernels.gpu import shared_attention_mgpu as fm
-    assert fm.default_config(128, 1, 1024, 128, 8, head_dim=128).tile_max_in_kernel
+    from pallas_kernels.gpu import shared_attention_plan as fp
+    assert fp.default_config(128, 1, 1024, 128, 8, head_dim=128).tile_max_in_kernel
     self._switch = gpu.tile_max_in_kernel(False)
     self._switch.__enter__()
 
@@ -517,8 +517,8 @@ class TestNativeFusedDecodeMergeKernel(TestNativeFusedDecode):
 
   def setup_method(self):
     import pallas_kernels.gpu as gpu
-    from pallas_kernels.gpu import shared_attention_mgpu as fm
-    assert fm.default_config(8192, 1, 16384, 128, 8, head_dim=128).cluster_merge
+    from pallas_kernels.gpu import shared_attention_plan as fp
+    assert fp.default_config(8192, 1, 16384, 128, 8, head_dim=128).cluster_merge
     self._switch = gpu.cluster_merge(False)
     self._switch.__enter__()
 
@@ -529,10 +529,10 @@ class TestNativeFusedDecodeMergeKernel(TestNativeFusedDecode):
       (2, {}), (3, {"spread_suffix": True}), (4, {}), (2, {"paired_suffix": True, "block_s": 128}),
       (3, {"tile_max_in_kernel": False}), (4, {"spread_suffix": True, "max_concurrent_steps": 3})])
   def test_configs(self, splits, extra):
-    from pallas_kernels.gpu import shared_attention_mgpu as fm
+    from pallas_kernels.gpu import shared_attention_plan as fp
     case = (100, 16, 2, 128, 1024, 128)  # G = 8, 7 row tiles per KV head (the last partial)
     b, hq, hkv, d, p, s = case
-    cfg = dataclasses.replace(fm.default_config(b * hq // hkv, hkv, p, s, hq // hkv, head_dim=d),
+    cfg = dataclasses.replace(fp.default_config(b * hq // hkv, hkv, p, s, hq // hkv, head_dim=d),
                               splits=splits, cluster_merge=True, **extra)
     given(data=st.data(), seed=SEEDS)(settings(max_examples=4, deadline=None)(
         lambda data, seed: self.run(data, seed, case, config=cfg)))()
@@ -548,10 +548,10 @@ class TestNativeFusedDecodeSuffixWarpgroup(TestNativeFusedDecode):
 
   def setup_method(self):
     import pallas_kernels.gpu as gpu
-    from pallas_kernels.gpu import shared_attention_mgpu as fm
+    from pallas_kernels.gpu import shared_attention_plan as fp
     self._switch = gpu.suffix_warpgroup(True)
     self._switch.__enter__()
-    assert fm.default_config(8192, 1, 16384, 128, 8, head_dim=128).suffix_wg
+    assert fp.default_config(8192, 1, 16384, 128, 8, head_dim=128).suffix_wg
 
   def teardown_method(self):
     self._switch.__exit__(None, None, None)
@@ -564,9 +564,9 @@ class TestNativeFusedDecodeSuffixWarpgroup(TestNativeFusedDecode):
       ((37, 16, 4, 128, 256, 64), 4, {"cluster_merge": True}),
       ((20, 16, 1, 128, 512, 128), 2, {"cluster_merge": True})])
   def test_configs(self, case, splits, extra):
-    from pallas_kernels.gpu import shared_attention_mgpu as fm
+    from pallas_kernels.gpu import shared_attention_plan as fp
     b, hq, hkv, d, p, s = case
-    cfg = dataclasses.replace(fm.default_config(b * hq // hkv, hkv, p, s, hq // hkv, head_dim=d),
+    cfg = dataclasses.replace(fp.default_config(b * hq // hkv, hkv, p, s, hq // hkv, head_dim=d),
                               splits=splits, suffix_wg=True, spread_suffix=False, **extra)
     given(data=st.data(), seed=SEEDS)(settings(max_examples=4, deadline=None)(
         lambda data, seed: self.run(data, seed, case, config=cfg)))()
@@ -580,10 +580,10 @@ class TestNativeFusedDecodeThreeStages(TestNativeFusedDecode):
 
   def setup_method(self):
     import pallas_kernels.gpu as gpu
-    from pallas_kernels.gpu import shared_attention_mgpu as fm
+    from pallas_kernels.gpu import shared_attention_plan as fp
     self._switch = gpu.kv_stages(3, 3)
     self._switch.__enter__()
-    assert fm.default_config(128, 1, 1024, 128, 8, head_dim=128).max_concurrent_steps == 3
+    assert fp.default_config(128, 1, 1024, 128, 8, head_dim=128).max_concurrent_steps == 3
 
   def teardown_method(self):
     self._switch.__exit__(None, None, None)
@@ -598,13 +598,13 @@ class TestNativeFusedDecodePaired(TestNativeFusedDecode):
 
   def setup_method(self):
     import pallas_kernels.gpu as gpu
-    from pallas_kernels.gpu import shared_attention_mgpu as fm
+    from pallas_kernels.gpu import shared_attention_plan as fp
     self._switch = contextlib.ExitStack()
     self._switch.enter_context(gpu.paired_suffix(True))
     self._switch.enter_context(gpu.kv_stages(self.stages, self.stages))
-    cfg = fm.default_config(128, 1, 1024, 128, 8, head_dim=128)
+    cfg = fp.default_config(128, 1, 1024, 128, 8, head_dim=128)
     assert cfg.paired_suffix and cfg.max_concurrent_steps == self.stages
-    assert not fm.default_config(128, 1, 1024, 192, 8, head_dim=128).paired_suffix
+    assert not fp.default_config(128, 1, 1024, 192, 8, head_dim=128).paired_suffix
 
   def teardown_method(self):
     self._switch.close()

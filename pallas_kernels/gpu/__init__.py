@@ -64,29 +64,29 @@ def fused_decode(enabled: bool):
 
 def transposed_suffix(enabled: bool):
   """Temporarily runs the one-kernel path's suffix steps as transposed products (keys on the
-  wgmma M side; ``shared_attention_mgpu.TRANSPOSED_SUFFIX``), and lets it take any G whose
+  wgmma M side; ``shared_attention_plan.TRANSPOSED_SUFFIX``), and lets it take any G whose
   waste that keeps within ``MAX_WASTE`` (G >= 2), for calls traced inside."""
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
-  return _setting("TRANSPOSED_SUFFIX", bool(enabled), fm)
+  from pallas_kernels.gpu import shared_attention_plan as fp
+  return _setting("TRANSPOSED_SUFFIX", bool(enabled), fp)
 
 
 def spread_suffix(enabled: bool | None):
-  """Temporarily sets ``shared_attention_mgpu.SPREAD_SUFFIX``: the one-kernel path's key splits
+  """Temporarily sets ``shared_attention_plan.SPREAD_SUFFIX``: the one-kernel path's key splits
   each take an equal share of prefix blocks and suffix steps, the suffix steps' position
   varying over the CTAs (True), or cut "prefix blocks, then suffix steps" into equal ranges
-  (False); None: as ``shared_attention_mgpu.spreads`` decides (the default). For calls traced
+  (False); None: as ``shared_attention_plan.spreads`` decides (the default). For calls traced
   inside."""
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
-  return _setting("SPREAD_SUFFIX", None if enabled is None else bool(enabled), fm)
+  from pallas_kernels.gpu import shared_attention_plan as fp
+  return _setting("SPREAD_SUFFIX", None if enabled is None else bool(enabled), fp)
 
 
 def paired_suffix(enabled: bool):
-  """Temporarily sets ``shared_attention_mgpu.PAIRED_SUFFIX``: the one-kernel path's suffix
+  """Temporarily sets ``shared_attention_plan.PAIRED_SUFFIX``: the one-kernel path's suffix
   steps take two K/V slots, a whole slot of one sequence per warpgroup, wherever the suffix
   capacity is a multiple of 128 (off by default; measured slower in decoding), for calls traced
   inside."""
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
-  return _setting("PAIRED_SUFFIX", bool(enabled), fm)
+  from pallas_kernels.gpu import shared_attention_plan as fp
+  return _setting("PAIRED_SUFFIX", bool(enabled), fp)
 
 
 # Few sequences with one shared prefix: ONE Triton kernel of per-sequence key splits over the
@@ -139,41 +139,41 @@ def prefix_overlap(enabled: bool):
 
 
 def tile_max_in_kernel(enabled: bool):
-  """Temporarily sets ``shared_attention_mgpu.TILE_MAX_IN_KERNEL``: the one-kernel decode path
+  """Temporarily sets ``shared_attention_plan.TILE_MAX_IN_KERNEL``: the one-kernel decode path
   takes each row tile's longest suffix itself instead of XLA's reduction before it (the
   default), for calls traced inside."""
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
-  return _setting("TILE_MAX_IN_KERNEL", bool(enabled), fm)
+  from pallas_kernels.gpu import shared_attention_plan as fp
+  return _setting("TILE_MAX_IN_KERNEL", bool(enabled), fp)
 
 
 def cluster_merge(enabled: bool):
-  """Temporarily sets ``shared_attention_mgpu.CLUSTER_MERGE``: the one-kernel decode path merges
+  """Temporarily sets ``shared_attention_plan.CLUSTER_MERGE``: the one-kernel decode path merges
   its key splits inside the kernel (each row tile's splits one thread-block cluster, the others
   pushing their rows into the CTA that merges them) instead of the merge kernel after it (the
   default with two splits), for calls traced inside."""
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
-  return _setting("CLUSTER_MERGE", bool(enabled), fm)
+  from pallas_kernels.gpu import shared_attention_plan as fp
+  return _setting("CLUSTER_MERGE", bool(enabled), fp)
 
 
 def suffix_warpgroup(enabled: bool):
-  """Temporarily sets ``shared_attention_mgpu.SUFFIX_WG``: the one-kernel decode path runs the
+  """Temporarily sets ``shared_attention_plan.SUFFIX_WG``: the one-kernel decode path runs the
   suffixes on a fourth warpgroup of each CTA (transposed products, concurrent with the prefix
   blocks, folded into the consumers' state at the end) where it has two or more key splits and
   the buffers fit, for calls traced inside."""
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
-  return _setting("SUFFIX_WG", bool(enabled), fm)
+  from pallas_kernels.gpu import shared_attention_plan as fp
+  return _setting("SUFFIX_WG", bool(enabled), fp)
 
 
 def kv_stages(fused: int | None = None, prefix: int | None = None):
   """Temporarily sets the K/V slots in flight of the one-kernel decode path
-  (``shared_attention_mgpu.STAGES``) and of the Mosaic GPU prefix kernel's 128-key steps
+  (``shared_attention_plan.STAGES``) and of the Mosaic GPU prefix kernel's 128-key steps
   (``prefix_attention_mgpu.STAGES``), where they fit in shared memory; None leaves one as it
   is. For calls traced inside."""
   from pallas_kernels.gpu import prefix_attention_mgpu as mg
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  from pallas_kernels.gpu import shared_attention_plan as fp
   stack = contextlib.ExitStack()
   if fused is not None:
-    stack.enter_context(_setting("STAGES", int(fused), fm))
+    stack.enter_context(_setting("STAGES", int(fused), fp))
   if prefix is not None:
     stack.enter_context(_setting("STAGES", int(prefix), mg))
   return stack
@@ -199,15 +199,15 @@ def flat_applies(q, parts, suffix_k, mosaic=False, interpret=None) -> bool:
 
 
 def _fused_decode_applies(q, parts, suffix_k, mosaic, interpret) -> bool:
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  from pallas_kernels.gpu import shared_attention_plan as fp
   if not (FUSED_DECODE and mosaic and interpret is not True and len(parts) == 1
           and parts[0][0] == "prefix" and q.shape[1] == 1 and q.shape[0] > 0):
     return False
   b, _, hq, d = q.shape
   k = parts[0][1]
   hkv = k.shape[1]
-  return (fm.supported(q.dtype, d, k.shape[0], suffix_k.shape[1], hq // hkv, fm.FusedConfig())
-          and fm.worthwhile(hq // hkv) and suffix_k.dtype == q.dtype == k.dtype)
+  return (fp.supported(q.dtype, d, k.shape[0], suffix_k.shape[1], hq // hkv, fp.FusedConfig())
+          and fp.worthwhile(hq // hkv) and suffix_k.dtype == q.dtype == k.dtype)
 
 
 def shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, mosaic=False,

@@ -3,7 +3,7 @@
   python3 tools/device/fused_variant.py [--max-waste N] [--steps-buf N] -- attention <args>
   python3 tools/device/fused_variant.py [--max-waste N] [--steps-buf N] -- decode <args>
 
-``--max-waste`` replaces ``shared_attention_mgpu.MAX_WASTE`` (16 lets G = 4 take the one kernel),
+``--max-waste`` replaces ``shared_attention_plan.MAX_WASTE`` (16 lets G = 4 take the one kernel),
 ``--steps-buf`` the kernel's K/V slots in flight; the rest goes to
 ``python -m jax_shared_attn.bench`` or ``hydragen bench``.
 """
@@ -21,14 +21,14 @@ def main():
   ap.add_argument("--steps-buf", type=int, help="K/V slots in flight (max_concurrent_steps)")
   args = ap.parse_args(argv[:split])
   rest = argv[split + 1:]
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  from pallas_kernels.gpu import shared_attention_plan as fp
   if args.max_waste is not None:
-    fm.MAX_WASTE = args.max_waste
+    fp.MAX_WASTE = args.max_waste
   if args.steps_buf is not None:
-    fm.FusedConfig = dataclasses.make_dataclass(
+    fp.FusedConfig = dataclasses.make_dataclass(
         "FusedConfig", [("max_concurrent_steps", int, dataclasses.field(default=args.steps_buf))],
-        bases=(fm.FusedConfig,), frozen=True)
-  print(f"variant: MAX_WASTE={fm.MAX_WASTE} {fm.FusedConfig()}", flush=True)
+        bases=(fp.FusedConfig,), frozen=True)
+  print(f"variant: MAX_WASTE={fp.MAX_WASTE} {fp.FusedConfig()}", flush=True)
   if rest[0] == "attention":
     from jax_shared_attn.bench.__main__ import main as bench
     return bench(rest)

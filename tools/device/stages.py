@@ -42,7 +42,7 @@ import pallas_kernels.gpu as gpu
 from jax_shared_attn import shared_prefix_attention
 from jax_shared_attn.bench import attention as bench
 from jax_shared_attn.bench import timing
-from pallas_kernels.gpu import shared_attention_mgpu as fm
+from pallas_kernels.gpu import shared_attention_plan as fp
 
 SPECS = ",".join(f"paper:{b}:{p}:{s}" for b, p, s in [
     (1024, 16384, 128), (1024, 16384, 512), (256, 16384, 128), (256, 16384, 512),
@@ -68,8 +68,8 @@ OPS = {
     "s2": variant(),
     "s3": variant(lambda: gpu.kv_stages(3, 3)),
     "s3n": variant(lambda: gpu.kv_stages(3, 3), lambda: gpu.wide_prefix_steps(0)),
-    "g4s2": variant(lambda: gpu._setting("MAX_WASTE", 16, fm)),
-    "g4s3": variant(lambda: gpu._setting("MAX_WASTE", 16, fm), lambda: gpu.kv_stages(3, 3)),
+    "g4s2": variant(lambda: gpu._setting("MAX_WASTE", 16, fp)),
+    "g4s3": variant(lambda: gpu._setting("MAX_WASTE", 16, fp), lambda: gpu.kv_stages(3, 3)),
     "u2": variant(lambda: gpu.paired_suffix(False)),
     "p2": variant(lambda: gpu.paired_suffix(True)),
     "p3": variant(lambda: gpu.paired_suffix(True), lambda: gpu.kv_stages(3, 3)),

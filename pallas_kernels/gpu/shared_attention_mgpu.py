@@ -176,6 +176,23 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   per_group = n_cols // m  # sequences per column group
   held = pl.cdiv(groups, cfg.splits)  # groups a split's suffix warpgroup takes at most
 
+  def column_softmax(st, m_s, l_s, o_t, *, n_valid, blk, col0):
+    """A transposed step's online softmax over the keys (axis 0 of ``S^T [block_s, n_cols]``,
+    a cross-warp reduction): keys past ``n_valid`` and columns outside the sequence's
+    ``[col0, col0 + G)`` masked; returns ``P^T`` and the column state ``(m, l, o^T)`` (base 2)."""
+    keys = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 0, layout=plgpu.Layout.WGMMA)
+    cols = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 1, layout=plgpu.Layout.WGMMA)
+    st = jnp.where(keys + blk * block_s < n_valid, st, -jnp.inf)
+    st = jnp.where(cols >= col0, st, -jnp.inf)
+    st = jnp.where(cols < col0 + m, st, -jnp.inf)
+    m_new = jnp.maximum(m_s, st.max(axis=0) * qk_scale)
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # columns with no visible key yet
+    alpha = jnp.exp2(m_s - m_use)
+    p_t = jnp.exp2(st * qk_scale - lax.broadcast_in_dim(m_use, st.shape, [1]))
+    l_s = l_s * alpha + p_t.sum(axis=0)
+    o_t = o_t * lax.broadcast_in_dim(alpha, o_t.shape, [1])
+    return p_t, m_new, l_s, o_t
+
   def kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref,
              *rest):
     if transposed:  # the suffix part's own outputs, merged with the prefix part's afterwards
@@ -397,18 +414,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         # barrier wait (in compute_st) and its next arrive: every phase of that barrier takes
         # one arrival from each warpgroup, so the two warpgroups' softmax sections strictly
         # alternate. Keep any cross-warp reduction inside that section.
-        keys = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 0, layout=plgpu.Layout.WGMMA)
-        cols = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 1, layout=plgpu.Layout.WGMMA)
-        st = jnp.where(keys + blk * block_s < n_valid, st, -jnp.inf)
-        st = jnp.where(cols >= col0, st, -jnp.inf)
-        st = jnp.where(cols < col0 + m, st, -jnp.inf)
-        m_new = jnp.maximum(m_s, st.max(axis=0) * qk_scale)
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # columns with no visible key yet
-        alpha = jnp.exp2(m_s - m_use)
-        p_t = jnp.exp2(st * qk_scale - lax.broadcast_in_dim(m_use, st.shape, [1]))
-        l_s = l_s * alpha + p_t.sum(axis=0)
-        o_t = o_t * lax.broadcast_in_dim(alpha, o_t.shape, [1])
-        m_s = m_new
+        p_t, m_s, l_s, o_t = column_softmax(st, m_s, l_s, o_t, n_valid=n_valid, blk=blk,
+                                            col0=col0)
         pt_smem[...] = p_t.astype(dtype)  # wgmma's B operand lives in shared memory
         plgpu.commit_smem()
         acc, m_i, l_i, o_t, m_s, l_s = lax.optimization_barrier((acc, m_i, l_i, o_t, m_s, l_s))
@@ -625,17 +632,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
           st = pl.run_scoped(compute_st, plgpu.ACC((block_s, n_cols), jnp.float32))
           pl.when(u + 1 < total)(lambda: issue(u + 1, "k"))
-          keys = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 0, layout=plgpu.Layout.WGMMA)
-          cols = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 1, layout=plgpu.Layout.WGMMA)
-          st = jnp.where(keys + blk * block_s < n_valid, st, -jnp.inf)
-          st = jnp.where(cols >= j * m, st, -jnp.inf)
-          st = jnp.where(cols < j * m + m, st, -jnp.inf)
-          m_new = jnp.maximum(m_s, st.max(axis=0) * qk_scale)
-          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # columns with no visible key yet
-          alpha = jnp.exp2(m_s - m_use)
-          p_t = jnp.exp2(st * qk_scale - lax.broadcast_in_dim(m_use, st.shape, [1]))
-          l_s = l_s * alpha + p_t.sum(axis=0)
-          o_t = o_t * lax.broadcast_in_dim(alpha, o_t.shape, [1])
+          p_t, m_new, l_s, o_t = column_softmax(st, m_s, l_s, o_t, n_valid=n_valid, blk=blk,
+                                                col0=j * m)
           spt_smem[...] = p_t.astype(dtype)  # wgmma's B operand lives in shared memory
           plgpu.commit_smem()
           plgpu.barrier_wait(sv_bar)

@@ -146,18 +146,17 @@ def merge(parts):
 
 
 @pytest.mark.parametrize("spread", [True, False])
-@pytest.mark.parametrize("steps", ["rows", "transposed", "paired"])
+@pytest.mark.parametrize("steps", ["rows", "transposed"])
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_plan_against_full_attention(data, steps, spread):
-  """Row suffix steps (half a K/V slot per warpgroup), transposed ones, and paired ones (a
-  whole slot per warpgroup: ``block_s == block_kv``)."""
+  """Row suffix steps (half a K/V slot per warpgroup) and transposed ones."""
   transposed = steps == "transposed"
   m = data.draw(st.sampled_from([1, 2, 4, 8, 16, 32]), label="G")
   batch = data.draw(st.integers(1, 3 * (CTA_ROWS // m)), label="batch")
   splits = data.draw(st.sampled_from([1, 2, 3, 5]), label="splits")
   block_kv = 8
-  block_s = block_kv if steps == "paired" else block_kv // 2
+  block_s = block_kv // 2
   p = block_kv * data.draw(st.integers(1, 4), label="prefix blocks")
   cap = block_s * data.draw(st.integers(1, 3), label="suffix blocks")
   kv_len = data.draw(st.sampled_from([0, 1, p]) | st.integers(0, p), label="kv_len")
@@ -298,63 +297,6 @@ def test_barrier_phases(n_pre, kv_short, n_sblk, seqs_per_wg, splits, spread, ct
     assert phase_errors(plan, steps_buf, fp.waits) == []
 
 
-def paired_protocol(rg, steps_buf, waits=fp.paired_waits):
-  """Paired suffix steps, checked over one split's plan: the producer loads ring positions
-  ``0 .. positions - 1`` in order, position ``c`` into slot ``c % steps_buf``; a prefix step's
-  position holds its block (read by both warpgroups), a suffix step's two positions warpgroup
-  0's then 1's keys. Each warpgroup must wait on every position's barrier exactly once (both
-  K and V: every copy arrives on the slot's "k" and "v") and, per slot, in position order.
-  Returns the errors found."""
-  n_pos, steps = int(fp.positions(rg, True)), int(rg.steps)
-  loaded = [tuple(int(x) for x in fp.position_step(jnp.int32(c), rg)) for c in range(n_pos)]
-  errors = []
-  for w in (0, 1):
-    waited = []
-    for i in range(steps):
-      suffix = bool(fp.is_suffix(jnp.int32(i), rg))
-      pos = [int(c) for c in waits(w, jnp.int32(i), rg, suffix)]
-      waited += pos
-      if loaded[pos[0]] != (i, w if suffix else 0):  # its own keys in the slot it reads
-        errors.append(("data", w, i))
-      if suffix and (len(pos) != 2 or loaded[pos[1]] != (i, 1 - w)):
-        errors.append(("other", w, i))
-    if sorted(waited) != list(range(n_pos)):
-      errors.append(("positions", w))
-    for slot in range(steps_buf):
-      mine = [c for c in waited if c % steps_buf == slot]
-      if mine != sorted(mine):
-        errors.append(("phase order", w, slot))
-  return errors
-
-
-@settings(max_examples=300, deadline=None)
-@given(**BARRIER_PLANS)
-def test_paired_barrier_protocol(n_pre, kv_short, n_sblk, seqs_per_wg, splits, spread, ctas, cta,
-                                 steps_buf):
-  """Paired suffix steps load what each warpgroup reads and wait on every barrier phase in order
-  (:func:`paired_protocol`), for both step plans."""
-  kv_len = max(n_pre * 128 - kv_short, 0)
-  for split in range(splits):
-    rg = ranges(kv_len, n_sblk * 128, split, (cta % ctas) * splits + split, n_pre=n_pre,
-                block_kv=128, block_s=128, seqs_per_wg=seqs_per_wg, splits=splits, spread=spread,
-                ctas=ctas * splits)
-    assert int(fp.positions(rg, True)) == int(rg.steps) + int(rg.n_s)
-    assert paired_protocol(rg, steps_buf) == []
-
-
-def test_paired_protocol_check_catches_mistakes():
-  """The check fails when a warpgroup would read the other warpgroup's slot, or count positions
-  as unpaired steps do (one per step: positions never waited on)."""
-  rg = ranges(2 * 128, 128, 0, 0, n_pre=2, block_kv=128, block_s=128, seqs_per_wg=2, splits=1,
-              spread=False, ctas=1)  # steps: 2 prefix blocks, then 2 suffix steps
-  assert paired_protocol(rg, 3) == []
-  swapped = lambda w, i, r, suffix: fp.paired_waits(w, i, r, suffix)[::-1]
-  errors = paired_protocol(rg, 3, swapped)
-  assert ("data", 0, 2) in errors and ("other", 1, 3) in errors
-  unpaired = lambda w, i, r, suffix: (i,)
-  assert ("positions", 0) in paired_protocol(rg, 2, unpaired)
-
-
 def test_barrier_phase_check_catches_skipped_phases():
   """Warpgroup 1 waiting only on its own half's barriers at suffix steps (what the kernel did
   before the suffix steps could sit among prefix blocks) skips phases of "k" and "v" as soon
@@ -383,42 +325,28 @@ def test_default_config_spreads_where_it_was_measured_faster():
   assert fp.SPREAD_SUFFIX is None
 
 
-def consumer_ops(w, rg, paired, *, early_other=True):
+def consumer_ops(w, rg):
   """Consumer warpgroup ``w``'s barrier operations over one split, in the kernel's order
-  (``kv_loop``), by ring position: ``("wk", p)`` / ``("wv", p)`` wait for K / V, ``("ak", p)`` /
-  ``("av", p)`` arrive on its consumed barrier, ``("sa",)`` / ``("sw",)`` arrive on / wait for the
-  schedule barrier. With paired suffix steps warpgroup 1 releases the other warpgroup's V slot
-  (the earlier position) before waiting on its own (``early_other``; False: after its product,
-  as warpgroup 0 does with the later position)."""
+  (``kv_loop``), by step: ``("wk", i)`` / ``("wv", i)`` wait for K / V, ``("ak", i)`` /
+  ``("av", i)`` arrive on its consumed barrier, ``("sa",)`` / ``("sw",)`` arrive on / wait for the
+  schedule barrier."""
   steps = int(rg.steps)
-
-  def own(i):
-    c = int(fp.position(jnp.int32(i), rg, paired))
-    return c + w if paired and bool(fp.is_suffix(jnp.int32(i), rg)) else c
-
-  ops = [("wk", own(0))] if steps else []
+  ops = [("wk", 0)] if steps else []
   if w == 1:
     ops += [("sa",), ("sw",)]
   for i in range(steps):
-    pair = paired and bool(fp.is_suffix(jnp.int32(i), rg))
-    mine = own(i)
-    other = int(fp.position(jnp.int32(i), rg, paired)) + 1 - w
-    before = pair and w == 1 and early_other
-    ops += [("sa",), ("sw",), ("ak", mine)]  # QK product, then its slot's K is released
-    ops += [("wk", other), ("ak", other)] if pair else []
+    ops += [("sa",), ("sw",), ("ak", i)]  # QK product, then its slot's K is released
     ops += [("sa",)]  # softmax done
-    ops += [("wv", other), ("av", other)] if before else []
-    ops += [("wv", mine), ("sw",)]  # PV product; in it, the next step's K
-    ops += [("wk", own(i + 1))] if i + 1 < steps else []
-    ops += [("av", mine)]
-    ops += [("wv", other), ("av", other)] if pair and not before else []
+    ops += [("wv", i), ("sw",)]  # PV product; in it, the next step's K
+    ops += [("wk", i + 1)] if i + 1 < steps else []
+    ops += [("av", i)]
   if w == 0:
     ops += [("sa",), ("sw",)]
   return ops
 
 
 def producer_ops(n_pos, steps_buf):
-  """The producer's: position ``p`` reuses the slot of ``p - steps_buf`` once both warpgroups
+  """The producer's: step ``p`` reuses the slot of ``p - steps_buf`` once both warpgroups
   released it (``("pk", .)`` / ``("pv", .)``), K then V (``("ik", p)`` / ``("iv", p)``)."""
   ops = []
   for p in range(n_pos):
@@ -466,49 +394,30 @@ def stuck(actors):
 @given(n_pre=st.integers(0, 12), kv_short=st.integers(0, 127), n_sblk=st.integers(0, 3),
        seqs_per_wg=st.sampled_from([1, 2, 4, 8]), splits=st.integers(1, 4),
        spread=st.booleans(), ctas=st.integers(1, 8), cta=st.integers(0, 7),
-       steps_buf=st.sampled_from([2, 3]), paired=st.booleans())
+       steps_buf=st.sampled_from([2, 3]))
 def test_barrier_protocol_runs_to_the_end(n_pre, kv_short, n_sblk, seqs_per_wg, splits, spread,
-                                          ctas, cta, steps_buf, paired):
+                                          ctas, cta, steps_buf):
   """The producer and the two consumer warpgroups never wait on each other in a cycle (a hang on
-  the GPU), for both step plans, with and without paired suffix steps."""
+  the GPU), for both step plans."""
   kv_len = max(n_pre * 128 - kv_short, 0)
-  block_s = 128 if paired else 64
   for split in range(splits):
-    rg = ranges(kv_len, n_sblk * block_s, split, (cta % ctas) * splits + split, n_pre=n_pre,
-                block_kv=128, block_s=block_s, seqs_per_wg=seqs_per_wg, splits=splits,
+    rg = ranges(kv_len, n_sblk * 64, split, (cta % ctas) * splits + split, n_pre=n_pre,
+                block_kv=128, block_s=64, seqs_per_wg=seqs_per_wg, splits=splits,
                 spread=spread, ctas=ctas * splits)
-    actors = [consumer_ops(0, rg, paired), consumer_ops(1, rg, paired),
-              producer_ops(int(fp.positions(rg, paired)), steps_buf)]
+    actors = [consumer_ops(0, rg), consumer_ops(1, rg), producer_ops(int(rg.steps), steps_buf)]
     assert stuck(actors) == []
 
 
 def test_barrier_protocol_check_catches_a_hang():
-  """Paired suffix steps hung on an H100 (2026-11-24) when warpgroup 1 released the other
-  warpgroup's V slot after its product: in the product it waits for its next K, which the
-  producer issues only after that V slot is released (two slots). The check finds it."""
-  rg = ranges(128, 256, 0, 0, n_pre=1, block_kv=128, block_s=128, seqs_per_wg=2, splits=1,
-              spread=False, ctas=1)  # a prefix block, then 4 suffix steps
-  late = [consumer_ops(w, rg, True, early_other=False) for w in (0, 1)]
-  assert stuck(late + [producer_ops(int(fp.positions(rg, True)), 2)]) != []
-  assert stuck(late + [producer_ops(int(fp.positions(rg, True)), 3)]) == []
-  fixed = [consumer_ops(w, rg, True) for w in (0, 1)]
-  assert stuck(fixed + [producer_ops(int(fp.positions(rg, True)), 2)]) == []
-
-
-def test_paired_suffix_is_a_switch():
-  """Paired suffix steps are off by default (slower in decoding, see
-  ``shared_attention_plan.PAIRED_SUFFIX``); ``paired_suffix(True)`` pairs wherever the capacity is
-  a multiple of 128, with the slots ``kv_stages`` sets, and never with transposed steps."""
-  import pallas_kernels.gpu as gpu
-  cfg = lambda b, p, s: fp.default_config(b * 8, 1, p, s, 8)
-  for c in (cfg(1024, 16384, 128), cfg(1024, 16384, 512), cfg(256, 4096, 128)):
-    assert not c.paired_suffix and c.block_s == 64 and c.max_concurrent_steps == 2
-  with gpu.paired_suffix(True):
-    c = cfg(256, 4096, 512)
-    assert c.paired_suffix and c.block_s == 128 and c.max_concurrent_steps == 2
-    assert not cfg(256, 4096, 192).paired_suffix
-    with gpu.kv_stages(3):
-      assert cfg(1024, 16384, 128).max_concurrent_steps == 3
-    with gpu.transposed_suffix(True):
-      assert not cfg(1024, 16384, 128).paired_suffix
-  assert fp.PAIRED_SUFFIX is False
+  """The check finds hangs: warpgroup 0 leaving out its closing schedule barrier (the kernel's
+  ``perform_schedule_barrier()`` after its last step) leaves warpgroup 1 waiting on its last
+  phase, and a consumer that never releases its V slots stalls the producer once the steps
+  outnumber the slots."""
+  rg = ranges(3 * 128, 128, 0, 0, n_pre=3, block_kv=128, block_s=64, seqs_per_wg=2, splits=1,
+              spread=False, ctas=1)  # 3 prefix blocks, then 4 suffix steps
+  c0, c1 = consumer_ops(0, rg), consumer_ops(1, rg)
+  producer = producer_ops(int(rg.steps), 2)
+  assert int(rg.steps) == 7 and stuck([c0, c1, producer]) == []
+  assert c0[-2:] == [("sa",), ("sw",)] and stuck([c0[:-2], c1, producer]) == [("sw",)]
+  keeps_v = [op for op in c0 if op[0] != "av"]
+  assert stuck([keeps_v, c1, producer]) != []

@@ -123,33 +123,6 @@ def test_fused_decode_exports_for_cuda(b, hq, hkv, d, p, s, spread):
   assert attention_kernels(text) == 0  # no Triton kernel but the split merge's
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("b,hq,hkv,d,p,s", [
-    (1024, 8, 1, 128, 16384, 128), (40, 32, 8, 128, 512, 256), (3, 16, 1, 64, 256, 128),
-    (300, 8, 1, 64, 384, 192)])
-def test_fused_decode_paired_suffix_exports_for_cuda(b, hq, hkv, d, p, s, stages):
-  """The one kernel with paired suffix steps (``paired_suffix(True)``) lowers for CUDA with two
-  and three K/V slots; a capacity that is not a multiple of 128 keeps unpaired steps."""
-  import pallas_kernels.gpu as gpu
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
-  from pallas_kernels.gpu import shared_attention_plan as fp
-  dt = jnp.bfloat16
-  fn = lambda q, pk, pv, sk, sv, n: fm.fused_decode(q, pk, pv, p, sk, sv, n, scale=0.1)
-  with gpu.paired_suffix(True), gpu.kv_stages(stages):
-    cfg = fp.default_config(b * hq // hkv, hkv, p, s, hq // hkv, head_dim=d)
-    assert cfg.paired_suffix == (s % 128 == 0) and cfg.max_concurrent_steps == stages
-    assert cfg.block_s == (128 if cfg.paired_suffix else 64)
-    text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
-                       S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
-  assert text.count(f"custom_call @{MOSAIC}") == 1 and "private @_fused_jit" in text
-  assert fp.PAIRED_SUFFIX is False  # the switch is restored
-  with pytest.raises(ValueError, match="exclude each other"):
-    bad = dataclasses.replace(cfg, paired_suffix=True, block_s=128, transposed_suffix=True)
-    jax.eval_shape(lambda *a: fm.fused_decode(*a, scale=0.1, config=bad),
-                   S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt), jnp.int32(p),
-                   S((b, 128, hkv, d), dt), S((b, 128, hkv, d), dt), S((b,), jnp.int32))
-
-
 @pytest.mark.parametrize("b,hq,hkv,d,p,s", [
     (1024, 8, 1, 128, 16384, 128), (256, 32, 8, 128, 4096, 128), (16, 2, 1, 64, 1024, 64),
     (40, 32, 8, 128, 512, 192), (3, 32, 1, 128, 256, 64), (300, 8, 1, 64, 384, 64)])
@@ -427,7 +400,6 @@ def test_suffix_warpgroup_default_switch_and_limits():
     assert one_split.splits == 1 and not one_split.suffix_wg
   assert fp.smem_bytes(on, 128, 2, 8) <= fp.SMEM_LIMIT
   assert not fp.side_fits(dataclasses.replace(on, splits=1), 128, 8)
-  assert not fp.side_fits(dataclasses.replace(on, paired_suffix=True), 128, 8)
   dt, b, p, s = jnp.bfloat16, 64, 1024, 128
   args = (S((b, 1, 8, 128), dt), S((p, 1, 128), dt), S((p, 1, 128), dt), S((b, s, 1, 128), dt),
           S((b, s, 1, 128), dt), S((b,), jnp.int32))
@@ -571,7 +543,7 @@ def test_mosaic_ir_fingerprints_tell_kernels_apart():
     (1024, 8, 1, 128, 16384, 128, {}),  # 2 splits (the paper's headline)
     (512, 8, 1, 128, 4096, 128, {}),  # 4 splits
     (700, 8, 2, 64, 2048, 64, {"splits": 3, "spread_suffix": True}),
-    (1024, 8, 1, 128, 1024, 128, {"paired_suffix": True, "block_s": 128}),
+    (1024, 8, 1, 128, 1024, 128, {"max_concurrent_steps": 3}),
     (300, 16, 1, 128, 1024, 192, {"splits": 2, "tile_max_in_kernel": True})])
 def test_fused_cluster_merge_exports_for_cuda(b, g, hkv, d, p, s, extra):
   """With ``cluster_merge`` the one kernel merges its key splits itself: it lowers for CUDA as a
@@ -598,7 +570,7 @@ def test_fused_cluster_merge_exports_for_cuda(b, g, hkv, d, p, s, extra):
   assert inside.count(f"custom_call @{MOSAIC}") == 1 and MERGE not in inside
   assert MERGE in lower(dataclasses.replace(cfg, cluster_merge=False)) or hkv > 1
   for bad in ({"splits": 1}, {"splits": 8},
-              {"transposed_suffix": True, "paired_suffix": False, "block_s": 64}):
+              {"transposed_suffix": True}):
     with pytest.raises(ValueError, match="cluster_merge needs"):
       jax.eval_shape(lambda *a: fm.fused_rows_mgpu(
           *a, rows_per_seq=g, scale=0.1, config=dataclasses.replace(cfg, **bad)),

@@ -5,7 +5,6 @@ machine (CI); ``TestNative`` is the same class with the flag flipped and runs
 the compiled kernels on a CUDA GPU (skipped elsewhere).
 """
 
-import contextlib
 import dataclasses
 import functools
 
@@ -513,7 +512,7 @@ class TestNativeFusedDecodeMergeKernel(TestNativeFusedDecode):
   """The same cases with the key splits merged by the merge kernel after the one kernel
   (``cluster_merge(False)``; by default two splits merge inside it, 3 of the 6 cases), and
   cluster-merging configurations set directly: 2, 3 and 4 splits, two KV heads, spread suffix
-  steps, paired steps, lengths reduced by XLA or in the kernel, three K/V slots."""
+  steps, lengths reduced by XLA or in the kernel, three K/V slots."""
 
   def setup_method(self):
     import pallas_kernels.gpu as gpu
@@ -526,7 +525,7 @@ class TestNativeFusedDecodeMergeKernel(TestNativeFusedDecode):
     self._switch.__exit__(None, None, None)
 
   @pytest.mark.parametrize("splits,extra", [
-      (2, {}), (3, {"spread_suffix": True}), (4, {}), (2, {"paired_suffix": True, "block_s": 128}),
+      (2, {}), (3, {"spread_suffix": True}), (4, {}), (2, {"max_concurrent_steps": 3}),
       (3, {"tile_max_in_kernel": False}), (4, {"spread_suffix": True, "max_concurrent_steps": 3})])
   def test_configs(self, splits, extra):
     from pallas_kernels.gpu import shared_attention_plan as fp
@@ -587,34 +586,6 @@ class TestNativeFusedDecodeThreeStages(TestNativeFusedDecode):
 
   def teardown_method(self):
     self._switch.__exit__(None, None, None)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
-class TestNativeFusedDecodePaired(TestNativeFusedDecode):
-  """The same cases with paired suffix steps (``paired_suffix(True)``: each warpgroup takes a
-  whole 128-key slot of one of its sequences; capacities of 64 and 192 keep unpaired steps)."""
-  stages = 2
-
-  def setup_method(self):
-    import pallas_kernels.gpu as gpu
-    from pallas_kernels.gpu import shared_attention_plan as fp
-    self._switch = contextlib.ExitStack()
-    self._switch.enter_context(gpu.paired_suffix(True))
-    self._switch.enter_context(gpu.kv_stages(self.stages, self.stages))
-    cfg = fp.default_config(128, 1, 1024, 128, 8, head_dim=128)
-    assert cfg.paired_suffix and cfg.max_concurrent_steps == self.stages
-    assert not fp.default_config(128, 1, 1024, 192, 8, head_dim=128).paired_suffix
-
-  def teardown_method(self):
-    self._switch.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
-class TestNativeFusedDecodePairedThreeStages(TestNativeFusedDecodePaired):
-  """Paired suffix steps with three K/V slots in flight."""
-  stages = 3
 
 
 @pytest.mark.gpu

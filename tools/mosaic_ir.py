@@ -35,7 +35,6 @@ PLANS = {"default": contextlib.nullcontext, "spread": lambda: gpu.spread_suffix(
          "ranges": lambda: gpu.spread_suffix(False),
          "transposed": lambda: gpu.transposed_suffix(True),
          "three_slots": lambda: gpu.kv_stages(3, 3),
-         "paired": lambda: gpu.paired_suffix(True),
          "suffix_wg": lambda: gpu.suffix_warpgroup(True)}
 
 

@@ -80,15 +80,6 @@ def spread_suffix(enabled: bool | None):
   return _setting("SPREAD_SUFFIX", None if enabled is None else bool(enabled), fp)
 
 
-def paired_suffix(enabled: bool):
-  """Temporarily sets ``shared_attention_plan.PAIRED_SUFFIX``: the one-kernel path's suffix
-  steps take two K/V slots, a whole slot of one sequence per warpgroup, wherever the suffix
-  capacity is a multiple of 128 (off by default; measured slower in decoding), for calls traced
-  inside."""
-  from pallas_kernels.gpu import shared_attention_plan as fp
-  return _setting("PAIRED_SUFFIX", bool(enabled), fp)
-
-
 # Few sequences with one shared prefix: ONE Triton kernel of per-sequence key splits over the
 # shared keys followed by each sequence's own (suffix_attention.flat_rows), instead of a prefix
 # kernel, a suffix kernel and their launch latencies. Every sequence reads the shared K/V (from

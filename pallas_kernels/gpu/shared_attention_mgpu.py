@@ -22,13 +22,6 @@ suffix of its sequences, block_s)`` blocks of each of its sequences (keys past
 a sequence's length are masked; sequences decoding from one prompt have equal
 lengths). The dispatcher uses it for ``G >= 8`` (:data:`MAX_WASTE`).
 
-Paired suffix steps (``FusedConfig.paired_suffix``, ``block_s == block_kv``; off by default,
-:data:`PAIRED_SUFFIX`): a suffix step takes two K/V ring positions, each a whole slot of ONE
-warpgroup's sequence (warpgroup 0's at the first, warpgroup 1's at the next, :func:`position`),
-so each warpgroup takes ``block_kv`` keys of one of its sequences per step: half the steps, the
-same products. Each warpgroup waits on and releases the other's slot too (barrier phases,
-:func:`paired_waits`).
-
 Key splits (flash-decoding, when the row tiles do not fill the SMs) cut the CTA's
 step list -- prefix blocks then suffix steps -- into ranges of equal step counts, or (with
 few splits and a long prefix, :func:`spreads`) each take an equal share of the prefix blocks
@@ -97,8 +90,7 @@ from pallas_kernels.gpu.merge_kernel import merge_parts, merge_to_sequences
 from pallas_kernels.gpu.prefix_attention_mgpu import store_result
 from pallas_kernels.gpu.shared_attention_plan import (
     CTA_ROWS, LSE_COLS, MAX_CLUSTER_SPLITS, FusedConfig, cluster_merge_fits,
-    default_config, is_suffix, paired_waits, position, position_step, positions, prefix_block,
-    side_groups, side_range, step_ranges, suffix_columns, suffix_step, waits)
+    default_config, is_suffix, prefix_block, side_groups, side_range, step_ranges, suffix_columns, suffix_step, waits)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -143,19 +135,16 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   m = rows_per_seq
   if r % CTA_ROWS:
     raise ValueError(f"rows ({r}) must be a multiple of {CTA_ROWS}")
-  paired = cfg.paired_suffix
-  if block_q % m or (block_s != block_kv if paired else 2 * block_s != block_kv):
+  if block_q % m or 2 * block_s != block_kv:
     raise ValueError(f"rows_per_seq ({m}) must divide {block_q}, and block_s ({block_s}) must "
-                     f"be block_kv ({block_kv}) with paired suffix steps, half of it otherwise")
-  if paired and cfg.transposed_suffix:
-    raise ValueError("paired_suffix and transposed_suffix exclude each other")
+                     f"be half of block_kv ({block_kv})")
   clustered = cfg.cluster_merge
   if clustered and not cluster_merge_fits(cfg, d, jnp.dtype(dtype).itemsize):
     raise ValueError(f"cluster_merge needs 2 <= splits <= {MAX_CLUSTER_SPLITS}, row suffix "
                      f"steps and room for the receive tiles in the K/V slots; got {cfg}")
   side = cfg.suffix_wg
-  if side and (paired or cfg.transposed_suffix or cfg.splits < 2 or m > block_q):
-    raise ValueError(f"suffix_wg needs row suffix steps (not paired or transposed), splits >= 2 "
+  if side and (cfg.transposed_suffix or cfg.splits < 2 or m > block_q):
+    raise ValueError(f"suffix_wg needs row suffix steps (not transposed), splits >= 2 "
                      f"and rows_per_seq <= {block_q}; got {cfg}, rows_per_seq={m}")
   regs = cfg.regs or (SIDE_REGS if side else REGS)
   if len(regs) != 3 + side - 1 or 2 * regs[0] + sum(regs[1:]) > 512 or any(n % 8 for n in regs):
@@ -273,17 +262,13 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           if name[0] == kind:
             plgpu.barrier_wait(bars[name].at[slot])
 
-      def wait_slot(i):
-        """The slot whose K barrier step i waits on first: with paired suffix steps, the
-        warpgroup's own (:func:`paired_waits`; the other's is waited on later in the step)."""
-        c = i
-        if paired:
-          c = position(i, ranges, True) + jnp.where(is_suffix(i, ranges), w, 0)
-        return lax.rem(c, jnp.array(steps_buf, c.dtype))
+      def slot_of(i):
+        """The K/V slot of local step i."""
+        return lax.rem(i, jnp.array(steps_buf, i.dtype))
 
       def wait_for(kind: str, i, slot):
         """:func:`wait_on` for local step i, whose kind is known only when the kernel runs."""
-        if w == 0 or paired:  # paired suffix steps arrive on "k" and "v" only
+        if w == 0:
           wait_on(kind, False, slot)
         else:
           suffix = is_suffix(i, ranges)
@@ -301,21 +286,15 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
       @pl.when(steps > 0)
       def _():
-        wait_k(jnp.int32(0), wait_slot(jnp.int32(0)) if paired else 0)
+        wait_k(jnp.int32(0), 0)
 
       if w == 1:
         perform_schedule_barrier()
 
       def kv_loop(i, carry, kind: str):
         acc, m_i, l_i = carry
-        ring = lambda c: lax.rem(c, jnp.array(steps_buf, c.dtype))
-        slot = ring(position(i, ranges, paired))
-        pair = paired and kind == "suffix"
-        if pair:  # a whole slot of the warpgroup's own; the other warpgroup's slot next to it
-          c0, c1 = paired_waits(w, i, ranges, True)
-          slot, other = ring(c0), ring(c1)
-          k_tile, v_tile, n_keys = k_smem.at[slot], v_smem.at[slot], block_kv
-        elif kind == "suffix":
+        slot = slot_of(i)
+        if kind == "suffix":
           half = pl.ds(w * block_s, block_s)
           k_tile, v_tile, n_keys = k_smem.at[slot, half], v_smem.at[slot, half], block_s
         else:
@@ -332,9 +311,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
         qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, n_keys), jnp.float32))
         plgpu.barrier_arrive(k_consumed_barriers.at[slot])
-        if pair:  # the other warpgroup's K: waited on (its phase), released, not read
-          plgpu.barrier_wait(k_barriers.at[other])
-          plgpu.barrier_arrive(k_consumed_barriers.at[other])
         if kind == "prefix_last":
           cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_keys), 1, layout=plgpu.Layout.WGMMA)
           qk = jnp.where(cols + prefix_block(i, ranges) * block_kv < kv_len, qk, -jnp.inf)
@@ -357,26 +333,17 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         l_i += p_.sum(axis=1)
         acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
         plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
-        if pair:
-          if w == 1:  # the other slot comes first: release it before waiting on anything later
-            plgpu.barrier_wait(v_barriers.at[other])
-            plgpu.barrier_arrive(v_consumed_barriers.at[other])
-          plgpu.barrier_wait(v_barriers.at[slot])
-        else:
-          wait_on("v", kind == "suffix", slot)
+        wait_on("v", kind == "suffix", slot)
         plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
 
         def compute_pv(acc_ref):
           plgpu.wgmma(acc_ref, p16, v_tile)
           wait_step = i + 1
-          next_slot = wait_slot(wait_step)
+          next_slot = slot_of(wait_step)
           pl.when(wait_step < steps)(lambda: wait_k(wait_step, next_slot))
 
         acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_consumed_barriers.at[slot])
-        if pair and w == 0:  # the other slot comes next: its V lands last, after this product
-          plgpu.barrier_wait(v_barriers.at[other])
-          plgpu.barrier_arrive(v_consumed_barriers.at[other])
         return acc, m_i, l_i
 
       def suffix_step_transposed(i, carry):
@@ -426,7 +393,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         def compute_pv(acc_ref):  # V^T P^T [D, n_cols], added to O^T below
           plgpu.wgmma(acc_ref, vs_smem.at[slot, half].transpose((1, 0)), pt_smem)
           wait_step = i + 1
-          next_slot = wait_slot(wait_step)
+          next_slot = slot_of(wait_step)
           pl.when(wait_step < steps)(lambda: wait_k(wait_step, next_slot))
           return acc_ref[...]
 
@@ -673,14 +640,12 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     def _memory_wg():
       plgpu.set_max_registers(regs[1], action="decrease")
 
-      def issue(c, slot, which: str):
-        """Loads ring position c (local step c unless paired) into the slot."""
+      def issue(i, slot, which: str):
+        """Loads local step i into the slot."""
         src_pre, src_suf = (k_ref, sk_ref) if which == "k" else (v_ref, sv_ref)
         smem = (k_smem if which == "k" else v_smem).at[slot]
         suf_smem = vs_smem.at[slot] if transposed and which == "v" else smem
         bars = (k_barriers, k1_barriers) if which == "k" else (v_barriers, v1_barriers)
-
-        i, owner = position_step(c, ranges) if paired else (c, None)
         suffix = is_suffix(i, ranges)
 
         @pl.when(~suffix)
@@ -688,15 +653,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           blk = prefix_block(i, ranges)
           plgpu.copy_gmem_to_smem(src_pre.at[pl.ds(blk * block_kv, block_kv), head], smem,
                                   bars[0].at[slot])
-
-        if paired:
-          @pl.when(suffix)
-          def _suffix_paired():  # one warpgroup's sequence, block_kv keys: the whole slot
-            seq, _, blk = suffix_coords(i, owner)
-            plgpu.copy_gmem_to_smem(
-                src_suf.at[jnp.minimum(seq, batch - 1), pl.ds(blk * block_s, block_s), head],
-                smem, bars[0].at[slot])
-          return
 
         @pl.when(suffix)
         def _suffix():
@@ -706,14 +662,13 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                 src_suf.at[jnp.minimum(seq, batch - 1), pl.ds(blk * block_s, block_s), head],
                 suf_smem.at[pl.ds(w * block_s, block_s)], bars[w].at[slot])
 
-      n_pos = positions(ranges, paired)
       for i in range(steps_buf):
-        @pl.when(i < n_pos)
+        @pl.when(i < steps)
         def _first(i=i):
           issue(jnp.int32(i), i, "k")
           issue(jnp.int32(i), i, "v")
 
-      @pl.loop(0, jnp.maximum(n_pos - steps_buf, 0))
+      @pl.loop(0, jnp.maximum(steps - steps_buf, 0))
       def _kv_loop(i):
         step = i + steps_buf
         slot = lax.rem(i, jnp.array(steps_buf, i.dtype))

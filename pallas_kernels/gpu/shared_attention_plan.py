@@ -43,10 +43,6 @@ class FusedConfig:
   # of the splits at the end of "prefix blocks, then suffix steps" holding every suffix step.
   # default_config decides (:func:`spreads`).
   spread_suffix: bool = False
-  # Paired suffix steps (block_s == block_kv): a suffix step takes two K/V slots, each holding
-  # block_kv keys of ONE warpgroup's sequence, so each warpgroup multiplies its 64 rows against
-  # a whole slot (half as many steps as with the halves of one slot). See :func:`position`.
-  paired_suffix: bool = False
   # Each CTA takes the longest suffix of its sequences itself (one load per sequence) instead of
   # reading it from a reduction XLA runs before the kernel (:data:`TILE_MAX_IN_KERNEL`).
   tile_max_in_kernel: bool = False
@@ -99,14 +95,13 @@ SPREAD_SUFFIX: bool | None = None
 # on the pipeline's depth.
 STAGES = 2
 
-# FusedConfig.paired_suffix as default_config sets it (read when tracing): True pairs wherever
-# the suffix capacity is a multiple of block_kv (with :data:`STAGES` K/V slots; experiments).
-# Off: with three slots paired steps save 1.1-1.7 us where every suffix fills its 128-key slot
-# (paper shape B=1024 S=128, three runs), but lose where the suffixes are half full or less, as
-# in the first half of decoding into a 128-key buffer (64 valid keys: P=16K 122.6 vs 118.1 us,
-# P=4K 47.1 vs 41.7), and lose with longer suffixes or 8 key splits; with two slots they lose
-# everywhere (tools/device/stages.py, 2026-11-24, docs/results/2026-11-24-h100-paired).
-PAIRED_SUFFIX = False
+# Paired suffix steps -- each warpgroup taking a whole 128-key slot of one of its sequences per
+# suffix step, half the steps for the same products -- passed the native tests on an H100 and
+# stayed off (2026-11-24, docs/results/2026-11-24-h100-paired): with three K/V slots they saved
+# 1.1-1.7 us where every suffix fills its 128-key slot (paper shape B=1024 S=128) but lost where
+# the suffixes are half full or less, as in decoding (64 valid keys: P=16K 122.6 vs 118.1 us, P=4K
+# 47.1 vs 41.7), with longer suffixes, with 8 key splits, and everywhere with two slots. Removed
+# on 2026-11-24 (later); the patch that restores them is in that folder.
 
 # FusedConfig.tile_max_in_kernel as default_config sets it (read when tracing), where a CTA holds
 # at most MAX_TILE_LOADS sequences (G >= 8); TestNativeFusedDecodeXlaTileMax covers the off case.
@@ -276,8 +271,6 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX,
                     tile_max_in_kernel=TILE_MAX_IN_KERNEL
                     and 2 * FusedConfig.block_q // rows_per_seq <= MAX_TILE_LOADS)
-  if PAIRED_SUFFIX and not cfg.transposed_suffix and capacity % cfg.block_kv == 0:
-    cfg = dataclasses.replace(cfg, paired_suffix=True, block_s=cfg.block_kv)
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
   prefix_blocks = prefix // cfg.block_kv
   suffix_steps = (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
@@ -298,7 +291,7 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
 def side_fits(cfg: FusedConfig, head_dim: int, rows_per_seq: int, itemsize: int = 2) -> bool:
   """Whether ``cfg`` (with ``suffix_wg``) can run: row suffix steps, two or more key splits
   and the suffix warpgroup's buffers within the shared memory."""
-  return (not cfg.paired_suffix and not cfg.transposed_suffix and cfg.splits >= 2
+  return (not cfg.transposed_suffix and cfg.splits >= 2
           and rows_per_seq <= cfg.block_q
           and smem_bytes(cfg, head_dim, itemsize, rows_per_seq) <= SMEM_LIMIT)
 
@@ -411,35 +404,3 @@ def suffix_step(i, r: StepRanges, *, rows_per_seq: int, transposed: bool = False
   start = (i == r.o) | ((col0 == 0) & (blk == 0))
   end = (i == r.o + r.n_s - 1) | ((col0 + m == n_cols) & (blk == n_sblk - 1))
   return j, blk, g_first, col0, start, end
-
-
-def position(i, r: StepRanges, paired: bool):
-  """The K/V ring position of local step ``i``'s (first) slot: ``i``, but with paired suffix
-  steps each suffix step before ``i`` takes two positions. Position ``c`` uses slot
-  ``c % max_concurrent_steps``, and the producer loads positions in order."""
-  if not paired:
-    return i
-  return i + jnp.clip(i - r.o, 0, r.n_s)
-
-
-def positions(r: StepRanges, paired: bool):
-  """The split's number of ring positions (K/V slot loads)."""
-  return r.steps + r.n_s if paired else r.steps
-
-
-def position_step(c, r: StepRanges):
-  """Paired suffix steps: the local step loaded at ring position ``c`` and the warpgroup whose
-  keys it holds (0 for a prefix step, read by both), the inverse of :func:`position` (suffix
-  step ``i`` holds warpgroup 0's keys at ``position(i)``, warpgroup 1's at the next)."""
-  in_suffix = (c >= r.o) & (c < r.o + 2 * r.n_s)
-  i = jnp.where(c < r.o, c, jnp.where(in_suffix, r.o + lax.div(c - r.o, 2), c - r.n_s))
-  return i, jnp.where(in_suffix, lax.rem(c - r.o, 2), 0)
-
-
-def paired_waits(w: int, i, r: StepRanges, suffix: bool):
-  """Paired suffix steps: the ring positions whose K (and V) barriers warpgroup ``w`` waits on at
-  local step ``i``, in order: its own slot's first, then (at a suffix step) the other
-  warpgroup's, whose data it does not read (every phase of a barrier must be waited on, see
-  :func:`arrivals`)."""
-  c = position(i, r, True)
-  return (c + w, c + 1 - w) if suffix else (c,)

@@ -1,4 +1,4 @@
-"""K/V slots in flight (two or three) and paired suffix steps for the Mosaic GPU kernels, A/B in
+"""K/V slots in flight (two or three) and other plan switches of the Mosaic GPU kernels, A/B in
 one process (device experiment).
 
   PYTHONPATH=. python3 tools/device/stages.py --out $OUT [--specs paper:1024:16384:128,...]
@@ -14,9 +14,8 @@ checked against the first op's):
   so long prefixes take three slots too;
 - ``g4s2`` / ``g4s3``: the one kernel forced on at G = 4 (``MAX_WASTE = 16``), two or three
   slots;
-- ``u2``: ``s2`` with the suffix steps never paired (``paired_suffix(False)``);
-- ``p2`` / ``p3``: paired suffix steps in the one kernel (``paired_suffix(True)``: each
-  warpgroup a whole 128-key slot of one sequence), two or three slots;
+- (``u2``, ``p2``, ``p3``: paired suffix steps, removed with them; see
+  ``docs/results/2026-11-24-h100-paired``);
 - ``tk``: the one kernel takes each row tile's longest suffix itself (``TILE_MAX_IN_KERNEL``)
   instead of XLA's reduction before it;
 - ``cm``: the one kernel merges its 2-4 key splits itself, each row tile's splits one cluster
@@ -70,9 +69,6 @@ OPS = {
     "s3n": variant(lambda: gpu.kv_stages(3, 3), lambda: gpu.wide_prefix_steps(0)),
     "g4s2": variant(lambda: gpu._setting("MAX_WASTE", 16, fp)),
     "g4s3": variant(lambda: gpu._setting("MAX_WASTE", 16, fp), lambda: gpu.kv_stages(3, 3)),
-    "u2": variant(lambda: gpu.paired_suffix(False)),
-    "p2": variant(lambda: gpu.paired_suffix(True)),
-    "p3": variant(lambda: gpu.paired_suffix(True), lambda: gpu.kv_stages(3, 3)),
     "tk": variant(lambda: gpu.tile_max_in_kernel(True)),
     "cm": variant(lambda: gpu.cluster_merge(True)),
     "cmtk": variant(lambda: gpu.cluster_merge(True), lambda: gpu.tile_max_in_kernel(True)),

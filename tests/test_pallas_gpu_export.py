@@ -123,33 +123,6 @@ def test_fused_decode_exports_for_cuda(b, hq, hkv, d, p, s, spread):
   assert attention_kernels(text) == 0  # no Triton kernel but the split merge's
 
 
-@pytest.mark.parametrize("b,hq,hkv,d,p,s", [
-    (1024, 8, 1, 128, 16384, 128), (256, 32, 8, 128, 4096, 128), (16, 2, 1, 64, 1024, 64),
-    (40, 32, 8, 128, 512, 192), (3, 32, 1, 128, 256, 64), (300, 8, 1, 64, 384, 64)])
-def test_fused_decode_transposed_suffix_exports_for_cuda(b, hq, hkv, d, p, s):
-  """The one kernel with transposed suffix steps (``transposed_suffix(True)``: any G >= 2) lowers
-  for CUDA: one Mosaic GPU kernel, whose suffix part (o^T per column group of max(16, G) rows)
-  comes out beside the prefix part and is merged with it, read in place, by the merge kernel."""
-  import pallas_kernels.gpu as gpu
-  from pallas_kernels.gpu import shared_attention_plan as fp
-  dt = jnp.bfloat16
-  fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
-                                                             impl="pallas:mosaic_gpu")
-  g = hq // hkv
-  assert fp.waste(g, transposed=True) == max(16, g) // g and fp.waste(g) == 64 // g
-  with gpu.flat_decode(0), gpu.transposed_suffix(True):
-    text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
-                       S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
-  assert text.count(f"custom_call @{MOSAIC}") == 1 and "private @_fused_jit" in text
-  n = max(16, g)
-  assert f"x{d}x{n}xbf16>" in text  # the suffix part's [splits, Hkv, R / n, D, n] output
-  assert attention_kernels(text) == 0
-  # Merged in place into [B, 1, Hq, D] by one merge kernel: no concatenation, no transpose of
-  # the suffix part.
-  assert "hydragen_merge_sequences" in text and "concatenate" not in text
-  assert not fp.TRANSPOSED_SUFFIX  # the switch is restored
-
-
 # The small-batch path on both families: G 1..8, D 64/80/128/256, Tq 1 and 4 (causal inside
 # the own keys), buffers off the block multiples.
 FLAT_SWEEP = [(b, hkv * g, hkv, d, p, s, tq, impl)
@@ -298,10 +271,6 @@ def test_kv_slots_follow_the_shared_memory(d):
     wide = mg.default_config(8192, 1, 16384, 128)  # 8K keys per split: 192-key steps, two slots
     assert (wide.block_kv, wide.max_concurrent_steps) == (192, 2)
     assert prefix_cfg(4096, 256).max_concurrent_steps == 2
-    with gpu.transposed_suffix(True):  # its extra tiles leave room for three slots at D = 64 only
-      cfg = fused_cfg()
-      assert cfg.max_concurrent_steps == (3 if d == 64 else 2)
-      assert MOSAIC in lower_fused(cfg)
   # Four slots: the model and Mosaic GPU agree (they fit at D = 64, not at D = 128), and the
   # defaults take them only where they fit.
   four = dataclasses.replace(fused_cfg(), max_concurrent_steps=4)
@@ -335,7 +304,7 @@ def test_prefix_kernel_overlap_exports_for_cuda(block_kv, splits, d, stages):
 
 
 @pytest.mark.parametrize("b,g,d,extra", [(1024, 8, 128, {}), (300, 8, 64, {}), (100, 16, 128, {}),
-                                         (256, 8, 128, {"transposed_suffix": True})])
+                                         (256, 8, 128, {"max_concurrent_steps": 3})])
 def test_fused_tile_max_in_kernel_exports_for_cuda(b, g, d, extra):
   """With ``TILE_MAX_IN_KERNEL`` the one kernel lowers without XLA's reduction of the suffix
   lengths before it (and with it otherwise); G < 8 (more than MAX_TILE_LOADS sequences per CTA)
@@ -569,8 +538,7 @@ def test_fused_cluster_merge_exports_for_cuda(b, g, hkv, d, p, s, extra):
   inside = lower(cfg)
   assert inside.count(f"custom_call @{MOSAIC}") == 1 and MERGE not in inside
   assert MERGE in lower(dataclasses.replace(cfg, cluster_merge=False)) or hkv > 1
-  for bad in ({"splits": 1}, {"splits": 8},
-              {"transposed_suffix": True}):
+  for bad in ({"splits": 1}, {"splits": 8}):
     with pytest.raises(ValueError, match="cluster_merge needs"):
       jax.eval_shape(lambda *a: fm.fused_rows_mgpu(
           *a, rows_per_seq=g, scale=0.1, config=dataclasses.replace(cfg, **bad)),

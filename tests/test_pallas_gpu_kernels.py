@@ -19,7 +19,7 @@ from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_a
 from jax_shared_attn.testing import lse_err, oracle_full, oracle_tree, rel_err, tolerance
 from pallas_kernels.gpu import prefix_attention, segment_attention, suffix_attention
 from pallas_kernels.gpu import _common
-from pallas_kernels.gpu.merge_kernel import merge_parts, merge_to_sequences
+from pallas_kernels.gpu.merge_kernel import merge_parts
 from pallas_kernels.gpu.suffix_attention import SuffixConfig, flat_rows
 from strategies import SEEDS, count_case, lengths, rand
 
@@ -66,8 +66,6 @@ class TestInterpret:
                                          "by_sequence"))
     self.merge = jax.jit(functools.partial(merge_parts, interpret=self.interpret),
                          static_argnames=("out_dtype",))
-    self.merge_seq = jax.jit(functools.partial(merge_to_sequences, interpret=self.interpret),
-                             static_argnames=("batch", "rows_per_seq", "out_dtype"))
 
   def run_prefix(self, data, seed, case):
     count_case("triton_prefix")
@@ -223,65 +221,6 @@ class TestInterpret:
   def test_merge_kernel(self, out_dtype):
     given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples)(
         lambda data, seed: self.run_merge(data, seed, out_dtype)))()
-
-  def run_merge_to_sequences(self, data, seed):
-    """Head-major partial states (and transposed column-group parts, as the one kernel's
-    transposed suffix steps write them) merged straight into [B, Hkv, G, D]: padding rows and
-    the bytes of parts with lse = -inf hold NaN (never written), which must not leak."""
-    count_case("triton_merge_sequences")
-    rng = np.random.default_rng(seed)
-    g = data.draw(st.sampled_from([1, 2, 4, 8, 16, 32]))
-    hkv = data.draw(st.integers(1, 3))
-    b = data.draw(st.integers(1, 40))
-    d = data.draw(st.sampled_from([16, 64, 128]))
-    n = data.draw(st.integers(1, 3))
-    m = data.draw(st.integers(0, 3))
-    n_group = max(16, g)
-    r = -(-b * g // 128) * 128
-    p_empty = data.draw(st.sampled_from([0.0, 0.3, 1.0]))
-
-    def stack(k, shape, dtype):
-      o, o64 = rand(rng, shape, dtype)
-      lse = np.where(rng.random((k, hkv, r)) < p_empty, -np.inf,
-                     rng.normal(size=(k, hkv, r)) * 20).astype(np.float32)
-      return np.asarray(o), o64, lse
-
-    dtype = data.draw(st.sampled_from(["float32", "bfloat16"]))
-    o, o64, lse = stack(n, (n, hkv, r, d), dtype)
-    outs64, lses64 = [o64], [lse.astype(np.float64)]
-    cols = None
-    if m:
-      oc, oc64, lc = stack(m, (m, hkv, r // n_group, d, n_group), dtype)
-      oc_rows = np.swapaxes(oc64, -1, -2).reshape(m, hkv, r, d)
-      outs64.append(oc_rows)
-      lses64.append(lc.astype(np.float64))
-      # A split that never reached a group did not write it: NaN bytes under lse = -inf.
-      hole = np.isneginf(lc).reshape(m, hkv, r // n_group, 1, n_group)
-      oc = np.where(hole, np.nan, oc.astype(np.float32)).astype(oc.dtype)
-      cols = (jnp.asarray(oc), jnp.asarray(lc))
-    o = o.astype(np.float32)
-    o[:, :, b * g:] = np.nan  # padding rows
-    out, out_lse = self.merge_seq(jnp.asarray(o, dtype), jnp.asarray(lse), cols, batch=b,
-                                  rows_per_seq=g, out_dtype=dtype)
-    L = np.concatenate(lses64)[:, :, :b * g]
-    O = np.concatenate(outs64)[:, :, :b * g]
-    with np.errstate(divide="ignore", invalid="ignore"):
-      ref_lse = np.logaddexp.reduce(L, axis=0)
-      w = np.where(np.isneginf(L), 0.0, np.exp(L - np.where(np.isneginf(ref_lse), 0, ref_lse)))
-    ref_out = np.einsum("nhr,nhrd->hrd", w, O)
-    # [Hkv, B * G, ...] -> [B, Hkv, G, ...]
-    ref_out = np.moveaxis(ref_out.reshape(hkv, b, g, d), 0, 1)
-    ref_lse = np.moveaxis(ref_lse.reshape(hkv, b, g), 0, 1)
-    assert out.shape == (b, hkv, g, d) and out_lse.shape == (b, hkv, g)
-    assert out.dtype == jnp.dtype(dtype)
-    assert not np.isnan(f64(out)).any() and not np.isnan(np.asarray(out_lse)).any()
-    assert rel_err(out, ref_out) <= (1e-6 if dtype == "float32" else tolerance(dtype))
-    assert lse_err(out_lse, ref_lse) <= 1e-6
-    assert np.all(f64(out)[np.isneginf(ref_lse)] == 0)
-
-  def test_merge_to_sequences(self):
-    given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples, deadline=None)(
-        lambda data, seed: self.run_merge_to_sequences(data, seed)))()
 
   @pytest.mark.parametrize("flat", [True, "sequence_major", False])
   def test_public_api_through_triton(self, flat):
@@ -583,22 +522,6 @@ class TestNativeFusedDecodeThreeStages(TestNativeFusedDecode):
     self._switch = gpu.kv_stages(3, 3)
     self._switch.__enter__()
     assert fp.default_config(128, 1, 1024, 128, 8, head_dim=128).max_concurrent_steps == 3
-
-  def teardown_method(self):
-    self._switch.__exit__(None, None, None)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
-class TestNativeFusedDecodeTransposed(TestNativeFusedDecode):
-  """The same cases with the suffix steps as transposed products (keys on the wgmma M side,
-  max(16, G) query rows as N; column groups of several sequences at G < 16, key splits cutting
-  groups). Not the default until this class passes on a GPU."""
-
-  def setup_method(self):
-    import pallas_kernels.gpu as gpu
-    self._switch = gpu.transposed_suffix(True)
-    self._switch.__enter__()
 
   def teardown_method(self):
     self._switch.__exit__(None, None, None)

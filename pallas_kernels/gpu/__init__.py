@@ -62,14 +62,6 @@ def fused_decode(enabled: bool):
   return _setting("FUSED_DECODE", bool(enabled))
 
 
-def transposed_suffix(enabled: bool):
-  """Temporarily runs the one-kernel path's suffix steps as transposed products (keys on the
-  wgmma M side; ``shared_attention_plan.TRANSPOSED_SUFFIX``), and lets it take any G whose
-  waste that keeps within ``MAX_WASTE`` (G >= 2), for calls traced inside."""
-  from pallas_kernels.gpu import shared_attention_plan as fp
-  return _setting("TRANSPOSED_SUFFIX", bool(enabled), fp)
-
-
 def spread_suffix(enabled: bool | None):
   """Temporarily sets ``shared_attention_plan.SPREAD_SUFFIX``: the one-kernel path's key splits
   each take an equal share of prefix blocks and suffix steps, the suffix steps' position

@@ -128,11 +128,10 @@ def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int = 128,
   return staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
 
 
-def store_result(acc, m_i, l_i, qo_smem, out_dst, lse_dst, *, dtype, extra=None):
+def store_result(acc, m_i, l_i, qo_smem, out_dst, lse_dst, *, dtype):
   """A consumer warpgroup's epilogue (this kernel's and the one-kernel decode path's): ``O / l``
   in ``dtype`` through its query tile in shared memory to ``out_dst`` (TMA), the natural-log LSE
-  from registers to ``lse_dst``; rows without keys give ``(0, -inf)``, not 0/0. ``extra``
-  issues further copies before the wait for them all."""
+  from registers to ``lse_dst``; rows without keys give ``(0, -inf)``, not 0/0."""
   has = l_i > 0
   safe_l = jnp.where(has, l_i, 1.0)
   acc /= lax.broadcast_in_dim(safe_l, acc.shape, [0])
@@ -141,8 +140,6 @@ def store_result(acc, m_i, l_i, qo_smem, out_dst, lse_dst, *, dtype, extra=None)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(qo_smem, out_dst)
   lse_dst[...] = lse
-  if extra is not None:
-    extra()
   plgpu.wait_smem_to_gmem(0)
 
 

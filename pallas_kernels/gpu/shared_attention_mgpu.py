@@ -38,23 +38,15 @@ barrier; the receive tiles alias the K/V slots); it merges them in registers and
 final rows. With two splits the two CTAs exchange one tile each and each merges and stores half
 the rows.
 
-Transposed suffix steps (``FusedConfig.transposed_suffix``; off by default, measured slower at
-most shapes, :data:`TRANSPOSED_SUFFIX`): a suffix step multiplies the sequence's 64 keys (wgmma's M side)
-against the ``N = max(16, G)`` query rows of the column group holding it, ``S^T = K Q_g^T``, so
-the waste is ``N / G`` instead of ``64 / G``; the softmax runs over the keys axis (a cross-warp
-reduction), the probabilities go to shared memory as wgmma's B operand, ``O^T += V^T P^T`` with
-the suffix V tiles in a narrower swizzle (a second view of the same V slots, ``plgpu.RefUnion``).
-The group's state runs across its sequences' steps and is written out, normalised, at the
-group's end (``[splits, Hkv, R / N, D, N]`` in q's dtype, and its LSE); the merge kernel
-(:func:`merge_kernel.merge_to_sequences`) merges it with the prefix part and the key splits,
-reading both where the kernel wrote them and writing ``[B, 1, Hq, D]``.
-
 The suffix warpgroup (``FusedConfig.suffix_wg``; off by default, :data:`SUFFIX_WG`): a fourth
 warpgroup per CTA takes the suffixes while the two consumer warpgroups run only prefix blocks.
 Split ``s`` of a row tile holds an equal share of its column groups (:func:`side_range`: with two
 splits, one consumer warpgroup's rows each) and, per group, its sequences' ``block_s``-key blocks
-up to the longest of the group's sequences (not the tile's): transposed products as above, with
-one K and one V slot of its own. At a group's end its normalised ``o^T`` and base-2 LSE go to
+up to the longest of the group's sequences (not the tile's), as transposed products: the keys on
+wgmma's M side against the ``N = max(16, G)`` query rows of the column group holding the
+sequence, ``S^T = K Q_g^T`` (``N / G`` times the useful products, not ``64 / G``), a softmax over
+the keys axis (a cross-warp reduction), the probabilities to shared memory as wgmma's B operand
+and ``O^T += V^T P^T``, with one K and one V slot of its own. At a group's end its normalised ``o^T`` and base-2 LSE go to
 shared memory; when the consumers are past their last prefix block they fold them into their
 state: a wgmma of a 0/1 placement matrix in registers against the ``o^T`` tile read transposed
 puts each group's rows in place, then an exact LSE merge (:func:`fold_suffix`).
@@ -86,11 +78,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu import _common
-from pallas_kernels.gpu.merge_kernel import merge_parts, merge_to_sequences
+from pallas_kernels.gpu.merge_kernel import merge_parts
 from pallas_kernels.gpu.prefix_attention_mgpu import store_result
 from pallas_kernels.gpu.shared_attention_plan import (
-    CTA_ROWS, LSE_COLS, MAX_CLUSTER_SPLITS, FusedConfig, cluster_merge_fits,
-    default_config, is_suffix, prefix_block, side_groups, side_range, step_ranges, suffix_columns, suffix_step, waits)
+    CTA_ROWS, LSE_COLS, MAX_CLUSTER_SPLITS, FusedConfig, cluster_merge_fits, default_config,
+    is_suffix, prefix_block, side_groups, side_range, step_ranges, suffix_columns, suffix_step,
+    waits)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -121,10 +114,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   ``suffix_lengths`` int32 ``[B]``.
 
   Returns ``out [splits, Hkv, R, D]`` in q's dtype and natural-log ``lse [splits, Hkv, R]``
-  (one split, merged, with ``cluster_merge``); with transposed suffix steps those are the
-  prefix part, followed by the suffix part
-  ``[splits, Hkv, R / N, D, N]`` (q's dtype; groups a split never reached are not written,
-  their LSE is -inf) and its LSE ``[splits, Hkv, R]``.
+  (one split, merged, with ``cluster_merge``).
   """
   hkv, r, d = q_rows.shape
   p = k.shape[0]
@@ -143,8 +133,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     raise ValueError(f"cluster_merge needs 2 <= splits <= {MAX_CLUSTER_SPLITS}, row suffix "
                      f"steps and room for the receive tiles in the K/V slots; got {cfg}")
   side = cfg.suffix_wg
-  if side and (cfg.transposed_suffix or cfg.splits < 2 or m > block_q):
-    raise ValueError(f"suffix_wg needs row suffix steps (not transposed), splits >= 2 "
+  if side and (cfg.splits < 2 or m > block_q):
+    raise ValueError(f"suffix_wg needs splits >= 2 "
                      f"and rows_per_seq <= {block_q}; got {cfg}, rows_per_seq={m}")
   regs = cfg.regs or (SIDE_REGS if side else REGS)
   if len(regs) != 3 + side - 1 or 2 * regs[0] + sum(regs[1:]) > 512 or any(n % 8 for n in regs):
@@ -158,15 +148,14 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   tiles = r // CTA_ROWS  # row tiles per KV head
   steps_buf = cfg.max_concurrent_steps
   qk_scale = scale * LOG2E
-  transposed = cfg.transposed_suffix
-  n_cols = suffix_columns(m)  # transposed suffix steps: query rows per step (a column group)
+  n_cols = suffix_columns(m)  # the suffix warpgroup's query rows per product (a column group)
   groups = side_groups(m)  # the suffix warpgroup's column groups per row tile
   wg_groups = block_q // n_cols  # of which in one consumer warpgroup's rows
   per_group = n_cols // m  # sequences per column group
   held = pl.cdiv(groups, cfg.splits)  # groups a split's suffix warpgroup takes at most
 
   def column_softmax(st, m_s, l_s, o_t, *, n_valid, blk, col0):
-    """A transposed step's online softmax over the keys (axis 0 of ``S^T [block_s, n_cols]``,
+    """The suffix warpgroup's online softmax over the keys (axis 0 of ``S^T [block_s, n_cols]``,
     a cross-warp reduction): keys past ``n_valid`` and columns outside the sequence's
     ``[col0, col0 + G)`` masked; returns ``P^T`` and the column state ``(m, l, o^T)`` (base 2)."""
     keys = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 0, layout=plgpu.Layout.WGMMA)
@@ -184,10 +173,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
   def kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref,
              *rest):
-    if transposed:  # the suffix part's own outputs, merged with the prefix part's afterwards
-      osuf_ref, lsuf_ref, scoped = rest
-    else:
-      (scoped,) = rest
+    (scoped,) = rest
     head = lax.axis_index("heads")
     tile = lax.axis_index("q_seq")
     split = lax.axis_index("split")
@@ -200,12 +186,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       recv_barrier, done_barrier = scoped[4]
     else:
       qo_smem2, k_smem, v_smem = smem_buffers
-    if transposed:
-      # V slots: prefix tiles in the 128-byte swizzle of the row products, suffix tiles in the
-      # narrower swizzle of the transposed product's probabilities (wgmma needs both operands'
-      # swizzles equal); a slot holds one or the other (written after its last reader is done).
-      v_smem, vs_smem = v_smem
-      pt_smem2, osuf_smem2, lsuf_smem2 = scoped[4]
     # Per slot: K and V landed (prefix steps, and warpgroup 0's half of suffix steps); warpgroup
     # 1's half of suffix steps; the query tiles.
     k_barriers, v_barriers, k1_barriers, v1_barriers, q_barriers = buffer_barriers
@@ -235,7 +215,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
     def suffix_coords(i, w: int):
       """Sequence (of warpgroup w) and key block of local step i (a suffix step)."""
-      j, blk = suffix_step(i, ranges, rows_per_seq=m)
+      j, blk = suffix_step(i, ranges)
       return seq0 + w * seqs_per_wg + j, j, blk
 
     def perform_schedule_barrier():
@@ -247,11 +227,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       plgpu.set_max_registers(regs[0], action="increase")
       qo_smem = qo_smem2.at[w]
       q_base = tile * CTA_ROWS + w * block_q
-      if transposed:
-        pt_smem, osuf_smem, lsuf_smem = pt_smem2.at[w], osuf_smem2.at[w], lsuf_smem2.at[w]
-        # Rows of groups this split never reaches: (0, -inf) (their outputs are not written).
-        lsuf_smem[...] = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
-                                           plgpu.Layout.WGMMA.reduce(1))
 
       bars = dict(k=k_barriers, v=v_barriers, k1=k1_barriers, v1=v1_barriers)
 
@@ -346,93 +321,11 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         plgpu.barrier_arrive(v_consumed_barriers.at[slot])
         return acc, m_i, l_i
 
-      def suffix_step_transposed(i, carry):
-        """S^T = K Q_g^T for the column group g of n_cols rows holding the step's sequence: keys
-        on the M side, so a step computes n_cols / G times the useful products (not 64 / G).
-        The group's state (o^T [D, n_cols], m, l over the keys axis) runs across its sequences'
-        steps (columns of other sequences are masked) and is written out at the group's end."""
-        acc, m_i, l_i, o_t, m_s, l_s = carry
-        slot = lax.rem(i, jnp.array(steps_buf, i.dtype))
-        half = pl.ds(w * block_s, block_s)
-        j, blk, g_first, col0, start, end = suffix_step(i, ranges, rows_per_seq=m,
-                                                        transposed=True)
-        seq = seq0 + w * seqs_per_wg + j
-        n_valid = jnp.where(seq < batch, slen_ref[jnp.minimum(seq, batch - 1)], 0)
-        # A new group's state starts here. Arithmetic, not a select: jax 0.11's Mosaic GPU
-        # lowering rejects a select of arrays under a scalar predicate ("Implicit broadcast not
-        # implemented with warpgroup semantics"). o and l are finite, so * 0 clears them, and
-        # m + (-inf) is -inf whatever m holds.
-        keep = jnp.where(start, 0.0, 1.0).astype(jnp.float32)
-        o_t = o_t * keep
-        l_s = l_s * keep
-        m_s = m_s + jnp.where(start, -jnp.inf, 0.0).astype(jnp.float32)
-
-        def compute_st(acc_ref):
-          plgpu.wgmma(acc_ref, k_smem.at[slot, half],
-                      qo_smem.at[pl.ds(g_first, n_cols)].transpose((1, 0)))
-          perform_schedule_barrier()
-          return acc_ref[...]
-
-        st = pl.run_scoped(compute_st, plgpu.ACC((block_s, n_cols), jnp.float32))
-        plgpu.barrier_arrive(k_consumed_barriers.at[slot])
-        # The reductions below run over the keys, which wgmma spreads over the 4 warps: Mosaic
-        # GPU reduces across warps through one shared-memory scratch area that both consumer
-        # warpgroups would use. They are safe because they sit between this step's schedule
-        # barrier wait (in compute_st) and its next arrive: every phase of that barrier takes
-        # one arrival from each warpgroup, so the two warpgroups' softmax sections strictly
-        # alternate. Keep any cross-warp reduction inside that section.
-        p_t, m_s, l_s, o_t = column_softmax(st, m_s, l_s, o_t, n_valid=n_valid, blk=blk,
-                                            col0=col0)
-        pt_smem[...] = p_t.astype(dtype)  # wgmma's B operand lives in shared memory
-        plgpu.commit_smem()
-        acc, m_i, l_i, o_t, m_s, l_s = lax.optimization_barrier((acc, m_i, l_i, o_t, m_s, l_s))
-        plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
-        wait_on("v", True, slot)
-        plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
-
-        def compute_pv(acc_ref):  # V^T P^T [D, n_cols], added to O^T below
-          plgpu.wgmma(acc_ref, vs_smem.at[slot, half].transpose((1, 0)), pt_smem)
-          wait_step = i + 1
-          next_slot = slot_of(wait_step)
-          pl.when(wait_step < steps)(lambda: wait_k(wait_step, next_slot))
-          return acc_ref[...]
-
-        # A zeroed scoped accumulator and an add, not pl.run_state(...)(ACC.init(o_t)): run_state
-        # returns its closed-over values, and jax 0.11's Mosaic GPU lowering rejects a constant
-        # index among them (the per-warpgroup P^T view) -- "Shaped arrays must be represented by
-        # ir.Values, got: TypedInt(0, dtype=int32)". The add is 16 registers a thread.
-        o_t = o_t + pl.run_scoped(compute_pv, plgpu.ACC((d, n_cols), jnp.float32))
-        plgpu.barrier_arrive(v_consumed_barriers.at[slot])
-
-        @pl.when(end)
-        def _write_group():
-          has = l_s > 0
-          safe = jnp.where(has, l_s, 1.0)
-          osuf_smem[...] = (o_t / lax.broadcast_in_dim(safe, o_t.shape, [1])).astype(dtype)
-          lsuf_smem.at[pl.ds(g_first, n_cols)][...] = jnp.where(
-              has, (m_s + jnp.log(safe) * (1 / LN2)) * LN2, -jnp.inf)
-          plgpu.commit_smem()
-          group = lax.div(q_base + g_first, jnp.int32(n_cols))
-          plgpu.copy_smem_to_gmem(osuf_smem, osuf_ref.at[split, head, group])
-          plgpu.wait_smem_to_gmem(0)  # the tile is reused by the next group
-
-        return acc, m_i, l_i, o_t, m_s, l_s
-
       # The steps in order (StepRanges): unmasked prefix blocks, the suffix steps, the other
       # unmasked prefix blocks, the masked last prefix block.
       prefix = functools.partial(kv_loop, kind="prefix")
       carry = lax.fori_loop(0, o, prefix, (acc, m_i, l_i))
-      if transposed:
-        cols_layout = plgpu.Layout.WGMMA.reduce(0)
-        suffix_carry = (
-            plgpu.layout_cast(jnp.full((d, n_cols), 0, jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.full((n_cols,), -jnp.inf, jnp.float32), cols_layout),
-            plgpu.layout_cast(jnp.full((n_cols,), 0, jnp.float32), cols_layout))
-        *carry, _, _, _ = lax.fori_loop(o, o + n_s, suffix_step_transposed,
-                                        (*carry, *suffix_carry))
-        carry = tuple(carry)
-      else:
-        carry = lax.fori_loop(o, o + n_s, functools.partial(kv_loop, kind="suffix"), carry)
+      carry = lax.fori_loop(o, o + n_s, functools.partial(kv_loop, kind="suffix"), carry)
       carry = lax.fori_loop(o + n_s, n_s + n_pf, prefix, carry)
       acc, m_i, l_i = lax.fori_loop(n_s + n_pf, steps,
                                     functools.partial(kv_loop, kind="prefix_last"), carry)
@@ -447,11 +340,8 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       if clustered:
         merge_in_cluster(w, acc, m_i, l_i, qo_smem, rows)
         return
-      suffix_lse = None
-      if transposed:  # the suffix part's LSE, staged per warpgroup
-        suffix_lse = lambda: plgpu.copy_smem_to_gmem(lsuf_smem, lsuf_ref.at[split, head, rows])
       store_result(acc, m_i, l_i, qo_smem, out_ref.at[split, head, rows],
-                   lse_ref.at[split, head, rows], dtype=dtype, extra=suffix_lse)
+                   lse_ref.at[split, head, rows], dtype=dtype)
 
     def merge_in_cluster(w: int, acc, m_i, l_i, qo_smem, rows):
       """Warpgroup w's epilogue with ``cluster_merge``: the rows of warpgroup w are merged by
@@ -585,7 +475,10 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           o_t, m_s, l_s = carry
           k, g, j, blk, start, end = locate(u)
           n_valid = seq_length(seq0 + g * per_group + j)
-          # A new group's state starts here (arithmetic, not a select: see the transposed steps).
+          # A new group's state starts here. Arithmetic, not a select: jax 0.11's Mosaic GPU
+          # lowering rejects a select of arrays under a scalar predicate ("Implicit broadcast not
+          # implemented with warpgroup semantics"). o and l are finite, so * 0 clears them, and
+          # m + (-inf) is -inf whatever m holds.
           keep = jnp.where(start, 0.0, 1.0).astype(jnp.float32)
           o_t, l_s = o_t * keep, l_s * keep
           m_s = m_s + jnp.where(start, -jnp.inf, 0.0).astype(jnp.float32)
@@ -644,7 +537,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         """Loads local step i into the slot."""
         src_pre, src_suf = (k_ref, sk_ref) if which == "k" else (v_ref, sv_ref)
         smem = (k_smem if which == "k" else v_smem).at[slot]
-        suf_smem = vs_smem.at[slot] if transposed and which == "v" else smem
         bars = (k_barriers, k1_barriers) if which == "k" else (v_barriers, v1_barriers)
         suffix = is_suffix(i, ranges)
 
@@ -660,7 +552,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
             seq, _, blk = suffix_coords(i, w)
             plgpu.copy_gmem_to_smem(
                 src_suf.at[jnp.minimum(seq, batch - 1), pl.ds(blk * block_s, block_s), head],
-                suf_smem.at[pl.ds(w * block_s, block_s)], bars[w].at[slot])
+                smem.at[pl.ds(w * block_s, block_s)], bars[w].at[slot])
 
       for i in range(steps_buf):
         @pl.when(i < steps)
@@ -680,7 +572,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   def entry(len_ref, slen_ref, *refs):
     if cfg.tile_max_in_kernel:
       refs = (None, *refs)
-    tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref, *suffix_out_refs = refs
+    tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref = refs
     compute_wgs = 2
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
@@ -688,13 +580,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     k_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
     v_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
     buffers, extra = [qo_scratch, k_scratch, v_scratch], []
-    if transposed:
-      narrow = (plgpu.TilingTransform((8, n_cols)), plgpu.SwizzleTransform(2 * n_cols))
-      buffers[2] = plgpu.RefUnion(
-          v_scratch, plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=narrow))
-      extra = [(plgpu.SMEM((compute_wgs, block_s, n_cols), dtype, transforms=narrow),
-                plgpu.SMEM((compute_wgs, d, n_cols), dtype, transforms=narrow),
-                plgpu.SMEM((compute_wgs, block_q), jnp.float32))]
     if clustered:  # receive tiles in the K/V slots' memory; their barrier; the cluster barrier
       peers = cfg.splits - 1
       lse_t = (plgpu.TilingTransform((8, LSE_COLS)), plgpu.SwizzleTransform(4 * LSE_COLS))
@@ -715,7 +600,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
           (plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier())))
     pl.run_scoped(
         lambda *args: kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref,
-                             out_ref, lse_ref, *suffix_out_refs, args),
+                             out_ref, lse_ref, args),
         buffers,
         (plgpu.Barrier(num_barriers=steps_buf),) * 4 + (plgpu.Barrier(num_barriers=compute_wgs),),
         (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=steps_buf),) * 2,
@@ -727,9 +612,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   out_splits = 1 if clustered else cfg.splits
   out_shape = [jax.ShapeDtypeStruct((out_splits, hkv, r, d), dtype),
                jax.ShapeDtypeStruct((out_splits, hkv, r), jnp.float32)]
-  if transposed:  # the suffix part: o^T per column group, and its LSE per row
-    out_shape += [jax.ShapeDtypeStruct((cfg.splits, hkv, r // n_cols, d, n_cols), dtype),
-                  jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32)]
   length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
   lens = jnp.asarray(suffix_lengths, jnp.int32)
   tile_max = () if cfg.tile_max_in_kernel else (
@@ -764,11 +646,8 @@ def fused_decode(q, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, scal
   ``k, v [P, Hkv, D]``, suffixes ``[B, S, Hkv, D]`` -> ``out [B, 1, Hq, D]`` (q's dtype) and
   natural-log ``lse [B, 1, Hq]``. Native CUDA only (no interpret mode).
 
-  Row suffix steps: the kernel's key splits are merged (the merge kernel with one KV head; with
-  several, XLA fused into the transpose back from the folded rows). Transposed suffix steps:
-  the prefix part (row tiles) and the suffix part (column groups, ``[.., D, N]``) go straight
-  into :func:`merge_to_sequences`, read where the kernel wrote them, and come out in
-  ``[B, 1, Hq, D]`` (no transpose, no concatenation).
+  Key splits not merged inside the kernel (``cluster_merge``) are merged after it: the merge
+  kernel with one KV head; with several, XLA fused into the transpose back from the folded rows.
   """
   b, tq, hq, d = q.shape
   hkv = k.shape[1]
@@ -786,11 +665,6 @@ def fused_decode(q, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, scal
   outs = _fused_jit(q_rows, k, v, length, suffix_k, suffix_v,
                     jnp.asarray(suffix_lengths, jnp.int32), rows_per_seq=g, scale=float(scale),
                     config=cfg)
-  if cfg.transposed_suffix:
-    out, lse, osuf, lsuf = outs
-    out, lse = merge_to_sequences(out, lse, (osuf, lsuf), batch=b, rows_per_seq=g,
-                                  out_dtype=q.dtype, interpret=False)
-    return out.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)
   out, lse = outs
   if out.shape[0] > 1:  # exact LSE merge of the key splits (splits without keys: (0, -inf))
     out, lse = merge_parts([(out, lse)], out_dtype=q.dtype, transposed_next=hkv > 1,

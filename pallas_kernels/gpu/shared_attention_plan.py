@@ -35,9 +35,6 @@ class FusedConfig:
   block_s: int = 64  # suffix keys per step (one sequence)
   max_concurrent_steps: int = 2
   splits: int = 1
-  # Suffix steps as transposed products (see :func:`suffix_columns`): keys on the wgmma M side,
-  # max(16, G) query rows as N, instead of the warpgroup's 64 rows against the keys.
-  transposed_suffix: bool = False
   # Each key split takes an equal share of the prefix blocks and of the suffix steps, its suffix
   # steps starting at a position that varies over the CTAs (see :func:`step_ranges`), instead
   # of the splits at the end of "prefix blocks, then suffix steps" holding every suffix step.
@@ -59,15 +56,15 @@ class FusedConfig:
   regs: tuple[int, ...] = ()
 
 
-# The transposed suffix steps pass TestNativeFusedDecodeTransposed on an H100 (2026-11-23) and
-# stay off (tools/device/transposed.py; docs/results/2026-11-23-h100-transposed-merge), with the
-# suffix part merged in place (merge_to_sequences, 5-8.5 us): paper B=1024 P=16K S=128 131.4 vs
-# 125.1 us (the kernel 125.4 vs 121.2: the axis-0 softmax reductions and the P^T stores cost more
-# than the saved products). At Llama-3-8B's G = 4 they let the one kernel win the microbenchmark
-# where the row tiles fill at most one wave (B=256 P=4K 73.6 vs 90.8, P=16K 145.5 vs 165.9) and tie
-# from B=512 on, but lose in the decode loop (batch 512 prompt 2K -4.3% tokens/s, batch 256
-# -1.6%): the growing suffixes are read in 64-key blocks.
-TRANSPOSED_SUFFIX = False
+# Transposed suffix steps -- the consumers' suffix steps as S^T = K Q_g^T over column groups of
+# max(16, G) rows (the suffix warpgroup's products, run by the consumers instead), their suffix
+# part merged with the prefix part afterwards -- passed the native tests on an H100 and stayed
+# off (2026-11-23, docs/results/2026-11-23-h100-transposed-merge): paper B=1024 P=16K S=128
+# 131.4 vs 125.1 us (the kernel 125.4 vs 121.2: the axis-0 softmax reductions and the P^T stores
+# cost more than the saved products). At Llama-3-8B's G = 4 they won the microbenchmark where
+# the row tiles fill at most one wave (B=256 P=4K 73.6 vs 90.8 us, P=16K 145.5 vs 165.9) and tied
+# from B=512 on, but lost in the decode loop (batch 512 prompt 2K -4.3% tokens/s, batch 256
+# -1.6%). Removed on 2026-11-24; the patch that restores them is in that folder.
 
 # Mixed steps -- each suffix step also carrying half a prefix block in 192-key slots, so each
 # warpgroup runs one 64 x 128 step of 64 suffix and 64 prefix keys -- passed the native tests
@@ -178,24 +175,19 @@ def cluster_recv_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> 
 def cluster_merge_fits(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> bool:
   """Whether ``cfg`` can merge its key splits in the kernel (:data:`CLUSTER_MERGE`)."""
   kv = cfg.max_concurrent_steps * 2 * cfg.block_kv * head_dim * itemsize
-  return (2 <= cfg.splits <= MAX_CLUSTER_SPLITS and not cfg.transposed_suffix
+  return (2 <= cfg.splits <= MAX_CLUSTER_SPLITS
           and cluster_recv_bytes(cfg, head_dim, itemsize) <= kv)
 
 
 def smem_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2,
                rows_per_seq: int = 8) -> int:
   """Shared memory of the kernel's buffers: the query tiles, ``max_concurrent_steps`` K and V
-  slots (and the transposed steps' tiles, or the suffix warpgroup's, :func:`side_bytes`), plus
+  slots (and the suffix warpgroup's buffers, :func:`side_bytes`), plus
   :data:`SMEM_RESERVE`."""
   q = 2 * cfg.block_q * head_dim * itemsize
   kv = cfg.max_concurrent_steps * 2 * cfg.block_kv * head_dim * itemsize
-  extra = 0
-  if cfg.transposed_suffix:  # probabilities, o^T tile and LSE per warpgroup (n_cols <= 64)
-    n = cfg.block_q
-    extra = 2 * (cfg.block_s * n * itemsize + head_dim * n * itemsize + cfg.block_q * 4)
-  if cfg.suffix_wg:
-    extra = side_bytes(cfg, head_dim, rows_per_seq, itemsize)
-  return q + kv + extra + SMEM_RESERVE
+  side = side_bytes(cfg, head_dim, rows_per_seq, itemsize) if cfg.suffix_wg else 0
+  return q + kv + side + SMEM_RESERVE
 
 
 def spreads(splits: int, prefix_blocks: int, suffix_steps: int) -> bool:
@@ -215,8 +207,8 @@ def spreads(splits: int, prefix_blocks: int, suffix_steps: int) -> bool:
 
 
 def suffix_columns(rows_per_seq: int) -> int:
-  """Query rows (N) of a transposed suffix step: the 16-row group (or the sequence's G rows,
-  if more) holding the step's sequence. wgmma needs N >= 8, and the probabilities' shared-memory
+  """Query rows (N) of the suffix warpgroup's transposed products: the 16-row group (or the
+  sequence's G rows, if more) holding the sequence. wgmma needs N >= 8, and the probabilities' shared-memory
   tile (keys x N in bf16) must be at least 32 bytes wide for a supported swizzle."""
   return max(16, rows_per_seq)
 
@@ -235,21 +227,18 @@ def suffix_columns(rows_per_seq: int) -> int:
 # change it either (docs/results/2026-11-23-h100-g4-one-kernel): at G = 4 the one kernel wins
 # every full-suffix microbenchmark row (B=256 P=16K S=512: 227 vs 293 us) but decodes batch 1024
 # with 128 new tokens 2.6-2.8% slower at prompts 4K-16K, and with 512 new tokens is within
-# -1.9%..+2.6% (batch 256-512), the run-to-run spread. With transposed suffix steps
-# (TRANSPOSED_SUFFIX) the waste is max(16, G) / G: 4 at G = 4, 2 at G = 8.
+# -1.9%..+2.6% (batch 256-512), the run-to-run spread.
 MAX_WASTE = 8
 
 
-def waste(rows_per_seq: int, transposed: bool = False) -> int:
-  """Suffix products computed per useful one: 64 / G for row steps, max(16, G) / G transposed."""
-  if transposed:
-    return suffix_columns(rows_per_seq) // rows_per_seq
+def waste(rows_per_seq: int) -> int:
+  """Suffix products computed per useful one: 64 / G."""
   return FusedConfig().block_q // rows_per_seq
 
 
 def worthwhile(rows_per_seq: int) -> bool:
   """Whether the one kernel is expected to beat the two apart (see :data:`MAX_WASTE`)."""
-  return waste(rows_per_seq, TRANSPOSED_SUFFIX) <= MAX_WASTE
+  return waste(rows_per_seq) <= MAX_WASTE
 
 
 def supported(dtype, head_dim: int, prefix: int, capacity: int, rows_per_seq: int,
@@ -268,8 +257,7 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   Measured on an H100 (tools/device/fused.sh, 2026-11-23): splits from the prefix blocks alone
   ran paper-shape B=16, P=1024 at 31 us (40 steps over 2 CTAs); counted over all steps, 12.7.
   """
-  cfg = FusedConfig(transposed_suffix=TRANSPOSED_SUFFIX,
-                    tile_max_in_kernel=TILE_MAX_IN_KERNEL
+  cfg = FusedConfig(tile_max_in_kernel=TILE_MAX_IN_KERNEL
                     and 2 * FusedConfig.block_q // rows_per_seq <= MAX_TILE_LOADS)
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
   prefix_blocks = prefix // cfg.block_kv
@@ -289,9 +277,9 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
 
 
 def side_fits(cfg: FusedConfig, head_dim: int, rows_per_seq: int, itemsize: int = 2) -> bool:
-  """Whether ``cfg`` (with ``suffix_wg``) can run: row suffix steps, two or more key splits
-  and the suffix warpgroup's buffers within the shared memory."""
-  return (not cfg.transposed_suffix and cfg.splits >= 2
+  """Whether ``cfg`` (with ``suffix_wg``) can run: two or more key splits and the suffix
+  warpgroup's buffers within the shared memory."""
+  return (cfg.splits >= 2
           and rows_per_seq <= cfg.block_q
           and smem_bytes(cfg, head_dim, itemsize, rows_per_seq) <= SMEM_LIMIT)
 
@@ -384,23 +372,10 @@ def waits(w: int, suffix: bool) -> tuple[str, ...]:
   return ("k", "k1", "v", "v1")
 
 
-def suffix_step(i, r: StepRanges, *, rows_per_seq: int, transposed: bool = False):
-  """Local suffix step ``i`` of a warpgroup: its sequence ``j`` among the warpgroup's, the key
-  block ``blk``; with ``transposed``, also the column group's first row ``g_first``, the
-  sequence's first column ``col0`` in it, and whether the step starts (``start``: the split's
-  first suffix step or the group's first) or ends (``end``) the group's state."""
-  i32 = jnp.int32
+def suffix_step(i, r: StepRanges):
+  """Local suffix step ``i`` of a warpgroup: its sequence ``j`` among the warpgroup's and the
+  key block ``blk``."""
   n_sblk = jnp.maximum(r.n_sblk, 1)
   u = r.s_lo + i - r.o
   j = lax.div(u, n_sblk)
-  blk = u - j * n_sblk
-  if not transposed:
-    return j, blk
-  m = rows_per_seq
-  n_cols = suffix_columns(m)
-  per_group = n_cols // m
-  g_first = lax.div(j, i32(per_group)) * n_cols
-  col0 = lax.rem(j, i32(per_group)) * m
-  start = (i == r.o) | ((col0 == 0) & (blk == 0))
-  end = (i == r.o + r.n_s - 1) | ((col0 + m == n_cols) & (blk == n_sblk - 1))
-  return j, blk, g_first, col0, start, end
+  return j, u - j * n_sblk

@@ -1,5 +1,6 @@
-"""Shared by the device A/B tools (transposed.py, wide_steps.py): their ``attention`` and
-``decode`` arguments, and decode points under one setting, appended to a JSON file."""
+"""Shared by the device A/B tools (wide_steps.py; transposed.py until 2026-11-24): their
+``attention`` and ``decode`` arguments, and decode points under one setting, appended to a JSON
+file."""
 
 import json
 import os

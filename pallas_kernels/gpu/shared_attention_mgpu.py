@@ -137,7 +137,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     raise ValueError(f"suffix_wg needs splits >= 2 "
                      f"and rows_per_seq <= {block_q}; got {cfg}, rows_per_seq={m}")
   regs = cfg.regs or (SIDE_REGS if side else REGS)
-  if len(regs) != 3 + side - 1 or 2 * regs[0] + sum(regs[1:]) > 512 or any(n % 8 for n in regs):
+  if len(regs) != (3 if side else 2) or 2 * regs[0] + sum(regs[1:]) > 512 or any(n % 8 for n in regs):
     # setmaxnreg.inc waits for registers the other warpgroups give back: over 65,536 it hangs.
     raise ValueError(f"regs {regs}: one per warpgroup kind (consumer, producer"
                      f"{', suffix' if side else ''}), multiples of 8, 2 * consumer + the others "

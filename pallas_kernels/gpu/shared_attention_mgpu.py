@@ -82,8 +82,8 @@ from pallas_kernels.gpu.merge_kernel import merge_parts
 from pallas_kernels.gpu.prefix_attention_mgpu import store_result
 from pallas_kernels.gpu.shared_attention_plan import (
     CTA_ROWS, LSE_COLS, MAX_CLUSTER_SPLITS, FusedConfig, cluster_merge_fits, default_config,
-    is_suffix, prefix_block, side_groups, side_range, step_ranges, suffix_columns, suffix_step,
-    waits)
+    is_suffix, prefix_block, side_groups, side_range, side_unit, side_units, step_ranges,
+    suffix_columns, suffix_step, waits)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -432,31 +432,10 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                                                 plgpu.Layout.WGMMA)
       lsuf_all[...] = plgpu.layout_cast(jnp.full((CTA_ROWS,), -jnp.inf, jnp.float32),
                                         plgpu.Layout.WGMMA.reduce(1))
-      # Units u in [0, total): held group k, its sequence j, key block blk (group-major).
-      nbs, cum = [], [i32(0)]
-      for k in range(held):
-        g = g_lo + k
-        longest = functools.reduce(jnp.maximum, [
-            seq_length(seq0 + g * per_group + j) for j in range(per_group)])
-        nb = jnp.where(g < g_hi, lax.div(longest + (block_s - 1), i32(block_s)), 0)
-        nbs.append(nb)
-        cum.append(cum[-1] + per_group * nb)
-      total = cum[-1]
-
-      def pick(k, values):
-        out = values[0]
-        for i in range(1, len(values)):
-          out = jnp.where(k == i, values[i], out)
-        return out
-
-      def locate(u):
-        k = functools.reduce(jnp.add, [(u >= cum[i + 1]).astype(i32) for i in range(held - 1)],
-                             i32(0))
-        nb = jnp.maximum(pick(k, nbs), 1)
-        t = u - pick(k, cum[:held])
-        j = lax.div(t, nb)
-        g = g_lo + k
-        return k, g, j, t - j * nb, t == 0, t == per_group * nb - 1
+      units = side_units(g_lo, g_hi, lambda g, j: seq_length(seq0 + g * per_group + j),
+                         held=held, block_s=block_s, per_group=per_group)
+      total = units.total
+      locate = functools.partial(side_unit, units=units)
 
       def issue(u, which: str):
         _, g, j, blk, _, _ = locate(u)

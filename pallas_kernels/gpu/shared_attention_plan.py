@@ -12,11 +12,14 @@ in :mod:`pallas_kernels.gpu.shared_attention_mgpu` and the CPU emulations of
   count in CI.
 - :func:`step_ranges` and the step helpers: a CTA's list of prefix blocks and suffix steps, its
   key split's range of it, and the K/V barriers each step arrives on and waits on.
+- :func:`side_range`, :func:`side_units`, :func:`side_unit`: the suffix warpgroup's column
+  groups and units (``FusedConfig.suffix_wg``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +158,57 @@ def side_range(split, splits: int, groups: int):
   takes: an equal share each, so that with two splits each CTA's are one consumer's rows."""
   i32 = jnp.int32
   return lax.div(split * groups, i32(splits)), lax.div((split + 1) * groups, i32(splits))
+
+
+@dataclasses.dataclass(frozen=True)
+class SideUnits:
+  """The suffix warpgroup's units in one CTA split (int32 scalars, traced in the kernel): unit
+  ``u`` in ``[0, total)`` is one ``block_s``-key block of one sequence of one held column group,
+  group-major, then sequence-major (:func:`side_unit`). See :func:`side_units`."""
+  g_lo: jax.Array  # the split's first column group (side_range)
+  nbs: tuple  # key blocks per sequence of each held group: its longest sequence's (0 past hi)
+  cum: tuple  # units before each held group; the last entry is the total
+  per_group: int  # sequences per column group
+
+  @property
+  def total(self):
+    return self.cum[-1]
+
+
+def side_units(g_lo, g_hi, length, *, held: int, block_s: int, per_group: int) -> SideUnits:
+  """The units of the groups ``[g_lo, g_hi)`` (:func:`side_range`; ``held`` groups at most):
+  each of a group's ``per_group`` sequences gets as many key blocks as the longest of them needs
+  (``length(g, j)``: valid keys of sequence ``j`` of group ``g``, at most the capacity)."""
+  i32 = jnp.int32
+  nbs, cum = [], [i32(0)]
+  for k in range(held):
+    g = g_lo + k
+    longest = functools.reduce(jnp.maximum, [length(g, j) for j in range(per_group)])
+    nb = jnp.where(g < g_hi, lax.div(longest + (block_s - 1), i32(block_s)), 0)
+    nbs.append(nb)
+    cum.append(cum[-1] + per_group * nb)
+  return SideUnits(g_lo, tuple(nbs), tuple(cum), per_group)
+
+
+def side_unit(u, units: SideUnits):
+  """Unit ``u``: the held group's index ``k``, the group ``g``, its sequence ``j``, the key
+  block ``blk``, and whether the unit starts or ends the group's state."""
+  i32 = jnp.int32
+  held = len(units.nbs)
+
+  def pick(k, values):
+    out = values[0]
+    for i in range(1, len(values)):
+      out = jnp.where(k == i, values[i], out)
+    return out
+
+  k = functools.reduce(jnp.add, [(u >= units.cum[i + 1]).astype(i32) for i in range(held - 1)],
+                       i32(0))
+  nb = jnp.maximum(pick(k, units.nbs), 1)
+  t = u - pick(k, units.cum[:held])
+  j = lax.div(t, nb)
+  g = units.g_lo + k
+  return k, g, j, t - j * nb, t == 0, t == units.per_group * nb - 1
 
 
 def side_bytes(cfg: "FusedConfig", head_dim: int, rows_per_seq: int, itemsize: int = 2) -> int:

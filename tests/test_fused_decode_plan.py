@@ -171,18 +171,17 @@ def merge(parts):
   return out, np.where(den > 0, top + np.log(np.where(den > 0, den, 1)), -np.inf)
 
 
-@pytest.mark.parametrize("spread", [True, False])
-@settings(max_examples=25, deadline=None)
-@given(data=st.data())
-def test_plan_against_full_attention(data, spread):
-  """Every split's prefix blocks and suffix steps (half a K/V slot per warpgroup), merged."""
-  m = data.draw(st.sampled_from([1, 2, 4, 8, 16, 32]), label="G")
+BLOCK_KV, BLOCK_S = 8, 4  # the kernel's 128 and 64, scaled down
+
+
+def draw_case(data, rows_per_seq, splits):
+  """A random case: G, batch, splits, a prefix of whole blocks with any valid length, suffixes
+  of a capacity of whole blocks with lengths 0, 1, the capacity or any (float64, D = 8)."""
+  m = data.draw(st.sampled_from(rows_per_seq), label="G")
   batch = data.draw(st.integers(1, 3 * (CTA_ROWS // m)), label="batch")
-  splits = data.draw(st.sampled_from([1, 2, 3, 5]), label="splits")
-  block_kv = 8
-  block_s = block_kv // 2
-  p = block_kv * data.draw(st.integers(1, 4), label="prefix blocks")
-  cap = block_s * data.draw(st.integers(1, 3), label="suffix blocks")
+  n_splits = data.draw(st.sampled_from(splits), label="splits")
+  p = BLOCK_KV * data.draw(st.integers(1, 4), label="prefix blocks")
+  cap = BLOCK_S * data.draw(st.integers(1, 3), label="suffix blocks")
   kv_len = data.draw(st.sampled_from([0, 1, p]) | st.integers(0, p), label="kv_len")
   lens = data.draw(st.lists(st.sampled_from([0, 1, cap]) | st.integers(0, cap),
                             min_size=batch, max_size=batch), label="lens")
@@ -192,10 +191,13 @@ def test_plan_against_full_attention(data, spread):
   q = rng.standard_normal((r, d))
   pk, pv = rng.standard_normal((2, p, d))
   sk, sv = rng.standard_normal((2, batch, cap, d))
-  parts = emulate(q, pk, pv, sk, sv, kv_len, lens, m=m, splits=splits, block_kv=block_kv,
-                  block_s=block_s, spread=spread)
+  return m, n_splits, (q, pk, pv, sk, sv, kv_len, lens)
+
+
+def check_full_attention(parts, m, q, pk, pv, sk, sv, kv_len, lens):
+  """The merged parts equal full attention over the prefix and each row's own suffix."""
   out, lse = merge(parts)
-  for row in range(batch * m):
+  for row in range(len(lens) * m):
     b = row // m
     keys = np.concatenate([pk[:kv_len], sk[b, :lens[b]]])
     vals = np.concatenate([pv[:kv_len], sv[b, :lens[b]]])
@@ -210,42 +212,28 @@ def test_plan_against_full_attention(data, spread):
     np.testing.assert_allclose(lse[row], ref_lse, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("spread", [True, False])
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_plan_against_full_attention(data, spread):
+  """Every split's prefix blocks and suffix steps (half a K/V slot per warpgroup), merged."""
+  m, splits, case = draw_case(data, [1, 2, 4, 8, 16, 32], [1, 2, 3, 5])
+  parts = emulate(*case, m=m, splits=splits, block_kv=BLOCK_KV, block_s=BLOCK_S, spread=spread)
+  check_full_attention(parts, m, *case)
+
+
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_suffix_warpgroup_plan_against_full_attention(data):
   """With the suffix warpgroup the consumers run the prefix blocks only (a longest suffix of 0,
   equal ranges) and each split's suffix warpgroup its share of the column groups
   (``side_range``, ``side_units``, ``side_unit``); merged, they give full attention."""
-  m = data.draw(st.sampled_from([1, 2, 4, 8, 16, 32, 64]), label="G")
-  batch = data.draw(st.integers(1, 3 * (CTA_ROWS // m)), label="batch")
-  splits = data.draw(st.sampled_from([2, 3, 4, 5, 8]), label="splits")
-  block_kv, block_s = 8, 4
-  p = block_kv * data.draw(st.integers(1, 4), label="prefix blocks")
-  cap = block_s * data.draw(st.integers(1, 3), label="suffix blocks")
-  kv_len = data.draw(st.sampled_from([0, 1, p]) | st.integers(0, p), label="kv_len")
-  lens = data.draw(st.lists(st.sampled_from([0, 1, cap]) | st.integers(0, cap),
-                            min_size=batch, max_size=batch), label="lens")
-  rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
-  d = 8
-  r = -(-batch * m // CTA_ROWS) * CTA_ROWS
-  q = rng.standard_normal((r, d))
-  pk, pv = rng.standard_normal((2, p, d))
-  sk, sv = rng.standard_normal((2, batch, cap, d))
-  parts = emulate(q, pk, pv, sk, sv, kv_len, [0] * batch, m=m, splits=splits, block_kv=block_kv,
-                  block_s=block_s, spread=False)
-  parts += emulate_side(q, sk, sv, lens, m=m, splits=splits, block_s=block_s)
-  out, lse = merge(parts)
-  for row in range(batch * m):
-    b = row // m
-    keys = np.concatenate([pk[:kv_len], sk[b, :lens[b]]])
-    vals = np.concatenate([pv[:kv_len], sv[b, :lens[b]]])
-    if len(keys) == 0:
-      assert np.isneginf(lse[row]) and not out[row].any()
-      continue
-    s = keys @ q[row]
-    ref_lse = s.max() + np.log(np.exp(s - s.max()).sum())
-    np.testing.assert_allclose(out[row], np.exp(s - ref_lse) @ vals, rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(lse[row], ref_lse, rtol=1e-12, atol=1e-12)
+  m, splits, case = draw_case(data, [1, 2, 4, 8, 16, 32, 64], [2, 3, 4, 5, 8])
+  q, pk, pv, sk, sv, kv_len, lens = case
+  parts = emulate(q, pk, pv, sk, sv, kv_len, [0] * len(lens), m=m, splits=splits,
+                  block_kv=BLOCK_KV, block_s=BLOCK_S, spread=False)
+  parts += emulate_side(q, sk, sv, lens, m=m, splits=splits, block_s=BLOCK_S)
+  check_full_attention(parts, m, *case)
 
 
 @settings(max_examples=300, deadline=None)

@@ -46,10 +46,11 @@ up to the longest of the group's sequences (not the tile's), as transposed produ
 wgmma's M side against the ``N = max(16, G)`` query rows of the column group holding the
 sequence, ``S^T = K Q_g^T`` (``N / G`` times the useful products, not ``64 / G``), a softmax over
 the keys axis (a cross-warp reduction), the probabilities to shared memory as wgmma's B operand
-and ``O^T += V^T P^T``, with one K and one V slot of its own. At a group's end its normalised ``o^T`` and base-2 LSE go to
-shared memory; when the consumers are past their last prefix block they fold them into their
-state: a wgmma of a 0/1 placement matrix in registers against the ``o^T`` tile read transposed
-puts each group's rows in place, then an exact LSE merge (:func:`fold_suffix`).
+and ``O^T += V^T P^T``, with one K and one V slot of its own. At a group's end its normalised
+``o^T`` and base-2 LSE go to shared memory; when the consumers are past their last prefix block
+they fold them into their state: a wgmma of a 0/1 placement matrix in registers against the
+``o^T`` tile read transposed puts each group's rows in place, then an exact LSE merge
+(:func:`fold_suffix`).
 
 Keys and values past ``kv_length`` / ``suffix_lengths[b]`` (inside the buffers)
 are multiplied by a zero probability: they must be finite, which the model's
@@ -134,10 +135,11 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                      f"steps and room for the receive tiles in the K/V slots; got {cfg}")
   side = cfg.suffix_wg
   if side and (cfg.splits < 2 or m > block_q):
-    raise ValueError(f"suffix_wg needs splits >= 2 "
-                     f"and rows_per_seq <= {block_q}; got {cfg}, rows_per_seq={m}")
+    raise ValueError(f"suffix_wg needs splits >= 2 and rows_per_seq <= {block_q}; got {cfg}, "
+                     f"rows_per_seq={m}")
   regs = cfg.regs or (SIDE_REGS if side else REGS)
-  if len(regs) != (3 if side else 2) or 2 * regs[0] + sum(regs[1:]) > 512 or any(n % 8 for n in regs):
+  if (len(regs) != (3 if side else 2) or 2 * regs[0] + sum(regs[1:]) > 512
+      or any(n % 8 for n in regs)):
     # setmaxnreg.inc waits for registers the other warpgroups give back: over 65,536 it hangs.
     raise ValueError(f"regs {regs}: one per warpgroup kind (consumer, producer"
                      f"{', suffix' if side else ''}), multiples of 8, 2 * consumer + the others "

@@ -271,15 +271,14 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       def kv_loop(i, carry, kind: str):
         acc, m_i, l_i = carry
         slot = slot_of(i)
-        if kind == "suffix":
+        if kind == "suffix":  # this warpgroup's half of the slot
           half = pl.ds(w * block_s, block_s)
           k_tile, v_tile, n_keys = k_smem.at[slot, half], v_smem.at[slot, half], block_s
-        else:
-          k_tile, v_tile, n_keys = k_smem.at[slot], v_smem.at[slot], block_kv
-
-        if kind == "suffix":  # issued before the product: the load's latency hides behind it
+          # Issued before the product: the length load's latency hides behind it.
           seq, j, blk = suffix_coords(i, w)
           n_valid = jnp.where(seq < batch, slen_ref[jnp.minimum(seq, batch - 1)], 0)
+        else:
+          k_tile, v_tile, n_keys = k_smem.at[slot], v_smem.at[slot], block_kv
 
         def compute_qk(acc_ref):
           plgpu.wgmma(acc_ref, qo_smem, k_tile.transpose((1, 0)))

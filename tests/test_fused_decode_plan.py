@@ -4,9 +4,8 @@ The Mosaic GPU kernel (``pallas_kernels.gpu.shared_attention_mgpu``) has no inte
 native tests run on an H100 through the device tool). What decides correctness beyond the
 arithmetic of each step is the plan (``pallas_kernels.gpu.shared_attention_plan``, which this
 file mirrors): which keys each CTA split and warpgroup visits (prefix blocks, sequences, key
-blocks; the suffix warpgroup's column groups and units) and how the parts are merged. These tests
-run the kernel's own plan functions (``step_ranges``, ``is_suffix``, ``prefix_block``,
-``suffix_step``, ``side_range``, ``side_units``, ``side_unit``) step by step over float64
+blocks) and how the parts are merged. These tests run the kernel's own plan functions
+(``step_ranges``, ``is_suffix``, ``prefix_block``, ``suffix_step``) step by step over float64
 arrays, with the kernel's masks and online softmax, and compare the merged result with full
 attention; and they check the kernel's barrier protocol (``arrivals``, ``waits``), whose
 mistakes hang the GPU instead of giving a wrong number.
@@ -105,62 +104,6 @@ def emulate(q, pk, pv, sk, sv, kv_len, lens, *, m, splits, block_kv, block_s, sp
   return parts
 
 
-def emulate_side(q, sk, sv, lens, *, m, splits, block_s):
-  """The suffix warpgroup's parts (``FusedConfig.suffix_wg``), one per key split, as the kernel
-  computes them: for each unit of the split's ``side_units`` (``side_unit``: held group, its
-  sequence, key block), ``S^T = K Q_g^T`` over the group's ``suffix_columns(m)`` rows with keys
-  past the sequence's length and the other sequences' columns masked, the online softmax over
-  the keys, and at the group's end its normalised rows and LSE. Rows of groups the split does
-  not hold, or whose sequences have no keys, stay (0, -inf)."""
-  r, d = q.shape
-  batch, cap = sk.shape[:2]
-  n_cols = fp.suffix_columns(m)
-  groups = fp.side_groups(m)
-  per_group = n_cols // m
-  parts = []
-  for split in range(splits):
-    out, lse = np.zeros((r, d)), np.full(r, -np.inf)
-    for tile in range(r // CTA_ROWS):
-      seq0 = tile * (CTA_ROWS // m)
-
-      def length(g, j, seq0=seq0):  # the kernel's seq_length
-        seq = int(seq0 + g * per_group + j)
-        return jnp.int32(min(lens[seq], cap) if seq < batch else 0)
-
-      g_lo, g_hi = fp.side_range(jnp.int32(split), splits, groups)
-      units = fp.side_units(g_lo, g_hi, length, held=-(-groups // splits), block_s=block_s,
-                            per_group=per_group)
-      o_t = m_s = l_s = None
-      for u in range(int(units.total)):
-        _, g, j, blk, start, end = (int(x) for x in fp.side_unit(jnp.int32(u), units))
-        assert int(g_lo) <= g < int(g_hi) and 0 <= j < per_group
-        seq = seq0 + g * per_group + j
-        n_valid = int(length(g, j))
-        first = tile * CTA_ROWS + g * n_cols
-        if start:
-          o_t, m_s, l_s = np.zeros((d, n_cols)), np.full(n_cols, -np.inf), np.zeros(n_cols)
-        kb = np.arange(blk * block_s, (blk + 1) * block_s)
-        assert kb[-1] < cap
-        st_ = sk[min(seq, batch - 1)][kb] @ q[first:first + n_cols].T  # [keys, cols]
-        cols = np.arange(n_cols)
-        visible = (kb < n_valid)[:, None] & ((cols >= j * m) & (cols < j * m + m))[None, :]
-        st_ = np.where(visible, st_, -np.inf)
-        m_new = np.maximum(m_s, st_.max(0))
-        m_use = np.where(np.isneginf(m_new), 0.0, m_new)
-        alpha = np.exp(m_s - m_use)
-        p_t = np.exp(st_ - m_use[None, :])
-        l_s = l_s * alpha + p_t.sum(0)
-        o_t = o_t * alpha[None, :] + sv[min(seq, batch - 1)][kb].T @ p_t
-        m_s = m_new
-        if end:
-          has = l_s > 0
-          safe = np.where(has, l_s, 1.0)
-          out[first:first + n_cols] = (o_t / safe[None, :]).T
-          lse[first:first + n_cols] = np.where(has, m_s + np.log(safe), -np.inf)
-    parts.append((out, lse))
-  return parts
-
-
 def merge(parts):
   lses = np.stack([l for _, l in parts])
   top = lses.max(0)
@@ -219,20 +162,6 @@ def test_plan_against_full_attention(data, spread):
   """Every split's prefix blocks and suffix steps (half a K/V slot per warpgroup), merged."""
   m, splits, case = draw_case(data, [1, 2, 4, 8, 16, 32], [1, 2, 3, 5])
   parts = emulate(*case, m=m, splits=splits, block_kv=BLOCK_KV, block_s=BLOCK_S, spread=spread)
-  check_full_attention(parts, m, *case)
-
-
-@settings(max_examples=25, deadline=None)
-@given(data=st.data())
-def test_suffix_warpgroup_plan_against_full_attention(data):
-  """With the suffix warpgroup the consumers run the prefix blocks only (a longest suffix of 0,
-  equal ranges) and each split's suffix warpgroup its share of the column groups
-  (``side_range``, ``side_units``, ``side_unit``); merged, they give full attention."""
-  m, splits, case = draw_case(data, [1, 2, 4, 8, 16, 32, 64], [2, 3, 4, 5, 8])
-  q, pk, pv, sk, sv, kv_len, lens = case
-  parts = emulate(q, pk, pv, sk, sv, kv_len, [0] * len(lens), m=m, splits=splits,
-                  block_kv=BLOCK_KV, block_s=BLOCK_S, spread=False)
-  parts += emulate_side(q, sk, sv, lens, m=m, splits=splits, block_s=BLOCK_S)
   check_full_attention(parts, m, *case)
 
 

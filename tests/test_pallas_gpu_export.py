@@ -328,63 +328,6 @@ def test_fused_tile_max_in_kernel_exports_for_cuda(b, g, d, extra):
   assert "stablehlo.reduce" in lower(dataclasses.replace(cfg, tile_max_in_kernel=False))
 
 
-@pytest.mark.parametrize("b,hq,hkv,d,p,s,splits,extra", [
-    (1024, 8, 1, 128, 16384, 128, None, {}), (256, 8, 1, 128, 4096, 128, None, {}),
-    (300, 8, 1, 64, 384, 64, None, {}), (40, 32, 8, 128, 512, 192, None, {}),
-    (100, 16, 2, 128, 1024, 128, 3, {"cluster_merge": False}),
-    (100, 16, 2, 128, 1024, 128, 5, {"regs": (208, 40, 56)}),
-    (37, 16, 4, 128, 256, 64, 4, {"cluster_merge": True}),
-    (17, 4, 2, 64, 128, 192, 2, {})])
-def test_fused_suffix_warpgroup_exports_for_cuda(b, hq, hkv, d, p, s, splits, extra):
-  """The one kernel with the suffixes on a fourth warpgroup (``suffix_warpgroup(True)``) lowers
-  for CUDA: one Mosaic GPU kernel of 512 threads, for G 2-16, D 64/128, 2-8 key splits (3 and 5
-  give a split groups of both consumer warpgroups), with and without the cluster merge."""
-  import pallas_kernels.gpu as gpu
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
-  from pallas_kernels.gpu import shared_attention_plan as fp
-  dt, g = jnp.bfloat16, hq // hkv
-  with gpu.suffix_warpgroup(True):
-    cfg = fp.default_config(b * g, hkv, p, s, g, head_dim=d)
-  if splits is not None:
-    cfg = dataclasses.replace(cfg, splits=splits, **extra)
-  assert cfg.suffix_wg and not cfg.spread_suffix
-  fn = lambda q, k, v, sk, sv, n: fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1, config=cfg)
-  text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
-                     S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
-  assert text.count(f"custom_call @{MOSAIC}") == 1 and "private @_fused_jit" in text
-
-
-def test_suffix_warpgroup_default_switch_and_limits():
-  """Off by default; the switch takes it wherever there are two or more key splits and its
-  buffers fit, not with one split (B=2048: 128 row tiles fill the SMs); bad register splits and
-  configurations are refused by name."""
-  import pallas_kernels.gpu as gpu
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
-  from pallas_kernels.gpu import shared_attention_plan as fp
-  assert not fp.default_config(8192, 1, 16384, 128, 8, head_dim=128).suffix_wg
-  with gpu.suffix_warpgroup(True):
-    on = fp.default_config(8192, 1, 16384, 128, 8, head_dim=128)
-    assert on.suffix_wg and on.splits == 2 and on.cluster_merge
-    one_split = fp.default_config(16384, 1, 16384, 128, 8, head_dim=128)
-    assert one_split.splits == 1 and not one_split.suffix_wg
-  assert fp.smem_bytes(on, 128, 2, 8) <= fp.SMEM_LIMIT
-  assert not fp.side_fits(dataclasses.replace(on, splits=1), 128, 8)
-  dt, b, p, s = jnp.bfloat16, 64, 1024, 128
-  args = (S((b, 1, 8, 128), dt), S((p, 1, 128), dt), S((p, 1, 128), dt), S((b, s, 1, 128), dt),
-          S((b, s, 1, 128), dt), S((b,), jnp.int32))
-
-  def trace(cfg):
-    jax.eval_shape(lambda q, k, v, sk, sv, n: fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1,
-                                                               config=cfg), *args)
-
-  with pytest.raises(ValueError, match="regs"):
-    trace(dataclasses.replace(on, regs=(232, 40, 56)))  # 560 > 512 registers: would hang
-  with pytest.raises(ValueError, match="regs"):
-    trace(dataclasses.replace(on, regs=(216, 24)))  # one per warpgroup kind
-  with pytest.raises(ValueError, match="suffix_wg"):
-    trace(dataclasses.replace(on, splits=1, cluster_merge=False))
-
-
 def test_prefix_overlap_default_and_switch():
   """``default_config`` overlaps 128-key steps at D = 128 only (not 192-key steps, whose S, P and
   O do not fit in the registers, nor D 64/256, not measured); ``prefix_overlap`` switches it."""

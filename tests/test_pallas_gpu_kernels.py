@@ -478,40 +478,6 @@ class TestNativeFusedDecodeMergeKernel(TestNativeFusedDecode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
-class TestNativeFusedDecodeSuffixWarpgroup(TestNativeFusedDecode):
-  """The same cases with the suffixes on a fourth warpgroup (``suffix_warpgroup(True)``: every
-  case with two or more key splits), and configurations set directly: 2-8 splits (3 and 5 give
-  a split column groups of both consumer warpgroups), with and without the cluster merge, two
-  KV heads, G = 4 and 16, D = 64, other register splits."""
-
-  def setup_method(self):
-    import pallas_kernels.gpu as gpu
-    from pallas_kernels.gpu import shared_attention_plan as fp
-    self._switch = gpu.suffix_warpgroup(True)
-    self._switch.__enter__()
-    assert fp.default_config(8192, 1, 16384, 128, 8, head_dim=128).suffix_wg
-
-  def teardown_method(self):
-    self._switch.__exit__(None, None, None)
-
-  @pytest.mark.parametrize("case,splits,extra", [
-      ((100, 16, 2, 128, 1024, 128), 2, {"cluster_merge": False}),
-      ((100, 16, 2, 128, 1024, 128), 3, {}),
-      ((100, 16, 2, 128, 1024, 128), 5, {"regs": (208, 40, 56)}),
-      ((64, 8, 1, 64, 512, 192), 8, {}),
-      ((37, 16, 4, 128, 256, 64), 4, {"cluster_merge": True}),
-      ((20, 16, 1, 128, 512, 128), 2, {"cluster_merge": True})])
-  def test_configs(self, case, splits, extra):
-    from pallas_kernels.gpu import shared_attention_plan as fp
-    b, hq, hkv, d, p, s = case
-    cfg = dataclasses.replace(fp.default_config(b * hq // hkv, hkv, p, s, hq // hkv, head_dim=d),
-                              splits=splits, suffix_wg=True, spread_suffix=False, **extra)
-    given(data=st.data(), seed=SEEDS)(settings(max_examples=4, deadline=None)(
-        lambda data, seed: self.run(data, seed, case, config=cfg)))()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 class TestNativeFusedDecodeThreeStages(TestNativeFusedDecode):
   """The same cases with three K/V slots in flight in the one kernel (``kv_stages(3, 3)``; D = 64
   and 128 both fit) and in the prefix kernel that the public API runs at G < 8."""

@@ -33,8 +33,7 @@ SHAPES = [(1024, 8, 1, 128, 16384, 128), (300, 8, 1, 64, 384, 64), (40, 32, 8, 1
           (256, 32, 8, 128, 4096, 128)]
 PLANS = {"default": contextlib.nullcontext, "spread": lambda: gpu.spread_suffix(True),
          "ranges": lambda: gpu.spread_suffix(False),
-         "three_slots": lambda: gpu.kv_stages(3, 3),
-         "suffix_wg": lambda: gpu.suffix_warpgroup(True)}
+         "three_slots": lambda: gpu.kv_stages(3, 3)}
 
 
 def modules(fn, *args) -> list[str]:

@@ -138,15 +138,6 @@ def cluster_merge(enabled: bool):
   return _setting("CLUSTER_MERGE", bool(enabled), fp)
 
 
-def suffix_warpgroup(enabled: bool):
-  """Temporarily sets ``shared_attention_plan.SUFFIX_WG``: the one-kernel decode path runs the
-  suffixes on a fourth warpgroup of each CTA (transposed products, concurrent with the prefix
-  blocks, folded into the consumers' state at the end) where it has two or more key splits and
-  the buffers fit, for calls traced inside."""
-  from pallas_kernels.gpu import shared_attention_plan as fp
-  return _setting("SUFFIX_WG", bool(enabled), fp)
-
-
 def kv_stages(fused: int | None = None, prefix: int | None = None):
   """Temporarily sets the K/V slots in flight of the one-kernel decode path
   (``shared_attention_plan.STAGES``) and of the Mosaic GPU prefix kernel's 128-key steps

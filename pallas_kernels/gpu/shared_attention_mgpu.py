@@ -38,19 +38,10 @@ barrier; the receive tiles alias the K/V slots); it merges them in registers and
 final rows. With two splits the two CTAs exchange one tile each and each merges and stores half
 the rows.
 
-The suffix warpgroup (``FusedConfig.suffix_wg``; off by default, :data:`SUFFIX_WG`): a fourth
-warpgroup per CTA takes the suffixes while the two consumer warpgroups run only prefix blocks.
-Split ``s`` of a row tile holds an equal share of its column groups (:func:`side_range`: with two
-splits, one consumer warpgroup's rows each) and, per group, its sequences' ``block_s``-key blocks
-up to the longest of the group's sequences (not the tile's), as transposed products: the keys on
-wgmma's M side against the ``N = max(16, G)`` query rows of the column group holding the
-sequence, ``S^T = K Q_g^T`` (``N / G`` times the useful products, not ``64 / G``), a softmax over
-the keys axis (a cross-warp reduction), the probabilities to shared memory as wgmma's B operand
-and ``O^T += V^T P^T``, with one K and one V slot of its own. At a group's end its normalised
-``o^T`` and base-2 LSE go to shared memory; when the consumers are past their last prefix block
-they fold them into their state: a wgmma of a 0/1 placement matrix in registers against the
-``o^T`` tile read transposed puts each group's rows in place, then an exact LSE merge
-(:func:`fold_suffix`).
+A fourth warpgroup per CTA that ran the suffixes as transposed products concurrently with the
+consumers' prefix blocks (the suffix warpgroup) was built, passed the native tests and was removed
+on 2026-11-24 (not dispatched: faster only where the suffixes weigh least); the patch that restores
+it is in ``docs/results/2026-11-24-h100-suffix-warpgroup``.
 
 Keys and values past ``kv_length`` / ``suffix_lengths[b]`` (inside the buffers)
 are multiplied by a zero probability: they must be finite, which the model's
@@ -83,20 +74,16 @@ from pallas_kernels.gpu.merge_kernel import merge_parts
 from pallas_kernels.gpu.prefix_attention_mgpu import store_result
 from pallas_kernels.gpu.shared_attention_plan import (
     CTA_ROWS, LSE_COLS, MAX_CLUSTER_SPLITS, FusedConfig, cluster_merge_fits, default_config,
-    is_suffix, prefix_block, side_groups, side_range, side_unit, side_units, step_ranges,
-    suffix_columns, suffix_step, waits)
+    is_suffix, prefix_block, step_ranges, suffix_step, waits)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-# Registers per thread: consumer and producer warpgroups (three warpgroups, 384 threads:
-# 2 * 232 + 40 <= 512 of the 65,536 a CTA may hold over 128 threads' worth), and with the
-# suffix warpgroup (four, 512 threads) consumer, producer and suffix warpgroup. These are the
-# setmaxnreg values at run time; ptxas compiles the whole kernel under the launch's cap (168
-# registers at 384 threads, no spills; 128 at 512 threads, 228 bytes spilled whatever the
-# split: MOSAIC_GPU_DUMP_PTXAS=1 on the H100, 2026-11-24), and the four register splits tried
-# with the suffix warpgroup ran within 0.4 us of each other.
+# Registers per thread of the consumer and producer warpgroups (three warpgroups, 384 threads:
+# 2 * 232 + 40 <= 512 of the 65,536 a CTA may hold over 128 threads' worth; setmaxnreg.inc waits
+# for registers the others give back, so more would hang). These are the setmaxnreg values at
+# run time; ptxas compiles the whole kernel under the launch's cap (168 registers at 384
+# threads, no spills: MOSAIC_GPU_DUMP_PTXAS=1 on the H100, 2026-11-24).
 REGS = (232, 40)
-SIDE_REGS = (216, 24, 56)
 
 _LOAD_NEEDS_IDX = (inspect.signature(plgpu.load).parameters["idx"].default
                    is inspect.Parameter.empty)
@@ -133,45 +120,12 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
   if clustered and not cluster_merge_fits(cfg, d, jnp.dtype(dtype).itemsize):
     raise ValueError(f"cluster_merge needs 2 <= splits <= {MAX_CLUSTER_SPLITS}, row suffix "
                      f"steps and room for the receive tiles in the K/V slots; got {cfg}")
-  side = cfg.suffix_wg
-  if side and (cfg.splits < 2 or m > block_q):
-    raise ValueError(f"suffix_wg needs splits >= 2 and rows_per_seq <= {block_q}; got {cfg}, "
-                     f"rows_per_seq={m}")
-  regs = cfg.regs or (SIDE_REGS if side else REGS)
-  if (len(regs) != (3 if side else 2) or 2 * regs[0] + sum(regs[1:]) > 512
-      or any(n % 8 for n in regs)):
-    # setmaxnreg.inc waits for registers the other warpgroups give back: over 65,536 it hangs.
-    raise ValueError(f"regs {regs}: one per warpgroup kind (consumer, producer"
-                     f"{', suffix' if side else ''}), multiples of 8, 2 * consumer + the others "
-                     f"<= 512 (65,536 registers over 128-thread warpgroups)")
   seqs_per_wg = block_q // m
   seqs_per_cta = 2 * seqs_per_wg
   prefix_blocks = p // block_kv
   tiles = r // CTA_ROWS  # row tiles per KV head
   steps_buf = cfg.max_concurrent_steps
   qk_scale = scale * LOG2E
-  n_cols = suffix_columns(m)  # the suffix warpgroup's query rows per product (a column group)
-  groups = side_groups(m)  # the suffix warpgroup's column groups per row tile
-  wg_groups = block_q // n_cols  # of which in one consumer warpgroup's rows
-  per_group = n_cols // m  # sequences per column group
-  held = pl.cdiv(groups, cfg.splits)  # groups a split's suffix warpgroup takes at most
-
-  def column_softmax(st, m_s, l_s, o_t, *, n_valid, blk, col0):
-    """The suffix warpgroup's online softmax over the keys (axis 0 of ``S^T [block_s, n_cols]``,
-    a cross-warp reduction): keys past ``n_valid`` and columns outside the sequence's
-    ``[col0, col0 + G)`` masked; returns ``P^T`` and the column state ``(m, l, o^T)`` (base 2)."""
-    keys = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 0, layout=plgpu.Layout.WGMMA)
-    cols = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 1, layout=plgpu.Layout.WGMMA)
-    st = jnp.where(keys + blk * block_s < n_valid, st, -jnp.inf)
-    st = jnp.where(cols >= col0, st, -jnp.inf)
-    st = jnp.where(cols < col0 + m, st, -jnp.inf)
-    m_new = jnp.maximum(m_s, st.max(axis=0) * qk_scale)
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # columns with no visible key yet
-    alpha = jnp.exp2(m_s - m_use)
-    p_t = jnp.exp2(st * qk_scale - lax.broadcast_in_dim(m_use, st.shape, [1]))
-    l_s = l_s * alpha + p_t.sum(axis=0)
-    o_t = o_t * lax.broadcast_in_dim(alpha, o_t.shape, [1])
-    return p_t, m_new, l_s, o_t
 
   def kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref, out_ref, lse_ref,
              *rest):
@@ -181,8 +135,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     split = lax.axis_index("split")
     smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped[:4]
     wg_idx = lax.axis_index("wg")
-    if side:  # the suffix warpgroup's buffers and barriers (last)
-      (sk_smem, sv_smem, spt_smem, osuf_all, lsuf_all), (sk_bar, sv_bar, side_done) = scoped[-1]
     if clustered:  # the receive tiles alias the K/V slots (used once every step is done)
       qo_smem2, ((k_smem, v_smem), (recv_o, recv_l)) = smem_buffers
       recv_barrier, done_barrier = scoped[4]
@@ -200,9 +152,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
     seq0 = tile * seqs_per_cta
     # The longest suffix of the CTA's sequences: independent loads of each (their latencies
     # overlap), or reduced by XLA beforehand (one load here, but a kernel launch there).
-    if side:  # the consumers run no suffix steps
-      max_len = jnp.int32(0)
-    elif tmax_ref is None:
+    if tmax_ref is None:
       max_len = functools.reduce(jnp.maximum, [
           jnp.where(seq0 + i < batch, slen_ref[jnp.minimum(seq0 + i, batch - 1)], 0)
           for i in range(seqs_per_cta)])
@@ -226,7 +176,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
     def consumer(w: int):
       """Warpgroup w's rows (static w: static halves of the suffix slots)."""
-      plgpu.set_max_registers(regs[0], action="increase")
+      plgpu.set_max_registers(REGS[0], action="increase")
       qo_smem = qo_smem2.at[w]
       q_base = tile * CTA_ROWS + w * block_q
 
@@ -332,8 +282,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
                                     functools.partial(kv_loop, kind="prefix_last"), carry)
       if w == 0:
         perform_schedule_barrier()
-      if side:
-        acc, m_i, l_i = fold_suffix(w, acc, m_i, l_i)
 
       # A split without visible keys gives (0, -inf). The LSE goes from registers (as the prefix
       # kernel's): no staging tile, which lets three K/V slots fit (:func:`smem_bytes`).
@@ -382,136 +330,12 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
         store_result(merged, top * LOG2E, functools.reduce(jnp.add, weights), qo_smem,
                      out_ref.at[0, head, rows], lse_ref.at[0, head, rows], dtype=dtype)
 
-    def seq_length(seq):
-      """Valid suffix keys of sequence ``seq`` (0 past the batch), at most the capacity."""
-      n = jnp.where(seq < batch, slen_ref[jnp.minimum(seq, batch - 1)], 0)
-      return jnp.clip(n, 0, capacity)
-
-    def fold_suffix(w: int, acc, m_i, l_i):
-      """Consumer w's rows: the suffix warpgroup's normalised ``o`` and base-2 LSE folded into the
-      prefix state (exact LSE merge). Its ``o^T`` tiles come out of shared memory transposed, as
-      wgmma's B operand against a 0/1 placement matrix in registers (``E[r, c] = 1`` where row
-      ``r`` of the warpgroup is column ``c`` of the held group): each held group lands on its
-      rows, the others' rows get 0, and their LSE is -inf (the suffix warpgroup's reset)."""
-      g_lo, g_hi = side_range(split, cfg.splits, groups)
-      plgpu.barrier_wait(side_done)
-      rows = plgpu.broadcasted_iota(jnp.int32, (block_q, n_cols), 0, layout=plgpu.Layout.WGMMA)
-      cols = plgpu.broadcasted_iota(jnp.int32, (block_q, n_cols), 1, layout=plgpu.Layout.WGMMA)
-
-      def place(acc_ref):
-        for k in range(held):
-          g = g_lo + k
-          first = (g - w * wg_groups) * n_cols  # the group's first row among the warpgroup's
-          hit = (rows == cols + first) & (g < g_hi)
-          plgpu.wgmma(acc_ref, jnp.where(hit, 1.0, 0.0).astype(dtype),
-                      osuf_all.at[k].transpose((1, 0)))
-        return acc_ref[...]
-
-      o_s = pl.run_scoped(place, plgpu.ACC((block_q, d), jnp.float32))
-      l_s2 = load_tile(lsuf_all.at[pl.ds(w * block_q, block_q)], plgpu.Layout.WGMMA.reduce(1))
-      m_new = jnp.maximum(m_i, l_s2)
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m_i - m_use)
-      beta = jnp.exp2(l_s2 - m_use)
-      acc = (acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-             + o_s * lax.broadcast_in_dim(beta, acc.shape, [0]))
-      return acc, m_new, l_i * alpha + beta
-
-    def suffix_wg():
-      """The suffix warpgroup: for each column group it holds (:func:`side_range`), each of the
-      group's sequences' ``block_s``-key blocks up to the longest of them (blocks past that are
-      not loaded), ``S^T = K Q_g^T`` with keys on wgmma's M side, a softmax over the keys (a
-      cross-warp reduction; the consumers run none, so Mosaic GPU's scratch area is its own),
-      ``O^T += V^T P^T``; at the group's end its normalised ``o^T`` and base-2 LSE go to shared
-      memory for the consumers' :func:`fold_suffix`. One K and one V slot: the next unit's K
-      loads while this one's softmax and PV product run, its V while the next S^T runs."""
-      plgpu.set_max_registers(regs[2], action="decrease")
-      i32 = jnp.int32
-      g_lo, g_hi = side_range(split, cfg.splits, groups)
-      for k in range(held):  # finite o tiles and LSE -inf until a group writes its own
-        osuf_all.at[k][...] = plgpu.layout_cast(jnp.full((d, n_cols), 0, dtype),
-                                                plgpu.Layout.WGMMA)
-      lsuf_all[...] = plgpu.layout_cast(jnp.full((CTA_ROWS,), -jnp.inf, jnp.float32),
-                                        plgpu.Layout.WGMMA.reduce(1))
-      units = side_units(g_lo, g_hi, lambda g, j: seq_length(seq0 + g * per_group + j),
-                         held=held, block_s=block_s, per_group=per_group)
-      total = units.total
-      locate = functools.partial(side_unit, units=units)
-
-      def issue(u, which: str):
-        _, g, j, blk, _, _ = locate(u)
-        seq = jnp.minimum(seq0 + g * per_group + j, batch - 1)
-        src, dst, bar = (sk_ref, sk_smem, sk_bar) if which == "k" else (sv_ref, sv_smem, sv_bar)
-        plgpu.copy_gmem_to_smem(src.at[seq, pl.ds(blk * block_s, block_s), head], dst, bar)
-
-      @pl.when(total > 0)
-      def _run():
-        issue(i32(0), "k")
-        issue(i32(0), "v")
-        plgpu.barrier_wait(q_barriers.at[0])
-        plgpu.barrier_wait(q_barriers.at[1])
-
-        def unit(u, carry):
-          o_t, m_s, l_s = carry
-          k, g, j, blk, start, end = locate(u)
-          n_valid = seq_length(seq0 + g * per_group + j)
-          # A new group's state starts here. Arithmetic, not a select: jax 0.11's Mosaic GPU
-          # lowering rejects a select of arrays under a scalar predicate ("Implicit broadcast not
-          # implemented with warpgroup semantics"). o and l are finite, so * 0 clears them, and
-          # m + (-inf) is -inf whatever m holds.
-          keep = jnp.where(start, 0.0, 1.0).astype(jnp.float32)
-          o_t, l_s = o_t * keep, l_s * keep
-          m_s = m_s + jnp.where(start, -jnp.inf, 0.0).astype(jnp.float32)
-          q_t = qo_smem2.at[lax.div(g, i32(wg_groups)),
-                            pl.ds(lax.rem(g, i32(wg_groups)) * n_cols, n_cols)]
-          plgpu.barrier_wait(sk_bar)
-
-          def compute_st(acc_ref):
-            plgpu.wgmma(acc_ref, sk_smem, q_t.transpose((1, 0)))
-            return acc_ref[...]
-
-          st = pl.run_scoped(compute_st, plgpu.ACC((block_s, n_cols), jnp.float32))
-          pl.when(u + 1 < total)(lambda: issue(u + 1, "k"))
-          p_t, m_new, l_s, o_t = column_softmax(st, m_s, l_s, o_t, n_valid=n_valid, blk=blk,
-                                                col0=j * m)
-          spt_smem[...] = p_t.astype(dtype)  # wgmma's B operand lives in shared memory
-          plgpu.commit_smem()
-          plgpu.barrier_wait(sv_bar)
-
-          def compute_pv(acc_ref):  # V^T P^T [D, n_cols]
-            plgpu.wgmma(acc_ref, sv_smem.transpose((1, 0)), spt_smem)
-            return acc_ref[...]
-
-          o_t = o_t + pl.run_scoped(compute_pv, plgpu.ACC((d, n_cols), jnp.float32))
-          pl.when(u + 1 < total)(lambda: issue(u + 1, "v"))
-
-          @pl.when(end)
-          def _write_group():
-            has = l_s > 0
-            safe = jnp.where(has, l_s, 1.0)
-            osuf_all.at[k][...] = (o_t / lax.broadcast_in_dim(safe, o_t.shape, [1])).astype(dtype)
-            lsuf_all.at[pl.ds(g * n_cols, n_cols)][...] = jnp.where(
-                has, m_new + jnp.log(safe) * (1 / LN2), -jnp.inf)
-
-          return o_t, m_new, l_s
-
-        cols_layout = plgpu.Layout.WGMMA.reduce(0)
-        lax.fori_loop(0, total, unit, (
-            plgpu.layout_cast(jnp.full((d, n_cols), 0, jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.full((n_cols,), -jnp.inf, jnp.float32), cols_layout),
-            plgpu.layout_cast(jnp.full((n_cols,), 0, jnp.float32), cols_layout)))
-
-      plgpu.commit_smem()  # the o^T tiles are read by the consumers' wgmma (async proxy)
-      plgpu.barrier_arrive(side_done)
-
     pl.when(wg_idx == 0)(functools.partial(consumer, 0))
     pl.when(wg_idx == 1)(functools.partial(consumer, 1))
-    if side:
-      pl.when(wg_idx == 3)(suffix_wg)
 
     @pl.when(wg_idx == 2)
     def _memory_wg():
-      plgpu.set_max_registers(regs[1], action="decrease")
+      plgpu.set_max_registers(REGS[1], action="decrease")
 
       def issue(i, slot, which: str):
         """Loads local step i into the slot."""
@@ -569,15 +393,6 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
            plgpu.SMEM((peers, block_q, LSE_COLS), jnp.float32, transforms=lse_t)))]
       extra = [(plgpu.Barrier(num_arrivals=2 * peers),
                 plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=compute_wgs))]
-    if side:  # K (128-byte swizzle, against the query tiles) and V, probabilities, o^T tiles
-      narrow = (plgpu.TilingTransform((8, n_cols)), plgpu.SwizzleTransform(2 * n_cols))
-      extra.append((
-          (plgpu.SMEM((block_s, d), dtype, transforms=(tiling, swizzle)),
-           plgpu.SMEM((block_s, d), dtype, transforms=narrow),
-           plgpu.SMEM((block_s, n_cols), dtype, transforms=narrow),
-           plgpu.SMEM((held, d, n_cols), dtype, transforms=narrow),
-           plgpu.SMEM((CTA_ROWS,), jnp.float32)),
-          (plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier())))
     pl.run_scoped(
         lambda *args: kernel(len_ref, slen_ref, tmax_ref, q_ref, k_ref, v_ref, sk_ref, sv_ref,
                              out_ref, lse_ref, args),
@@ -605,7 +420,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
       entry,
       out_type=out_shape,
       **mesh,
-      num_threads=4 if side else 3,
+      num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(length, lens, *tile_max, q_rows, k, v, suffix_k, suffix_v)

@@ -12,14 +12,11 @@ in :mod:`pallas_kernels.gpu.shared_attention_mgpu` and the CPU emulations of
   count in CI.
 - :func:`step_ranges` and the step helpers: a CTA's list of prefix blocks and suffix steps, its
   key split's range of it, and the K/V barriers each step arrives on and waits on.
-- :func:`side_range`, :func:`side_units`, :func:`side_unit`: the suffix warpgroup's column
-  groups and units (``FusedConfig.suffix_wg``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -49,18 +46,10 @@ class FusedConfig:
   # The key splits of a row tile run as one cluster and merge in the kernel (module docstring,
   # :data:`CLUSTER_MERGE`); the output has one split. Needs 2 <= splits <= MAX_CLUSTER_SPLITS.
   cluster_merge: bool = False
-  # A fourth warpgroup takes the suffixes (:func:`side_range`): transposed products of each
-  # column group of max(16, G) rows against its sequences' own keys, with their own K/V slots,
-  # concurrently with the two consumer warpgroups' prefix blocks, which fold its result into
-  # their state at the end. The consumers then run no suffix steps. Needs splits >= 2.
-  suffix_wg: bool = False
-  # Registers per thread (consumer, producer, suffix warpgroup) for experiments; () takes
-  # :data:`REGS` (or :data:`SIDE_REGS` with ``suffix_wg``).
-  regs: tuple[int, ...] = ()
 
 
 # Transposed suffix steps -- the consumers' suffix steps as S^T = K Q_g^T over column groups of
-# max(16, G) rows (the suffix warpgroup's products, run by the consumers instead), their suffix
+# max(16, G) rows (the keys on wgmma's M side, N / G times the useful products), their suffix
 # part merged with the prefix part afterwards -- passed the native tests on an H100 and stayed
 # off (2026-11-23, docs/results/2026-11-23-h100-transposed-merge): paper B=1024 P=16K S=128
 # 131.4 vs 125.1 us (the kernel 125.4 vs 121.2: the axis-0 softmax reductions and the P^T stores
@@ -133,91 +122,17 @@ LSE_COLS = 8  # a peer's LSE travels as a [64, 8] float32 tile (WGMMA layout; wg
 
 
 
-# FusedConfig.suffix_wg as default_config sets it (read when tracing; experiments). Off: on the
-# H100 (tools/device/side_wg.sh, paper shape, 2026-11-24, three runs, device us shipped / suffix
-# warpgroup) it passes TestNativeFusedDecodeSuffixWarpgroup (13 of 13) and is 1.1-1.3 us faster
-# at B=1024 P=16K S=128 (122.2 / 121.0, 121.0 / 119.9, 121.3 / 120.0) and B=256 P=16K S=128
-# (36.6 / 36.1), but much slower wherever the suffixes are a larger share: B=1024 P=4K S=128
-# 45.9 / 75.8, B=256 P=4K 17.1 / 23.9, B=1024 P=16K S=512 153.8 / 266.9. Its units (one 64-key
-# block of one group) take ~4.5 us each against the consumers' traffic, so it ends last there.
-# Diagnostic builds (docs/results/2026-11-24-h100-suffix-warpgroup) put the suffixes' cost to
-# the consumers at the headline as ~4.2 us for the loads alone (no products) and ~4.7 for the
-# products alone (no loads), against 109.4 us with every suffix empty: even free products would
-# leave 113.6 us, above the 112.9 that 25x needs.
-SUFFIX_WG = False
-
-
-def side_groups(rows_per_seq: int) -> int:
-  """Column groups of a row tile that the suffix warpgroup takes (:func:`suffix_columns` rows
-  each: the sequences of a group share its transposed products, masked by column)."""
-  return CTA_ROWS // suffix_columns(rows_per_seq)
-
-
-def side_range(split, splits: int, groups: int):
-  """The column groups ``[lo, hi)`` of its row tile that split ``split``'s suffix warpgroup
-  takes: an equal share each, so that with two splits each CTA's are one consumer's rows."""
-  i32 = jnp.int32
-  return lax.div(split * groups, i32(splits)), lax.div((split + 1) * groups, i32(splits))
-
-
-@dataclasses.dataclass(frozen=True)
-class SideUnits:
-  """The suffix warpgroup's units in one CTA split (int32 scalars, traced in the kernel): unit
-  ``u`` in ``[0, total)`` is one ``block_s``-key block of one sequence of one held column group,
-  group-major, then sequence-major (:func:`side_unit`). See :func:`side_units`."""
-  g_lo: jax.Array  # the split's first column group (side_range)
-  nbs: tuple  # key blocks per sequence of each held group: its longest sequence's (0 past hi)
-  cum: tuple  # units before each held group; the last entry is the total
-  per_group: int  # sequences per column group
-
-  @property
-  def total(self):
-    return self.cum[-1]
-
-
-def side_units(g_lo, g_hi, length, *, held: int, block_s: int, per_group: int) -> SideUnits:
-  """The units of the groups ``[g_lo, g_hi)`` (:func:`side_range`; ``held`` groups at most):
-  each of a group's ``per_group`` sequences gets as many key blocks as the longest of them needs
-  (``length(g, j)``: valid keys of sequence ``j`` of group ``g``, at most the capacity)."""
-  i32 = jnp.int32
-  nbs, cum = [], [i32(0)]
-  for k in range(held):
-    g = g_lo + k
-    longest = functools.reduce(jnp.maximum, [length(g, j) for j in range(per_group)])
-    nb = jnp.where(g < g_hi, lax.div(longest + (block_s - 1), i32(block_s)), 0)
-    nbs.append(nb)
-    cum.append(cum[-1] + per_group * nb)
-  return SideUnits(g_lo, tuple(nbs), tuple(cum), per_group)
-
-
-def side_unit(u, units: SideUnits):
-  """Unit ``u``: the held group's index ``k``, the group ``g``, its sequence ``j``, the key
-  block ``blk``, and whether the unit starts or ends the group's state."""
-  i32 = jnp.int32
-  held = len(units.nbs)
-
-  def pick(k, values):
-    out = values[0]
-    for i in range(1, len(values)):
-      out = jnp.where(k == i, values[i], out)
-    return out
-
-  k = functools.reduce(jnp.add, [(u >= units.cum[i + 1]).astype(i32) for i in range(held - 1)],
-                       i32(0))
-  nb = jnp.maximum(pick(k, units.nbs), 1)
-  t = u - pick(k, units.cum[:held])
-  j = lax.div(t, nb)
-  g = units.g_lo + k
-  return k, g, j, t - j * nb, t == 0, t == units.per_group * nb - 1
-
-
-def side_bytes(cfg: "FusedConfig", head_dim: int, rows_per_seq: int, itemsize: int = 2) -> int:
-  """Shared memory of the suffix warpgroup: one K and one V slot of ``block_s`` keys, the
-  probabilities, its groups' normalised ``o^T`` tiles and the tile's LSEs."""
-  n = suffix_columns(rows_per_seq)
-  held = pl.cdiv(side_groups(rows_per_seq), cfg.splits)
-  return ((2 * cfg.block_s + cfg.block_s * n // head_dim + held * n) * head_dim * itemsize
-          + CTA_ROWS * 4)
+# The suffix warpgroup -- a fourth warpgroup per CTA running the suffixes as transposed products
+# (column groups of max(16, G) rows, one K and one V slot of its own) while the consumers ran only
+# prefix blocks and folded its result into their state at the end -- passed the native tests on
+# an H100 (13 of 13) and stayed off (2026-11-24, docs/results/2026-11-24-h100-suffix-warpgroup;
+# paper shape, device us shipped / suffix warpgroup): 1.1-1.3 us faster at B=1024 P=16K S=128
+# (three runs, e.g. 121.3 / 120.0) with full suffixes, within 0.5 us with half-full ones as in
+# decoding, and much slower wherever the suffixes weigh more (B=1024 P=4K S=128 45.9 / 75.8,
+# B=1024 P=16K S=512 153.8 / 266.9). Its diagnostic builds put the suffixes' cost to the
+# consumers at the headline at ~4.2 us for the loads alone and ~4.7 for the products alone,
+# against 109.4 us with every suffix empty. Removed on 2026-11-24 (latest); the patch that restores it is
+# in that folder.
 
 
 def cluster_recv_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:
@@ -233,15 +148,12 @@ def cluster_merge_fits(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> 
           and cluster_recv_bytes(cfg, head_dim, itemsize) <= kv)
 
 
-def smem_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2,
-               rows_per_seq: int = 8) -> int:
-  """Shared memory of the kernel's buffers: the query tiles, ``max_concurrent_steps`` K and V
-  slots (and the suffix warpgroup's buffers, :func:`side_bytes`), plus
-  :data:`SMEM_RESERVE`."""
+def smem_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:
+  """Shared memory of the kernel's buffers: the query tiles and ``max_concurrent_steps`` K and V
+  slots, plus :data:`SMEM_RESERVE`."""
   q = 2 * cfg.block_q * head_dim * itemsize
   kv = cfg.max_concurrent_steps * 2 * cfg.block_kv * head_dim * itemsize
-  side = side_bytes(cfg, head_dim, rows_per_seq, itemsize) if cfg.suffix_wg else 0
-  return q + kv + side + SMEM_RESERVE
+  return q + kv + SMEM_RESERVE
 
 
 def spreads(splits: int, prefix_blocks: int, suffix_steps: int) -> bool:
@@ -258,13 +170,6 @@ def spreads(splits: int, prefix_blocks: int, suffix_steps: int) -> bool:
   P=4K S=128 17.4 / 17.2, P=4K S=512 37.9 / 34.4).
   """
   return splits <= 2 and prefix_blocks >= 2 * suffix_steps
-
-
-def suffix_columns(rows_per_seq: int) -> int:
-  """Query rows (N) of the suffix warpgroup's transposed products: the 16-row group (or the
-  sequence's G rows, if more) holding the sequence. wgmma needs N >= 8, and the probabilities' shared-memory
-  tile (keys x N in bf16) must be at least 32 bytes wide for a supported swizzle."""
-  return max(16, rows_per_seq)
 
 
 # In a suffix step each warpgroup multiplies one of its sequences' keys against its 64 rows:
@@ -324,18 +229,7 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   cfg = staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
   if CLUSTER_MERGE and cfg.splits == CLUSTER_MERGE_SPLITS and cluster_merge_fits(cfg, head_dim):
     cfg = dataclasses.replace(cfg, cluster_merge=True)
-  side = dataclasses.replace(cfg, suffix_wg=True, spread_suffix=False, max_concurrent_steps=2)
-  if (SUFFIX_WG and side_fits(side, head_dim, rows_per_seq)):
-    cfg = side
   return cfg
-
-
-def side_fits(cfg: FusedConfig, head_dim: int, rows_per_seq: int, itemsize: int = 2) -> bool:
-  """Whether ``cfg`` (with ``suffix_wg``) can run: two or more key splits and the suffix
-  warpgroup's buffers within the shared memory."""
-  return (cfg.splits >= 2
-          and rows_per_seq <= cfg.block_q
-          and smem_bytes(cfg, head_dim, itemsize, rows_per_seq) <= SMEM_LIMIT)
 
 
 @dataclasses.dataclass(frozen=True)

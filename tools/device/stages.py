@@ -20,9 +20,8 @@ checked against the first op's):
   instead of XLA's reduction before it;
 - ``cm``: the one kernel merges its 2-4 key splits itself, each row tile's splits one cluster
   (``CLUSTER_MERGE``), instead of the merge kernel after it; ``cmtk``: ``cm`` and ``tk``;
-- ``sw``: the suffixes on a fourth warpgroup of each CTA (``suffix_warpgroup(True)``,
-  ``FusedConfig.suffix_wg``; the diagnostic and register-split ops of its measurement are in
-  ``docs/results/2026-11-24-h100-suffix-warpgroup/diagnostics.patch``);
+- (``sw``: the suffixes on a fourth warpgroup of each CTA, removed with it; see
+  ``docs/results/2026-11-24-h100-suffix-warpgroup``);
 - ``apart``: the prefix and suffix kernels one after the other.
 
 ``--suffix-length N`` gives every sequence N valid suffix keys of the capacity S (as in decoding,
@@ -72,7 +71,6 @@ OPS = {
     "tk": variant(lambda: gpu.tile_max_in_kernel(True)),
     "cm": variant(lambda: gpu.cluster_merge(True)),
     "cmtk": variant(lambda: gpu.cluster_merge(True), lambda: gpu.tile_max_in_kernel(True)),
-    "sw": variant(lambda: gpu.suffix_warpgroup(True)),
     "apart": bench._ours_split,
 }
 

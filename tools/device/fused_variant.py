@@ -4,12 +4,12 @@
   python3 tools/device/fused_variant.py [--max-waste N] [--steps-buf N] -- decode <args>
 
 ``--max-waste`` replaces ``shared_attention_plan.MAX_WASTE`` (16 lets G = 4 take the one kernel),
-``--steps-buf`` the kernel's K/V slots in flight; the rest goes to
+``--steps-buf`` its K/V slots in flight (``shared_attention_plan.STAGES``, which
+``default_config`` takes where they fit in shared memory); the rest goes to
 ``python -m jax_shared_attn.bench`` or ``hydragen bench``.
 """
 
 import argparse
-import dataclasses
 import sys
 
 
@@ -25,10 +25,9 @@ def main():
   if args.max_waste is not None:
     fp.MAX_WASTE = args.max_waste
   if args.steps_buf is not None:
-    fp.FusedConfig = dataclasses.make_dataclass(
-        "FusedConfig", [("max_concurrent_steps", int, dataclasses.field(default=args.steps_buf))],
-        bases=(fp.FusedConfig,), frozen=True)
-  print(f"variant: MAX_WASTE={fp.MAX_WASTE} {fp.FusedConfig()}", flush=True)
+    # Not a FusedConfig default: default_config sets max_concurrent_steps from STAGES.
+    fp.STAGES = args.steps_buf
+  print(f"variant: MAX_WASTE={fp.MAX_WASTE} STAGES={fp.STAGES}", flush=True)
   if rest[0] == "attention":
     from jax_shared_attn.bench.__main__ import main as bench
     return bench(rest)

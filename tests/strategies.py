@@ -13,6 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
+from jax_shared_attn import SharedLevel
+from jax_shared_attn.testing import lse_err, rel_err, tolerance
+
 DTYPES = ("float32", "bfloat16", "float16")
 SEEDS = st.integers(0, 2**31 - 1)
 
@@ -68,3 +71,30 @@ def lengths(draw, b, cap):
   """int32 [b] lengths in [0, cap], biased toward the edges 0, 1 and cap."""
   edge = st.sampled_from(sorted({0, min(1, cap), cap}))
   return np.array([draw(st.one_of(edge, st.integers(0, cap))) for _ in range(b)], np.int32)
+
+
+def random_tree(draw, rng, b, hkv, d, dtype, structure):
+  """Levels of the given (N, T) structure with random lengths and assignments (-1 = no segment
+  at that level, so fan-out is uneven), and each sequence's float64 segments in level order."""
+  levels, seg_k, seg_v = [], [[] for _ in range(b)], [[] for _ in range(b)]
+  for n, t in structure:
+    k, k64 = rand(rng, (n, t, hkv, d), dtype)
+    v, v64 = rand(rng, (n, t, hkv, d), dtype)
+    lens = lengths(draw, n, t)
+    nodes = np.array([draw(st.integers(-1, n - 1)) for _ in range(b)], np.int32)
+    levels.append(SharedLevel(k, v, jnp.asarray(lens), jnp.asarray(nodes)))
+    for i, node in enumerate(nodes):
+      if node >= 0:
+        seg_k[i].append(k64[node, :lens[node]])
+        seg_v[i].append(v64[node, :lens[node]])
+  return levels, seg_k, seg_v
+
+
+def assert_close(out, lse, ref_out, ref_lse, dtype):
+  """``out`` within the dtype's tolerance of the float64 oracle (no NaN), the LSE within 1e-5
+  (float32) or 1e-2 (16-bit inputs)."""
+  assert not np.isnan(np.asarray(out, np.float32)).any(), "NaN in out"
+  err = rel_err(out, ref_out)
+  assert err <= tolerance(dtype), (err, tolerance(dtype))
+  lse_tol = 1e-5 if np.dtype(dtype) == np.float32 else 1e-2
+  assert lse_err(lse, ref_lse) <= lse_tol, lse_err(lse, ref_lse)

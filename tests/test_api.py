@@ -10,21 +10,13 @@ from hypothesis import strategies as st
 from jax_shared_attn import (SharedLevel, attention_with_lse, hierarchical_attention,
                              shared_prefix_attention)
 from jax_shared_attn.testing import lse_err, oracle_full, oracle_tree, rel_err, tolerance
-from strategies import (DTYPES, FULL_SHAPES, PREFIX_SHAPES, SEEDS, TREE_SHAPES, count_case,
-                        lengths, rand)
+from strategies import (DTYPES, FULL_SHAPES, PREFIX_SHAPES, SEEDS, TREE_SHAPES, assert_close,
+                        count_case, lengths, rand, random_tree)
 
 STATIC = ("causal", "impl", "return_lse", "scale")
 full_jit = jax.jit(attention_with_lse, static_argnames=("causal", "impl", "scale"))
 prefix_jit = jax.jit(shared_prefix_attention, static_argnames=STATIC)
 tree_jit = jax.jit(hierarchical_attention, static_argnames=STATIC)
-
-
-def assert_close(out, lse, ref_out, ref_lse, dtype):
-  assert not np.isnan(np.asarray(out, np.float32)).any(), "NaN in out"
-  err = rel_err(out, ref_out)
-  assert err <= tolerance(dtype), (err, tolerance(dtype))
-  lse_tol = 1e-5 if np.dtype(dtype) == np.float32 else 1e-2
-  assert lse_err(lse, ref_lse) <= lse_tol, lse_err(lse, ref_lse)
 
 
 @settings(max_examples=250)
@@ -64,22 +56,6 @@ def test_shared_prefix_attention(data, seed, dtype, causal, shape):
                                  causal=causal)
   assert out.dtype == q.dtype
   assert_close(out, lse, ref_out, ref_lse, dtype)
-
-
-def random_tree(draw, rng, b, hkv, d, dtype, structure):
-  """Levels of the given (N, T) structure with random lengths and assignments (-1 = none)."""
-  levels, seg_k, seg_v = [], [[] for _ in range(b)], [[] for _ in range(b)]
-  for n, t in structure:
-    k, k64 = rand(rng, (n, t, hkv, d), dtype)
-    v, v64 = rand(rng, (n, t, hkv, d), dtype)
-    lens = lengths(draw, n, t)
-    nodes = np.array([draw(st.integers(-1, n - 1)) for _ in range(b)], np.int32)
-    levels.append(SharedLevel(k, v, jnp.asarray(lens), jnp.asarray(nodes)))
-    for i, node in enumerate(nodes):
-      if node >= 0:
-        seg_k[i].append(k64[node, :lens[node]])
-        seg_v[i].append(v64[node, :lens[node]])
-  return levels, seg_k, seg_v
 
 
 @settings(max_examples=250)

@@ -15,12 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_shared_attn import (SharedLevel, attention_with_lse, hierarchical_attention,
-                             shared_prefix_attention)
+from jax_shared_attn import attention_with_lse, hierarchical_attention, shared_prefix_attention
 from jax_shared_attn import ops as ops_lib
-from jax_shared_attn.testing import lse_err, oracle_full, oracle_tree, rel_err, tolerance
+from jax_shared_attn.testing import oracle_full, oracle_tree, rel_err
 from pallas_kernels import tpu
-from strategies import SEEDS, count_case, lengths, rand
+from strategies import SEEDS, assert_close, count_case, lengths, rand, random_tree
 
 STATIC = ("causal", "impl", "return_lse", "scale")
 prefix_jit = jax.jit(shared_prefix_attention, static_argnames=STATIC)
@@ -54,14 +53,6 @@ FULL_CASES = (
 )
 
 
-def assert_close(out, lse, ref_out, ref_lse, dtype):
-  assert not np.isnan(np.asarray(out, np.float32)).any(), "NaN in out"
-  err = rel_err(out, ref_out)
-  assert err <= tolerance(dtype), (err, tolerance(dtype))
-  lse_tol = 1e-5 if np.dtype(dtype) == np.float32 else 1e-2
-  assert lse_err(lse, ref_lse) <= lse_tol, lse_err(lse, ref_lse)
-
-
 @settings(max_examples=24)
 @given(data=st.data(), seed=SEEDS, case=st.sampled_from(PREFIX_CASES))
 def test_shared_prefix_attention(data, seed, case):
@@ -81,22 +72,6 @@ def test_shared_prefix_attention(data, seed, case):
   ref = oracle_tree(q64, [[pk64[:plen]]] * b, [[pv64[:plen]]] * b, sk64, sv64, slen,
                     causal=causal)
   assert_close(out, lse, *ref, dtype)
-
-
-def random_tree(draw, rng, b, hkv, d, dtype, structure):
-  """Levels of the given (N, T) structure; uneven fan-out and -1 (no segment)."""
-  levels, seg_k, seg_v = [], [[] for _ in range(b)], [[] for _ in range(b)]
-  for n, t in structure:
-    k, k64 = rand(rng, (n, t, hkv, d), dtype)
-    v, v64 = rand(rng, (n, t, hkv, d), dtype)
-    lens = lengths(draw, n, t)
-    nodes = np.array([draw(st.integers(-1, n - 1)) for _ in range(b)], np.int32)
-    levels.append(SharedLevel(k, v, jnp.asarray(lens), jnp.asarray(nodes)))
-    for i, node in enumerate(nodes):
-      if node >= 0:
-        seg_k[i].append(k64[node, :lens[node]])
-        seg_v[i].append(v64[node, :lens[node]])
-  return levels, seg_k, seg_v
 
 
 @settings(max_examples=20)

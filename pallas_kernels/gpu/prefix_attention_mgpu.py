@@ -128,6 +128,16 @@ def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int = 128,
   return staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
 
 
+def empty_state(block_q: int, head_dim: int):
+  """A consumer warpgroup's online-softmax state before any key, in registers (wgmma layout):
+  ``acc [block_q, D] = 0``, base-2 row max ``m_i = -inf`` and row sum ``l_i = 0``."""
+  row = plgpu.Layout.WGMMA.reduce(1)
+  m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row)
+  l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), row)
+  acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
+  return acc, m_i, l_i
+
+
 def store_result(acc, m_i, l_i, qo_smem, out_dst, lse_dst, *, dtype):
   """A consumer warpgroup's epilogue (this kernel's and the one-kernel decode path's): ``O / l``
   in ``dtype`` through its query tile in shared memory to ``out_dst`` (TMA), the natural-log LSE
@@ -301,10 +311,7 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
 
     def _compute_wg():
       qo_smem, q_base = load_q()
-      m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
-                              plgpu.Layout.WGMMA.reduce(1))
-      l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-      acc = plgpu.layout_cast(jnp.full((block_q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
+      acc, m_i, l_i = empty_state(block_q, d)
 
       @pl.when(kv_steps > 0)
       def _():

@@ -71,7 +71,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu import _common
 from pallas_kernels.gpu.merge_kernel import merge_parts
-from pallas_kernels.gpu.prefix_attention_mgpu import store_result
+from pallas_kernels.gpu.prefix_attention_mgpu import empty_state, store_result
 from pallas_kernels.gpu.shared_attention_plan import (
     CTA_ROWS, LSE_COLS, MAX_CLUSTER_SPLITS, FusedConfig, cluster_merge_fits, default_config,
     is_suffix, prefix_block, step_ranges, suffix_step, waits)
@@ -206,10 +206,7 @@ def fused_rows_mgpu(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths,
 
       plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem, q_barriers.at[w])
       plgpu.barrier_wait(q_barriers.at[w])
-      m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
-                              plgpu.Layout.WGMMA.reduce(1))
-      l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-      acc = plgpu.layout_cast(jnp.full((block_q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
+      acc, m_i, l_i = empty_state(block_q, d)
 
       @pl.when(steps > 0)
       def _():

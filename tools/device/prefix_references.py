@@ -1,0 +1,144 @@
+"""The prefix product alone: our Mosaic GPU prefix kernel against the fused attention kernels that
+ship with the stack (cuDNN's, through ``jax.nn.dot_product_attention``, and JAX's own Mosaic GPU
+``attention_mgpu``), on the same H100 (device experiment).
+
+  PYTHONPATH=. python3 tools/device/prefix_references.py --out $OUT [--specs paper:1024:16384]
+
+Question: how fast can the prefix part of issue 3's headline (B x G = 8192 query rows against
+16,384 shared keys, one KV head, D 128, non-causal) run on this GPU with a state-of-the-art fused
+attention kernel? Its FLOPs are 4 x rows x P x D; the floor of the benchmark divides them by the
+rate of a large square bf16 matmul, which a kernel with a softmax between its two products and a
+128-deep first product may not reach. Ops (profiler device time, rotated inputs):
+
+- ``ours``: ``prefix_attention_rows_mgpu`` with the shipped ``default_config`` (its key splits;
+  the splits are not merged here, as in the one kernel's split outputs);
+- ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` with the 8192 rows as
+  1024 tokens x 8 query heads against one KV head (GQA, as the model has them);
+- ``cudnn_1h``: the same rows as 8192 tokens of one head;
+- ``cudnn_2s`` / ``jax_mgpu_2s``: the keys cut in two halves run as a batch of two (q repeated),
+  so that these kernels, which have no key splits, get 128 CTAs for the 132 SMs as ours does
+  (the two halves' outputs are not merged: timing only, like ``ours``'s splits);
+- ``jax_mgpu``: ``jax.experimental.pallas.ops.gpu.attention_mgpu.attention`` (block_q 64,
+  block_kv 128, two stages: the configuration our kernel started from).
+
+Prints device µs, TFLOP/s and the fraction of the run's measured matmul rate; writes
+``prefix_references.json`` and ``.md``. Outputs of the unsplit ops are checked against ours
+merged over its splits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jax_shared_attn.bench import timing
+from jax_shared_attn.bench.attention import parse_spec
+from jax_shared_attn.testing import rel_err
+from pallas_kernels.gpu import prefix_attention_mgpu as mg
+
+DEFAULT_SPECS = "paper:1024:16384,paper:1024:4096"
+
+
+def merged(out, lse):
+  """Our kernel's split outputs ``[splits, Hkv, R, D]`` merged by their LSE (float32)."""
+  w = jax.nn.softmax(lse, axis=0)[..., None]
+  return jnp.sum(w * out.astype(jnp.float32), axis=0)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  ap.add_argument("--specs", default=DEFAULT_SPECS)
+  ap.add_argument("--trials", type=int, default=5)
+  args = ap.parse_args()
+  from jax.experimental.pallas.ops.gpu import attention_mgpu as jam
+  # The ceiling (a CPU run only checks the script: its matmul rate is not worth the minutes).
+  rate = timing.matmul_rate() if jax.default_backend() == "gpu" else timing.matmul_rate(n=512)
+  kind = jax.devices()[0].device_kind
+  print(f"device {kind}, jax {jax.__version__}, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+  rows = []
+  for spec in args.specs.split(","):
+    _, shape = parse_spec(spec + ":0")
+    b, p, hq, hkv, d = shape.batch, shape.prefix, shape.q_heads, shape.kv_heads, shape.head_dim
+    assert hkv == 1, "the references fold the rows of one KV head"
+    r, g = b * hq, hq
+    flops = 4 * r * p * d
+    scale = d ** -0.5
+    cfg = mg.default_config(r, hkv, p, d)
+    tune = jam.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2)
+
+    def make(i):
+      ks = jax.random.split(jax.random.key(i), 3)
+      q = jax.random.normal(ks[0], (r, d), jnp.bfloat16)
+      k = jax.random.normal(ks[1], (p, d), jnp.bfloat16)
+      v = jax.random.normal(ks[2], (p, d), jnp.bfloat16)
+      return q, k, v
+
+    half = p // 2
+    ops = {
+        "ours": lambda q, k, v: mg.prefix_attention_rows_mgpu(
+            q[None], k[:, None], v[:, None], jnp.int32(p), scale=scale, config=cfg),
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+            q.reshape(1, b, g, d), k[None, :, None], v[None, :, None], scale=scale,
+            implementation="cudnn"),
+        "cudnn_1h": lambda q, k, v: jax.nn.dot_product_attention(
+            q[None, :, None], k[None, :, None], v[None, :, None], scale=scale,
+            implementation="cudnn"),
+        "cudnn_2s": lambda q, k, v: jax.nn.dot_product_attention(
+            jnp.broadcast_to(q.reshape(1, b, g, d), (2, b, g, d)),
+            k.reshape(2, half, 1, d), v.reshape(2, half, 1, d), scale=scale,
+            implementation="cudnn"),
+        # attention_mgpu applies no score scale: q is pre-scaled (one small fusion).
+        "jax_mgpu": lambda q, k, v: jam.attention(
+            (q * scale).astype(q.dtype)[None, :, None], k[None, :, None], v[None, :, None], tune),
+        "jax_mgpu_2s": lambda q, k, v: jam.attention(
+            jnp.broadcast_to((q * scale).astype(q.dtype)[None, :, None], (2, r, 1, d)),
+            k.reshape(2, half, 1, d), v.reshape(2, half, 1, d), tune),
+    }
+    row = {"spec": spec, "rows": r, "p": p, "d": d, "flops": flops, "ours_config": str(cfg)}
+    n_sets = timing.sets_needed(2 * p * d * 2 + r * d * 2)
+    ref = None
+    for name, op in ops.items():
+      try:
+        res = timing.measure(op, make, n_sets=n_sets, trials=args.trials)
+        us = res["seconds"] * 1e6
+        row[name] = us
+        row[f"{name}_tflops"] = flops / us / 1e6
+        if "breakdown" in res:
+          row[f"{name}_kernels"] = res["breakdown"]["kernels"]
+        out = jax.jit(op)(*make(0))
+        if name == "ours":
+          ref = merged(*out)[0]
+        elif not name.endswith("_2s"):
+          row[f"err_{name}"] = rel_err(jnp.asarray(out, jnp.float32).reshape(r, d), ref)
+      except Exception as e:  # noqa: BLE001 -- a reference that cannot run is reported
+        row[name] = f"err: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+      print(spec, name, row[name] if isinstance(row[name], str) else
+            f"{row[name]:.1f} us ({row[f'{name}_tflops']:.0f} TFLOP/s)", flush=True)
+    rows.append(row)
+  names = list(ops)
+  lines = [f"device: {kind}; jax {jax.__version__}; bf16 matmul rate {rate / 1e12:.0f} TFLOP/s; "
+           "device µs (TFLOP/s, fraction of the matmul rate)", "",
+           "| spec | rows x keys | " + " | ".join(names) + " |", "|---|---|" + "---:|" * len(names)]
+  for row in rows:
+    cells = []
+    for n in names:
+      us = row.get(n)
+      cells.append(f"{us:.1f} ({row[f'{n}_tflops']:.0f}, {row[f'{n}_tflops'] * 1e12 / rate:.2f})"
+                   if isinstance(us, float) else str(us))
+    lines.append(f"| {row['spec']} | {row['rows']} x {row['p']} | " + " | ".join(cells) + " |")
+  table = "\n".join(lines)
+  print("\n" + table)
+  with open(os.path.join(args.out, "prefix_references.json"), "w") as f:
+    json.dump({"device": kind, "jax": jax.__version__, "matmul_rate": rate, "rows": rows}, f,
+              indent=1)
+  with open(os.path.join(args.out, "prefix_references.md"), "w") as f:
+    f.write(table + "\n")
+
+
+if __name__ == "__main__":
+  main()

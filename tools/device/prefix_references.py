@@ -35,18 +35,13 @@ import os
 import jax
 import jax.numpy as jnp
 
+from jax_shared_attn import merge_attention_states
 from jax_shared_attn.bench import timing
 from jax_shared_attn.bench.attention import parse_spec
 from jax_shared_attn.testing import rel_err
 from pallas_kernels.gpu import prefix_attention_mgpu as mg
 
 DEFAULT_SPECS = "paper:1024:16384,paper:1024:4096"
-
-
-def merged(out, lse):
-  """Our kernel's split outputs ``[splits, Hkv, R, D]`` merged by their LSE (float32)."""
-  w = jax.nn.softmax(lse, axis=0)[..., None]
-  return jnp.sum(w * out.astype(jnp.float32), axis=0)
 
 
 def main():
@@ -65,7 +60,9 @@ def main():
   for spec in args.specs.split(","):
     _, shape = parse_spec(spec + ":0")
     b, p, hq, hkv, d = shape.batch, shape.prefix, shape.q_heads, shape.kv_heads, shape.head_dim
-    assert hkv == 1, "the references fold the rows of one KV head"
+    if hkv != 1:
+      raise ValueError(f"--specs {spec}: the references fold the rows of one KV head; this "
+                       f"shape has {hkv}")
     r, g = b * hq, hq
     flops = 4 * r * p * d
     scale = d ** -0.5
@@ -116,7 +113,8 @@ def main():
           row[f"{name}_kernels"] = res["breakdown"]["kernels"]
         out = jax.jit(op)(*mk(0))
         if name == "ours":
-          ref = merged(*out)[0]
+          out, lse = out  # [splits, 1, R, D], [splits, 1, R]: merged over the splits
+          ref = merge_attention_states(list(out[:, 0]), list(lse[:, 0]))[0].astype(jnp.float32)
         elif ref is not None and not name.endswith("_2s"):
           row[f"err_{name}"] = rel_err(jnp.asarray(out, jnp.float32).reshape(r, d), ref)
       except Exception as e:  # noqa: BLE001 -- a reference that cannot run is reported

@@ -188,7 +188,7 @@ def main():
     if key not in prefix_cache:
       prefix_cache[key] = prefix_time(f"{key}:{ss}", args.trials)
     t_p, c_p, cfg, shape = prefix_cache[key]
-    b, p, s = shape.batch, shape.prefix, int(ss)
+    b, s = shape.batch, int(ss)
     hkv, d = shape.kv_heads, shape.head_dim
     suffix_bytes = 2 * b * s * hkv * d * 2
     floor = dataclasses.replace(shape, suffix=s).floor_s(copy_bw, rate)

@@ -63,7 +63,7 @@ def stream_op(n_ctas: int, blocks_per_cta: int, block: int, stages: int):
   block_bytes = block * COLS * 2
   slots = max(stages, -(-MIN_SMEM // block_bytes))
 
-  def body(x_ref, o_ref, smem, barriers):
+  def stream(x_ref, o_ref, smem, barriers):
     cta = lax.axis_index("cta")
     base = cta * blocks_per_cta
 
@@ -86,13 +86,16 @@ def stream_op(n_ctas: int, blocks_per_cta: int, block: int, stages: int):
     plgpu.copy_smem_to_gmem(smem.at[last], o_ref.at[cta])
     plgpu.wait_smem_to_gmem(0)
 
+  def body(x_ref, o_ref):  # scratch through run_scoped: plgpu.kernel's keyword for it differs
+    pl.run_scoped(lambda smem, barriers: stream(x_ref, o_ref, smem, barriers),
+                  plgpu.SMEM((slots, block, COLS), jnp.bfloat16),
+                  plgpu.Barrier(num_barriers=stages))
+
   return plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((n_ctas, block, COLS), jnp.bfloat16),
       grid=(n_ctas,),
       grid_names=("cta",),
-      scratch_shapes=[plgpu.SMEM((slots, block, COLS), jnp.bfloat16),
-                      plgpu.Barrier(num_barriers=stages)],
   )
 
 

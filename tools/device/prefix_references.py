@@ -15,9 +15,11 @@ rate of a large square bf16 matmul, which a kernel with a softmax between its tw
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` with the 8192 rows as
   1024 tokens x 8 query heads against one KV head (GQA, as the model has them);
 - ``cudnn_1h``: the same rows as 8192 tokens of one head;
-- ``cudnn_2s`` / ``jax_mgpu_2s``: the keys cut in two halves run as a batch of two (q repeated),
-  so that these kernels, which have no key splits, get 128 CTAs for the 132 SMs as ours does
-  (the two halves' outputs are not merged: timing only, like ``ours``'s splits);
+- ``cudnn_ks`` / ``jax_mgpu_ks``: the keys cut in k parts run as a batch of k (q repeated), k
+  being our kernel's key splits at the shape (2 at B = 1024: named ``_2s`` in the results of
+  2026-11-24), so that these
+  kernels, which have no key splits, get as many CTAs as ours (128 for the 132 SMs); the parts'
+  outputs are not merged: timing only, like ``ours``'s splits;
 - ``jax_mgpu``: ``jax.experimental.pallas.ops.gpu.attention_mgpu.attention`` (block_q 64,
   block_kv 128, two stages: the configuration our kernel started from).
 
@@ -75,7 +77,10 @@ def main():
       return tuple(jax.random.normal(key, (n, d), jnp.bfloat16).astype(dtype)
                    for key, n in zip(ks, (r, p, p)))
 
-    half = p // 2
+    parts = cfg.splits
+    part = p // parts
+    if p % parts:
+      raise ValueError(f"--specs {spec}: P ({p}) is not a multiple of our splits ({parts})")
     ops = {
         "ours": lambda q, k, v: mg.prefix_attention_rows_mgpu(
             q[None], k[:, None], v[:, None], jnp.int32(p), scale=scale, config=cfg),
@@ -85,19 +90,20 @@ def main():
         "cudnn_1h": lambda q, k, v: jax.nn.dot_product_attention(
             q[None, :, None], k[None, :, None], v[None, :, None], scale=scale,
             implementation="cudnn"),
-        "cudnn_2s": lambda q, k, v: jax.nn.dot_product_attention(
-            jnp.broadcast_to(q.reshape(1, b, g, d), (2, b, g, d)),
-            k.reshape(2, half, 1, d), v.reshape(2, half, 1, d), scale=scale,
+        "cudnn_ks": lambda q, k, v: jax.nn.dot_product_attention(
+            jnp.broadcast_to(q.reshape(1, b, g, d), (parts, b, g, d)),
+            k.reshape(parts, part, 1, d), v.reshape(parts, part, 1, d), scale=scale,
             implementation="cudnn"),
         # attention_mgpu takes float16 only (its scratch buffers are f16; its inputs are the same
         # values cast to f16) and applies no score scale: q is pre-scaled (one small fusion).
         "jax_mgpu": lambda q, k, v: jam.attention(
             (q * scale).astype(q.dtype)[None, :, None], k[None, :, None], v[None, :, None], tune),
-        "jax_mgpu_2s": lambda q, k, v: jam.attention(
-            jnp.broadcast_to((q * scale).astype(q.dtype)[None, :, None], (2, r, 1, d)),
-            k.reshape(2, half, 1, d), v.reshape(2, half, 1, d), tune),
+        "jax_mgpu_ks": lambda q, k, v: jam.attention(
+            jnp.broadcast_to((q * scale).astype(q.dtype)[None, :, None], (parts, r, 1, d)),
+            k.reshape(parts, part, 1, d), v.reshape(parts, part, 1, d), tune),
     }
-    row = {"spec": spec, "rows": r, "p": p, "d": d, "flops": flops, "ours_config": str(cfg)}
+    row = {"spec": spec, "rows": r, "p": p, "d": d, "flops": flops, "ours_config": str(cfg),
+           "parts": parts}
     n_sets = timing.sets_needed(2 * p * d * 2 + r * d * 2)
     ref = None
     for name, op in ops.items():
@@ -115,7 +121,7 @@ def main():
         if name == "ours":
           out, lse = out  # [splits, 1, R, D], [splits, 1, R]: merged over the splits
           ref = merge_attention_states(list(out[:, 0]), list(lse[:, 0]))[0].astype(jnp.float32)
-        elif ref is not None and not name.endswith("_2s"):
+        elif ref is not None and not name.endswith("_ks"):
           row[f"err_{name}"] = rel_err(jnp.asarray(out, jnp.float32).reshape(r, d), ref)
       except Exception as e:  # noqa: BLE001 -- a reference that cannot run is reported
         row[name] = f"err: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
@@ -125,14 +131,16 @@ def main():
   names = [n for n in ops if not args.ops or n in args.ops.split(",")]
   lines = [f"device: {kind}; jax {jax.__version__}; bf16 matmul rate {rate / 1e12:.0f} TFLOP/s; "
            "device µs (TFLOP/s, fraction of the matmul rate)", "",
-           "| spec | rows x keys | " + " | ".join(names) + " |", "|---|---|" + "---:|" * len(names)]
+           "| spec | rows x keys | k | " + " | ".join(names) + " |",
+           "|---|---|---:|" + "---:|" * len(names)]
   for row in rows:
     cells = []
     for n in names:
       us = row.get(n)
       cells.append(f"{us:.1f} ({row[f'{n}_tflops']:.0f}, {row[f'{n}_tflops'] * 1e12 / rate:.2f})"
                    if isinstance(us, float) else str(us))
-    lines.append(f"| {row['spec']} | {row['rows']} x {row['p']} | " + " | ".join(cells) + " |")
+    lines.append(f"| {row['spec']} | {row['rows']} x {row['p']} | {row['parts']} | "
+                 + " | ".join(cells) + " |")
   table = "\n".join(lines)
   print("\n" + table)
   with open(os.path.join(args.out, "prefix_references.json"), "w") as f:

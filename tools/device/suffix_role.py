@@ -1,0 +1,350 @@
+"""How fast can a few SMs do the suffix part of one decode step on their own? (device experiment)
+
+  PYTHONPATH=. python3 tools/device/suffix_role.py --out $OUT
+
+Why. ``tools/device/sm_partition.py`` (2026-11-24) bounds a role-partitioned launch -- some SMs
+stream the suffixes while the others run the prefix product -- and finds that at issue 3's
+headline (paper shape, B=1024 P=16K S=128) the prefix kernel's 128 CTAs leave 4 SMs idle, which
+by the TMA-only streaming rate (~205 GB/s per SM) could read all 67 MB of suffix K/V in ~82 µs,
+under the prefix's 104 µs: ~107 µs with a merge, 26x. That needs the 4 suffix SMs to do the
+suffix attention at >= ~160 GB/s each, arithmetic included. This kernel is that suffix role
+alone, so its rate can be measured before the two roles are put into one launch.
+
+The kernel (Mosaic GPU, ``n_ctas`` CTAs of ``wgs`` warpgroups, no producer warpgroup): the query
+rows, folded as ``[Hkv, R, D]`` (row ``b * G + g``), are cut into column groups of ``N =
+max(16, G)`` rows (``N / G`` sequences; wgmma needs N >= 8 and the probabilities' tile >= 32
+bytes wide). Each warpgroup takes an equal range of groups and, for each sequence of a group and
+each ``block_s``-key block of its suffix, computes ``S^T = K Q_g^T`` (keys on wgmma's M side:
+N / G times the useful products, 2 at G = 8), an online softmax over the keys (axis 0: a
+cross-warp reduction through Mosaic GPU's one scratch area, so with two warpgroups their softmax
+sections take turns on a pair of barriers), ``P^T`` to shared memory and ``O^T += V^T P^T``. Each
+warpgroup loads its own K/V blocks (``stages`` slots, TMA) and query tiles (two slots). At a
+group's end its normalised ``o^T [D, N]`` and natural-log LSE go out through shared memory.
+Every sequence reads ``cdiv(capacity, block_s)`` blocks; keys past its length are masked.
+
+Checks the outputs against a float64 oracle (full and ragged lengths, G = 8 and G = 4), then
+times the headline's suffix part (B=1024, S=128, Hkv=1, G=8; 67 MB) for several CTA counts and
+warpgroup/slot settings: device µs, GB/s and GB/s per SM. Writes ``suffix_role.json``/``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_shared_attn.bench import timing
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def suffix_rows_mgpu(q_rows, suffix_k, suffix_v, suffix_lengths, *, rows_per_seq: int,
+                     scale: float, n_ctas: int, wgs: int = 2, stages: int = 2,
+                     block_s: int = 64):
+  """``q_rows [Hkv, R, D]`` (``R = B * G``), suffixes ``[B, S, Hkv, D]``, lengths int32 ``[B]``
+  -> ``o_t [Hkv * R / N, D, N]`` (normalised, q's dtype) and natural-log ``lse [Hkv, R]``."""
+  hkv, r, d = q_rows.shape
+  batch, capacity = suffix_k.shape[:2]
+  dtype = q_rows.dtype
+  m = rows_per_seq
+  n_cols = max(16, m)
+  if r != batch * m or n_cols % m or r % n_cols or capacity % block_s:
+    raise ValueError(f"q_rows {q_rows.shape}, G {m}, suffix {suffix_k.shape}, block_s {block_s}")
+  per_group = n_cols // m
+  groups = hkv * r // n_cols
+  workers = n_ctas * wgs
+  if groups % workers:
+    raise ValueError(f"{groups} column groups do not divide over {n_ctas} x {wgs} warpgroups")
+  if wgs not in (1, 2):
+    raise ValueError(f"wgs must be 1 or 2 (the softmax turns are a pair), got {wgs}")
+  held = groups // workers  # groups per warpgroup
+  nb = capacity // block_s  # key blocks per sequence
+  unit_count = held * per_group * nb
+  if unit_count < stages:
+    raise ValueError(f"{unit_count} units per warpgroup < stages {stages}")
+  row_groups = r // n_cols  # column groups per KV head
+  qk_scale = scale * LOG2E
+
+  def body(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped):
+    (q_smem2, k_smem2, v_smem2, pt_smem2, ot_smem2, l_smem2), (
+        q_bar2, k_bar2, v_bar2, turns) = scoped
+    w = lax.axis_index("wg")
+    worker = lax.axis_index("cta") * wgs + w
+    g_lo = worker * held
+    q_smem, k_smem, v_smem = q_smem2.at[w], k_smem2.at[w], v_smem2.at[w]
+    pt_smem, ot_smem, l_smem = pt_smem2.at[w], ot_smem2.at[w], l_smem2.at[w]
+    q_bar = lambda slot: q_bar2.at[w * 2 + slot]  # flat barrier arrays, per warpgroup
+    k_bar = lambda slot: k_bar2.at[w * stages + slot]
+    v_bar = lambda slot: v_bar2.at[w * stages + slot]
+    i32 = jnp.int32
+
+    def locate(u):
+      """Unit u: held group k, sequence j of the group, key block, group start / end."""
+      k = lax.div(u, i32(per_group * nb))
+      t = u - k * (per_group * nb)
+      j = lax.div(t, i32(nb))
+      return k, j, t - j * nb, t == 0, t == per_group * nb - 1
+
+    def coords(k):
+      g = g_lo + k
+      head = lax.div(g, i32(row_groups))
+      return head, g - head * row_groups
+
+    def issue_q(k):
+      head, rg = coords(k)
+      slot = lax.rem(k, i32(2))
+      plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(rg * n_cols, n_cols)], q_smem.at[slot],
+                              q_bar(slot))
+
+    def issue_kv(u):
+      k, j, blk, _, _ = locate(u)
+      head, rg = coords(k)
+      seq = rg * per_group + j
+      slot = lax.rem(u, i32(stages))
+      src = (seq, pl.ds(blk * block_s, block_s), head)
+      plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar(slot))
+      plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar(slot))
+
+    issue_q(i32(0))
+    for s in range(stages):
+      issue_kv(i32(s))
+    if wgs == 2:
+      pl.when(w == 1)(lambda: plgpu.barrier_arrive(turns.at[0]))
+
+    def unit(u, carry):
+      o_t, m_s, l_s = carry
+      k, j, blk, start, end = locate(u)
+      head, rg = coords(k)
+      seq = rg * per_group + j
+      n_valid = jnp.clip(len_ref[seq], 0, capacity)
+      slot = lax.rem(u, i32(stages))
+      q_slot = lax.rem(k, i32(2))
+
+      @pl.when(start)
+      def _():
+        pl.when(k + 1 < held)(lambda: issue_q(k + 1))
+        plgpu.barrier_wait(q_bar(q_slot))
+
+      # A new group's state starts here (arithmetic, not a select under a scalar predicate,
+      # which jax 0.11's Mosaic GPU lowering rejects; o and l are finite).
+      keep = jnp.where(start, 0.0, 1.0).astype(jnp.float32)
+      o_t, l_s = o_t * keep, l_s * keep
+      m_s = m_s + jnp.where(start, -jnp.inf, 0.0).astype(jnp.float32)
+      plgpu.barrier_wait(k_bar(slot))
+
+      def compute_st(acc_ref):
+        plgpu.wgmma(acc_ref, k_smem.at[slot], q_smem.at[q_slot].transpose((1, 0)))
+        return acc_ref[...]
+
+      st = pl.run_scoped(compute_st, plgpu.ACC((block_s, n_cols), jnp.float32))
+      if wgs == 2:
+        plgpu.barrier_wait(turns.at[w])
+      keys = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 0, layout=plgpu.Layout.WGMMA)
+      cols = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 1, layout=plgpu.Layout.WGMMA)
+      col0 = j * m
+      st = jnp.where(keys + blk * block_s < n_valid, st, -jnp.inf)
+      st = jnp.where(cols >= col0, st, -jnp.inf)
+      st = jnp.where(cols < col0 + m, st, -jnp.inf)
+      m_new = jnp.maximum(m_s, st.max(axis=0) * qk_scale)
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m_s - m_use)
+      p_t = jnp.exp2(st * qk_scale - lax.broadcast_in_dim(m_use, st.shape, [1]))
+      l_s = l_s * alpha + p_t.sum(axis=0)
+      o_t = o_t * lax.broadcast_in_dim(alpha, o_t.shape, [1])
+      if wgs == 2:
+        plgpu.barrier_arrive(turns.at[1 - w])
+      pt_smem[...] = p_t.astype(dtype)  # wgmma's B operand lives in shared memory
+      plgpu.commit_smem()
+      plgpu.barrier_wait(v_bar(slot))
+
+      def compute_pv(acc_ref):  # V^T P^T [D, N]
+        plgpu.wgmma(acc_ref, v_smem.at[slot].transpose((1, 0)), pt_smem)
+        return acc_ref[...]
+
+      o_t = o_t + pl.run_scoped(compute_pv, plgpu.ACC((d, n_cols), jnp.float32))
+      pl.when(u + stages < unit_count)(lambda: issue_kv(u + stages))
+
+      @pl.when(end)
+      def _write_group():
+        has = l_s > 0
+        safe = jnp.where(has, l_s, 1.0)
+        plgpu.wait_smem_to_gmem(0)  # the previous group's tiles have left
+        ot_smem[...] = (o_t / lax.broadcast_in_dim(safe, o_t.shape, [1])).astype(dtype)
+        l_smem[...] = jnp.where(has, (m_new + jnp.log(safe) * (1 / LN2)) * LN2, -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(ot_smem, o_ref.at[g_lo + k])
+        plgpu.copy_smem_to_gmem(l_smem, lse_ref.at[head, pl.ds(rg * n_cols, n_cols)])
+
+      return o_t, m_new, l_s
+
+    cols_layout = plgpu.Layout.WGMMA.reduce(0)
+    lax.fori_loop(0, unit_count, unit, (
+        plgpu.layout_cast(jnp.full((d, n_cols), 0, jnp.float32), plgpu.Layout.WGMMA),
+        plgpu.layout_cast(jnp.full((n_cols,), -jnp.inf, jnp.float32), cols_layout),
+        plgpu.layout_cast(jnp.full((n_cols,), 0, jnp.float32), cols_layout)))
+    plgpu.wait_smem_to_gmem(0)
+
+  def entry(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+    tiling = plgpu.TilingTransform((8, 64))
+    swizzle = plgpu.SwizzleTransform(128)
+    narrow = (plgpu.TilingTransform((8, n_cols)), plgpu.SwizzleTransform(2 * n_cols))
+    pl.run_scoped(
+        lambda *args: body(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, args),
+        (plgpu.SMEM((wgs, 2, n_cols, d), dtype, transforms=(tiling, swizzle)),
+         plgpu.SMEM((wgs, stages, block_s, d), dtype, transforms=(tiling, swizzle)),
+         plgpu.SMEM((wgs, stages, block_s, d), dtype, transforms=narrow),
+         plgpu.SMEM((wgs, block_s, n_cols), dtype, transforms=narrow),
+         plgpu.SMEM((wgs, d, n_cols), dtype, transforms=narrow),
+         plgpu.SMEM((wgs, n_cols), jnp.float32)),
+        (plgpu.Barrier(num_barriers=2 * wgs), plgpu.Barrier(num_barriers=stages * wgs),
+         plgpu.Barrier(num_barriers=stages * wgs), plgpu.Barrier(num_barriers=2)),
+        collective_axes="wg",
+    )
+
+  return plgpu.kernel(
+      entry,
+      out_type=[jax.ShapeDtypeStruct((groups, d, n_cols), dtype),
+                jax.ShapeDtypeStruct((hkv, r), jnp.float32)],
+      grid=(n_ctas,),
+      grid_names=("cta",),
+      num_threads=wgs,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(jnp.asarray(suffix_lengths, jnp.int32), q_rows, suffix_k, suffix_v)
+
+
+def oracle(q_rows, sk, sv, lens, *, rows_per_seq: int, scale: float):
+  """Float64 suffix attention: ``out [Hkv, R, D]`` and natural-log ``lse [Hkv, R]`` (rows with
+  no valid key: 0 and -inf)."""
+  q = np.asarray(q_rows, np.float64)
+  k, v = np.asarray(sk, np.float64), np.asarray(sv, np.float64)
+  hkv, r, d = q.shape
+  m = rows_per_seq
+  out, lse = np.zeros((hkv, r, d)), np.full((hkv, r), -np.inf)
+  for b, n in enumerate(np.asarray(lens)):
+    if n <= 0:
+      continue
+    for h in range(hkv):
+      s = q[h, b * m:(b + 1) * m] @ k[b, :n, h].T * scale  # [G, n]
+      mx = s.max(axis=1, keepdims=True)
+      p = np.exp(s - mx)
+      out[h, b * m:(b + 1) * m] = p @ v[b, :n, h] / p.sum(axis=1, keepdims=True)
+      lse[h, b * m:(b + 1) * m] = (mx[:, 0] + np.log(p.sum(axis=1)))
+  return out, lse
+
+
+def unfold(o_t, hkv: int, r: int):
+  """``o_t [Hkv * R / N, D, N]`` -> ``[Hkv, R, D]``."""
+  groups, d, n = o_t.shape
+  return jnp.swapaxes(o_t, 1, 2).reshape(hkv, r, d)
+
+
+def inputs(key, b, s, hkv, g, d, dtype=jnp.bfloat16):
+  ks = jax.random.split(key, 3)
+  return (jax.random.normal(ks[0], (hkv, b * g, d), dtype),
+          jax.random.normal(ks[1], (b, s, hkv, d), dtype),
+          jax.random.normal(ks[2], (b, s, hkv, d), dtype))
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  ap.add_argument("--ctas", default="4,8,16,32,64,128")
+  ap.add_argument("--variants", default="1x2,1x4,2x1,2x2", help="warpgroups x K/V slots")
+  ap.add_argument("--batch", type=int, default=1024)
+  ap.add_argument("--suffix", type=int, default=128)
+  ap.add_argument("--trials", type=int, default=5)
+  ap.add_argument("--skip-check", action="store_true")
+  args = ap.parse_args()
+  kind = jax.devices()[0].device_kind
+  variants = [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",")]
+  report = {"device": kind, "jax": jax.__version__, "checks": [], "timings": []}
+  d = 128
+
+  # 1. Exactness against the float64 oracle (bf16: 2e-2 relative, the project's bound).
+  if not args.skip_check:
+    for (b, s, hkv, g, n_ctas, ragged) in [(64, 128, 1, 8, 4, False), (64, 128, 1, 8, 2, True),
+                                          (32, 192, 2, 4, 2, True), (128, 64, 1, 8, 8, True)]:
+      for wgs, stages in variants:
+        q, sk, sv = inputs(jax.random.key(b + s + g), b, s, hkv, g, d)
+        lens = (jax.random.randint(jax.random.key(7), (b,), 0, s + 1, jnp.int32) if ragged
+                else jnp.full((b,), s, jnp.int32))
+        scale = d ** -0.5
+        case = dict(b=b, s=s, hkv=hkv, g=g, ctas=n_ctas, ragged=ragged, wgs=wgs, stages=stages)
+        try:
+          o_t, lse = jax.jit(functools.partial(
+              suffix_rows_mgpu, rows_per_seq=g, scale=scale, n_ctas=n_ctas, wgs=wgs,
+              stages=stages))(q, sk, sv, lens)
+          ref_o, ref_l = oracle(q, sk, sv, lens, rows_per_seq=g, scale=scale)
+          out = np.asarray(unfold(o_t, hkv, b * g), np.float64)
+          err = float(np.abs(out - ref_o).max() / np.abs(ref_o).max())
+          lse = np.asarray(lse, np.float64)
+          fin = np.isfinite(ref_l)
+          lse_ok = bool(np.array_equal(np.isfinite(lse), fin))
+          lse_err = float(np.abs(lse[fin] - ref_l[fin]).max()) if fin.any() else 0.0
+          case.update(err=err, lse_err=lse_err, lse_inf_ok=lse_ok,
+                      ok=bool(err < 2e-2 and lse_err < 2e-2 and lse_ok))
+        except Exception as e:  # noqa: BLE001 -- reported
+          case.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+        report["checks"].append(case)
+        print("check", case, flush=True)
+
+  # 2. Throughput at the headline's suffix part.
+  b, s, hkv, g = args.batch, args.suffix, 1, 8
+  nbytes = 2 * b * s * hkv * d * 2
+  scale = d ** -0.5
+
+  def make(i):
+    return (*inputs(jax.random.key(100 + i), b, s, hkv, g, d), jnp.full((b,), s, jnp.int32))
+
+  n_sets = timing.sets_needed(nbytes)
+  for n_ctas in [int(c) for c in args.ctas.split(",")]:
+    for wgs, stages in variants:
+      row = dict(ctas=n_ctas, wgs=wgs, stages=stages, mb=nbytes / 1e6)
+      try:
+        op = functools.partial(suffix_rows_mgpu, rows_per_seq=g, scale=scale, n_ctas=n_ctas,
+                               wgs=wgs, stages=stages)
+        res = timing.measure(op, make, n_sets=n_sets, trials=args.trials)
+        us = res["seconds"] * 1e6
+        row.update(us=us, gbps=nbytes / us / 1e3, gbps_per_sm=nbytes / us / 1e3 / n_ctas)
+      except Exception as e:  # noqa: BLE001 -- reported
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+      report["timings"].append(row)
+      print("time", row, flush=True)
+
+  lines = [f"device: {kind}; jax {jax.__version__}; suffix part of B={b} S={s} Hkv={hkv} G={g} "
+           f"D={d} ({nbytes / 1e6:.0f} MB of K/V), device µs (GB/s, GB/s per SM)", "",
+           "| CTAs | " + " | ".join(f"{w} wg x {st} slots" for w, st in variants) + " |",
+           "|---:|" + "---:|" * len(variants)]
+  for n_ctas in [int(c) for c in args.ctas.split(",")]:
+    cells = []
+    for wgs, stages in variants:
+      row = next(r for r in report["timings"]
+                 if (r["ctas"], r["wgs"], r["stages"]) == (n_ctas, wgs, stages))
+      cells.append(f"{row['us']:.1f} ({row['gbps']:.0f}, {row['gbps_per_sm']:.0f})" if "us" in row
+                   else "err")
+    lines.append(f"| {n_ctas} | " + " | ".join(cells) + " |")
+  checks = report["checks"]
+  lines += ["", f"exactness: {sum(c['ok'] for c in checks)} of {len(checks)} cases within 2e-2 "
+            "of the float64 oracle" + ("" if all(c["ok"] for c in checks) else
+                                       " -- FAILURES in suffix_role.json")]
+  table = "\n".join(lines)
+  print("\n" + table)
+  with open(os.path.join(args.out, "suffix_role.json"), "w") as f:
+    json.dump(report, f, indent=1)
+  with open(os.path.join(args.out, "suffix_role.md"), "w") as f:
+    f.write(table + "\n")
+
+
+if __name__ == "__main__":
+  main()

@@ -16,8 +16,8 @@ max(16, G)`` rows (``N / G`` sequences; wgmma needs N >= 8 and the probabilities
 bytes wide). Each warpgroup takes an equal range of groups and, for each sequence of a group and
 each ``block_s``-key block of its suffix, computes ``S^T = K Q_g^T`` (keys on wgmma's M side:
 N / G times the useful products, 2 at G = 8), an online softmax over the keys (axis 0: a
-cross-warp reduction through Mosaic GPU's one scratch area, so with two warpgroups their softmax
-sections take turns on a pair of barriers), ``P^T`` to shared memory and ``O^T += V^T P^T``. Each
+cross-warp reduction through Mosaic GPU's one scratch area, so with several warpgroups their
+softmax sections take turns round a ring of barriers), ``P^T`` to shared memory and ``O^T += V^T P^T``. Each
 warpgroup loads its own K/V blocks (``stages`` slots, TMA) and query tiles (two slots). At a
 group's end its normalised ``o^T [D, N]`` and natural-log LSE go out through shared memory.
 Every sequence reads ``cdiv(capacity, block_s)`` blocks; keys past its length are masked.
@@ -65,8 +65,8 @@ def suffix_rows_mgpu(q_rows, suffix_k, suffix_v, suffix_lengths, *, rows_per_seq
   workers = n_ctas * wgs
   if groups % workers:
     raise ValueError(f"{groups} column groups do not divide over {n_ctas} x {wgs} warpgroups")
-  if wgs not in (1, 2):
-    raise ValueError(f"wgs must be 1 or 2 (the softmax turns are a pair), got {wgs}")
+  if not 1 <= wgs <= 4:
+    raise ValueError(f"wgs must be 1-4 (warpgroups of a CTA), got {wgs}")
   held = groups // workers  # groups per warpgroup
   nb = capacity // block_s  # key blocks per sequence
   unit_count = held * per_group * nb
@@ -118,8 +118,8 @@ def suffix_rows_mgpu(q_rows, suffix_k, suffix_v, suffix_lengths, *, rows_per_seq
     issue_q(i32(0))
     for s in range(stages):
       issue_kv(i32(s))
-    if wgs == 2:
-      pl.when(w == 1)(lambda: plgpu.barrier_arrive(turns.at[0]))
+    if wgs > 1:  # the softmax turns go round the warpgroups, warpgroup 0 first
+      pl.when(w == wgs - 1)(lambda: plgpu.barrier_arrive(turns.at[0]))
 
     def unit(u, carry):
       o_t, m_s, l_s = carry
@@ -147,7 +147,7 @@ def suffix_rows_mgpu(q_rows, suffix_k, suffix_v, suffix_lengths, *, rows_per_seq
         return acc_ref[...]
 
       st = pl.run_scoped(compute_st, plgpu.ACC((block_s, n_cols), jnp.float32))
-      if wgs == 2:
+      if wgs > 1:
         plgpu.barrier_wait(turns.at[w])
       keys = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 0, layout=plgpu.Layout.WGMMA)
       cols = plgpu.broadcasted_iota(jnp.int32, (block_s, n_cols), 1, layout=plgpu.Layout.WGMMA)
@@ -161,8 +161,8 @@ def suffix_rows_mgpu(q_rows, suffix_k, suffix_v, suffix_lengths, *, rows_per_seq
       p_t = jnp.exp2(st * qk_scale - lax.broadcast_in_dim(m_use, st.shape, [1]))
       l_s = l_s * alpha + p_t.sum(axis=0)
       o_t = o_t * lax.broadcast_in_dim(alpha, o_t.shape, [1])
-      if wgs == 2:
-        plgpu.barrier_arrive(turns.at[1 - w])
+      if wgs > 1:
+        plgpu.barrier_arrive(turns.at[lax.rem(w + 1, wgs)])
       pt_smem[...] = p_t.astype(dtype)  # wgmma's B operand lives in shared memory
       plgpu.commit_smem()
       plgpu.barrier_wait(v_bar(slot))
@@ -207,7 +207,7 @@ def suffix_rows_mgpu(q_rows, suffix_k, suffix_v, suffix_lengths, *, rows_per_seq
          plgpu.SMEM((wgs, d, n_cols), dtype, transforms=narrow),
          plgpu.SMEM((wgs, n_cols), jnp.float32)),
         (plgpu.Barrier(num_barriers=2 * wgs), plgpu.Barrier(num_barriers=stages * wgs),
-         plgpu.Barrier(num_barriers=stages * wgs), plgpu.Barrier(num_barriers=2)),
+         plgpu.Barrier(num_barriers=stages * wgs), plgpu.Barrier(num_barriers=max(2, wgs))),
         collective_axes="wg",
     )
 
@@ -260,7 +260,8 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   ap.add_argument("--ctas", default="4,8,16,32,64,128")
-  ap.add_argument("--variants", default="1x2,1x4,2x1,2x2", help="warpgroups x K/V slots")
+  ap.add_argument("--variants", default="1x2x64,1x4x64,2x1x64,2x2x64",
+                  help="warpgroups x K/V slots x keys per block")
   ap.add_argument("--batch", type=int, default=1024)
   ap.add_argument("--suffix", type=int, default=128)
   ap.add_argument("--trials", type=int, default=5)
@@ -274,17 +275,21 @@ def main():
   # 1. Exactness against the float64 oracle (bf16: 2e-2 relative, the project's bound).
   if not args.skip_check:
     for (b, s, hkv, g, n_ctas, ragged) in [(64, 128, 1, 8, 4, False), (64, 128, 1, 8, 2, True),
-                                          (32, 192, 2, 4, 2, True), (128, 64, 1, 8, 8, True)]:
-      for wgs, stages in variants:
+                                          (32, 192, 2, 4, 2, True), (128, 64, 1, 8, 8, True),
+                                          (64, 256, 1, 8, 4, True)]:
+      for wgs, stages, block_s in variants:
+        if s % block_s:
+          continue
         q, sk, sv = inputs(jax.random.key(b + s + g), b, s, hkv, g, d)
         lens = (jax.random.randint(jax.random.key(7), (b,), 0, s + 1, jnp.int32) if ragged
                 else jnp.full((b,), s, jnp.int32))
         scale = d ** -0.5
-        case = dict(b=b, s=s, hkv=hkv, g=g, ctas=n_ctas, ragged=ragged, wgs=wgs, stages=stages)
+        case = dict(b=b, s=s, hkv=hkv, g=g, ctas=n_ctas, ragged=ragged, wgs=wgs, stages=stages,
+                    block_s=block_s)
         try:
           o_t, lse = jax.jit(functools.partial(
               suffix_rows_mgpu, rows_per_seq=g, scale=scale, n_ctas=n_ctas, wgs=wgs,
-              stages=stages))(q, sk, sv, lens)
+              stages=stages, block_s=block_s))(q, sk, sv, lens)
           ref_o, ref_l = oracle(q, sk, sv, lens, rows_per_seq=g, scale=scale)
           out = np.asarray(unfold(o_t, hkv, b * g), np.float64)
           err = float(np.abs(out - ref_o).max() / np.abs(ref_o).max())
@@ -309,11 +314,11 @@ def main():
 
   n_sets = timing.sets_needed(nbytes)
   for n_ctas in [int(c) for c in args.ctas.split(",")]:
-    for wgs, stages in variants:
-      row = dict(ctas=n_ctas, wgs=wgs, stages=stages, mb=nbytes / 1e6)
+    for wgs, stages, block_s in variants:
+      row = dict(ctas=n_ctas, wgs=wgs, stages=stages, block_s=block_s, mb=nbytes / 1e6)
       try:
         op = functools.partial(suffix_rows_mgpu, rows_per_seq=g, scale=scale, n_ctas=n_ctas,
-                               wgs=wgs, stages=stages)
+                               wgs=wgs, stages=stages, block_s=block_s)
         res = timing.measure(op, make, n_sets=n_sets, trials=args.trials)
         us = res["seconds"] * 1e6
         row.update(us=us, gbps=nbytes / us / 1e3, gbps_per_sm=nbytes / us / 1e3 / n_ctas)
@@ -324,13 +329,14 @@ def main():
 
   lines = [f"device: {kind}; jax {jax.__version__}; suffix part of B={b} S={s} Hkv={hkv} G={g} "
            f"D={d} ({nbytes / 1e6:.0f} MB of K/V), device µs (GB/s, GB/s per SM)", "",
-           "| CTAs | " + " | ".join(f"{w} wg x {st} slots" for w, st in variants) + " |",
+           "| CTAs | " + " | ".join(f"{w} wg x {st} slots x {bs} keys" for w, st, bs in variants)
+           + " |",
            "|---:|" + "---:|" * len(variants)]
   for n_ctas in [int(c) for c in args.ctas.split(",")]:
     cells = []
-    for wgs, stages in variants:
+    for v in variants:
       row = next(r for r in report["timings"]
-                 if (r["ctas"], r["wgs"], r["stages"]) == (n_ctas, wgs, stages))
+                 if (r["ctas"], r["wgs"], r["stages"], r["block_s"]) == (n_ctas, *v))
       cells.append(f"{row['us']:.1f} ({row['gbps']:.0f}, {row['gbps_per_sm']:.0f})" if "us" in row
                    else "err")
     lines.append(f"| {n_ctas} | " + " | ".join(cells) + " |")

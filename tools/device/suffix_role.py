@@ -23,8 +23,8 @@ group's end its normalised ``o^T [D, N]`` and natural-log LSE go out through sha
 Every sequence reads ``cdiv(capacity, block_s)`` blocks; keys past its length are masked.
 
 Checks the outputs against a float64 oracle (full and ragged lengths, G = 8 and G = 4), then
-times the headline's suffix part (B=1024, S=128, Hkv=1, G=8; 67 MB) for several CTA counts and
-warpgroup/slot settings: device µs, GB/s and GB/s per SM. Writes ``suffix_role.json``/``.md``.
+times the headline's suffix part (B=1024, S=128, Hkv=1, G=8; 67 MB; or ``--batch``, ``--suffix``,
+``--kv-heads``, ``--group``) for several CTA counts and warpgroup/slot/block settings: device µs, GB/s and GB/s per SM. Writes ``suffix_role.json``/``.md``.
 """
 
 from __future__ import annotations
@@ -264,6 +264,8 @@ def main():
                   help="warpgroups x K/V slots x keys per block")
   ap.add_argument("--batch", type=int, default=1024)
   ap.add_argument("--suffix", type=int, default=128)
+  ap.add_argument("--kv-heads", type=int, default=1)
+  ap.add_argument("--group", type=int, default=8, help="query heads per KV head (G)")
   ap.add_argument("--trials", type=int, default=5)
   ap.add_argument("--skip-check", action="store_true")
   args = ap.parse_args()
@@ -305,7 +307,7 @@ def main():
         print("check", case, flush=True)
 
   # 2. Throughput at the headline's suffix part.
-  b, s, hkv, g = args.batch, args.suffix, 1, 8
+  b, s, hkv, g = args.batch, args.suffix, args.kv_heads, args.group
   nbytes = 2 * b * s * hkv * d * 2
   scale = d ** -0.5
 
@@ -346,9 +348,10 @@ def main():
                                        " -- FAILURES in suffix_role.json")]
   table = "\n".join(lines)
   print("\n" + table)
-  with open(os.path.join(args.out, "suffix_role.json"), "w") as f:
+  tag = f"_b{b}_s{s}_h{hkv}_g{g}" if (b, s, hkv, g) != (1024, 128, 1, 8) else ""
+  with open(os.path.join(args.out, f"suffix_role{tag}.json"), "w") as f:
     json.dump(report, f, indent=1)
-  with open(os.path.join(args.out, "suffix_role.md"), "w") as f:
+  with open(os.path.join(args.out, f"suffix_role{tag}.md"), "w") as f:
     f.write(table + "\n")
 
 

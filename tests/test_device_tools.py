@@ -1,0 +1,90 @@
+"""The device experiments' kernels lower for CUDA, and the partition bound's arithmetic (CPU).
+
+``tools/device/suffix_role.py`` and ``tools/device/sm_partition.py`` hold Mosaic GPU kernels
+that only a GPU runs (their exactness checks run there, against a float64 oracle); here they
+are exported for CUDA so that an API change in jax breaks CI, not the next device session.
+``tools/partition_bound.py`` turns their measurements into the bound in
+``docs/results/2026-11-24-h100-sm-partition``; its interpolation and its reading of the
+committed files are checked here.
+"""
+
+import functools
+import importlib.util
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results" / "2026-11-24-h100-sm-partition"
+S = jax.ShapeDtypeStruct
+
+
+def load(path: str):
+  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, ROOT / path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def export_cuda(fn, *args) -> str:
+  checks = [jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")]
+  return jax.export.export(jax.jit(fn), platforms=["cuda"],
+                           disabled_checks=checks)(*args).mlir_module()
+
+
+@pytest.mark.parametrize("b,s,hkv,g,ctas,wgs,stages,block_s", [
+    (64, 128, 1, 8, 4, 2, 2, 64), (32, 192, 2, 4, 2, 4, 1, 64), (64, 256, 1, 8, 4, 2, 1, 128)])
+def test_suffix_role_lowers(b, s, hkv, g, ctas, wgs, stages, block_s):
+  sr = load("tools/device/suffix_role.py")
+  fn = functools.partial(sr.suffix_rows_mgpu, rows_per_seq=g, scale=0.1, n_ctas=ctas, wgs=wgs,
+                         stages=stages, block_s=block_s)
+  kv = S((b, s, hkv, 128), jnp.bfloat16)
+  text = export_cuda(fn, S((hkv, b * g, 128), jnp.bfloat16), kv, kv, S((b,), jnp.int32))
+  assert "mosaic_gpu_v2" in text
+
+
+def test_suffix_role_rejects_uneven_work():
+  sr = load("tools/device/suffix_role.py")
+  kv = jnp.zeros((64, 128, 1, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="column groups do not divide"):
+    sr.suffix_rows_mgpu(jnp.zeros((1, 512, 128), jnp.bfloat16), kv, kv,
+                        jnp.full((64,), 128, jnp.int32), rows_per_seq=8, scale=0.1, n_ctas=3)
+
+
+def test_stream_kernel_lowers():
+  sp = load("tools/device/sm_partition.py")
+  op = sp.stream_op(4, 6, 128, 4)
+  assert "mosaic_gpu_v2" in export_cuda(lambda x: op(x), S((24, 128, 128), jnp.bfloat16))
+
+
+def test_curve_interpolates_the_measured_points():
+  pb = load("tools/partition_bound.py")
+  at = pb.curve({4: 100.0, 8: 300.0, 32: 900.0})
+  assert at(4) == 100.0 and at(8) == 300.0 and at(32) == 900.0
+  assert at(2) == 50.0  # below the smallest count: its rate per SM
+  assert at(6) == 200.0 and at(20) == 600.0  # linear between counts
+  assert at(64) == 900.0  # above the largest: the largest's
+
+
+def test_partition_bound_on_the_committed_measurements(tmp_path, monkeypatch, capsys):
+  pb = load("tools/partition_bound.py")
+  roles = sorted(str(p) for p in RESULTS.glob("suffix_role*.json"))
+  monkeypatch.setattr("sys.argv", ["partition_bound.py", "--partition",
+                                   str(RESULTS / "sm_partition.json"), "--suffix-role", *roles,
+                                   "--out", str(tmp_path)])
+  pb.main()
+  table = capsys.readouterr().out
+  assert (tmp_path / "partition_bound.md").read_text() == table
+  rows = json.loads((tmp_path / "partition_bound.json").read_text())
+  assert len(rows) == 16
+  for r in rows:
+    # The bound is the slower role at the best split plus the merge, and no role is faster than
+    # its parts allow: the prefix on fewer SMs never beats the prefix kernel on all of them.
+    assert r["bound_us"] == pytest.approx(max(r["prefix_us"], r["suffix_us"]) + r["merge_us"])
+    assert 1 <= r["suffix_sms"] < 132
+  part = json.loads((RESULTS / "sm_partition.json").read_text())["partition"]
+  for r, p in zip(rows, part):
+    assert r["prefix_us"] >= p["prefix_us"] - 1e-9

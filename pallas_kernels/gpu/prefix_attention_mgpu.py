@@ -154,11 +154,16 @@ def store_result(acc, m_i, l_i, qo_smem, out_dst, lse_dst, *, dtype):
 
 
 def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
-                               config: MosaicPrefixConfig):
+                               config: MosaicPrefixConfig, side=None):
   """``q_rows [Hkv, R, D]`` (R a multiple of 2*block_q), ``k, v [P, Hkv, D]``.
 
   Returns ``out [splits, Hkv, R, D]`` in q's dtype and natural-log float32
   ``lse [splits, Hkv, R]``.
+
+  ``side`` (experiments: ``tools/device/partitioned.py``) adds CTAs of another role to the same
+  launch: ``(tiles, body, inputs, out_types)`` runs ``body(cta, wg, q_ref, *input_refs,
+  *out_refs)`` in ``Hkv x tiles x splits`` more CTAs (``cta`` numbering them from 0) instead of
+  the prefix product, and returns its outputs after ``out`` and ``lse``.
   """
   hkv, r, d = q_rows.shape
   p = k.shape[0]
@@ -399,7 +404,19 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
         plgpu.barrier_wait(v_consumed_barriers.at[tma_slot])
         plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[tma_slot], v_barriers.at[tma_slot])
 
-  def entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref):
+  def entry(len_ref, q_ref, k_ref, v_ref, *refs):
+    out_ref, lse_ref = refs[-2:] if side is None else refs[len(side[2]):len(side[2]) + 2]
+    if side is not None:
+      tiles, body, inputs, _ = side
+      tile = lax.axis_index("q_seq") - r // (2 * block_q)
+      side_refs = refs[:len(inputs)] + refs[len(inputs) + 2:]
+      cta = (lax.axis_index("heads") * tiles + tile) * cfg.splits + lax.axis_index("split")
+      pl.when(tile >= 0)(lambda: body(cta, lax.axis_index("wg"), q_ref, *side_refs))
+      pl.when(tile < 0)(lambda: prefix_entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref))
+    else:
+      prefix_entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref)
+
+  def prefix_entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref):
     compute_wgs = 2
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
@@ -421,13 +438,16 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
   out_shape = [jax.ShapeDtypeStruct((cfg.splits, hkv, r, d), dtype),
                jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32)]
   length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
-  out, lse = plgpu.kernel(
+  extra_tiles, extra_inputs = (0, ()) if side is None else (side[0], tuple(side[2]))
+  if side is not None:
+    out_shape += list(side[3])
+  outs = plgpu.kernel(
       entry,
       out_type=out_shape,
-      grid=(hkv, r // (2 * block_q), cfg.splits),
+      grid=(hkv, r // (2 * block_q) + extra_tiles, cfg.splits),
       grid_names=("heads", "q_seq", "split"),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(length, q_rows, k, v)
-  return out, lse
+  )(length, q_rows, k, v, *extra_inputs)
+  return tuple(outs) if side is not None else (outs[0], outs[1])

@@ -34,6 +34,7 @@ import functools
 import json
 import math
 import os
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,18 +49,26 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-def suffix_rows_mgpu(q_rows, suffix_k, suffix_v, suffix_lengths, *, rows_per_seq: int,
-                     scale: float, n_ctas: int, wgs: int = 2, stages: int = 2,
-                     block_s: int = 64):
-  """``q_rows [Hkv, R, D]`` (``R = B * G``), suffixes ``[B, S, Hkv, D]``, lengths int32 ``[B]``
-  -> ``o_t [Hkv * R / N, D, N]`` (normalised, q's dtype) and natural-log ``lse [Hkv, R]``."""
-  hkv, r, d = q_rows.shape
-  batch, capacity = suffix_k.shape[:2]
-  dtype = q_rows.dtype
+class SuffixRole(NamedTuple):
+  """The suffix role for a kernel's CTAs: ``body(cta, w, len_ref, q_ref, k_ref, v_ref, o_ref,
+  lse_ref)`` runs warpgroup ``w`` of suffix CTA ``cta`` (warpgroups ``w >= wgs`` return at
+  once; ``cta`` in ``[0, n_ctas)``); ``out_types`` are ``o_ref``'s and ``lse_ref``'s."""
+  body: Callable
+  out_types: tuple
+  wgs: int
+
+
+def suffix_role(*, hkv: int, r: int, d: int, batch: int, capacity: int, dtype, rows_per_seq: int,
+                scale: float, n_ctas: int, wgs: int = 2, stages: int = 2,
+                block_s: int = 64) -> SuffixRole:
+  """The suffix role over ``q_rows [Hkv, R, D]`` and suffixes ``[B, S, Hkv, D]`` (module
+  docstring), for a kernel whose suffix CTAs number ``n_ctas`` and have at least ``wgs``
+  warpgroups on the axis ``"wg"``."""
   m = rows_per_seq
   n_cols = max(16, m)
   if r != batch * m or n_cols % m or r % n_cols or capacity % block_s:
-    raise ValueError(f"q_rows {q_rows.shape}, G {m}, suffix {suffix_k.shape}, block_s {block_s}")
+    raise ValueError(f"q_rows {(hkv, r, d)}, G {m}, suffix capacity {capacity}, "
+                     f"block_s {block_s}")
   per_group = n_cols // m
   groups = hkv * r // n_cols
   workers = n_ctas * wgs
@@ -75,11 +84,10 @@ def suffix_rows_mgpu(q_rows, suffix_k, suffix_v, suffix_lengths, *, rows_per_seq
   row_groups = r // n_cols  # column groups per KV head
   qk_scale = scale * LOG2E
 
-  def body(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped):
+  def run(cta, w, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped):
     (q_smem2, k_smem2, v_smem2, pt_smem2, ot_smem2, l_smem2), (
         q_bar2, k_bar2, v_bar2, turns) = scoped
-    w = lax.axis_index("wg")
-    worker = lax.axis_index("cta") * wgs + w
+    worker = cta * wgs + w
     g_lo = worker * held
     q_smem, k_smem, v_smem = q_smem2.at[w], k_smem2.at[w], v_smem2.at[w]
     pt_smem, ot_smem, l_smem = pt_smem2.at[w], ot_smem2.at[w], l_smem2.at[w]
@@ -194,12 +202,16 @@ def suffix_rows_mgpu(q_rows, suffix_k, suffix_v, suffix_lengths, *, rows_per_seq
         plgpu.layout_cast(jnp.full((n_cols,), 0, jnp.float32), cols_layout)))
     plgpu.wait_smem_to_gmem(0)
 
-  def entry(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+  def body(cta, w, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
     narrow = (plgpu.TilingTransform((8, n_cols)), plgpu.SwizzleTransform(2 * n_cols))
+
+    def scoped(*args):
+      pl.when(w < wgs)(lambda: run(cta, w, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, args))
+
     pl.run_scoped(
-        lambda *args: body(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, args),
+        scoped,
         (plgpu.SMEM((wgs, 2, n_cols, d), dtype, transforms=(tiling, swizzle)),
          plgpu.SMEM((wgs, stages, block_s, d), dtype, transforms=(tiling, swizzle)),
          plgpu.SMEM((wgs, stages, block_s, d), dtype, transforms=narrow),
@@ -211,10 +223,30 @@ def suffix_rows_mgpu(q_rows, suffix_k, suffix_v, suffix_lengths, *, rows_per_seq
         collective_axes="wg",
     )
 
+  out_types = (jax.ShapeDtypeStruct((groups, d, n_cols), dtype),
+               jax.ShapeDtypeStruct((hkv, r), jnp.float32))
+  return SuffixRole(body, out_types, wgs)
+
+
+def suffix_rows_mgpu(q_rows, suffix_k, suffix_v, suffix_lengths, *, rows_per_seq: int,
+                     scale: float, n_ctas: int, wgs: int = 2, stages: int = 2,
+                     block_s: int = 64):
+  """``q_rows [Hkv, R, D]`` (``R = B * G``), suffixes ``[B, S, Hkv, D]``, lengths int32 ``[B]``
+  -> ``o_t [Hkv * R / N, D, N]`` (normalised, q's dtype) and natural-log ``lse [Hkv, R]``: the
+  suffix role alone, on ``n_ctas`` CTAs of ``wgs`` warpgroups."""
+  hkv, r, d = q_rows.shape
+  batch, capacity = suffix_k.shape[:2]
+  role = suffix_role(hkv=hkv, r=r, d=d, batch=batch, capacity=capacity, dtype=q_rows.dtype,
+                     rows_per_seq=rows_per_seq, scale=scale, n_ctas=n_ctas, wgs=wgs,
+                     stages=stages, block_s=block_s)
+
+  def entry(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+    role.body(lax.axis_index("cta"), lax.axis_index("wg"), len_ref, q_ref, k_ref, v_ref, o_ref,
+              lse_ref)
+
   return plgpu.kernel(
       entry,
-      out_type=[jax.ShapeDtypeStruct((groups, d, n_cols), dtype),
-                jax.ShapeDtypeStruct((hkv, r), jnp.float32)],
+      out_type=list(role.out_types),
       grid=(n_ctas,),
       grid_names=("cta",),
       num_threads=wgs,

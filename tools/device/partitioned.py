@@ -1,0 +1,172 @@
+"""A role-partitioned launch, first cut: the prefix product and the suffix attention on separate
+SMs of ONE Mosaic GPU kernel, then an XLA merge (device experiment for issue 3).
+
+  PYTHONPATH=. python3 tools/device/partitioned.py --out $OUT
+
+One launch of :func:`pallas_kernels.gpu.prefix_attention_mgpu.prefix_attention_rows_mgpu`
+with ``side=``: its usual grid ``(Hkv, row tiles, splits)`` runs the prefix product, and
+``Hkv x extra x splits`` more CTAs run the suffix role of ``tools/device/suffix_role.py``
+(transposed products, two warpgroups; the producer warpgroup idles in them). No persistent
+scheduling yet: every prefix CTA takes one row tile and one key split, so the configuration picks
+the prefix splits and the suffix CTAs so that both fit the 132 SMs at once. The parts -- the
+prefix's splits and the suffix part -- are merged by LSE in XLA.
+``tools/partition_bound.py`` bounds what this design can reach
+(docs/results/2026-11-24-h100-sm-partition).
+
+Checks the result against the float64 oracle of full attention (Llama-3-8B and paper head
+layouts, full and ragged suffixes), then times it against the shipped path
+(``shared_prefix_attention(impl="auto")``) on the same inputs in one process.
+Writes ``partitioned.json`` / ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib.util
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_shared_attn import merge_attention_states, shared_prefix_attention
+from jax_shared_attn.bench import timing
+from jax_shared_attn.testing import oracle_attention
+from pallas_kernels.gpu import prefix_attention_mgpu as mg
+
+_spec = importlib.util.spec_from_file_location(
+    "suffix_role", pathlib.Path(__file__).with_name("suffix_role.py"))
+suffix_role = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(suffix_role)
+
+# (name, B, P, S, Hq, Hkv, prefix splits, extra row tiles for the suffix role)
+CONFIGS = [("llama", 256, 4096, 128, 32, 8, 1, 8), ("llama", 256, 4096, 512, 32, 8, 1, 8),
+           ("llama", 128, 4096, 128, 32, 8, 2, 4), ("llama", 64, 16384, 128, 32, 8, 4, 2),
+           ("llama", 256, 16384, 128, 32, 8, 1, 8), ("paper", 256, 4096, 128, 8, 1, 4, 16)]
+
+
+def partitioned_attention(q, pk, pv, sk, sv, lens, *, splits: int, extra: int, wgs: int = 2,
+                          stages: int = 1, block_s: int = 128):
+  """``q [B, 1, Hq, D]``, prefix ``[P, Hkv, D]``, suffixes ``[B, S, Hkv, D]``, lengths ``[B]``
+  -> ``out [B, 1, Hq, D]`` (q's dtype) and ``lse [B, 1, Hq]``."""
+  b, _, hq, d = q.shape
+  p, hkv = pk.shape[:2]
+  capacity = sk.shape[1]
+  g = hq // hkv
+  r = b * g
+  scale = d ** -0.5
+  q_rows = q.reshape(b, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, r, d)
+  cfg = dataclasses.replace(mg.default_config(r, hkv, p, d), splits=splits)
+  cfg = dataclasses.replace(cfg, block_kv=128, overlap=mg.OVERLAP and d == 128)
+  role = suffix_role.suffix_role(hkv=hkv, r=r, d=d, batch=b, capacity=capacity, dtype=q.dtype,
+                                 rows_per_seq=g, scale=scale, n_ctas=hkv * extra * splits,
+                                 wgs=wgs, stages=stages, block_s=block_s)
+
+  def body(cta, w, q_ref, len_ref, k_ref, v_ref, o_ref, lse_ref):
+    role.body(cta, w, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref)
+
+  out, lse, o_t, lse_s = mg.prefix_attention_rows_mgpu(
+      q_rows, pk, pv, jnp.int32(p), scale=scale, config=cfg,
+      side=(extra, body, (jnp.asarray(lens, jnp.int32), sk, sv), role.out_types))
+  suffix_out = jnp.swapaxes(o_t, 1, 2).reshape(hkv, r, d)
+  merged, mlse = merge_attention_states([*out, suffix_out], [*lse, lse_s])
+  unfold = lambda x: x.reshape(hkv, b, g, *x.shape[2:]).swapaxes(0, 1).reshape(
+      b, 1, hq, *x.shape[2:])
+  return unfold(merged.astype(q.dtype)), unfold(mlse)
+
+
+def make_inputs(key, b, p, s, hq, hkv, d=128, dtype=jnp.bfloat16):
+  ks = jax.random.split(key, 5)
+  return (jax.random.normal(ks[0], (b, 1, hq, d), dtype),
+          jax.random.normal(ks[1], (p, hkv, d), dtype),
+          jax.random.normal(ks[2], (p, hkv, d), dtype),
+          jax.random.normal(ks[3], (b, s, hkv, d), dtype),
+          jax.random.normal(ks[4], (b, s, hkv, d), dtype))
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  ap.add_argument("--trials", type=int, default=5)
+  ap.add_argument("--configs", default="", help="indices into CONFIGS (default: all)")
+  ap.add_argument("--skip-check", action="store_true")
+  args = ap.parse_args()
+  kind = jax.devices()[0].device_kind
+  report = {"device": kind, "jax": jax.__version__, "checks": [], "timings": []}
+
+  if not args.skip_check:  # exactness against the float64 oracle of full attention
+    for (b, p, s, hq, hkv, splits, extra, ragged) in [
+        (64, 1024, 128, 32, 8, 1, 2, False), (64, 1024, 128, 32, 8, 2, 1, True),
+        (64, 1024, 256, 8, 1, 2, 4, True)]:
+      q, pk, pv, sk, sv = make_inputs(jax.random.key(b + p + s + hkv), b, p, s, hq, hkv)
+      lens = (jax.random.randint(jax.random.key(3), (b,), 0, s + 1, jnp.int32) if ragged
+              else jnp.full((b,), s, jnp.int32))
+      case = dict(b=b, p=p, s=s, hq=hq, hkv=hkv, splits=splits, extra=extra, ragged=ragged)
+      try:
+        out, lse = jax.jit(functools.partial(partitioned_attention, splits=splits, extra=extra))(
+            q, pk, pv, sk, sv, lens)
+        ctx_k = [np.concatenate([np.asarray(pk), np.asarray(sk[i, :int(lens[i])])]) for i in
+                 range(b)]
+        ctx_v = [np.concatenate([np.asarray(pv), np.asarray(sv[i, :int(lens[i])])]) for i in
+                 range(b)]
+        ref_o, ref_l = oracle_attention(np.asarray(q, np.float64), ctx_k, ctx_v)
+        err = float(np.abs(np.asarray(out, np.float64) - ref_o).max() / np.abs(ref_o).max())
+        lerr = float(np.abs(np.asarray(lse, np.float64) - ref_l).max())
+        case.update(err=err, lse_err=lerr, ok=bool(err < 2e-2 and lerr < 2e-2))
+      except Exception as e:  # noqa: BLE001 -- reported
+        case.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+      report["checks"].append(case)
+      print("check", case, flush=True)
+
+  picks = [int(i) for i in args.configs.split(",")] if args.configs else range(len(CONFIGS))
+  for i in picks:
+    name, b, p, s, hq, hkv, splits, extra = CONFIGS[i]
+    row = dict(config=f"{name}:{b}:{p}:{s}", splits=splits, extra=extra,
+               prefix_ctas=hkv * (b * hq // hkv // 128) * splits, suffix_ctas=hkv * extra * splits)
+
+    def make(seed, b=b, p=p, s=s, hq=hq, hkv=hkv):
+      return (*make_inputs(jax.random.key(100 + seed), b, p, s, hq, hkv),
+              jnp.full((b,), s, jnp.int32))
+
+    ops = {
+        "shipped": lambda q, pk, pv, sk, sv, lens: shared_prefix_attention(
+            q, pk, pv, sk, sv, suffix_lengths=lens, impl="auto"),
+        "partitioned": lambda *xs, splits=splits, extra=extra: partitioned_attention(
+            *xs, splits=splits, extra=extra)[0],
+    }
+    set_bytes = timing.tree_bytes(jax.eval_shape(lambda: make(0)))
+    try:
+      res = timing.compare_ops(ops, make, n_sets=timing.sets_needed(set_bytes),
+                               trials=args.trials)
+      row.update({k: v for k, v in res.items() if not k.endswith("_kernels")})
+      row["kernels"] = {k: v for k, v in res.items() if k.endswith("_kernels")}
+    except Exception as e:  # noqa: BLE001 -- reported
+      row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    report["timings"].append(row)
+    print("time", {k: v for k, v in row.items() if k != "kernels"}, flush=True)
+
+  lines = [f"device: {kind}; jax {jax.__version__}; device µs", "",
+           "| config | prefix CTAs + suffix CTAs | shipped | partitioned | partitioned vs shipped (rel.) |",
+           "|---|---|---:|---:|---:|"]
+  for row in report["timings"]:
+    sh, pa = row.get("shipped"), row.get("partitioned")
+    cell = lambda x: f"{x:.1f}" if isinstance(x, float) else str(row.get("error", x))[:80]
+    lines.append(f"| {row['config']} | {row['prefix_ctas']} + {row['suffix_ctas']} | {cell(sh)} | "
+                 f"{cell(pa)} | {row.get('err_partitioned', float('nan')):.1e} |")
+  checks = report["checks"]
+  lines += ["", f"exactness: {sum(c['ok'] for c in checks)} of {len(checks)} cases within 2e-2 "
+            "of the float64 oracle"]
+  table = "\n".join(lines)
+  print("\n" + table)
+  with open(os.path.join(args.out, "partitioned.json"), "w") as f:
+    json.dump(report, f, indent=1)
+  with open(os.path.join(args.out, "partitioned.md"), "w") as f:
+    f.write(table + "\n")
+
+
+if __name__ == "__main__":
+  main()

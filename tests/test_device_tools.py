@@ -88,3 +88,16 @@ def test_partition_bound_on_the_committed_measurements(tmp_path, monkeypatch, ca
   part = json.loads((RESULTS / "sm_partition.json").read_text())["partition"]
   for r, p in zip(rows, part):
     assert r["prefix_us"] >= p["prefix_us"] - 1e-9
+
+
+@pytest.mark.parametrize("b,p,s,hq,hkv,splits,extra", [
+    (64, 1024, 128, 32, 8, 1, 2), (64, 1024, 256, 8, 1, 2, 4)])
+def test_partitioned_launch_lowers(b, p, s, hq, hkv, splits, extra):
+  """The prefix kernel with suffix-role CTAs in the same launch (``side=``): one Mosaic GPU
+  kernel whose outputs are the prefix's splits and the suffix part."""
+  pt = load("tools/device/partitioned.py")
+  fn = functools.partial(pt.partitioned_attention, splits=splits, extra=extra)
+  kv = S((b, s, hkv, 128), jnp.bfloat16)
+  pre = S((p, hkv, 128), jnp.bfloat16)
+  text = export_cuda(fn, S((b, 1, hq, 128), jnp.bfloat16), pre, pre, kv, kv, S((b,), jnp.int32))
+  assert text.count("mosaic_gpu_v2") == 1

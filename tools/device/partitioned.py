@@ -43,16 +43,19 @@ _spec = importlib.util.spec_from_file_location(
 suffix_role = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(suffix_role)
 
-# (name, B, P, S, Hq, Hkv, prefix splits, extra row tiles for the suffix role)
-CONFIGS = [("llama", 256, 4096, 128, 32, 8, 1, 8), ("llama", 256, 4096, 512, 32, 8, 1, 8),
-           ("llama", 128, 4096, 128, 32, 8, 2, 4), ("llama", 64, 16384, 128, 32, 8, 4, 2),
-           ("llama", 256, 16384, 128, 32, 8, 1, 8), ("paper", 256, 4096, 128, 8, 1, 4, 16)]
+# (name, B, P, S, Hq, Hkv, prefix splits, extra row tiles for the suffix role, chunk: sequences
+# per launch, 0 = the whole batch in one)
+CONFIGS = [("llama", 256, 4096, 128, 32, 8, 1, 8, 0), ("llama", 256, 4096, 512, 32, 8, 1, 8, 0),
+           ("llama", 128, 4096, 128, 32, 8, 2, 4, 0), ("llama", 64, 16384, 128, 32, 8, 4, 2, 0),
+           ("llama", 256, 16384, 128, 32, 8, 1, 8, 0), ("paper", 256, 4096, 128, 8, 1, 4, 16, 0),
+           ("llama", 512, 4096, 128, 32, 8, 1, 8, 256), ("llama", 1024, 4096, 128, 32, 8, 1, 8, 256),
+           ("llama", 1024, 1024, 128, 32, 8, 1, 8, 256)]
 
 
-def partitioned_attention(q, pk, pv, sk, sv, lens, *, splits: int, extra: int, wgs: int = 2,
-                          stages: int = 1, block_s: int = 128):
-  """``q [B, 1, Hq, D]``, prefix ``[P, Hkv, D]``, suffixes ``[B, S, Hkv, D]``, lengths ``[B]``
-  -> ``out [B, 1, Hq, D]`` (q's dtype) and ``lse [B, 1, Hq]``."""
+def _parts(q, pk, pv, sk, sv, lens, *, splits: int, extra: int, wgs: int = 2, stages: int = 1,
+           block_s: int = 128):
+  """One partitioned launch: the prefix's split parts ``out [splits, Hkv, R, D]``, ``lse``, and
+  the suffix part ``[Hkv, R, D]`` with its LSE (rows folded per KV head)."""
   b, _, hq, d = q.shape
   p, hkv = pk.shape[:2]
   capacity = sk.shape[1]
@@ -73,7 +76,42 @@ def partitioned_attention(q, pk, pv, sk, sv, lens, *, splits: int, extra: int, w
       q_rows, pk, pv, jnp.int32(p), scale=scale, config=cfg,
       side=(extra, body, (jnp.asarray(lens, jnp.int32), sk, sv), role.out_types))
   suffix_out = jnp.swapaxes(o_t, 1, 2).reshape(hkv, r, d)
+  return (out, lse, suffix_out, lse_s), (b, hq, hkv, g)
+
+
+def partitioned_attention(q, pk, pv, sk, sv, lens, *, splits: int, extra: int, wgs: int = 2,
+                          stages: int = 1, block_s: int = 128):
+  """``q [B, 1, Hq, D]``, prefix ``[P, Hkv, D]``, suffixes ``[B, S, Hkv, D]``, lengths ``[B]``
+  -> ``out [B, 1, Hq, D]`` (q's dtype) and ``lse [B, 1, Hq]``."""
+  (out, lse, suffix_out, lse_s), (b, hq, hkv, g) = _parts(
+      q, pk, pv, sk, sv, lens, splits=splits, extra=extra, wgs=wgs, stages=stages,
+      block_s=block_s)
   merged, mlse = merge_attention_states([*out, suffix_out], [*lse, lse_s])
+  unfold = lambda x: x.reshape(hkv, b, g, *x.shape[2:]).swapaxes(0, 1).reshape(
+      b, 1, hq, *x.shape[2:])
+  return unfold(merged.astype(q.dtype)), unfold(mlse)
+
+
+def partitioned_attention_chunked(q, pk, pv, sk, sv, lens, *, chunk: int, splits: int,
+                                  extra: int, **kw):
+  """:func:`partitioned_attention`'s kernel over the batch in chunks of ``chunk`` sequences (one
+  launch each: every launch's prefix and suffix CTAs fit the SMs at once, which a whole batch
+  of 512 or 1024 does not without persistent scheduling), the parts of all chunks merged in one
+  XLA merge. Same arguments and results."""
+  b, _, hq, d = q.shape
+  if b % chunk:
+    raise ValueError(f"batch ({b}) must be a multiple of chunk ({chunk})")
+  p, hkv = pk.shape[:2]
+  g = hq // hkv
+  outs, lses, souts, slses = [], [], [], []
+  for c in range(b // chunk):
+    sl = slice(c * chunk, (c + 1) * chunk)
+    (out, lse, so, sl_), _ = _parts(q[sl], pk, pv, sk[sl], sv[sl], lens[sl], splits=splits,
+                                    extra=extra, **kw)
+    outs.append(out), lses.append(lse), souts.append(so), slses.append(sl_)
+  cat = lambda xs, axis: jnp.concatenate(xs, axis=axis)
+  merged, mlse = merge_attention_states(
+      [*cat(outs, 2), cat(souts, 1)], [*cat(lses, 2), cat(slses, 1)])
   unfold = lambda x: x.reshape(hkv, b, g, *x.shape[2:]).swapaxes(0, 1).reshape(
       b, 1, hq, *x.shape[2:])
   return unfold(merged.astype(q.dtype)), unfold(mlse)
@@ -99,15 +137,18 @@ def main():
   report = {"device": kind, "jax": jax.__version__, "checks": [], "timings": []}
 
   if not args.skip_check:  # exactness against the float64 oracle of full attention
-    for (b, p, s, hq, hkv, splits, extra, ragged) in [
-        (64, 1024, 128, 32, 8, 1, 2, False), (64, 1024, 128, 32, 8, 2, 1, True),
-        (64, 1024, 256, 8, 1, 2, 4, True)]:
+    for (b, p, s, hq, hkv, splits, extra, ragged, chunk) in [
+        (64, 1024, 128, 32, 8, 1, 2, False, 0), (64, 1024, 128, 32, 8, 2, 1, True, 0),
+        (64, 1024, 256, 8, 1, 2, 4, True, 0), (128, 1024, 128, 32, 8, 1, 2, True, 64)]:
       q, pk, pv, sk, sv = make_inputs(jax.random.key(b + p + s + hkv), b, p, s, hq, hkv)
       lens = (jax.random.randint(jax.random.key(3), (b,), 0, s + 1, jnp.int32) if ragged
               else jnp.full((b,), s, jnp.int32))
-      case = dict(b=b, p=p, s=s, hq=hq, hkv=hkv, splits=splits, extra=extra, ragged=ragged)
+      case = dict(b=b, p=p, s=s, hq=hq, hkv=hkv, splits=splits, extra=extra, ragged=ragged,
+                  chunk=chunk)
       try:
-        out, lse = jax.jit(functools.partial(partitioned_attention, splits=splits, extra=extra))(
+        fn = (functools.partial(partitioned_attention_chunked, chunk=chunk) if chunk
+              else partitioned_attention)
+        out, lse = jax.jit(functools.partial(fn, splits=splits, extra=extra))(
             q, pk, pv, sk, sv, lens)
         ctx_k = [np.concatenate([np.asarray(pk), np.asarray(sk[i, :int(lens[i])])]) for i in
                  range(b)]
@@ -124,9 +165,11 @@ def main():
 
   picks = [int(i) for i in args.configs.split(",")] if args.configs else range(len(CONFIGS))
   for i in picks:
-    name, b, p, s, hq, hkv, splits, extra = CONFIGS[i]
-    row = dict(config=f"{name}:{b}:{p}:{s}", splits=splits, extra=extra,
-               prefix_ctas=hkv * (b * hq // hkv // 128) * splits, suffix_ctas=hkv * extra * splits)
+    name, b, p, s, hq, hkv, splits, extra, chunk = CONFIGS[i]
+    per_launch = chunk or b
+    row = dict(config=f"{name}:{b}:{p}:{s}", splits=splits, extra=extra, chunk=chunk,
+               prefix_ctas=hkv * (per_launch * hq // hkv // 128) * splits,
+               suffix_ctas=hkv * extra * splits)
 
     def make(seed, b=b, p=p, s=s, hq=hq, hkv=hkv):
       return (*make_inputs(jax.random.key(100 + seed), b, p, s, hq, hkv),
@@ -135,8 +178,11 @@ def main():
     ops = {
         "shipped": lambda q, pk, pv, sk, sv, lens: shared_prefix_attention(
             q, pk, pv, sk, sv, suffix_lengths=lens, impl="auto"),
-        "partitioned": lambda *xs, splits=splits, extra=extra: partitioned_attention(
-            *xs, splits=splits, extra=extra)[0],
+        "partitioned": (
+            (lambda *xs, splits=splits, extra=extra: partitioned_attention(
+                *xs, splits=splits, extra=extra)[0]) if not chunk else
+            (lambda *xs, splits=splits, extra=extra, chunk=chunk: partitioned_attention_chunked(
+                *xs, chunk=chunk, splits=splits, extra=extra)[0])),
     }
     set_bytes = timing.tree_bytes(jax.eval_shape(lambda: make(0)))
     try:
@@ -155,7 +201,8 @@ def main():
   for row in report["timings"]:
     sh, pa = row.get("shipped"), row.get("partitioned")
     cell = lambda x: f"{x:.1f}" if isinstance(x, float) else str(row.get("error", x))[:80]
-    lines.append(f"| {row['config']} | {row['prefix_ctas']} + {row['suffix_ctas']} | {cell(sh)} | "
+    launches = f" x {int(row['config'].split(':')[1]) // row['chunk']} launches" if row["chunk"] else ""
+    lines.append(f"| {row['config']} | {row['prefix_ctas']} + {row['suffix_ctas']}{launches} | {cell(sh)} | "
                  f"{cell(pa)} | {row.get('err_partitioned', float('nan')):.1e} |")
   checks = report["checks"]
   lines += ["", f"exactness: {sum(c['ok'] for c in checks)} of {len(checks)} cases within 2e-2 "

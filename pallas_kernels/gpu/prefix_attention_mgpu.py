@@ -405,16 +405,16 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
         plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[tma_slot], v_barriers.at[tma_slot])
 
   def entry(len_ref, q_ref, k_ref, v_ref, *refs):
-    out_ref, lse_ref = refs[-2:] if side is None else refs[len(side[2]):len(side[2]) + 2]
-    if side is not None:
-      tiles, body, inputs, _ = side
-      tile = lax.axis_index("q_seq") - r // (2 * block_q)
-      side_refs = refs[:len(inputs)] + refs[len(inputs) + 2:]
-      cta = (lax.axis_index("heads") * tiles + tile) * cfg.splits + lax.axis_index("split")
-      pl.when(tile >= 0)(lambda: body(cta, lax.axis_index("wg"), q_ref, *side_refs))
-      pl.when(tile < 0)(lambda: prefix_entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref))
-    else:
-      prefix_entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref)
+    if side is None:
+      prefix_entry(len_ref, q_ref, k_ref, v_ref, *refs)
+      return
+    tiles, body, inputs, _ = side  # refs: side inputs, out, lse, side outputs
+    n = len(inputs)
+    out_ref, lse_ref = refs[n:n + 2]
+    tile = lax.axis_index("q_seq") - r // (2 * block_q)
+    cta = (lax.axis_index("heads") * tiles + tile) * cfg.splits + lax.axis_index("split")
+    pl.when(tile >= 0)(lambda: body(cta, lax.axis_index("wg"), q_ref, *refs[:n], *refs[n + 2:]))
+    pl.when(tile < 0)(lambda: prefix_entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref))
 
   def prefix_entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref):
     compute_wgs = 2

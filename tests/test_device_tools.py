@@ -101,3 +101,26 @@ def test_partitioned_launch_lowers(b, p, s, hq, hkv, splits, extra):
   pre = S((p, hkv, 128), jnp.bfloat16)
   text = export_cuda(fn, S((b, 1, hq, 128), jnp.bfloat16), pre, pre, kv, kv, S((b,), jnp.int32))
   assert text.count("mosaic_gpu_v2") == 1
+
+
+def test_partitioned_decode_routing():
+  """The decode A/B's routing: which calls take the partitioned launch (one per 256 sequences at
+  8 KV heads and G = 4), and that the others stay on the shipped kernels."""
+  pdx = load("tools/device/partitioned_decode.py")
+  assert pdx.plan(256, 32, 8) == (1, 8, 0)
+  assert pdx.plan(64, 32, 8) == (4, 2, 0)
+  assert pdx.plan(1024, 32, 8) == (1, 8, 256)
+  assert pdx.plan(48, 32, 8) is None and pdx.plan(256, 8, 1) is None  # rows, G = 8
+  from jax_shared_attn import shared_prefix_attention
+  for b, cap, mosaic, triton in [(256, 128, 1, 0), (1024, 128, 4, 0), (256, 130, 1, 1)]:
+    def f(q, pk, pv, sk, sv, lens):
+      with pdx.routing(True):
+        return shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=lens,
+                                       prefix_length=jnp.int32(4000), impl="pallas:mosaic_gpu")
+    pre = S((4096, 8, 128), jnp.bfloat16)
+    own = S((b, cap, 8, 128), jnp.bfloat16)
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t)
+              for t in ("mosaic_gpu_v2", "__gpu$xla.gpu.triton")]
+    text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(
+        S((b, 1, 32, 128), jnp.bfloat16), pre, pre, own, own, S((b,), jnp.int32)).mlir_module()
+    assert (text.count("mosaic_gpu_v2"), text.count("xla.gpu.triton")) == (mosaic, triton)

@@ -53,15 +53,17 @@ CONFIGS = [("llama", 256, 4096, 128, 32, 8, 1, 8, 0), ("llama", 256, 4096, 512, 
 
 
 def _parts(q, pk, pv, sk, sv, lens, *, splits: int, extra: int, wgs: int = 2, stages: int = 1,
-           block_s: int = 128):
+           block_s: int = 128, scale: float | None = None, prefix_length=None):
   """One partitioned launch: the prefix's split parts ``out [splits, Hkv, R, D]``, ``lse``, and
-  the suffix part ``[Hkv, R, D]`` with its LSE (rows folded per KV head)."""
+  the suffix part ``[Hkv, R, D]`` with its LSE (rows folded per KV head). ``prefix_length``:
+  valid prefix keys (default: the whole buffer)."""
   b, _, hq, d = q.shape
   p, hkv = pk.shape[:2]
   capacity = sk.shape[1]
   g = hq // hkv
   r = b * g
-  scale = d ** -0.5
+  scale = d ** -0.5 if scale is None else scale
+  prefix_length = p if prefix_length is None else prefix_length
   q_rows = q.reshape(b, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, r, d)
   cfg = dataclasses.replace(mg.default_config(r, hkv, p, d), splits=splits)
   cfg = dataclasses.replace(cfg, block_kv=128, overlap=mg.OVERLAP and d == 128)
@@ -73,19 +75,17 @@ def _parts(q, pk, pv, sk, sv, lens, *, splits: int, extra: int, wgs: int = 2, st
     role.body(cta, w, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref)
 
   out, lse, o_t, lse_s = mg.prefix_attention_rows_mgpu(
-      q_rows, pk, pv, jnp.int32(p), scale=scale, config=cfg,
-      side=(extra, body, (jnp.asarray(lens, jnp.int32), sk, sv), role.out_types))
+      q_rows, pk, pv, jnp.asarray(prefix_length, jnp.int32), scale=scale, config=cfg,
+      side=(extra, body, (role.lengths(lens), sk, sv), role.out_types))
   suffix_out = jnp.swapaxes(o_t, 1, 2).reshape(hkv, r, d)
   return (out, lse, suffix_out, lse_s), (b, hq, hkv, g)
 
 
-def partitioned_attention(q, pk, pv, sk, sv, lens, *, splits: int, extra: int, wgs: int = 2,
-                          stages: int = 1, block_s: int = 128):
+def partitioned_attention(q, pk, pv, sk, sv, lens, *, splits: int, extra: int, **kw):
   """``q [B, 1, Hq, D]``, prefix ``[P, Hkv, D]``, suffixes ``[B, S, Hkv, D]``, lengths ``[B]``
-  -> ``out [B, 1, Hq, D]`` (q's dtype) and ``lse [B, 1, Hq]``."""
+  -> ``out [B, 1, Hq, D]`` (q's dtype) and ``lse [B, 1, Hq]``; ``kw`` as :func:`_parts`."""
   (out, lse, suffix_out, lse_s), (b, hq, hkv, g) = _parts(
-      q, pk, pv, sk, sv, lens, splits=splits, extra=extra, wgs=wgs, stages=stages,
-      block_s=block_s)
+      q, pk, pv, sk, sv, lens, splits=splits, extra=extra, **kw)
   merged, mlse = merge_attention_states([*out, suffix_out], [*lse, lse_s])
   unfold = lambda x: x.reshape(hkv, b, g, *x.shape[2:]).swapaxes(0, 1).reshape(
       b, 1, hq, *x.shape[2:])
@@ -139,9 +139,11 @@ def main():
   if not args.skip_check:  # exactness against the float64 oracle of full attention
     for (b, p, s, hq, hkv, splits, extra, ragged, chunk) in [
         (64, 1024, 128, 32, 8, 1, 2, False, 0), (64, 1024, 128, 32, 8, 2, 1, True, 0),
-        (64, 1024, 256, 8, 1, 2, 4, True, 0), (128, 1024, 128, 32, 8, 1, 2, True, 64)]:
+        (64, 1024, 256, 8, 1, 2, 4, True, 0), (128, 1024, 128, 32, 8, 1, 2, True, 64),
+        (64, 1024, 136, 32, 8, 1, 2, "short", 0)]:
       q, pk, pv, sk, sv = make_inputs(jax.random.key(b + p + s + hkv), b, p, s, hq, hkv)
-      lens = (jax.random.randint(jax.random.key(3), (b,), 0, s + 1, jnp.int32) if ragged
+      top = min(s, 40) if ragged == "short" else s  # "short": decoding's partly filled caches
+      lens = (jax.random.randint(jax.random.key(3), (b,), 0, top + 1, jnp.int32) if ragged
               else jnp.full((b,), s, jnp.int32))
       case = dict(b=b, p=p, s=s, hq=hq, hkv=hkv, splits=splits, extra=extra, ragged=ragged,
                   chunk=chunk)

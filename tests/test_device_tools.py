@@ -124,3 +124,27 @@ def test_partitioned_decode_routing():
     text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(
         S((b, 1, 32, 128), jnp.bfloat16), pre, pre, own, own, S((b,), jnp.int32)).mlir_module()
     assert (text.count("mosaic_gpu_v2"), text.count("xla.gpu.triton")) == (mosaic, triton)
+
+
+def test_suffix_role_check_can_fail():
+  """The device check of the suffix role accepts the exact answer in the kernel's layout and
+  rejects a perturbed output, a shifted LSE and a lost -inf row."""
+  import numpy as np
+  from jax_shared_attn.testing import oracle_full
+  from pallas_kernels.gpu._common import fold_rows, unfold_rows
+  sr = load("tools/device/suffix_role.py")
+  b, s, hkv, g, d = 8, 24, 2, 4, 16
+  q, sk, sv = sr.inputs(jax.random.key(0), b, s, hkv, g, d, jnp.float32)
+  lens = jnp.array([0, 1, 5, 24, 3, 17, 22, 9], jnp.int32)
+  ref_o, ref_l = oracle_full(unfold_rows(q, b, 1), sk, sv, kv_lengths=lens, scale=0.25)
+  rows = np.asarray(fold_rows(jnp.asarray(ref_o, jnp.float32), hkv))  # [Hkv, R, D]
+  o_t = np.swapaxes(rows.reshape(hkv * b * g // 16, 16, d), 1, 2)  # the kernel's o^T tiles
+  lse = np.asarray(fold_rows(jnp.asarray(ref_l, jnp.float32)[..., None], hkv))[..., 0]
+  assert sr.compare(o_t, lse, q, sk, sv, lens, scale=0.25)["ok"]
+  bad = o_t.copy()
+  bad[3, 5, 7] += 0.5
+  assert not sr.compare(bad, lse, q, sk, sv, lens, scale=0.25)["ok"]
+  assert not sr.compare(o_t, lse + 0.1, q, sk, sv, lens, scale=0.25)["ok"]
+  lost = lse.copy()
+  lost[0, 0] = 0.0  # sequence 0 has no key: its LSE must stay -inf
+  assert not sr.compare(o_t, lost, q, sk, sv, lens, scale=0.25)["ok"]

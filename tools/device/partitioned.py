@@ -35,8 +35,9 @@ import numpy as np
 
 from jax_shared_attn import merge_attention_states, shared_prefix_attention
 from jax_shared_attn.bench import timing
-from jax_shared_attn.testing import oracle_attention
+from jax_shared_attn.testing import lse_err, oracle_attention, rel_err, tolerance
 from pallas_kernels.gpu import prefix_attention_mgpu as mg
+from pallas_kernels.gpu._common import fold_rows, unfold_rows
 
 _spec = importlib.util.spec_from_file_location(
     "suffix_role", pathlib.Path(__file__).with_name("suffix_role.py"))
@@ -64,7 +65,7 @@ def _parts(q, pk, pv, sk, sv, lens, *, splits: int, extra: int, wgs: int = 2, st
   r = b * g
   scale = d ** -0.5 if scale is None else scale
   prefix_length = p if prefix_length is None else prefix_length
-  q_rows = q.reshape(b, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, r, d)
+  q_rows = fold_rows(q, hkv)
   cfg = dataclasses.replace(mg.default_config(r, hkv, p, d), splits=splits)
   cfg = dataclasses.replace(cfg, block_kv=128, overlap=mg.OVERLAP and d == 128)
   role = suffix_role.suffix_role(hkv=hkv, r=r, d=d, batch=b, capacity=capacity, dtype=q.dtype,
@@ -78,18 +79,21 @@ def _parts(q, pk, pv, sk, sv, lens, *, splits: int, extra: int, wgs: int = 2, st
       q_rows, pk, pv, jnp.asarray(prefix_length, jnp.int32), scale=scale, config=cfg,
       side=(extra, body, (role.lengths(lens), sk, sv), role.out_types))
   suffix_out = jnp.swapaxes(o_t, 1, 2).reshape(hkv, r, d)
-  return (out, lse, suffix_out, lse_s), (b, hq, hkv, g)
+  return out, lse, suffix_out, lse_s
 
 
 def partitioned_attention(q, pk, pv, sk, sv, lens, *, splits: int, extra: int, **kw):
   """``q [B, 1, Hq, D]``, prefix ``[P, Hkv, D]``, suffixes ``[B, S, Hkv, D]``, lengths ``[B]``
   -> ``out [B, 1, Hq, D]`` (q's dtype) and ``lse [B, 1, Hq]``; ``kw`` as :func:`_parts`."""
-  (out, lse, suffix_out, lse_s), (b, hq, hkv, g) = _parts(
-      q, pk, pv, sk, sv, lens, splits=splits, extra=extra, **kw)
+  parts = _parts(q, pk, pv, sk, sv, lens, splits=splits, extra=extra, **kw)
+  return _merge(*parts, q.shape[0], q.dtype)
+
+
+def _merge(out, lse, suffix_out, lse_s, b: int, dtype):
+  """The prefix's split parts and the suffix part merged by LSE (XLA), unfolded to
+  ``[B, 1, Hq, D]`` and ``[B, 1, Hq]``."""
   merged, mlse = merge_attention_states([*out, suffix_out], [*lse, lse_s])
-  unfold = lambda x: x.reshape(hkv, b, g, *x.shape[2:]).swapaxes(0, 1).reshape(
-      b, 1, hq, *x.shape[2:])
-  return unfold(merged.astype(q.dtype)), unfold(mlse)
+  return unfold_rows(merged.astype(dtype), b, 1), unfold_rows(mlse, b, 1)
 
 
 def partitioned_attention_chunked(q, pk, pv, sk, sv, lens, *, chunk: int, splits: int,
@@ -98,23 +102,17 @@ def partitioned_attention_chunked(q, pk, pv, sk, sv, lens, *, chunk: int, splits
   launch each: every launch's prefix and suffix CTAs fit the SMs at once, which a whole batch
   of 512 or 1024 does not without persistent scheduling), the parts of all chunks merged in one
   XLA merge. Same arguments and results."""
-  b, _, hq, d = q.shape
+  b = q.shape[0]
   if b % chunk:
     raise ValueError(f"batch ({b}) must be a multiple of chunk ({chunk})")
-  p, hkv = pk.shape[:2]
-  g = hq // hkv
   outs, lses, souts, slses = [], [], [], []
   for c in range(b // chunk):
     sl = slice(c * chunk, (c + 1) * chunk)
-    (out, lse, so, sl_), _ = _parts(q[sl], pk, pv, sk[sl], sv[sl], lens[sl], splits=splits,
-                                    extra=extra, **kw)
+    out, lse, so, sl_ = _parts(q[sl], pk, pv, sk[sl], sv[sl], lens[sl], splits=splits,
+                               extra=extra, **kw)
     outs.append(out), lses.append(lse), souts.append(so), slses.append(sl_)
   cat = lambda xs, axis: jnp.concatenate(xs, axis=axis)
-  merged, mlse = merge_attention_states(
-      [*cat(outs, 2), cat(souts, 1)], [*cat(lses, 2), cat(slses, 1)])
-  unfold = lambda x: x.reshape(hkv, b, g, *x.shape[2:]).swapaxes(0, 1).reshape(
-      b, 1, hq, *x.shape[2:])
-  return unfold(merged.astype(q.dtype)), unfold(mlse)
+  return _merge(cat(outs, 2), cat(lses, 2), cat(souts, 1), cat(slses, 1), b, q.dtype)
 
 
 def make_inputs(key, b, p, s, hq, hkv, d=128, dtype=jnp.bfloat16):
@@ -157,9 +155,12 @@ def main():
         ctx_v = [np.concatenate([np.asarray(pv), np.asarray(sv[i, :int(lens[i])])]) for i in
                  range(b)]
         ref_o, ref_l = oracle_attention(np.asarray(q, np.float64), ctx_k, ctx_v)
-        err = float(np.abs(np.asarray(out, np.float64) - ref_o).max() / np.abs(ref_o).max())
-        lerr = float(np.abs(np.asarray(lse, np.float64) - ref_l).max())
-        case.update(err=err, lse_err=lerr, ok=bool(err < 2e-2 and lerr < 2e-2))
+        out = np.asarray(out, np.float64)
+        err = float(np.abs(out - ref_o).max() / np.abs(ref_o).max())
+        lerr = lse_err(lse, ref_l)
+        case.update(err=err, rel_err=rel_err(out, ref_o), lse_err=lerr,
+                    ok=bool(err < 2e-2 and rel_err(out, ref_o) < tolerance(q.dtype)
+                            and lerr < 2e-2))
       except Exception as e:  # noqa: BLE001 -- reported
         case.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
       report["checks"].append(case)

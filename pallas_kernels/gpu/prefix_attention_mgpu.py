@@ -161,9 +161,13 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
   ``lse [splits, Hkv, R]``.
 
   ``side`` (experiments: ``tools/device/partitioned.py``) adds CTAs of another role to the same
-  launch: ``(tiles, body, inputs, out_types)`` runs ``body(cta, wg, q_ref, *input_refs,
-  *out_refs)`` in ``Hkv x tiles x splits`` more CTAs (``cta`` numbering them from 0) instead of
-  the prefix product, and returns its outputs after ``out`` and ``lse``.
+  launch: ``(ctas, body, inputs, out_types)`` runs ``body(cta, wg, q_ref, *input_refs,
+  *out_refs)`` in ``ctas`` more CTAs (``cta`` numbering them from 0) instead of the prefix
+  product, and returns its outputs after ``out`` and ``lse``. The launch is then one flat grid:
+  the side CTAs first, then one CTA per (KV head, row tile, split) of the prefix. The GPU starts
+  CTAs in grid order, one per SM here (each takes a whole SM's registers), and starts the next
+  waiting CTA on whichever SM frees up first; so where there are more CTAs than SMs, the prefix
+  CTAs fill the SMs around the side CTAs and then the SMs the side CTAs leave.
   """
   hkv, r, d = q_rows.shape
   p = k.shape[0]
@@ -177,9 +181,12 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
   steps_buf = max(2, min(cfg.max_concurrent_steps, blocks_per_split))
   qk_scale = scale * LOG2E
 
-  def kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
-    head = lax.axis_index("heads")
-    split = lax.axis_index("split")
+  def kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, unit=None):
+    if unit is None:
+      head = lax.axis_index("heads")
+      split = lax.axis_index("split")
+    else:  # (head, row tile, split) of a flat grid (side CTAs)
+      head, _, split = unit
     smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
     wg_idx = lax.axis_index("wg")
     qo_smem2, k_smem, v_smem = smem_buffers
@@ -207,7 +214,8 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
       """A consumer's registers raised and its query tile loaded: (the tile, its first row)."""
       plgpu.set_max_registers(232, action="increase")
       qo_smem = qo_smem2.at[wg_idx]
-      q_base = lax.axis_index("q_seq") * (2 * block_q) + wg_idx * block_q
+      tile = lax.axis_index("q_seq") if unit is None else unit[1]
+      q_base = tile * (2 * block_q) + wg_idx * block_q
       plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem,
                               q_barriers.at[wg_idx])
       plgpu.barrier_wait(q_barriers.at[wg_idx])
@@ -408,15 +416,20 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
     if side is None:
       prefix_entry(len_ref, q_ref, k_ref, v_ref, *refs)
       return
-    tiles, body, inputs, _ = side  # refs: side inputs, out, lse, side outputs
+    ctas, body, inputs, _ = side  # refs: side inputs, out, lse, side outputs
     n = len(inputs)
     out_ref, lse_ref = refs[n:n + 2]
-    tile = lax.axis_index("q_seq") - r // (2 * block_q)
-    cta = (lax.axis_index("heads") * tiles + tile) * cfg.splits + lax.axis_index("split")
-    pl.when(tile >= 0)(lambda: body(cta, lax.axis_index("wg"), q_ref, *refs[:n], *refs[n + 2:]))
-    pl.when(tile < 0)(lambda: prefix_entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref))
+    cta = lax.axis_index("cta")
+    u = jnp.maximum(cta - ctas, 0)  # the prefix unit: head-major, then row tile, then split
+    per_head = (r // (2 * block_q)) * cfg.splits
+    head = lax.div(u, jnp.int32(per_head))
+    tile = lax.div(u - head * per_head, jnp.int32(cfg.splits))
+    unit = (head, tile, u - head * per_head - tile * cfg.splits)
+    pl.when(cta < ctas)(lambda: body(cta, lax.axis_index("wg"), q_ref, *refs[:n], *refs[n + 2:]))
+    pl.when(cta >= ctas)(
+        lambda: prefix_entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, unit=unit))
 
-  def prefix_entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref):
+  def prefix_entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, unit=None):
     compute_wgs = 2
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
@@ -424,7 +437,7 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
     k_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
     v_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
     pl.run_scoped(
-        lambda *args: kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, args),
+        lambda *args: kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, args, unit),
         [qo_scratch, k_scratch, v_scratch],
         (plgpu.Barrier(num_barriers=steps_buf), plgpu.Barrier(num_barriers=steps_buf),
          plgpu.Barrier(num_barriers=compute_wgs)),
@@ -438,14 +451,18 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
   out_shape = [jax.ShapeDtypeStruct((cfg.splits, hkv, r, d), dtype),
                jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32)]
   length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
-  extra_tiles, extra_inputs = (0, ()) if side is None else (side[0], tuple(side[2]))
-  if side is not None:
+  tiles = r // (2 * block_q)
+  if side is None:
+    grid, grid_names, extra_inputs = (hkv, tiles, cfg.splits), ("heads", "q_seq", "split"), ()
+  else:
+    grid, grid_names = (side[0] + hkv * tiles * cfg.splits,), ("cta",)
+    extra_inputs = tuple(side[2])
     out_shape += list(side[3])
   outs = plgpu.kernel(
       entry,
       out_type=out_shape,
-      grid=(hkv, r // (2 * block_q) + extra_tiles, cfg.splits),
-      grid_names=("heads", "q_seq", "split"),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -5,9 +5,9 @@
 
 ``--partitioned 1`` routes the GPU family's ``shared_attention`` (the call a decode step makes
 per layer) to ``tools/device/partitioned.py`` where it applies -- one query token, one shared
-prefix, G = 4, D = 128, bf16, and a plan that fits 64 prefix + 64 suffix CTAs (one launch, or
-one per 256 sequences at Llama-3-8B's 8 KV heads) -- and leaves every other call to the shipped
-path. Each setting runs in its own process (the routing is read when the decode loop is
+prefix, G = 4, D = 128, bf16, and a shape :func:`partitioned.plan` takes (one launch: suffix-role
+CTAs first, then prefix units the GPU balances over the SMs) -- and leaves every other call to
+the shipped path. ``--side-ctas`` and ``--unit-keys`` override the plan's constants. Each setting runs in its own process (the routing is read when the decode loop is
 traced), with ``models.bench_decode.run_point`` (random bf16 weights, the whole prompt shared),
 appending rows to ``partitioned_decode.json``.
 """
@@ -32,27 +32,6 @@ _spec = importlib.util.spec_from_file_location(
 partitioned = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(partitioned)
 
-CTAS = 64  # prefix CTAs and suffix CTAs per launch
-
-
-def plan(b: int, hq: int, hkv: int):
-  """``(splits, extra, chunk)`` for :func:`partitioned.partitioned_attention` (``chunk`` 0: one
-  launch), or None where this first cut does not apply."""
-  g = hq // hkv
-  if g != 4 or (b * g) % 128:
-    return None
-  tiles = hkv * b * g // 128  # prefix row tiles of the whole batch
-  if tiles <= CTAS:
-    if CTAS % tiles or CTAS % (CTAS // tiles * hkv):
-      return None
-    splits = CTAS // tiles
-    return splits, CTAS // (hkv * splits), 0
-  chunk = CTAS * 128 // (hkv * g)
-  if b % chunk:
-    return None
-  return 1, CTAS // hkv, chunk
-
-
 def routed(original):
   """``shared_attention`` with eligible decode calls sent to the partitioned launch."""
 
@@ -65,20 +44,18 @@ def routed(original):
     if ok:
       _, k, v, length, _ = parts[0]
       hkv = k.shape[1]
-      p_plan = plan(b, hq, hkv)
+      p_plan = partitioned.plan(b, hq, hkv, k.shape[0])
       # TMA with the tiles' transforms needs the capacity a multiple of 8 (run the decode
       # benchmark with --profile-steps 0: 128 new tokens, capacity 128).
-      ok = (p_plan is not None and k.shape[0] % 128 == 0 and suffix_k.shape[1] >= 128
+      ok = (p_plan is not None and k.shape[0] % 128 == 0 and suffix_k.shape[1] >= 64
             and suffix_k.shape[1] % 8 == 0 and k.dtype == suffix_k.dtype == q.dtype)
     if not ok:
       return original(q, parts, suffix_k, suffix_v, kv_lengths=kv_lengths, causal=causal,
                       scale=scale, mosaic=mosaic, interpret=interpret)
-    splits, extra, chunk = p_plan
-    kw = dict(splits=splits, extra=extra, scale=scale, prefix_length=length)
-    if chunk:
-      return partitioned.partitioned_attention_chunked(q, k, v, suffix_k, suffix_v, kv_lengths,
-                                                       chunk=chunk, **kw)
-    return partitioned.partitioned_attention(q, k, v, suffix_k, suffix_v, kv_lengths, **kw)
+    splits, side = p_plan
+    return partitioned.partitioned_attention(q, k, v, suffix_k, suffix_v, kv_lengths,
+                                             splits=splits, side_ctas=side, scale=scale,
+                                             prefix_length=length)
 
   return shared_attention
 
@@ -99,11 +76,15 @@ def main():
   sub = ap.add_subparsers(dest="what", required=True)
   d = add_decode_parser(sub, batch="256,1024", prefix="4096")
   d.add_argument("--partitioned", type=int, default=1)
+  d.add_argument("--side-ctas", type=int, default=partitioned.DECODE_SIDE_CTAS)
+  d.add_argument("--unit-keys", type=int, default=partitioned.DECODE_UNIT_KEYS)
   d.set_defaults(profile_steps=0)
   args = ap.parse_args()
+  partitioned.DECODE_SIDE_CTAS, partitioned.DECODE_UNIT_KEYS = args.side_ctas, args.unit_keys
   os.makedirs(args.out, exist_ok=True)
   decode_points(args, lambda: routing(bool(args.partitioned)), "partitioned_decode.json",
-                dict(partitioned=args.partitioned))
+                dict(partitioned=args.partitioned, side_ctas=args.side_ctas,
+                     unit_keys=args.unit_keys))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ def load(path: str):
 
 
 def export_cuda(fn, *args) -> str:
-  checks = [jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")]
+  checks = [jax.export.DisabledSafetyCheck.custom_call(t)
+            for t in ("mosaic_gpu_v2", "__gpu$xla.gpu.triton")]
   return jax.export.export(jax.jit(fn), platforms=["cuda"],
                            disabled_checks=checks)(*args).mlir_module()
 
@@ -95,34 +96,37 @@ def test_partition_bound_on_the_committed_measurements(tmp_path, monkeypatch, ca
 def test_partitioned_launch_lowers(b, p, s, hq, hkv, splits, side):
   """The prefix kernel with suffix-role CTAs in the same launch (``side=``): one Mosaic GPU
   kernel whose outputs are the prefix's splits and the suffix part, its flat grid holding the
-  suffix CTAs and then one CTA per prefix unit (more than an H100's 132 SMs in the last case)."""
+  suffix CTAs and then one CTA per prefix unit (more than an H100's 132 SMs in the last case),
+  then the merge kernel."""
   pt = load("tools/device/partitioned.py")
   fn = functools.partial(pt.partitioned_attention, splits=splits, side_ctas=side)
   kv = S((b, s, hkv, 128), jnp.bfloat16)
   pre = S((p, hkv, 128), jnp.bfloat16)
   text = export_cuda(fn, S((b, 1, hq, 128), jnp.bfloat16), pre, pre, kv, kv, S((b,), jnp.int32))
-  assert text.count("mosaic_gpu_v2") == 1
+  assert text.count("mosaic_gpu_v2") == 1 and text.count("xla.gpu.triton") == 1  # the merge
 
 
 def test_partitioned_plan():
-  """The decode plan: suffix CTAs whose work divides evenly, prefix units of at most
+  """The decode plan: suffix CTAs whose row tiles divide evenly, prefix units of at least
   DECODE_UNIT_KEYS keys and about DECODE_UNITS of them; None off the measured shape (G = 4)."""
   pt = load("tools/device/partitioned.py")
+  assert pt.plan(256, 32, 8, 4096) == (4, 64) and pt.plan(1024, 32, 8, 4096) == (1, 64)
   for b, p in [(32, 1024), (64, 4096), (256, 4096), (1024, 4096), (256, 16384), (96, 2048)]:
     splits, side = pt.plan(b, 32, 8, p)
-    groups, tiles = 8 * b * 4 // 16, 8 * b * 4 // 128
-    assert groups % (2 * side) == 0 and 1 <= side <= pt.DECODE_SIDE_CTAS
+    row_tiles, tiles = 8 * b * 4 // 64, 8 * b * 4 // 128
+    assert row_tiles % (2 * side) == 0 and 1 <= side <= pt.DECODE_SIDE_CTAS
     assert splits == 1 or p // splits >= pt.DECODE_UNIT_KEYS
     assert splits == 1 or tiles * (splits - 1) < pt.DECODE_UNITS
   assert pt.plan(48, 32, 8, 4096) is None and pt.plan(256, 8, 1, 4096) is None  # rows, G = 8
 
 
 def test_partitioned_decode_routing():
-  """The decode A/B's routing: eligible calls take the partitioned launch (one Mosaic GPU kernel,
-  no Triton), the others stay on the shipped kernels."""
+  """The decode A/B's routing: eligible calls take the partitioned launch (one Mosaic GPU kernel
+  and the merge kernel), the others stay on the shipped kernels (the Mosaic prefix kernel and
+  the Triton suffix kernel that merges its splits)."""
   pdx = load("tools/device/partitioned_decode.py")
   from jax_shared_attn import shared_prefix_attention
-  for b, cap, mosaic, triton in [(256, 128, 1, 0), (1024, 128, 1, 0), (256, 130, 1, 1)]:
+  for b, cap, mosaic, triton in [(256, 128, 1, 1), (1024, 128, 1, 1), (256, 130, 1, 1)]:
     def f(q, pk, pv, sk, sv, lens):
       with pdx.routing(True):
         return shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=lens,

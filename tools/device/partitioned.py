@@ -13,7 +13,8 @@ other SMs, and where there are more units than SMs (``splits`` chosen so), the u
 over run on whichever SMs free up first -- those of the suffix CTAs as well, once their
 suffixes are done. The split of the SMs between the roles thus follows the work at run time
 (decoding's suffixes grow from 0 to the capacity), with no persistent loop in the kernel.
-The parts -- the prefix's splits and the suffix part -- are merged by LSE in XLA.
+The parts -- the prefix's splits and the suffix part -- are merged by LSE in the shipped merge
+kernel (``pallas_kernels.gpu.merge_kernel.merge_parts``).
 ``tools/partition_bound.py`` bounds what this design can reach
 (docs/results/2026-11-24-h100-sm-partition).
 
@@ -32,37 +33,47 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_shared_attn import merge_attention_states, shared_prefix_attention
+from jax_shared_attn import shared_prefix_attention
 from jax_shared_attn.bench import timing
 from jax_shared_attn.testing import lse_err, oracle_attention, rel_err, tolerance
 from pallas_kernels.gpu import prefix_attention_mgpu as mg
 from pallas_kernels.gpu._common import fold_rows, unfold_rows
+from pallas_kernels.gpu.merge_kernel import merge_parts
 
 _spec = importlib.util.spec_from_file_location(
     "suffix_role", pathlib.Path(__file__).with_name("suffix_role.py"))
 suffix_role = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(suffix_role)
 
-# (name, B, P, capacity, Hq, Hkv, [(prefix splits, suffix CTAs)], suffix lengths timed)
+# (name, B, P, capacity, Hq, Hkv, [(prefix splits, suffix CTAs, suffix role layout)], suffix
+# lengths timed)
 CONFIGS = [
-    ("llama", 256, 4096, 128, 32, 8, [(2, 64), (4, 32), (4, 64), (8, 32), (8, 64)], [128, 64, 16]),
-    ("llama", 1024, 4096, 128, 32, 8, [(1, 64), (2, 32), (2, 64)], [128, 64]),
-    ("llama", 256, 16384, 128, 32, 8, [(4, 32), (8, 16), (8, 32)], [128, 64]),
-    ("llama", 64, 16384, 128, 32, 8, [(16, 16), (32, 16)], [128]),
-    ("llama", 128, 4096, 128, 32, 8, [(4, 32), (8, 32)], [128, 64]),
+    ("llama", 256, 4096, 128, 32, 8, [(2, 64, "cols"), (2, 64, "rows"), (3, 64, "rows"),
+                                      (4, 64, "rows"), (2, 32, "rows"), (4, 32, "rows")],
+     [128, 64, 16]),
+    ("llama", 256, 16384, 128, 32, 8, [(8, 16, "rows"), (8, 32, "rows"), (4, 32, "rows")],
+     [128, 64]),
+    ("llama", 1024, 4096, 128, 32, 8, [(1, 64, "rows"), (2, 64, "rows"), (2, 32, "rows")],
+     [128, 64]),
+    ("llama", 64, 16384, 128, 32, 8, [(16, 16, "rows"), (32, 16, "rows")], [128]),
+    ("llama", 128, 4096, 128, 32, 8, [(4, 16, "rows"), (4, 32, "rows"), (8, 32, "rows")],
+     [128, 64]),
 ]
 
 
 def _parts(q, pk, pv, sk, sv, lens, *, splits: int, side_ctas: int, wgs: int = 2,
-           stages: int = 2, block_s: int = 64, scale: float | None = None, prefix_length=None):
+           stages: int = 2, block_s: int = 64, scale: float | None = None, prefix_length=None,
+           layout: str = "rows"):
   """One partitioned launch: the prefix's split parts ``out [splits, Hkv, R, D]``, ``lse``, and
   the suffix part ``[Hkv, R, D]`` with its LSE (rows folded per KV head). ``prefix_length``:
-  valid prefix keys (default: the whole buffer)."""
+  valid prefix keys (default: the whole buffer); ``layout``: the suffix role's
+  (``suffix_role.ROLES``: ``"rows"``, query rows on wgmma's M side, or ``"cols"``, keys)."""
   b, _, hq, d = q.shape
   p, hkv = pk.shape[:2]
   capacity = sk.shape[1]
@@ -73,9 +84,9 @@ def _parts(q, pk, pv, sk, sv, lens, *, splits: int, side_ctas: int, wgs: int = 2
   q_rows = fold_rows(q, hkv)
   cfg = dataclasses.replace(mg.default_config(r, hkv, p, d), splits=splits)
   cfg = dataclasses.replace(cfg, block_kv=128, overlap=mg.OVERLAP and d == 128)
-  role = suffix_role.suffix_role(hkv=hkv, r=r, d=d, batch=b, capacity=capacity, dtype=q.dtype,
-                                 rows_per_seq=g, scale=scale, n_ctas=side_ctas,
-                                 wgs=wgs, stages=stages, block_s=block_s)
+  role = suffix_role.ROLES[layout](hkv=hkv, r=r, d=d, batch=b, capacity=capacity, dtype=q.dtype,
+                                   rows_per_seq=g, scale=scale, n_ctas=side_ctas,
+                                   wgs=wgs, stages=stages, block_s=block_s)
 
   def body(cta, w, q_ref, len_ref, k_ref, v_ref, o_ref, lse_ref):
     role.body(cta, w, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref)
@@ -83,7 +94,7 @@ def _parts(q, pk, pv, sk, sv, lens, *, splits: int, side_ctas: int, wgs: int = 2
   out, lse, o_t, lse_s = mg.prefix_attention_rows_mgpu(
       q_rows, pk, pv, jnp.asarray(prefix_length, jnp.int32), scale=scale, config=cfg,
       side=(side_ctas, body, (role.lengths(lens), sk, sv), role.out_types))
-  return out, lse, suffix_role.unfold(o_t, hkv, r), lse_s
+  return out, lse, suffix_role.unfold(o_t, hkv, r, layout), lse_s
 
 
 def partitioned_attention(q, pk, pv, sk, sv, lens, *, splits: int, side_ctas: int, **kw):
@@ -91,31 +102,34 @@ def partitioned_attention(q, pk, pv, sk, sv, lens, *, splits: int, side_ctas: in
   -> ``out [B, 1, Hq, D]`` (q's dtype) and ``lse [B, 1, Hq]``; ``kw`` as :func:`_parts`."""
   out, lse, suffix_out, lse_s = _parts(q, pk, pv, sk, sv, lens, splits=splits,
                                        side_ctas=side_ctas, **kw)
-  merged, mlse = merge_attention_states([*out, suffix_out], [*lse, lse_s])
+  # The shipped merge kernel (one pass over every part: the prefix's splits and the suffix's).
+  merged, mlse = merge_parts([(out, lse), (suffix_out[None], lse_s[None])], out_dtype=q.dtype)
   b = q.shape[0]
-  return unfold_rows(merged.astype(q.dtype), b, 1), unfold_rows(mlse, b, 1)
+  return unfold_rows(merged, b, 1), unfold_rows(mlse, b, 1)
 
 
-def plan(b: int, hq: int, hkv: int, p: int, num_sms: int = 132):
-  """``(splits, side_ctas)`` for :func:`partitioned_attention` at one decode step's shape, or
-  None where the suffix role's work does not divide (its column groups over 2 warpgroups per
-  CTA) or the shape is not the one measured (G = 4).
+def plan(b: int, hq: int, hkv: int, p: int):
+  """``(splits, side_ctas)`` for :func:`partitioned_attention` (suffix role ``"rows"``) at one
+  decode step's shape, or None where the suffix role's row tiles do not divide over its CTAs'
+  two warpgroups or the shape is not the one measured (G = 4).
 
-  Measured on an H100 (docs/results/2026-11-25-h100-oversubscribed): see ``DECODE_PLAN``."""
+  ``DECODE_SIDE_CTAS`` suffix CTAs and prefix units of at least ``DECODE_UNIT_KEYS`` keys, about
+  ``DECODE_UNITS`` of them: on an H100 (2026-11-25, Llama-3-8B layout, device µs with 64 and
+  128 of 128 suffix keys; docs/results/2026-11-25-h100-oversubscribed) 64 suffix CTAs beat 32
+  and 16, and B=256 P=4K took 3-4 splits, B=1024 P=4K one."""
   g = hq // hkv
   if g != 4 or (b * g) % 128:
     return None
-  groups = hkv * b * g // 16
-  tiles = hkv * b * g // 128
-  side = min(DECODE_SIDE_CTAS, groups // 2)
-  if groups % (2 * side):
+  row_tiles = hkv * b * g // 64  # the suffix role's 64-row tiles
+  prefix_tiles = hkv * b * g // 128
+  side = min(DECODE_SIDE_CTAS, row_tiles // 2)
+  if row_tiles % (2 * side):
     return None
-  # Prefix units of ~DECODE_UNIT_KEYS keys: enough CTAs to balance round the suffix CTAs.
-  splits = max(1, min(p // DECODE_UNIT_KEYS, (DECODE_UNITS + tiles - 1) // tiles))
+  splits = max(1, min(p // DECODE_UNIT_KEYS, -(-DECODE_UNITS // prefix_tiles)))
   return splits, side
 
 
-DECODE_SIDE_CTAS = 32
+DECODE_SIDE_CTAS = 64
 DECODE_UNIT_KEYS = 512
 DECODE_UNITS = 256
 
@@ -132,7 +146,7 @@ def make_inputs(key, b, p, s, hq, hkv, d=128, dtype=jnp.bfloat16):
 def check(case: dict) -> dict:
   """One exactness case against the float64 oracle of full attention: ``case`` holds b, p,
   capacity s, hq, hkv, splits, side (CTAs), lengths ("full", "ragged" in [0, s], "short" in
-  [0, 40], "zero") and optionally plen (valid prefix keys)."""
+  [0, 40], "zero") and optionally plen (valid prefix keys) and layout (the suffix role's)."""
   b, p, s, hq, hkv = (case[k] for k in ("b", "p", "s", "hq", "hkv"))
   plen = case.get("plen", p)
   q, pk, pv, sk, sv = make_inputs(jax.random.key(b + p + s + hkv + plen), b, p, s, hq, hkv)
@@ -141,6 +155,7 @@ def check(case: dict) -> dict:
           jax.random.randint(jax.random.key(3), (b,), 0, top + 1, jnp.int32))
   out, lse = jax.jit(functools.partial(
       partitioned_attention, splits=case["splits"], side_ctas=case["side"],
+      layout=case.get("layout", "rows"),
       prefix_length=jnp.int32(plen)))(q, pk, pv, sk, sv, lens)
   ctx_k = [np.concatenate([np.asarray(pk[:plen]), np.asarray(sk[i, :int(lens[i])])])
            for i in range(b)]
@@ -154,7 +169,7 @@ def check(case: dict) -> dict:
               ok=bool(err < 2e-2 and rel < tolerance(q.dtype) and lerr < 2e-2))
 
 
-CHECKS = [  # b, p, s (capacity), hq, hkv, splits, side CTAs, lengths[, plen]
+CHECKS = [  # b, p, s (capacity), hq, hkv, splits, side CTAs, lengths[, plen][, layout]
     dict(b=64, p=1024, s=128, hq=32, hkv=8, splits=1, side=16, lengths="full"),
     dict(b=64, p=1024, s=128, hq=32, hkv=8, splits=4, side=8, lengths="ragged"),
     dict(b=256, p=1024, s=128, hq=32, hkv=8, splits=8, side=32, lengths="ragged"),  # 544 CTAs
@@ -162,6 +177,8 @@ CHECKS = [  # b, p, s (capacity), hq, hkv, splits, side CTAs, lengths[, plen]
     dict(b=64, p=1024, s=136, hq=32, hkv=8, splits=2, side=16, lengths="short"),
     dict(b=64, p=1024, s=128, hq=32, hkv=8, splits=4, side=16, lengths="full", plen=1000),
     dict(b=64, p=1024, s=128, hq=32, hkv=8, splits=2, side=16, lengths="zero"),
+    dict(b=256, p=1024, s=128, hq=32, hkv=8, splits=8, side=32, lengths="ragged", layout="cols"),
+    dict(b=64, p=1024, s=136, hq=32, hkv=8, splits=2, side=16, lengths="short", layout="cols"),
 ]
 
 
@@ -199,9 +216,10 @@ def main():
 
       ops = {"shipped": lambda q, pk, pv, sk, sv, lens: shared_prefix_attention(
           q, pk, pv, sk, sv, suffix_lengths=lens, impl="auto")}
-      for splits, side in variants:
-        ops[f"{splits}x{side}"] = (lambda *xs, splits=splits, side=side: partitioned_attention(
-            *xs, splits=splits, side_ctas=side)[0])
+      for splits, side, layout in variants:
+        ops[f"{splits}x{side}{layout[0]}"] = (
+            lambda *xs, splits=splits, side=side, layout=layout: partitioned_attention(
+                *xs, splits=splits, side_ctas=side, layout=layout)[0])
       set_bytes = timing.tree_bytes(jax.eval_shape(lambda: make(0)))
       res = timing.compare_ops(ops, make, n_sets=timing.sets_needed(set_bytes),
                                trials=args.trials)
@@ -216,8 +234,7 @@ def main():
            "| config | suffix keys | shipped | partitioned: splits x suffix CTAs | best vs shipped |",
            "|---|---:|---:|---|---:|"]
   for row in report["timings"]:
-    vs = {k: v for k, v in row.items() if "x" in k and not k.startswith(("err_", "config"))
-          and not k.endswith("_span_us")}
+    vs = {k: v for k, v in row.items() if re.fullmatch(r"\d+x\d+[rc]", k)}
     best = min((v for v in vs.values() if isinstance(v, float)), default=float("nan"))
     sh = row.get("shipped")
     ratio = f"{sh / best:.2f}x" if isinstance(sh, float) else "-"

@@ -52,6 +52,9 @@ from pallas_kernels.gpu._common import unfold_rows
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+# Diagnostic builds of suffix_role_rows (timing only, wrong outputs; read when tracing):
+# comma-separated parts to leave out, of "no_s", "no_softmax", "no_pv", "no_len".
+DIAG = os.environ.get("SUFFIX_ROLE_DIAG", "")
 
 
 class SuffixRole(NamedTuple):
@@ -148,7 +151,8 @@ def suffix_role(*, hkv: int, r: int, d: int, batch: int, capacity: int, dtype, r
       k, j, blk, start, end = locate(u)
       head, rg = coords(k)
       seq = rg * per_group + j
-      n_valid = jnp.clip(len_ref[seq], 0, capacity)
+      n_valid = (jnp.int32(capacity) if "no_len" in DIAG
+                 else jnp.clip(len_ref[seq], 0, capacity))
       slot = lax.rem(u, i32(stages))
       q_slot = lax.rem(k, i32(2))
 
@@ -242,17 +246,191 @@ def suffix_role(*, hkv: int, r: int, d: int, batch: int, capacity: int, dtype, r
   return SuffixRole(body, out_types, wgs, block_s, capacity)
 
 
+def suffix_role_rows(*, hkv: int, r: int, d: int, batch: int, capacity: int, dtype,
+                     rows_per_seq: int, scale: float, n_ctas: int, wgs: int = 2,
+                     stages: int = 2, block_s: int = 64) -> SuffixRole:
+  """The suffix role with the query rows on wgmma's M side (:func:`suffix_role`'s alternative).
+
+  A warpgroup takes row tiles of 64 query rows -- ``64 / G`` whole sequences of one KV head --
+  and, for each sequence of a tile and each ``block_s``-key block of its suffix, computes
+  ``S = Q K^T`` over the whole tile (64 rows for G useful ones: 64 / G times the useful
+  products), masks every row but that sequence's to ``-inf``, runs the online softmax along
+  the rows (within each warp: no cross-warp reduction, no shared scratch, so the warpgroups
+  never wait for each other) and adds ``P V`` with ``P`` from registers. The tile's rows
+  gather their own sequences' results in one accumulator, which goes out at the tile's end
+  already in the prefix's row layout ``[Hkv, R, D]`` (no transposes before the merge). Blocks
+  per sequence and masks as :func:`suffix_role`; ``R`` must be a multiple of 64."""
+  m = rows_per_seq
+  tile_rows = 64
+  if (r != batch * m or tile_rows % m or r % tile_rows or capacity < block_s or capacity % 8
+      or block_s % 64):
+    raise ValueError(f"q_rows {(hkv, r, d)}, G {m}, suffix capacity {capacity} (a multiple of "
+                     f"8, at least block_s {block_s}, a multiple of 64)")
+  per_tile = tile_rows // m
+  tiles = hkv * r // tile_rows
+  workers = n_ctas * wgs
+  if tiles % workers:
+    raise ValueError(f"{tiles} row tiles do not divide over {n_ctas} x {wgs} warpgroups")
+  if not 1 <= wgs <= 3:
+    raise ValueError(f"wgs must be 1-3 (warpgroups of a CTA), got {wgs}")
+  held = tiles // workers
+  row_tiles = r // tile_rows  # per KV head
+  qk_scale = scale * LOG2E
+
+  def run(cta, w, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped):
+    (q_smem2, k_smem2, v_smem2), (q_bar2, k_bar2, v_bar2) = scoped
+    worker = cta * wgs + w
+    nb = len_ref[batch]
+    unit_count = held * per_tile * nb
+    t_lo = worker * held
+    q_smem, k_smem, v_smem = q_smem2.at[w], k_smem2.at[w], v_smem2.at[w]
+    q_bar = lambda slot: q_bar2.at[w * 2 + slot]
+    k_bar = lambda slot: k_bar2.at[w * stages + slot]
+    v_bar = lambda slot: v_bar2.at[w * stages + slot]
+    i32 = jnp.int32
+
+    def locate(u):
+      """Unit u: held tile k, sequence j of the tile, key block, tile start / end."""
+      k = lax.div(u, i32(per_tile * nb))
+      t = u - k * (per_tile * nb)
+      j = lax.div(t, i32(nb))
+      return k, j, t - j * nb, t == 0, t == per_tile * nb - 1
+
+    def coords(k):
+      t = t_lo + k
+      head = lax.div(t, i32(row_tiles))
+      return head, t - head * row_tiles
+
+    def issue_q(k):
+      head, rt = coords(k)
+      slot = lax.rem(k, i32(2))
+      plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(rt * tile_rows, tile_rows)], q_smem.at[slot],
+                              q_bar(slot))
+
+    def issue_kv(u):
+      k, j, blk, _, _ = locate(u)
+      head, rt = coords(k)
+      seq = rt * per_tile + j
+      slot = lax.rem(u, i32(stages))
+      src = (seq, pl.ds(blk * block_s, block_s), head)
+      plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar(slot))
+      plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar(slot))
+
+    issue_q(i32(0))
+    for s_ in range(stages):
+      pl.when(s_ < unit_count)(functools.partial(issue_kv, i32(s_)))
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def unit(u, carry):
+      acc, m_i, l_i = carry
+      k, j, blk, start, end = locate(u)
+      head, rt = coords(k)
+      seq = rt * per_tile + j
+      n_valid = (jnp.int32(capacity) if "no_len" in DIAG
+                 else jnp.clip(len_ref[seq], 0, capacity))
+      slot = lax.rem(u, i32(stages))
+      q_slot = lax.rem(k, i32(2))
+
+      @pl.when(start)
+      def _():
+        pl.when(k + 1 < held)(lambda: issue_q(k + 1))
+        plgpu.barrier_wait(q_bar(q_slot))
+
+      keep = jnp.where(start, 0.0, 1.0).astype(jnp.float32)
+      acc, l_i = acc * keep, l_i * keep
+      m_i = m_i + jnp.where(start, -jnp.inf, 0.0).astype(jnp.float32)
+      plgpu.barrier_wait(k_bar(slot))
+
+      def compute_s(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem.at[q_slot], k_smem.at[slot].transpose((1, 0)))
+        return acc_ref[...]
+
+      if "no_s" in DIAG:
+        st = plgpu.layout_cast(jnp.full((tile_rows, block_s), 0.5, jnp.float32),
+                               plgpu.Layout.WGMMA)
+      else:
+        st = pl.run_scoped(compute_s, plgpu.ACC((tile_rows, block_s), jnp.float32))
+      rows = plgpu.broadcasted_iota(jnp.int32, st.shape, 0, layout=plgpu.Layout.WGMMA)
+      keys = plgpu.broadcasted_iota(jnp.int32, st.shape, 1, layout=plgpu.Layout.WGMMA)
+      st = jnp.where(keys + blk * block_s < n_valid, st * qk_scale, -jnp.inf)
+      st = jnp.where(rows >= j * m, st, -jnp.inf)
+      st = jnp.where(rows < j * m + m, st, -jnp.inf)
+      if "no_softmax" in DIAG:
+        m_new, p = m_i, st
+      else:
+        m_new = jnp.maximum(m_i, st.max(axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(st - lax.broadcast_in_dim(m_use, st.shape, [0]))
+        l_i = l_i * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p16 = p.astype(dtype)
+      plgpu.barrier_wait(v_bar(slot))
+
+      def compute_pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+      if "no_pv" not in DIAG:
+        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+      pl.when(u + stages < unit_count)(lambda: issue_kv(u + stages))
+
+      @pl.when(end)
+      def _write_tile():
+        # The tile's query buffer is done with (its last product has been waited for): the
+        # normalised output goes out through it.
+        has = l_i > 0
+        safe = jnp.where(has, l_i, 1.0)
+        q_out = q_smem.at[q_slot]
+        q_out[...] = (acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_out, o_ref.at[head, pl.ds(rt * tile_rows, tile_rows)])
+        lse_ref[head, pl.ds(rt * tile_rows, tile_rows)] = jnp.where(
+            has, (m_new + jnp.log(safe) * (1 / LN2)) * LN2, -jnp.inf)
+        # The buffer is loaded again two tiles on: wait for the store before that.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      return acc, m_new, l_i
+
+    lax.fori_loop(0, unit_count, unit, (
+        plgpu.layout_cast(jnp.full((tile_rows, d), 0, jnp.float32), plgpu.Layout.WGMMA),
+        plgpu.layout_cast(jnp.full((tile_rows,), -jnp.inf, jnp.float32), row_layout),
+        plgpu.layout_cast(jnp.full((tile_rows,), 0, jnp.float32), row_layout)))
+    plgpu.wait_smem_to_gmem(0)
+
+  def body(cta, w, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+    tiling = plgpu.TilingTransform((8, 64))
+    swizzle = plgpu.SwizzleTransform(128)
+
+    def scoped(*args):
+      pl.when(w < wgs)(lambda: run(cta, w, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, args))
+
+    pl.run_scoped(
+        scoped,
+        (plgpu.SMEM((wgs, 2, tile_rows, d), dtype, transforms=(tiling, swizzle)),
+         plgpu.SMEM((wgs, stages, block_s, d), dtype, transforms=(tiling, swizzle)),
+         plgpu.SMEM((wgs, stages, block_s, d), dtype, transforms=(tiling, swizzle))),
+        (plgpu.Barrier(num_barriers=2 * wgs), plgpu.Barrier(num_barriers=stages * wgs),
+         plgpu.Barrier(num_barriers=stages * wgs)),
+        collective_axes="wg",
+    )
+
+  out_types = (jax.ShapeDtypeStruct((hkv, r, d), dtype),
+               jax.ShapeDtypeStruct((hkv, r), jnp.float32))
+  return SuffixRole(body, out_types, wgs, block_s, capacity)
+
+
 def suffix_rows_mgpu(q_rows, suffix_k, suffix_v, suffix_lengths, *, rows_per_seq: int,
                      scale: float, n_ctas: int, wgs: int = 2, stages: int = 2,
-                     block_s: int = 64):
+                     block_s: int = 64, layout: str = "cols"):
   """``q_rows [Hkv, R, D]`` (``R = B * G``), suffixes ``[B, S, Hkv, D]``, lengths int32 ``[B]``
-  -> ``o_t [Hkv * R / N, D, N]`` (normalised, q's dtype) and natural-log ``lse [Hkv, R]``: the
-  suffix role alone, on ``n_ctas`` CTAs of ``wgs`` warpgroups."""
+  -> ``o_t [Hkv * R / N, D, N]`` (``layout="cols"``: :func:`suffix_role`; ``"rows"``:
+  :func:`suffix_role_rows` and ``o [Hkv, R, D]``), normalised, in q's dtype, and natural-log
+  ``lse [Hkv, R]``: the suffix role alone, on ``n_ctas`` CTAs of ``wgs`` warpgroups."""
   hkv, r, d = q_rows.shape
   batch, capacity = suffix_k.shape[:2]
-  role = suffix_role(hkv=hkv, r=r, d=d, batch=batch, capacity=capacity, dtype=q_rows.dtype,
-                     rows_per_seq=rows_per_seq, scale=scale, n_ctas=n_ctas, wgs=wgs,
-                     stages=stages, block_s=block_s)
+  role = ROLES[layout](hkv=hkv, r=r, d=d, batch=batch, capacity=capacity, dtype=q_rows.dtype,
+                       rows_per_seq=rows_per_seq, scale=scale, n_ctas=n_ctas, wgs=wgs,
+                       stages=stages, block_s=block_s)
 
   def entry(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
     role.body(lax.axis_index("cta"), lax.axis_index("wg"), len_ref, q_ref, k_ref, v_ref, o_ref,
@@ -269,20 +447,25 @@ def suffix_rows_mgpu(q_rows, suffix_k, suffix_v, suffix_lengths, *, rows_per_seq
   )(role.lengths(suffix_lengths), q_rows, suffix_k, suffix_v)
 
 
-def unfold(o_t, hkv: int, r: int):
-  """``o_t [Hkv * R / N, D, N]`` -> ``[Hkv, R, D]``."""
+ROLES = {"cols": suffix_role, "rows": suffix_role_rows}
+
+
+def unfold(o_t, hkv: int, r: int, layout: str = "cols"):
+  """The role's output as ``[Hkv, R, D]`` (``o_t [Hkv * R / N, D, N]`` for ``"cols"``)."""
+  if layout == "rows":
+    return o_t
   groups, d, n = o_t.shape
   return jnp.swapaxes(o_t, 1, 2).reshape(hkv, r, d)
 
 
-def compare(o_t, lse, q_rows, sk, sv, lens, *, scale: float) -> dict:
+def compare(o_t, lse, q_rows, sk, sv, lens, *, scale: float, layout: str = "cols") -> dict:
   """The suffix role's outputs against the project's float64 oracle of full attention, as
   ``[B, 1, Hq, D]``: max-abs relative error < 2e-2, the norm error within the dtype's
   tolerance, LSEs within 2e-2 with the same -inf rows (``ok``)."""
   hkv, r, _ = q_rows.shape
   b = sk.shape[0]
   ref_o, ref_l = oracle_full(unfold_rows(q_rows, b, 1), sk, sv, kv_lengths=lens, scale=scale)
-  out = np.asarray(unfold_rows(unfold(o_t, hkv, r), b, 1), np.float64)
+  out = np.asarray(unfold_rows(unfold(o_t, hkv, r, layout), b, 1), np.float64)
   lse = np.asarray(unfold_rows(lse, b, 1), np.float64)
   err = float(np.abs(out - ref_o).max() / np.abs(ref_o).max())
   rel, lerr = rel_err(out, ref_o), lse_err(lse, ref_l)
@@ -309,6 +492,7 @@ def main():
   ap.add_argument("--group", type=int, default=8, help="query heads per KV head (G)")
   ap.add_argument("--trials", type=int, default=5)
   ap.add_argument("--skip-check", action="store_true")
+  ap.add_argument("--layout", default="cols", choices=sorted(ROLES))
   args = ap.parse_args()
   kind = jax.devices()[0].device_kind
   variants = [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",")]
@@ -334,8 +518,8 @@ def main():
         try:
           o_t, lse = jax.jit(functools.partial(
               suffix_rows_mgpu, rows_per_seq=g, scale=scale, n_ctas=n_ctas, wgs=wgs,
-              stages=stages, block_s=block_s))(q, sk, sv, lens)
-          case.update(compare(o_t, lse, q, sk, sv, lens, scale=scale))
+              stages=stages, block_s=block_s, layout=args.layout))(q, sk, sv, lens)
+          case.update(compare(o_t, lse, q, sk, sv, lens, scale=scale, layout=args.layout))
         except Exception as e:  # noqa: BLE001 -- reported
           case.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
         report["checks"].append(case)
@@ -355,7 +539,7 @@ def main():
       row = dict(ctas=n_ctas, wgs=wgs, stages=stages, block_s=block_s, mb=nbytes / 1e6)
       try:
         op = functools.partial(suffix_rows_mgpu, rows_per_seq=g, scale=scale, n_ctas=n_ctas,
-                               wgs=wgs, stages=stages, block_s=block_s)
+                               wgs=wgs, stages=stages, block_s=block_s, layout=args.layout)
         res = timing.measure(op, make, n_sets=n_sets, trials=args.trials)
         us = res["seconds"] * 1e6
         row.update(us=us, gbps=nbytes / us / 1e3, gbps_per_sm=nbytes / us / 1e3 / n_ctas)
@@ -384,6 +568,7 @@ def main():
   table = "\n".join(lines)
   print("\n" + table)
   tag = f"_b{b}_s{s}_h{hkv}_g{g}" if (b, s, hkv, g) != (1024, 128, 1, 8) else ""
+  tag += "_rows" if args.layout == "rows" else ""
   with open(os.path.join(args.out, f"suffix_role{tag}.json"), "w") as f:
     json.dump(report, f, indent=1)
   with open(os.path.join(args.out, f"suffix_role{tag}.md"), "w") as f:

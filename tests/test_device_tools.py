@@ -36,12 +36,14 @@ def export_cuda(fn, *args) -> str:
                            disabled_checks=checks)(*args).mlir_module()
 
 
-@pytest.mark.parametrize("b,s,hkv,g,ctas,wgs,stages,block_s", [
-    (64, 128, 1, 8, 4, 2, 2, 64), (32, 192, 2, 4, 2, 4, 1, 64), (64, 256, 1, 8, 4, 2, 1, 128)])
-def test_suffix_role_lowers(b, s, hkv, g, ctas, wgs, stages, block_s):
+@pytest.mark.parametrize("b,s,hkv,g,ctas,wgs,stages,block_s,layout", [
+    (64, 128, 1, 8, 4, 2, 2, 64, "cols"), (32, 192, 2, 4, 2, 4, 1, 64, "cols"),
+    (64, 256, 1, 8, 4, 2, 1, 128, "cols"), (64, 128, 1, 8, 4, 2, 2, 64, "rows"),
+    (32, 192, 2, 4, 2, 1, 4, 64, "rows"), (256, 136, 8, 4, 32, 2, 2, 64, "rows")])
+def test_suffix_role_lowers(b, s, hkv, g, ctas, wgs, stages, block_s, layout):
   sr = load("tools/device/suffix_role.py")
   fn = functools.partial(sr.suffix_rows_mgpu, rows_per_seq=g, scale=0.1, n_ctas=ctas, wgs=wgs,
-                         stages=stages, block_s=block_s)
+                         stages=stages, block_s=block_s, layout=layout)
   kv = S((b, s, hkv, 128), jnp.bfloat16)
   text = export_cuda(fn, S((hkv, b * g, 128), jnp.bfloat16), kv, kv, S((b,), jnp.int32))
   assert "mosaic_gpu_v2" in text
@@ -53,6 +55,32 @@ def test_suffix_role_rejects_uneven_work():
   with pytest.raises(ValueError, match="column groups do not divide"):
     sr.suffix_rows_mgpu(jnp.zeros((1, 512, 128), jnp.bfloat16), kv, kv,
                         jnp.full((64,), 128, jnp.int32), rows_per_seq=8, scale=0.1, n_ctas=3)
+
+
+def test_suffix_role_rows_rejects_uneven_work():
+  sr = load("tools/device/suffix_role.py")
+  kv = jnp.zeros((64, 128, 1, 128), jnp.bfloat16)
+  args = (jnp.zeros((1, 512, 128), jnp.bfloat16), kv, kv, jnp.full((64,), 128, jnp.int32))
+  with pytest.raises(ValueError, match="row tiles do not divide"):  # 8 tiles, 3 x 2 warpgroups
+    sr.suffix_rows_mgpu(*args, rows_per_seq=8, scale=0.1, n_ctas=3, layout="rows")
+  with pytest.raises(ValueError, match="a multiple of 64"):
+    sr.suffix_rows_mgpu(*args, rows_per_seq=8, scale=0.1, n_ctas=2, block_s=32, layout="rows")
+
+
+def test_partition_parts_idle_launch_lowers():
+  """The diagnostic's flat grid with idle side CTAs (``tools/device/partition_parts.py``)."""
+  import dataclasses
+  pp = load("tools/device/partition_parts.py")
+  mg = pp.mg
+  cfg = dataclasses.replace(mg.default_config(1024, 8, 4096, 128), splits=4, block_kv=128)
+
+  def idle(q, k, v, lens):
+    return mg.prefix_attention_rows_mgpu(
+        q, k, v, jnp.int32(4096), scale=0.1, config=cfg,
+        side=(32, lambda *refs: None, (lens,), (S((8,), jnp.float32),)))
+  pre = S((4096, 8, 128), jnp.bfloat16)
+  text = export_cuda(idle, S((8, 1024, 128), jnp.bfloat16), pre, pre, S((256,), jnp.int32))
+  assert text.count("mosaic_gpu_v2") == 1
 
 
 def test_stream_kernel_lowers():

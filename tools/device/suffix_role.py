@@ -25,6 +25,13 @@ caller appends that count to the lengths, :meth:`SuffixRole.lengths`), keys past
 masked; the capacity need not be a multiple of ``block_s`` (TMA zero-fills reads past it),
 only of 8 (the tiles' TMA transforms).
 
+:func:`suffix_role_rows` (``--layout rows``, 2026-11-25) is the alternative with the query rows
+on wgmma's M side: 64-row tiles of whole sequences, the others' rows masked, the softmax along
+the rows inside each warp (no cross-warp reductions, no turn ring), ``P`` from registers, the
+output in the prefix's row layout. Measured no faster per SM (~36-41 GB/s at G = 4 either way;
+docs/results/2026-11-25-h100-oversubscribed): the per-unit chain of products and softmax is the
+cost, not the reductions.
+
 Checks the outputs against a float64 oracle (full and ragged lengths, G = 8 and G = 4), then
 times the headline's suffix part (B=1024, S=128, Hkv=1, G=8; 67 MB; or ``--batch``, ``--suffix``,
 ``--kv-heads``, ``--group``) for several CTA counts and warpgroup/slot/block settings: device µs, GB/s and GB/s per SM. Writes ``suffix_role.json``/``.md``.

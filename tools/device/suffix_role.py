@@ -84,6 +84,48 @@ class SuffixRole(NamedTuple):
     return jnp.concatenate([lens, blocks[None]])
 
 
+def _units(*, lo, per: int, nb, tiles_per_head: int, tile_rows: int, stages: int, block_s: int,
+           refs, smem, bars):
+  """A warpgroup's work in either role: its tiles ``lo, lo + 1, ...`` of ``tile_rows`` query rows
+  (``per`` whole sequences each, ``tiles_per_head`` tiles per KV head), each sequence's ``nb``
+  key blocks. Returns ``locate(u)`` (unit ``u``: held tile ``k``, sequence ``j`` of the tile, key
+  block, tile start, tile end), ``coords(k)`` (KV head and tile of held tile ``k``),
+  ``issue_q(k)`` (its query tile into slot ``k % 2``) and ``issue_kv(u)`` (unit ``u``'s K and V
+  blocks into slot ``u % stages``)."""
+  q_ref, k_ref, v_ref = refs
+  q_smem, k_smem, v_smem = smem
+  q_bar, k_bar, v_bar = bars
+  i32 = jnp.int32
+
+  def locate(u):
+    k = lax.div(u, i32(per * nb))
+    t = u - k * (per * nb)
+    j = lax.div(t, i32(nb))
+    return k, j, t - j * nb, t == 0, t == per * nb - 1
+
+  def coords(k):
+    t = lo + k
+    head = lax.div(t, i32(tiles_per_head))
+    return head, t - head * tiles_per_head
+
+  def issue_q(k):
+    head, rt = coords(k)
+    slot = lax.rem(k, i32(2))
+    plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(rt * tile_rows, tile_rows)], q_smem.at[slot],
+                            q_bar(slot))
+
+  def issue_kv(u):
+    k, j, blk, _, _ = locate(u)
+    head, rt = coords(k)
+    seq = rt * per + j
+    slot = lax.rem(u, i32(stages))
+    src = (seq, pl.ds(blk * block_s, block_s), head)
+    plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar(slot))
+    plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar(slot))
+
+  return locate, coords, issue_q, issue_kv
+
+
 def suffix_role(*, hkv: int, r: int, d: int, batch: int, capacity: int, dtype, rows_per_seq: int,
                 scale: float, n_ctas: int, wgs: int = 2, stages: int = 2,
                 block_s: int = 64) -> SuffixRole:
@@ -119,33 +161,10 @@ def suffix_role(*, hkv: int, r: int, d: int, batch: int, capacity: int, dtype, r
     k_bar = lambda slot: k_bar2.at[w * stages + slot]
     v_bar = lambda slot: v_bar2.at[w * stages + slot]
     i32 = jnp.int32
-
-    def locate(u):
-      """Unit u: held group k, sequence j of the group, key block, group start / end."""
-      k = lax.div(u, i32(per_group * nb))
-      t = u - k * (per_group * nb)
-      j = lax.div(t, i32(nb))
-      return k, j, t - j * nb, t == 0, t == per_group * nb - 1
-
-    def coords(k):
-      g = g_lo + k
-      head = lax.div(g, i32(row_groups))
-      return head, g - head * row_groups
-
-    def issue_q(k):
-      head, rg = coords(k)
-      slot = lax.rem(k, i32(2))
-      plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(rg * n_cols, n_cols)], q_smem.at[slot],
-                              q_bar(slot))
-
-    def issue_kv(u):
-      k, j, blk, _, _ = locate(u)
-      head, rg = coords(k)
-      seq = rg * per_group + j
-      slot = lax.rem(u, i32(stages))
-      src = (seq, pl.ds(blk * block_s, block_s), head)
-      plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar(slot))
-      plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar(slot))
+    locate, coords, issue_q, issue_kv = _units(
+        lo=g_lo, per=per_group, nb=nb, tiles_per_head=row_groups, tile_rows=n_cols,
+        stages=stages, block_s=block_s, refs=(q_ref, k_ref, v_ref),
+        smem=(q_smem, k_smem, v_smem), bars=(q_bar, k_bar, v_bar))
 
     issue_q(i32(0))
     for s in range(stages):
@@ -295,33 +314,10 @@ def suffix_role_rows(*, hkv: int, r: int, d: int, batch: int, capacity: int, dty
     k_bar = lambda slot: k_bar2.at[w * stages + slot]
     v_bar = lambda slot: v_bar2.at[w * stages + slot]
     i32 = jnp.int32
-
-    def locate(u):
-      """Unit u: held tile k, sequence j of the tile, key block, tile start / end."""
-      k = lax.div(u, i32(per_tile * nb))
-      t = u - k * (per_tile * nb)
-      j = lax.div(t, i32(nb))
-      return k, j, t - j * nb, t == 0, t == per_tile * nb - 1
-
-    def coords(k):
-      t = t_lo + k
-      head = lax.div(t, i32(row_tiles))
-      return head, t - head * row_tiles
-
-    def issue_q(k):
-      head, rt = coords(k)
-      slot = lax.rem(k, i32(2))
-      plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(rt * tile_rows, tile_rows)], q_smem.at[slot],
-                              q_bar(slot))
-
-    def issue_kv(u):
-      k, j, blk, _, _ = locate(u)
-      head, rt = coords(k)
-      seq = rt * per_tile + j
-      slot = lax.rem(u, i32(stages))
-      src = (seq, pl.ds(blk * block_s, block_s), head)
-      plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar(slot))
-      plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar(slot))
+    locate, coords, issue_q, issue_kv = _units(
+        lo=t_lo, per=per_tile, nb=nb, tiles_per_head=row_tiles, tile_rows=tile_rows,
+        stages=stages, block_s=block_s, refs=(q_ref, k_ref, v_ref),
+        smem=(q_smem, k_smem, v_smem), bars=(q_bar, k_bar, v_bar))
 
     issue_q(i32(0))
     for s_ in range(stages):

@@ -59,8 +59,8 @@ from pallas_kernels.gpu._common import unfold_rows
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-# Diagnostic builds of suffix_role_rows (timing only, wrong outputs; read when tracing):
-# comma-separated parts to leave out, of "no_s", "no_softmax", "no_pv", "no_len".
+# Diagnostic builds (timing only, wrong outputs; read when tracing): comma-separated parts to
+# leave out, of "no_s", "no_softmax", "no_pv" (suffix_role_rows) and "no_len" (both roles).
 DIAG = os.environ.get("SUFFIX_ROLE_DIAG", "")
 
 
@@ -84,14 +84,18 @@ class SuffixRole(NamedTuple):
     return jnp.concatenate([lens, blocks[None]])
 
 
-def _units(*, lo, per: int, nb, tiles_per_head: int, tile_rows: int, stages: int, block_s: int,
-           refs, smem, bars):
-  """A warpgroup's work in either role: its tiles ``lo, lo + 1, ...`` of ``tile_rows`` query rows
-  (``per`` whole sequences each, ``tiles_per_head`` tiles per KV head), each sequence's ``nb``
-  key blocks. Returns ``locate(u)`` (unit ``u``: held tile ``k``, sequence ``j`` of the tile, key
-  block, tile start, tile end), ``coords(k)`` (KV head and tile of held tile ``k``),
-  ``issue_q(k)`` (its query tile into slot ``k % 2``) and ``issue_kv(u)`` (unit ``u``'s K and V
-  blocks into slot ``u % stages``)."""
+def _units(*, lo, per: int, nb, held: int, tiles_per_head: int, tile_rows: int, stages: int,
+           block_s: int, capacity: int, len_ref, refs, smem, bars):
+  """A warpgroup's work in either role: its tiles ``lo, lo + 1, ...`` (``held`` of them) of
+  ``tile_rows`` query rows (``per`` whole sequences each, ``tiles_per_head`` tiles per KV head),
+  each sequence's ``nb`` key blocks; unit ``u`` is (held tile ``k``, sequence ``j`` of the tile,
+  key block). Returns ``issue_q(k)`` (held tile ``k``'s queries into slot ``k % 2``),
+  ``issue_kv(u)`` (unit ``u``'s K and V blocks into slot ``u % stages``) and ``begin(u,
+  state)``, a unit's common start: at a tile's start the next tile's query load issued and this
+  one's waited for, and the online-softmax state ``(o, m, l)`` reset; then the unit's K block
+  waited for. ``begin`` returns the unit's ``(k, blk, j, head, rt, n_valid, slot, q_slot,
+  end)`` (``rt``: the tile within its KV head; ``n_valid``: the sequence's suffix length;
+  ``end``: the tile's last unit) and the state."""
   q_ref, k_ref, v_ref = refs
   q_smem, k_smem, v_smem = smem
   q_bar, k_bar, v_bar = bars
@@ -123,7 +127,30 @@ def _units(*, lo, per: int, nb, tiles_per_head: int, tile_rows: int, stages: int
     plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar(slot))
     plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar(slot))
 
-  return locate, coords, issue_q, issue_kv
+  def begin(u, state):
+    o, m_s, l_s = state
+    k, j, blk, start, end = locate(u)
+    head, rt = coords(k)
+    seq = rt * per + j
+    n_valid = (jnp.int32(capacity) if "no_len" in DIAG
+               else jnp.clip(len_ref[seq], 0, capacity))
+    slot = lax.rem(u, i32(stages))
+    q_slot = lax.rem(k, i32(2))
+
+    @pl.when(start)
+    def _():
+      pl.when(k + 1 < held)(lambda: issue_q(k + 1))
+      plgpu.barrier_wait(q_bar(q_slot))
+
+    # A new tile's state starts here (arithmetic, not a select under a scalar predicate,
+    # which jax 0.11's Mosaic GPU lowering rejects; o and l are finite).
+    keep = jnp.where(start, 0.0, 1.0).astype(jnp.float32)
+    o, l_s = o * keep, l_s * keep
+    m_s = m_s + jnp.where(start, -jnp.inf, 0.0).astype(jnp.float32)
+    plgpu.barrier_wait(k_bar(slot))
+    return (k, blk, j, head, rt, n_valid, slot, q_slot, end), (o, m_s, l_s)
+
+  return issue_q, issue_kv, begin
 
 
 def suffix_role(*, hkv: int, r: int, d: int, batch: int, capacity: int, dtype, rows_per_seq: int,
@@ -161,10 +188,10 @@ def suffix_role(*, hkv: int, r: int, d: int, batch: int, capacity: int, dtype, r
     k_bar = lambda slot: k_bar2.at[w * stages + slot]
     v_bar = lambda slot: v_bar2.at[w * stages + slot]
     i32 = jnp.int32
-    locate, coords, issue_q, issue_kv = _units(
-        lo=g_lo, per=per_group, nb=nb, tiles_per_head=row_groups, tile_rows=n_cols,
-        stages=stages, block_s=block_s, refs=(q_ref, k_ref, v_ref),
-        smem=(q_smem, k_smem, v_smem), bars=(q_bar, k_bar, v_bar))
+    issue_q, issue_kv, begin = _units(
+        lo=g_lo, per=per_group, nb=nb, held=held, tiles_per_head=row_groups, tile_rows=n_cols,
+        stages=stages, block_s=block_s, capacity=capacity, len_ref=len_ref,
+        refs=(q_ref, k_ref, v_ref), smem=(q_smem, k_smem, v_smem), bars=(q_bar, k_bar, v_bar))
 
     issue_q(i32(0))
     for s in range(stages):
@@ -173,26 +200,7 @@ def suffix_role(*, hkv: int, r: int, d: int, batch: int, capacity: int, dtype, r
       pl.when(w == wgs - 1)(lambda: plgpu.barrier_arrive(turns.at[0]))
 
     def unit(u, carry):
-      o_t, m_s, l_s = carry
-      k, j, blk, start, end = locate(u)
-      head, rg = coords(k)
-      seq = rg * per_group + j
-      n_valid = (jnp.int32(capacity) if "no_len" in DIAG
-                 else jnp.clip(len_ref[seq], 0, capacity))
-      slot = lax.rem(u, i32(stages))
-      q_slot = lax.rem(k, i32(2))
-
-      @pl.when(start)
-      def _():
-        pl.when(k + 1 < held)(lambda: issue_q(k + 1))
-        plgpu.barrier_wait(q_bar(q_slot))
-
-      # A new group's state starts here (arithmetic, not a select under a scalar predicate,
-      # which jax 0.11's Mosaic GPU lowering rejects; o and l are finite).
-      keep = jnp.where(start, 0.0, 1.0).astype(jnp.float32)
-      o_t, l_s = o_t * keep, l_s * keep
-      m_s = m_s + jnp.where(start, -jnp.inf, 0.0).astype(jnp.float32)
-      plgpu.barrier_wait(k_bar(slot))
+      (k, blk, j, head, rg, n_valid, slot, q_slot, end), (o_t, m_s, l_s) = begin(u, carry)
 
       def compute_st(acc_ref):
         plgpu.wgmma(acc_ref, k_smem.at[slot], q_smem.at[q_slot].transpose((1, 0)))
@@ -314,10 +322,10 @@ def suffix_role_rows(*, hkv: int, r: int, d: int, batch: int, capacity: int, dty
     k_bar = lambda slot: k_bar2.at[w * stages + slot]
     v_bar = lambda slot: v_bar2.at[w * stages + slot]
     i32 = jnp.int32
-    locate, coords, issue_q, issue_kv = _units(
-        lo=t_lo, per=per_tile, nb=nb, tiles_per_head=row_tiles, tile_rows=tile_rows,
-        stages=stages, block_s=block_s, refs=(q_ref, k_ref, v_ref),
-        smem=(q_smem, k_smem, v_smem), bars=(q_bar, k_bar, v_bar))
+    issue_q, issue_kv, begin = _units(
+        lo=t_lo, per=per_tile, nb=nb, held=held, tiles_per_head=row_tiles, tile_rows=tile_rows,
+        stages=stages, block_s=block_s, capacity=capacity, len_ref=len_ref,
+        refs=(q_ref, k_ref, v_ref), smem=(q_smem, k_smem, v_smem), bars=(q_bar, k_bar, v_bar))
 
     issue_q(i32(0))
     for s_ in range(stages):
@@ -325,24 +333,7 @@ def suffix_role_rows(*, hkv: int, r: int, d: int, batch: int, capacity: int, dty
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def unit(u, carry):
-      acc, m_i, l_i = carry
-      k, j, blk, start, end = locate(u)
-      head, rt = coords(k)
-      seq = rt * per_tile + j
-      n_valid = (jnp.int32(capacity) if "no_len" in DIAG
-                 else jnp.clip(len_ref[seq], 0, capacity))
-      slot = lax.rem(u, i32(stages))
-      q_slot = lax.rem(k, i32(2))
-
-      @pl.when(start)
-      def _():
-        pl.when(k + 1 < held)(lambda: issue_q(k + 1))
-        plgpu.barrier_wait(q_bar(q_slot))
-
-      keep = jnp.where(start, 0.0, 1.0).astype(jnp.float32)
-      acc, l_i = acc * keep, l_i * keep
-      m_i = m_i + jnp.where(start, -jnp.inf, 0.0).astype(jnp.float32)
-      plgpu.barrier_wait(k_bar(slot))
+      (_, blk, j, head, rt, n_valid, slot, q_slot, end), (acc, m_i, l_i) = begin(u, carry)
 
       def compute_s(acc_ref):
         plgpu.wgmma(acc_ref, q_smem.at[q_slot], k_smem.at[slot].transpose((1, 0)))

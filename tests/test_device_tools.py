@@ -190,3 +190,31 @@ def test_suffix_role_check_can_fail():
   lost = lse.copy()
   lost[0, 0] = 0.0  # sequence 0 has no key: its LSE must stay -inf
   assert not sr.compare(o_t, lost, q, sk, sv, lens, scale=0.25)["ok"]
+
+
+def test_prefix_references_reach_table(tmp_path, monkeypatch):
+  """The reach table's arithmetic: the floor of the whole call from the run's own ceilings, the
+  goal's allowance and the fastest prefix op against it. On a CPU cuDNN is stood in for by
+  XLA's attention (same call, no ``implementation``); the Mosaic GPU ops fail and are reported."""
+  from jax_shared_attn.iomodel import AttentionShape
+  pr = load("tools/device/prefix_references.py")
+  orig = jax.nn.dot_product_attention
+  monkeypatch.setattr(jax.nn, "dot_product_attention",
+                      lambda *a, implementation=None, **k: orig(*a, **k))
+  monkeypatch.setattr("sys.argv", ["prefix_references", "--specs", "paper:16:256", "--trials",
+                                   "1", "--ops", "ours,cudnn,cudnn_ks", "--suffixes", "16,64",
+                                   "--out", str(tmp_path)])
+  pr.main()
+  report = json.loads((tmp_path / "prefix_references.json").read_text())
+  (row,) = report["rows"]
+  assert row["ours"].startswith("err")  # Mosaic GPU: no CPU lowering
+  timed = {n: row[n] for n in ("cudnn", "cudnn_ks")}
+  assert [x["s"] for x in row["reach"]] == [16, 64]
+  for x in row["reach"]:
+    floor = AttentionShape(16, 256, x["s"], 8, 1, 128).floor_s(report["copy_bandwidth"],
+                                                               report["matmul_rate"]) * 1e6
+    assert x["floor_us"] == pytest.approx(floor)
+    assert x["allowed_us"] == pytest.approx(floor / 0.8)
+    assert x["best_prefix_us"] == min(timed.values())
+    assert x["prefix_over_allowed"] == pytest.approx(min(timed.values()) / (floor / 0.8))
+  assert "| paper:16:256 | 64 |" in (tmp_path / "prefix_references.md").read_text()

@@ -3,6 +3,7 @@ ship with the stack (cuDNN's, through ``jax.nn.dot_product_attention``, and JAX'
 ``attention_mgpu``), on the same H100 (device experiment).
 
   PYTHONPATH=. python3 tools/device/prefix_references.py --out $OUT [--specs paper:1024:16384]
+      [--suffixes 128,512]
 
 Question: how fast can the prefix part of issue 3's headline (B x G = 8192 query rows against
 16,384 shared keys, one KV head, D 128, non-causal) run on this GPU with a state-of-the-art fused
@@ -15,10 +16,11 @@ rate of a large square bf16 matmul, which a kernel with a softmax between its tw
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` with the 8192 rows as
   1024 tokens x 8 query heads against one KV head (GQA, as the model has them);
 - ``cudnn_1h``: the same rows as 8192 tokens of one head;
-- ``cudnn_ks`` / ``jax_mgpu_ks``: the keys cut in k parts run as a batch of k (q repeated), k
-  being our kernel's key splits at the shape (2 at B = 1024: named ``_2s`` in the results of
-  2026-11-24), so that these
-  kernels, which have no key splits, get as many CTAs as ours (128 for the 132 SMs); the parts'
+- ``cudnn_ks`` / ``jax_mgpu_ks``: the keys cut in k parts run as a batch of k, k being our
+  kernel's key splits at the shape (2 at B = 1024: named ``_2s`` in the results of 2026-11-24),
+  so that these kernels, which have no key splits, get as many CTAs as ours (128 for the 132
+  SMs); q comes repeated k times in the input set (since 2026-11-25: the time is the kernel's,
+  where the results of 2026-11-24 gave the kernel's beside a total with the repeat); the parts'
   outputs are not merged: timing only, like ``ours``'s splits;
 - ``jax_mgpu``: ``jax.experimental.pallas.ops.gpu.attention_mgpu.attention`` (block_q 64,
   block_kv 128, two stages: the configuration our kernel started from).
@@ -26,11 +28,19 @@ rate of a large square bf16 matmul, which a kernel with a softmax between its tw
 Prints device µs, TFLOP/s and the fraction of the run's measured matmul rate; writes
 ``prefix_references.json`` and ``.md``. Outputs of the unsplit ops are checked against ours
 merged over its splits.
+
+The reach table (issue 3's roofline goal, since 2026-11-25): for each spec and each suffix
+length of ``--suffixes``, the floor of the whole attention call (``AttentionShape.floor_s`` with
+the copy bandwidth and matmul rate measured in the same run, as the benchmark computes it), the
+time the goal allows (floor / 0.8), and the fastest of the ops above on the prefix product
+alone. Where that prefix time alone exceeds the allowance, no design built on these kernels can
+meet the goal at that row, whatever its suffixes and merge cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 
@@ -40,6 +50,7 @@ import jax.numpy as jnp
 from jax_shared_attn import merge_attention_states
 from jax_shared_attn.bench import timing
 from jax_shared_attn.bench.attention import parse_spec
+from jax_shared_attn.iomodel import AttentionShape
 from jax_shared_attn.testing import rel_err
 from pallas_kernels.gpu import prefix_attention_mgpu as mg
 
@@ -52,12 +63,19 @@ def main():
   ap.add_argument("--specs", default=DEFAULT_SPECS)
   ap.add_argument("--trials", type=int, default=5)
   ap.add_argument("--ops", default="", help="comma-separated subset of the ops (default: all)")
+  ap.add_argument("--suffixes", default="128,512",
+                  help="suffix lengths S for the reach table (the floor of the whole call)")
+  ap.add_argument("--goal", type=float, default=0.8, help="roofline fraction the goal asks for")
   args = ap.parse_args()
+  suffixes = [int(x) for x in args.suffixes.split(",") if x]
   from jax.experimental.pallas.ops.gpu import attention_mgpu as jam
   # The ceiling (a CPU run only checks the script: its matmul rate is not worth the minutes).
-  rate = timing.matmul_rate() if jax.default_backend() == "gpu" else timing.matmul_rate(n=512)
+  on_gpu = jax.default_backend() == "gpu"
+  rate = timing.matmul_rate() if on_gpu else timing.matmul_rate(n=512)
+  bw = timing.copy_bandwidth() if on_gpu else timing.copy_bandwidth(n_bytes=2**22)
   kind = jax.devices()[0].device_kind
-  print(f"device {kind}, jax {jax.__version__}, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+  print(f"device {kind}, jax {jax.__version__}, bf16 matmul {rate / 1e12:.0f} TFLOP/s, "
+        f"copy {bw / 1e9:.0f} GB/s", flush=True)
   rows = []
   for spec in args.specs.split(","):
     _, shape = parse_spec(spec + ":0")
@@ -71,16 +89,18 @@ def main():
     cfg = mg.default_config(r, hkv, p, d)
     tune = jam.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2)
 
-    def make(i, dtype=jnp.bfloat16):
-      """Input set i in bf16 (in f16: the same values, cast; bf16 values fit f16 here)."""
-      ks = jax.random.split(jax.random.key(i), 3)
-      return tuple(jax.random.normal(key, (n, d), jnp.bfloat16).astype(dtype)
-                   for key, n in zip(ks, (r, p, p)))
-
     parts = cfg.splits
     part = p // parts
     if p % parts:
       raise ValueError(f"--specs {spec}: P ({p}) is not a multiple of our splits ({parts})")
+
+    def make(i, dtype=jnp.bfloat16, tiled=False):
+      """Input set i in bf16 (in f16: the same values, cast; bf16 values fit f16 here); with
+      ``tiled``, q repeated once per key part ([parts, R, D]) for the ``_ks`` ops."""
+      ks = jax.random.split(jax.random.key(i), 3)
+      q, k, v = (jax.random.normal(key, (n, d), jnp.bfloat16).astype(dtype)
+                 for key, n in zip(ks, (r, p, p)))
+      return (jnp.tile(q[None], (parts, 1, 1)) if tiled else q), k, v
     ops = {
         "ours": lambda q, k, v: mg.prefix_attention_rows_mgpu(
             q[None], k[:, None], v[:, None], jnp.int32(p), scale=scale, config=cfg),
@@ -90,17 +110,16 @@ def main():
         "cudnn_1h": lambda q, k, v: jax.nn.dot_product_attention(
             q[None, :, None], k[None, :, None], v[None, :, None], scale=scale,
             implementation="cudnn"),
-        "cudnn_ks": lambda q, k, v: jax.nn.dot_product_attention(
-            jnp.broadcast_to(q.reshape(1, b, g, d), (parts, b, g, d)),
-            k.reshape(parts, part, 1, d), v.reshape(parts, part, 1, d), scale=scale,
-            implementation="cudnn"),
+        "cudnn_ks": lambda qt, k, v: jax.nn.dot_product_attention(
+            qt.reshape(parts, b, g, d), k.reshape(parts, part, 1, d),
+            v.reshape(parts, part, 1, d), scale=scale, implementation="cudnn"),
         # attention_mgpu takes float16 only (its scratch buffers are f16; its inputs are the same
         # values cast to f16) and applies no score scale: q is pre-scaled (one small fusion).
         "jax_mgpu": lambda q, k, v: jam.attention(
             (q * scale).astype(q.dtype)[None, :, None], k[None, :, None], v[None, :, None], tune),
-        "jax_mgpu_ks": lambda q, k, v: jam.attention(
-            jnp.broadcast_to((q * scale).astype(q.dtype)[None, :, None], (parts, r, 1, d)),
-            k.reshape(parts, part, 1, d), v.reshape(parts, part, 1, d), tune),
+        "jax_mgpu_ks": lambda qt, k, v: jam.attention(
+            (qt * scale).astype(qt.dtype)[:, :, None], k.reshape(parts, part, 1, d),
+            v.reshape(parts, part, 1, d), tune),
     }
     row = {"spec": spec, "rows": r, "p": p, "d": d, "flops": flops, "ours_config": str(cfg),
            "parts": parts}
@@ -109,7 +128,8 @@ def main():
     for name, op in ops.items():
       if args.ops and name not in args.ops.split(","):
         continue
-      mk = (lambda i: make(i, jnp.float16)) if name.startswith("jax_mgpu") else make
+      mk = functools.partial(make, dtype=jnp.float16 if name.startswith("jax_mgpu")
+                             else jnp.bfloat16, tiled=name.endswith("_ks"))
       try:
         res = timing.measure(op, mk, n_sets=n_sets, trials=args.trials)
         us = res["seconds"] * 1e6
@@ -127,6 +147,15 @@ def main():
         row[name] = f"err: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
       print(spec, name, row[name] if isinstance(row[name], str) else
             f"{row[name]:.1f} us ({row[f'{name}_tflops']:.0f} TFLOP/s)", flush=True)
+    timed = {n: row[n] for n in ops if isinstance(row.get(n), float)}
+    if timed:
+      best = min(timed, key=timed.get)
+      row["reach"] = []
+      for s_len in suffixes:
+        floor = AttentionShape(b, p, s_len, hq, hkv, d).floor_s(bw, rate) * 1e6
+        row["reach"].append(dict(s=s_len, floor_us=floor, allowed_us=floor / args.goal,
+                                 best_prefix=best, best_prefix_us=timed[best],
+                                 prefix_over_allowed=timed[best] / (floor / args.goal)))
     rows.append(row)
   names = [n for n in ops if not args.ops or n in args.ops.split(",")]
   lines = [f"device: {kind}; jax {jax.__version__}; bf16 matmul rate {rate / 1e12:.0f} TFLOP/s; "
@@ -141,11 +170,21 @@ def main():
                    if isinstance(us, float) else str(us))
     lines.append(f"| {row['spec']} | {row['rows']} x {row['p']} | {row['parts']} | "
                  + " | ".join(cells) + " |")
+  lines += ["", f"Reach of the roofline goal (>= {args.goal} of the floor of the whole call; copy "
+            f"{bw / 1e9:.0f} GB/s): the fastest op above on the prefix product alone against the "
+            "time the goal allows", "",
+            "| spec | S | floor µs | allowed µs | fastest prefix alone µs (op) | prefix / allowed |",
+            "|---|---:|---:|---:|---:|---:|"]
+  for row in rows:
+    for x in row.get("reach", []):
+      lines.append(f"| {row['spec']} | {x['s']} | {x['floor_us']:.1f} | {x['allowed_us']:.1f} | "
+                   f"{x['best_prefix_us']:.1f} ({x['best_prefix']}) | "
+                   f"{x['prefix_over_allowed']:.2f}{' (out of reach)' if x['prefix_over_allowed'] > 1 else ''} |")
   table = "\n".join(lines)
   print("\n" + table)
   with open(os.path.join(args.out, "prefix_references.json"), "w") as f:
-    json.dump({"device": kind, "jax": jax.__version__, "matmul_rate": rate, "rows": rows}, f,
-              indent=1)
+    json.dump({"device": kind, "jax": jax.__version__, "matmul_rate": rate, "copy_bandwidth": bw,
+               "goal": args.goal, "rows": rows}, f, indent=1)
   with open(os.path.join(args.out, "prefix_references.md"), "w") as f:
     f.write(table + "\n")
 

@@ -563,6 +563,8 @@ def main():
   print("\n" + table)
   tag = f"_b{b}_s{s}_h{hkv}_g{g}" if (b, s, hkv, g) != (1024, 128, 1, 8) else ""
   tag += "_rows" if args.layout == "rows" else ""
+  # Diagnostic builds get their own files (their runs overwrote one another before 2026-11-25).
+  tag += "_diag-" + DIAG.replace(",", "-") if DIAG else ""
   with open(os.path.join(args.out, f"suffix_role{tag}.json"), "w") as f:
     json.dump(report, f, indent=1)
   with open(os.path.join(args.out, f"suffix_role{tag}.md"), "w") as f:

@@ -218,3 +218,18 @@ def test_prefix_references_reach_table(tmp_path, monkeypatch):
     assert x["best_prefix_us"] == min(timed.values())
     assert x["prefix_over_allowed"] == pytest.approx(min(timed.values()) / (floor / 0.8))
   assert "| paper:16:256 | 64 |" in (tmp_path / "prefix_references.md").read_text()
+  # A saved run re-rendered for another suffix length and goal, measuring nothing; and with the
+  # profiler's kernel list, an op counts its longest kernel (a reference's input preparation is
+  # not held against it).
+  (tmp_path / "again").mkdir()
+  report["rows"][0]["cudnn_kernels"] = [{"name": "sdpa", "us": 3.0}, {"name": "memset", "us": 1.0}]
+  (tmp_path / "saved.json").write_text(json.dumps(report))
+  monkeypatch.setattr("sys.argv", ["prefix_references", "--render", str(tmp_path / "saved.json"),
+                                   "--suffixes", "32", "--goal", "0.5",
+                                   "--out", str(tmp_path / "again")])
+  pr.main()
+  (x,) = json.loads((tmp_path / "again" / "prefix_references.json").read_text())["rows"][0]["reach"]
+  floor = AttentionShape(16, 256, 32, 8, 1, 128).floor_s(report["copy_bandwidth"],
+                                                         report["matmul_rate"]) * 1e6
+  assert (x["s"], x["best_prefix"], x["best_prefix_us"]) == (32, "cudnn", 3.0)
+  assert x["prefix_over_allowed"] == pytest.approx(3.0 / (floor / 0.5))

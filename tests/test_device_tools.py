@@ -203,33 +203,34 @@ def test_prefix_references_reach_table(tmp_path, monkeypatch):
                       lambda *a, implementation=None, **k: orig(*a, **k))
   monkeypatch.setattr("sys.argv", ["prefix_references", "--specs", "paper:16:256", "--trials",
                                    "1", "--ops", "ours,cudnn,cudnn_ks", "--suffixes", "16,64",
-                                   "--out", str(tmp_path)])
+                                   "--splits", "1,2", "--out", str(tmp_path)])
   pr.main()
   report = json.loads((tmp_path / "prefix_references.json").read_text())
-  (row,) = report["rows"]
-  assert row["ours"].startswith("err")  # Mosaic GPU: no CPU lowering
-  timed = {n: row[n] for n in ("cudnn", "cudnn_ks")}
-  assert [x["s"] for x in row["reach"]] == [16, 64]
-  for x in row["reach"]:
+  assert [row["parts"] for row in report["rows"]] == [1, 2]
+  for row in report["rows"]:
+    assert row["ours"].startswith("err")  # Mosaic GPU: no CPU lowering
+  timed = {f"{n}/{row['parts']}": row[n] for row in report["rows"] for n in ("cudnn", "cudnn_ks")}
+  assert [x["s"] for x in report["reach"]] == [16, 64]
+  for x in report["reach"]:
     floor = AttentionShape(16, 256, x["s"], 8, 1, 128).floor_s(report["copy_bandwidth"],
                                                                report["matmul_rate"]) * 1e6
     assert x["floor_us"] == pytest.approx(floor)
     assert x["allowed_us"] == pytest.approx(floor / 0.8)
-    assert x["best_prefix_us"] == min(timed.values())
+    assert (x["best_prefix"], x["best_prefix_us"]) == min(timed.items(), key=lambda kv: kv[1])
     assert x["prefix_over_allowed"] == pytest.approx(min(timed.values()) / (floor / 0.8))
   assert "| paper:16:256 | 64 |" in (tmp_path / "prefix_references.md").read_text()
   # A saved run re-rendered for another suffix length and goal, measuring nothing; and with the
   # profiler's kernel list, an op counts its longest kernel (a reference's input preparation is
   # not held against it).
   (tmp_path / "again").mkdir()
-  report["rows"][0]["cudnn_kernels"] = [{"name": "sdpa", "us": 3.0}, {"name": "memset", "us": 1.0}]
+  report["rows"][1]["cudnn_kernels"] = [{"name": "sdpa", "us": 3.0}, {"name": "memset", "us": 1.0}]
   (tmp_path / "saved.json").write_text(json.dumps(report))
   monkeypatch.setattr("sys.argv", ["prefix_references", "--render", str(tmp_path / "saved.json"),
                                    "--suffixes", "32", "--goal", "0.5",
                                    "--out", str(tmp_path / "again")])
   pr.main()
-  (x,) = json.loads((tmp_path / "again" / "prefix_references.json").read_text())["rows"][0]["reach"]
+  (x,) = json.loads((tmp_path / "again" / "prefix_references.json").read_text())["reach"]
   floor = AttentionShape(16, 256, 32, 8, 1, 128).floor_s(report["copy_bandwidth"],
                                                          report["matmul_rate"]) * 1e6
-  assert (x["s"], x["best_prefix"], x["best_prefix_us"]) == (32, "cudnn", 3.0)
+  assert (x["s"], x["best_prefix"], x["best_prefix_us"]) == (32, "cudnn/2", 3.0)
   assert x["prefix_over_allowed"] == pytest.approx(3.0 / (floor / 0.5))

@@ -42,6 +42,7 @@ these kernels can meet the goal at that row, whatever its suffixes and merge cos
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -69,6 +70,9 @@ def main():
   ap.add_argument("--suffixes", default="128,512",
                   help="suffix lengths S for the reach table (the floor of the whole call)")
   ap.add_argument("--goal", type=float, default=0.8, help="roofline fraction the goal asks for")
+  ap.add_argument("--splits", default="",
+                  help="comma-separated key split counts to run every spec at (ours' splits, the "
+                  "references' key parts); default: ours' default_config")
   ap.add_argument("--render", metavar="JSON",
                   help="measure nothing: recompute the reach of a saved run's prefix_references.json "
                   "(with --suffixes and --goal) and write both files to --out")
@@ -89,7 +93,8 @@ def main():
   print(f"device {kind}, jax {jax.__version__}, bf16 matmul {rate / 1e12:.0f} TFLOP/s, "
         f"copy {bw / 1e9:.0f} GB/s", flush=True)
   rows = []
-  for spec in args.specs.split(","):
+  for spec, want in [(spec, k) for spec in args.specs.split(",")
+                     for k in ([int(x) for x in args.splits.split(",")] if args.splits else [0])]:
     _, shape = parse_spec(spec + ":0")
     b, p, hq, hkv, d = shape.batch, shape.prefix, shape.q_heads, shape.kv_heads, shape.head_dim
     if hkv != 1:
@@ -99,6 +104,8 @@ def main():
     flops = 4 * r * p * d
     scale = d ** -0.5
     cfg = mg.default_config(r, hkv, p, d)
+    if want:
+      cfg = dataclasses.replace(cfg, splits=want)
     tune = jam.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2)
 
     parts = cfg.splits
@@ -177,24 +184,29 @@ def kernel_us(row: dict, name: str) -> float | None:
 
 
 def reach(report: dict) -> None:
-  """Adds to each row its ``reach``: per suffix length, the floor of the whole call (the run's
-  ceilings), the time the goal allows, and the fastest attention kernel alone on the prefix."""
-  for row in report["rows"]:
-    _, shape = parse_spec(row["spec"] + ":0")
-    times = {n: t for n in OPS if (t := kernel_us(row, n)) is not None}
-    row.pop("reach", None)
+  """Sets ``report["reach"]``: per spec and suffix length, the floor of the whole call (the run's
+  ceilings), the time the goal allows, and the fastest attention kernel alone on the prefix over
+  every op and split count the spec ran at (``best_prefix``: ``op/k``). Rows' old ``reach``
+  entries (runs before --splits) are dropped."""
+  report["reach"] = []
+  specs = list(dict.fromkeys(row["spec"] for row in report["rows"]))
+  for spec in specs:
+    _, shape = parse_spec(spec + ":0")
+    times = {f"{n}/{row['parts']}": t for row in report["rows"] if row["spec"] == spec
+             for n in OPS if (t := kernel_us(row, n)) is not None}
+    for row in report["rows"]:
+      row.pop("reach", None)
     if not times:
       continue
     best = min(times, key=times.get)
-    row["reach"] = []
     for s_len in report["suffixes"]:
       floor = AttentionShape(shape.batch, shape.prefix, s_len, shape.q_heads, shape.kv_heads,
                              shape.head_dim).floor_s(report["copy_bandwidth"],
                                                      report["matmul_rate"]) * 1e6
       allowed = floor / report["goal"]
-      row["reach"].append(dict(s=s_len, floor_us=floor, allowed_us=allowed, best_prefix=best,
-                               best_prefix_us=times[best],
-                               prefix_over_allowed=times[best] / allowed))
+      report["reach"].append(dict(spec=spec, s=s_len, floor_us=floor, allowed_us=allowed,
+                                  best_prefix=best, best_prefix_us=times[best],
+                                  prefix_over_allowed=times[best] / allowed))
 
 
 def render(report: dict) -> str:
@@ -216,14 +228,13 @@ def render(report: dict) -> str:
             f"copy {report['copy_bandwidth'] / 1e9:.0f} GB/s): the fastest attention kernel above "
             "on the prefix product alone (the op's longest kernel) against the time the goal "
             "allows for the whole call", "",
-            "| spec | S | floor µs | allowed µs | fastest prefix kernel alone µs (op) | "
+            "| spec | S | floor µs | allowed µs | fastest prefix kernel alone µs (op/k) | "
             "prefix / allowed |", "|---|---:|---:|---:|---:|---:|"]
-  for row in report["rows"]:
-    for x in row.get("reach", []):
-      mark = " (out of reach)" if x["prefix_over_allowed"] > 1 else ""
-      lines.append(f"| {row['spec']} | {x['s']} | {x['floor_us']:.1f} | {x['allowed_us']:.1f} | "
-                   f"{x['best_prefix_us']:.1f} ({x['best_prefix']}) | "
-                   f"{x['prefix_over_allowed']:.2f}{mark} |")
+  for x in report["reach"]:
+    mark = " (out of reach)" if x["prefix_over_allowed"] > 1 else ""
+    lines.append(f"| {x['spec']} | {x['s']} | {x['floor_us']:.1f} | {x['allowed_us']:.1f} | "
+                 f"{x['best_prefix_us']:.1f} ({x['best_prefix']}) | "
+                 f"{x['prefix_over_allowed']:.2f}{mark} |")
   return "\n".join(lines)
 
 

@@ -3,7 +3,7 @@ ship with the stack (cuDNN's, through ``jax.nn.dot_product_attention``, and JAX'
 ``attention_mgpu``), on the same H100 (device experiment).
 
   PYTHONPATH=. python3 tools/device/prefix_references.py --out $OUT [--specs paper:1024:16384]
-      [--suffixes 128,512]
+      [--suffixes 128,512] [--splits 4,8,16] [--render prefix_references.json]
 
 Question: how fast can the prefix part of issue 3's headline (B x G = 8192 query rows against
 16,384 shared keys, one KV head, D 128, non-causal) run on this GPU with a state-of-the-art fused
@@ -189,13 +189,12 @@ def reach(report: dict) -> None:
   every op and split count the spec ran at (``best_prefix``: ``op/k``). Rows' old ``reach``
   entries (runs before --splits) are dropped."""
   report["reach"] = []
-  specs = list(dict.fromkeys(row["spec"] for row in report["rows"]))
-  for spec in specs:
+  for row in report["rows"]:
+    row.pop("reach", None)
+  for spec in dict.fromkeys(row["spec"] for row in report["rows"]):
     _, shape = parse_spec(spec + ":0")
     times = {f"{n}/{row['parts']}": t for row in report["rows"] if row["spec"] == spec
              for n in OPS if (t := kernel_us(row, n)) is not None}
-    for row in report["rows"]:
-      row.pop("reach", None)
     if not times:
       continue
     best = min(times, key=times.get)
@@ -247,6 +246,7 @@ def write(report: dict, out: str) -> None:
     json.dump(report, f, indent=1)
   with open(os.path.join(out, "prefix_references.md"), "w") as f:
     f.write(table + "\n")
+
 
 if __name__ == "__main__":
   main()

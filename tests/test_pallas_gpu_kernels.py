@@ -506,14 +506,16 @@ def test_mosaic_prefix_step_size():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_many_prefix_splits_are_merged_before_the_suffix_kernel(monkeypatch, dtype):
-  """A prior with more splits than the epilogue merges is reduced by XLA first: same result."""
+  """A prior with more splits than the epilogue merges (``max_fused_prior_splits``) is reduced by
+  the merge kernel first: same result."""
   import dataclasses
 
   from pallas_kernels.gpu import dispatch
   base = dispatch.triton_prefix_config
   monkeypatch.setattr(dispatch, "triton_prefix_config",
                       lambda *a, **k: dataclasses.replace(base(*a, **k), block_n=16, splits=5))
-  config = GpuConfig(max_fused_prior_splits=2)
+  # flat path off: these 3 sequences would take it, and no prefix kernel would run
+  config = GpuConfig(max_fused_prior_splits=2, flat_max_shared_reads=0)
   rng = np.random.default_rng(3)
   b, tq, hq, hkv, d, p, s = 3, 1, 4, 2, 64, 90, 7
   q, q64 = rand(rng, (b, tq, hq, d), dtype)

@@ -11,12 +11,12 @@ merge formula.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jax_shared_attn import _checks
+from jax_shared_attn import _checks, dispatch
 from jax_shared_attn import ops as ops_lib
 
 Array = jax.Array
@@ -78,7 +78,7 @@ def _check_suffix(fn, q, k, v, k_name, v_name, kv_lengths, lengths_name):
 
 def attention_with_lse(q: Array, k: Array, v: Array, *, kv_lengths: Optional[Array] = None,
                        causal: bool = False, scale: Optional[float] = None,
-                       impl: str = "auto") -> tuple[Array, Array]:
+                       impl: str = "auto", config=None) -> tuple[Array, Array]:
   """Attention that also returns the log-sum-exp of the scores.
 
   Args:
@@ -93,6 +93,8 @@ def attention_with_lse(q: Array, k: Array, v: Array, *, kv_lengths: Optional[Arr
       and sees keys up to and including that position.
     scale: score scale, default ``D ** -0.5``.
     impl: ``"auto"``, ``"xla"`` or a Pallas family (see :mod:`jax_shared_attn.ops`).
+    config: the kernel family's choices, a ``GpuConfig`` or ``TpuConfig`` (hashable: pass it
+      as a static argument under jit); None: the defaults. Ignored by ``"xla"``.
 
   Returns:
     ``out [B, Tq, Hq, D]`` in q's dtype and float32 ``lse [B, Tq, Hq]``,
@@ -102,13 +104,49 @@ def attention_with_lse(q: Array, k: Array, v: Array, *, kv_lengths: Optional[Arr
   Example:
     >>> out, lse = attention_with_lse(q, k, v, kv_lengths=jnp.array([7, 3]), causal=True)
   """
+  return _run(_prepare_full(q, k, v, kv_lengths=kv_lengths, causal=causal, scale=scale,
+                            impl=impl, config=config))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """A public call with its arguments checked: what :func:`explain` plans and ``_run`` runs."""
+  fn: str
+  q: Any
+  parts: Optional[list]  # None: no shared part (attention_with_lse)
+  suffix_k: Any
+  suffix_v: Any
+  lengths: Any
+  causal: bool
+  scale: float
+  impl: str
+  config: Any
+  return_lse: bool = True
+
+
+def _prepare_full(q, k, v, *, kv_lengths=None, causal=False, scale=None, impl="auto",
+                  config=None) -> _Call:
   fn = "attention_with_lse"
   lengths = _check_suffix(fn, q, k, v, "k", "v", kv_lengths, "kv_lengths")
   _checks.check_float_dtypes(fn, q=q, k=k, v=v)
   scale = _checks.check_scale(fn, scale, q.shape[-1])
-  ops = ops_lib.resolve(impl, fn)
-  out, lse = ops.suffix_attention(q, k, v, kv_lengths=lengths, causal=bool(causal), scale=scale)
-  return out.astype(q.dtype), lse
+  return _Call(fn, q, None, k, v, lengths, bool(causal), scale, impl, config)
+
+
+def _run(call: _Call):
+  ops = ops_lib.resolve(call.impl, call.fn, call.config)
+  if call.parts is None:
+    out, lse = ops.suffix_attention(call.q, call.suffix_k, call.suffix_v, kv_lengths=call.lengths,
+                                    causal=call.causal, scale=call.scale)
+  elif ops.shared_attention is not None:  # the family fuses the whole decomposition
+    out, lse = ops.shared_attention(call.q, call.parts, call.suffix_k, call.suffix_v,
+                                    kv_lengths=call.lengths, causal=call.causal, scale=call.scale)
+  else:  # shared parts first, then the suffix with the shared result merged in
+    out, lse = ops_lib.reference_shared_attention(call.q, call.parts, call.suffix_k, call.suffix_v,
+                                                  kv_lengths=call.lengths, causal=call.causal,
+                                                  scale=call.scale, ops=ops)
+  out = out.astype(call.q.dtype)
+  return (out, lse) if call.return_lse else out
 
 
 def _check_level(fn: str, i: int, level: SharedLevel, b: int, hkv: int, d: int,
@@ -148,26 +186,11 @@ def _check_level(fn: str, i: int, level: SharedLevel, b: int, hkv: int, d: int,
   return lengths, jnp.asarray(nodes, jnp.int32)
 
 
-def _decomposed(fn, q, parts, suffix_k, suffix_v, suffix_lengths, causal, scale, impl,
-                return_lse):
-  """Shared parts first, then the suffix with the shared result merged in."""
-  ops = ops_lib.resolve(impl, fn)
-  if ops.shared_attention is not None:  # the family fuses the whole decomposition
-    out, lse = ops.shared_attention(q, parts, suffix_k, suffix_v, kv_lengths=suffix_lengths,
-                                    causal=bool(causal), scale=scale)
-  else:
-    out, lse = ops_lib.reference_shared_attention(q, parts, suffix_k, suffix_v,
-                                                  kv_lengths=suffix_lengths, causal=bool(causal),
-                                                  scale=scale, ops=ops)
-  out = out.astype(q.dtype)
-  return (out, lse) if return_lse else out
-
-
 def shared_prefix_attention(q: Array, prefix_k: Array, prefix_v: Array, suffix_k: Array,
                             suffix_v: Array, *, prefix_length: Optional[Array] = None,
                             suffix_lengths: Optional[Array] = None, causal: bool = True,
                             scale: Optional[float] = None, impl: str = "auto",
-                            return_lse: bool = False):
+                            return_lse: bool = False, config=None):
   """Exact attention over one shared prefix plus per-sequence suffixes (Hydragen).
 
   Sequence b's context is ``concat(prefix[:prefix_length], suffix_b[:suffix_lengths[b]])``.
@@ -188,6 +211,8 @@ def shared_prefix_attention(q: Array, prefix_k: Array, prefix_v: Array, suffix_k
     scale: default ``D ** -0.5``.
     impl: ``"auto"``, ``"xla"`` or a Pallas family (:mod:`jax_shared_attn.ops`).
     return_lse: also return the float32 natural-log LSE ``[B, Tq, Hq]``.
+    config: a ``GpuConfig`` / ``TpuConfig`` (static under jit) or None, as in
+      :func:`attention_with_lse`; :func:`explain` shows the plan it gives.
 
   Returns:
     ``out [B, Tq, Hq, D]`` in q's dtype (and ``lse`` if ``return_lse``).
@@ -195,6 +220,15 @@ def shared_prefix_attention(q: Array, prefix_k: Array, prefix_v: Array, suffix_k
   Example:
     >>> out = shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=lens)
   """
+  return _run(_prepare_prefix(q, prefix_k, prefix_v, suffix_k, suffix_v,
+                              prefix_length=prefix_length, suffix_lengths=suffix_lengths,
+                              causal=causal, scale=scale, impl=impl, return_lse=return_lse,
+                              config=config))
+
+
+def _prepare_prefix(q, prefix_k, prefix_v, suffix_k, suffix_v, *, prefix_length=None,
+                    suffix_lengths=None, causal=True, scale=None, impl="auto", return_lse=False,
+                    config=None) -> _Call:
   fn = "shared_prefix_attention"
   lengths = _check_suffix(fn, q, suffix_k, suffix_v, "suffix_k", "suffix_v", suffix_lengths,
                           "suffix_lengths")
@@ -210,13 +244,14 @@ def shared_prefix_attention(q: Array, prefix_k: Array, prefix_v: Array, suffix_k
       fn, "prefix_length", prefix_length, (), p, "the prefix capacity prefix_k.shape[0]"))
   scale = _checks.check_scale(fn, scale, q.shape[-1])
   parts = [("prefix", prefix_k, prefix_v, plen, None)]
-  return _decomposed(fn, q, parts, suffix_k, suffix_v, lengths, causal, scale, impl, return_lse)
+  return _Call(fn, q, parts, suffix_k, suffix_v, lengths, bool(causal), scale, impl, config,
+               return_lse)
 
 
 def hierarchical_attention(q: Array, levels: Sequence[SharedLevel], suffix_k: Array,
                            suffix_v: Array, *, suffix_lengths: Optional[Array] = None,
                            causal: bool = True, scale: Optional[float] = None,
-                           impl: str = "auto", return_lse: bool = False):
+                           impl: str = "auto", return_lse: bool = False, config=None):
   """Exact attention over a tree of shared segments plus per-sequence suffixes.
 
   Sequence b's context is, for each level in order, the segment
@@ -228,8 +263,15 @@ def hierarchical_attention(q: Array, levels: Sequence[SharedLevel], suffix_k: Ar
     q: ``[B, Tq, Hq, D]``.
     levels: sequence of :class:`SharedLevel` (may be empty).
     suffix_k, suffix_v: ``[B, S, Hkv, D]``; suffix_lengths: int ``[B]`` or None.
-    causal, scale, impl, return_lse: as in :func:`shared_prefix_attention`.
+    causal, scale, impl, return_lse, config: as in :func:`shared_prefix_attention`.
   """
+  return _run(_prepare_tree(q, levels, suffix_k, suffix_v, suffix_lengths=suffix_lengths,
+                            causal=causal, scale=scale, impl=impl, return_lse=return_lse,
+                            config=config))
+
+
+def _prepare_tree(q, levels, suffix_k, suffix_v, *, suffix_lengths=None, causal=True, scale=None,
+                  impl="auto", return_lse=False, config=None) -> _Call:
   fn = "hierarchical_attention"
   lengths = _check_suffix(fn, q, suffix_k, suffix_v, "suffix_k", "suffix_v", suffix_lengths,
                           "suffix_lengths")
@@ -245,4 +287,39 @@ def hierarchical_attention(q: Array, levels: Sequence[SharedLevel], suffix_k: Ar
     else:
       parts.append(("segments", level.k, level.v, seg_lengths, nodes))
   scale = _checks.check_scale(fn, scale, d)
-  return _decomposed(fn, q, parts, suffix_k, suffix_v, lengths, causal, scale, impl, return_lse)
+  return _Call(fn, q, parts, suffix_k, suffix_v, lengths, bool(causal), scale, impl, config,
+               return_lse)
+
+
+_PREPARE = {attention_with_lse: _prepare_full, shared_prefix_attention: _prepare_prefix,
+            hierarchical_attention: _prepare_tree}
+
+
+def explain(fn: Callable, *args, platform: Optional[str] = None,
+            device_kind: Optional[str] = None, **kwargs) -> dispatch.Plan:
+  """The plan ``fn(*args, **kwargs)`` would run, and why, without running it.
+
+  ``fn`` is :func:`attention_with_lse`, :func:`shared_prefix_attention` or
+  :func:`hierarchical_attention`; the arguments are the call's own (arrays or
+  ``jax.ShapeDtypeStruct``s; ``impl=`` and ``config=`` included). ``platform`` ("cpu", "gpu",
+  "tpu"; None: the default backend) and ``device_kind`` (e.g. ``"NVIDIA H100 80GB HBM3"``,
+  ``"TPU v5 lite"``; None: the default device's) let a CPU show what a GPU or TPU would run.
+
+  Example:
+    >>> plan = explain(shared_prefix_attention, q, pk, pv, sk, sv, platform="gpu",
+    ...                device_kind="NVIDIA H100 80GB HBM3")
+    >>> print(plan)  # the kernel path (flat / fused_decode / split), configs and reasons
+  """
+  if fn not in _PREPARE:
+    raise ValueError(f"explain: fn must be attention_with_lse, shared_prefix_attention or "
+                     f"hierarchical_attention; got {getattr(fn, '__name__', fn)!r}")
+  found = []
+
+  def trace(*xs):
+    call = _PREPARE[fn](*xs, **kwargs)
+    found.append(dispatch.plan(call.fn, call.q, call.parts, call.suffix_k, impl=call.impl,
+                               config=call.config, platform=platform, device_kind=device_kind))
+    return 0
+
+  jax.eval_shape(trace, *args)  # shapes only: nothing runs
+  return found[0]

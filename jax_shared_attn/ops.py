@@ -21,6 +21,11 @@ imported only when asked for (data flows one way: API -> kernels).
 ``"pallas:tpu"``     the TPU (Mosaic) kernels; interpret mode when lowered for a
                      CPU, native when lowered (or exported) for a TPU.
 
+``config`` (a :class:`pallas_kernels.gpu.config.GpuConfig` or
+:class:`pallas_kernels.tpu.config.TpuConfig`, None for the defaults) travels with
+the ops the family returns; which kernels a call runs is decided by the family's
+``dispatch`` module (:mod:`jax_shared_attn.dispatch` shows it, ``explain``).
+
 Kernels are wrapped so that ``jax.grad`` works: the backward pass is the
 VJP of the pure-JAX reference (recomputed), which is exact because both
 compute the same function.
@@ -29,30 +34,13 @@ compute the same function.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Callable
 
 import jax
 
-from jax_shared_attn import reference
-
-IMPLS = ("auto", "xla", "pallas", "pallas:triton", "pallas:mosaic_gpu", "pallas:tpu")
-
-
-class AttentionOps(NamedTuple):
-  """An implementation of the three primitives (see :mod:`jax_shared_attn.reference`).
-
-  ``shared_attention`` is optional: a family may compute the whole
-  decomposition itself, ``shared_attention(q, parts, suffix_k, suffix_v, *,
-  kv_lengths, causal, scale) -> (out, lse)`` with ``parts`` a list of
-  ``("prefix", k, v, length, None)`` / ``("segments", k, v, lengths,
-  node_of_seq)``, to keep intermediates in its own layout and fuse merges.
-  """
-
-  name: str
-  prefix_attention: Callable[..., Any]
-  segment_attention: Callable[..., Any]
-  suffix_attention: Callable[..., Any]
-  shared_attention: Callable[..., Any] | None = None
+from jax_shared_attn import dispatch, reference
+from jax_shared_attn.dispatch import IMPLS
+from pallas_kernels.interface import AttentionOps
 
 
 XLA_OPS = AttentionOps("xla", reference.prefix_attention, reference.segment_attention,
@@ -154,66 +142,31 @@ def differentiable(ops: AttentionOps) -> AttentionOps:
   )
 
 
-def _gpu_family() -> str:
-  """Mosaic GPU (wgmma) on Hopper, Triton on every other CUDA GPU."""
-  cc = str(getattr(jax.devices()[0], "compute_capability", ""))
-  return "mosaic_gpu" if cc.startswith("9") else "triton"
-
-
 def segment_alignment(impl: str = "auto") -> int:
-  """Token multiple that shared-segment K/V buffers should be padded to for ``impl``.
-
-  The Hopper (Mosaic GPU) prefix kernel streams whole 128-token TMA blocks and
-  masks the keys past the segment's length in the last one; a buffer of any
-  other size runs on the Triton kernel instead (correct, slower). Callers that
-  allocate segment buffers (``models.generate``) round their width up to this
-  multiple; the padding is never read as keys (the lengths mask it). 1 where
-  any length runs at full speed.
-  """
-  if jax.default_backend() != "gpu":
-    return 1
-  if impl == "pallas:mosaic_gpu" or (impl in ("auto", "pallas") and _gpu_family() == "mosaic_gpu"):
-    return 128
-  return 1
+  """Token multiple that shared-segment K/V buffers should be padded to for ``impl`` on the
+  default backend (:func:`jax_shared_attn.dispatch.segment_alignment`). Callers that allocate
+  segment buffers (``models.generate``) round their width up to this multiple; the padding is
+  never read as keys (the lengths mask it). 1 where any length runs at full speed."""
+  return dispatch.segment_alignment(impl)
 
 
-def suffix_alignment(impl: str = "auto", rows_per_seq: int = 1) -> int:
-  """Token multiple that per-sequence (own) K/V capacities should be padded to for ``impl``.
-
-  On Hopper, decoding with one shared prefix runs prefix and suffixes in one Mosaic GPU kernel
-  where it pays (``rows_per_seq = Hq / Hkv >= 8``); it streams the suffixes in 64-key blocks, so
-  the capacity must be a multiple of 64 (other capacities run the kernels apart: correct,
-  slower). 1 everywhere else: nothing is gained by padding, and the padding is memory (at batch
-  1024 a Llama-3-8B cache of 130 tokens padded to 256 would take 17 GB more).
-  """
+def suffix_alignment(impl: str = "auto", rows_per_seq: int = 1, config=None) -> int:
+  """Token multiple that per-sequence (own) K/V capacities should be padded to for ``impl``
+  (:func:`jax_shared_attn.dispatch.suffix_alignment`): 64 on Hopper where decoding runs the
+  one-kernel path (``rows_per_seq = Hq / Hkv >= 8``), 1 elsewhere (padding is memory)."""
   if segment_alignment(impl) == 1:
     return 1
-  from pallas_kernels.gpu import shared_attention_plan as fp
-  return fp.FusedConfig().block_s if fp.worthwhile(rows_per_seq) else 1
+  from pallas_kernels.gpu import dispatch as gpu_dispatch
+  return gpu_dispatch.suffix_alignment("mosaic_gpu", rows_per_seq, config)
 
 
-def resolve(impl: str, fn: str) -> AttentionOps:
-  """Maps an ``impl`` string to the ops that run it on the default backend."""
-  if not isinstance(impl, str) or impl not in IMPLS:
-    raise ValueError(f"{fn}: impl must be one of {', '.join(map(repr, IMPLS))}; got {impl!r}")
-  backend = jax.default_backend()
-  if impl == "xla" or (impl == "auto" and backend not in ("gpu", "tpu")):
+def resolve(impl: str, fn: str, config=None) -> AttentionOps:
+  """Maps ``impl`` and ``config`` to the ops that run them on the default backend."""
+  family = dispatch.choose_family(impl, fn)
+  dispatch.check_config(fn, family, config)
+  if family == "xla":
     return XLA_OPS
-  if impl in ("auto", "pallas"):
-    if backend not in ("gpu", "tpu"):
-      raise ValueError(
-          f"{fn}: impl='pallas' needs a GPU or TPU backend (the default backend is {backend!r}); "
-          "use impl='xla', or impl='pallas:triton' / 'pallas:tpu' to run the kernels in "
-          "interpret mode")
-    family = _gpu_family() if backend == "gpu" else "tpu"
-  else:
-    family = impl.split(":", 1)[1]
-    native = {"triton": "gpu", "mosaic_gpu": "gpu", "tpu": "tpu"}[family]
-    if backend not in ("cpu", native):
-      raise ValueError(f"{fn}: impl={impl!r} runs on {native} (or cpu, interpreted); the default "
-                       f"backend is {backend!r}")
-  import pallas_kernels  # deferred: the core does not need the kernels
+  import pallas_kernels  # deferred: the core does not need the kernels for impl="xla"
 
   # Interpret mode vs native kernel is decided when lowering (platform_dependent).
-  ops = pallas_kernels.get_ops(family)
-  return differentiable(ops)
+  return differentiable(pallas_kernels.get_ops(family, config=config))

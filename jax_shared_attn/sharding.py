@@ -143,7 +143,7 @@ def sharded(fn: Callable, mesh: Mesh, batch_axis: AxisName = "data",
   return call
 
 
-_STATIC = frozenset({"causal", "scale", "impl", "return_lse"})
+_STATIC = frozenset({"causal", "scale", "impl", "return_lse", "config"})
 
 
 def _check_divisible(fn: str, arg: str, n: int, what: str, axis: AxisName, size: int) -> None:

@@ -3,7 +3,7 @@
 Each family implements the three primitives of :mod:`jax_shared_attn.reference`
 with the same signatures and semantics (float32 ``out``, natural-log float32
 ``lse``, ``(0, -inf)`` for rows with no visible key) and returns them as a
-:class:`jax_shared_attn.ops.AttentionOps` from its ``get_ops(interpret=...)``.
+:class:`pallas_kernels.interface.AttentionOps` from its ``get_ops(interpret=..., config=...)``.
 
 ``interpret=None`` (the default) decides at lowering time, with
 ``jax.lax.platform_dependent``: the native kernel where the program is lowered
@@ -12,8 +12,10 @@ machine yields the Mosaic kernel), Pallas interpret mode anywhere else (so the
 same call runs on a CPU). ``True``/``False`` force one or the other.
 
 ``pallas_kernels.gpu``  Triton kernels (any CUDA GPU; interpret mode on CPU), and
-                        on Hopper a Mosaic GPU (wgmma/TMA) prefix kernel.
-``pallas_kernels.tpu``  Mosaic TPU kernels (interpret mode on CPU).
+                        on Hopper Mosaic GPU (wgmma/TMA) kernels; ``GpuConfig``.
+``pallas_kernels.tpu``  Mosaic TPU kernels (interpret mode on CPU); ``TpuConfig``.
+Each has a ``config.py`` (the choices, as values) and a ``dispatch.py`` (which kernels a call
+runs: a pure function of shapes and config).
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from __future__ import annotations
 FAMILIES = ("triton", "mosaic_gpu", "tpu")
 
 
-def get_ops(family: str, *, interpret: bool | None = None):
-  """Returns the ``AttentionOps`` of a kernel family ("triton", "mosaic_gpu" or "tpu")."""
+def get_ops(family: str, *, interpret: bool | None = None, config=None):
+  """Returns the ``AttentionOps`` of a kernel family ("triton", "mosaic_gpu" or "tpu"), with
+  ``config`` (a ``GpuConfig`` / ``TpuConfig`` for that family, or None for its defaults)."""
   if family in ("triton", "mosaic_gpu"):
     from pallas_kernels import gpu
-    return gpu.get_ops(interpret=interpret, mosaic=(family == "mosaic_gpu"))
+    return gpu.get_ops(interpret=interpret, mosaic=(family == "mosaic_gpu"), config=config)
   if family == "tpu":
     from pallas_kernels import tpu
-    return tpu.get_ops(interpret=interpret)
+    return tpu.get_ops(interpret=interpret, config=config)
   raise ValueError(f"pallas_kernels.get_ops: family must be one of {FAMILIES}; got {family!r}")

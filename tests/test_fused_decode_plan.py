@@ -11,6 +11,8 @@ attention; and they check the kernel's barrier protocol (``arrivals``, ``waits``
 mistakes hang the GPU instead of giving a wrong number.
 """
 
+import itertools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -267,22 +269,21 @@ def test_barrier_phase_check_catches_skipped_phases():
   assert phase_errors([True, False, False], 2, fp.waits) == []
 
 
-def test_default_config_spreads_where_it_was_measured_faster():
-  """``spreads``: at most 2 key splits and a prefix of at least twice the suffix steps (the
-  paper shape's B=1024 with P=16K; not P=4K S=512, P=1K, nor 8 splits at B=256); the switch
-  forces either plan."""
-  import pallas_kernels.gpu as gpu
-  cfg = lambda b, p, s: fp.default_config(b * 8, 1, p, s, 8)
-  assert cfg(1024, 16384, 128).spread_suffix and cfg(1024, 16384, 512).spread_suffix
-  assert cfg(1024, 16384, 128).splits == 2
-  assert cfg(1024, 4096, 128).spread_suffix  # a tie there (49.4 / 49.4 us)
-  assert not cfg(1024, 4096, 512).spread_suffix and not cfg(1024, 1024, 128).spread_suffix
-  assert not cfg(256, 16384, 128).spread_suffix and cfg(256, 16384, 128).splits == 8
-  with gpu.spread_suffix(False):
-    assert not cfg(1024, 16384, 128).spread_suffix
-  with gpu.spread_suffix(True):
-    assert cfg(256, 4096, 512).spread_suffix
-  assert fp.SPREAD_SUFFIX is None
+@pytest.mark.parametrize("spread", [None, True, False])
+def test_default_config_spreads_as_the_rule_or_the_options_say(spread):
+  """``default_config`` spreads the suffix steps exactly where ``spreads`` says so for its own
+  splits, prefix blocks and suffix steps (``spread_suffix=None``), and as the options force it
+  otherwise; the rule spreads only with few splits and a prefix that outweighs the suffix steps,
+  where equal ranges would put every suffix step in the last split's tail."""
+  from pallas_kernels.gpu.config import FusedDecodeOptions
+  options = FusedDecodeOptions(spread_suffix=spread)
+  for b, p, s, g in itertools.product([16, 256, 1024], [1024, 4096, 16384], [128, 512], [8, 16]):
+    cfg = fp.default_config(b * g, 1, p, s, g, options=options)
+    steps = (cfg.block_q // g) * (s // cfg.block_s)
+    rule = fp.spreads(cfg.splits, p // cfg.block_kv, steps)
+    assert cfg.spread_suffix == (rule if spread is None else spread), (b, p, s, g, cfg)
+    if rule:
+      assert cfg.splits <= 2 and p // cfg.block_kv >= steps
 
 
 def consumer_ops(w, rg):

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import pytest
 
 from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_attention
+from pallas_kernels.gpu import shared_attention_plan as fp
+from pallas_kernels.gpu.config import FusedDecodeOptions, GpuConfig, MosaicPrefixOptions
 
 TRITON = "__gpu$xla.gpu.triton"
 MOSAIC = "mosaic_gpu_v2"
@@ -23,10 +25,10 @@ S = jax.ShapeDtypeStruct
 
 def is_flat(b, tq, hq, hkv, p, d, one_kernel=False, itemsize=2):
   """The small-batch path's rule: at most 64 query rows per KV head, and the batch's reads of
-  the shared K/V within the budget (FLAT_SPLIT_FACTOR times larger where the alternative is not
-  the one-kernel decode path)."""
-  import pallas_kernels.gpu as gpu
-  budget = gpu.FLAT_MAX_SHARED_READS * (1 if one_kernel else gpu.FLAT_SPLIT_FACTOR)
+  the shared K/V within the budget (``flat_split_factor`` times larger where the alternative is
+  not the one-kernel decode path)."""
+  cfg = GpuConfig()
+  budget = cfg.flat_max_shared_reads * (1 if one_kernel else cfg.flat_split_factor)
   return 2 * b * p * hkv * d * itemsize <= budget and tq * hq // hkv <= 64
 
 
@@ -99,26 +101,38 @@ def test_hierarchical_attention_exports_for_cuda(b, n, d):
   assert text.count(TRITON) >= 3
 
 
-# Decoding with one prefix whose buffers are whole blocks (P % 128, S % 64): ONE Mosaic GPU
-# kernel for prefix and suffixes (no Triton kernel); otherwise the split path above.
-FUSED_SWEEP = [(b, hkv * g, hkv, d, p, s)
-               for b, (hkv, g), d, (p, s) in itertools.product(
-                   [1, 16, 1024], [(1, 8), (2, 8), (1, 16)], [64, 128],
-                   [(1024, 64), (16384, 192)])]
+def _distinct_fused_cases():
+  """Decoding with one prefix whose buffers are whole blocks (P % 128, S % 64), batches 1-1024,
+  G 8 and 16, one or two KV heads, D 64 and 128, both step plans: one case per kernel structure
+  (one split, a cluster pair, or several splits merged after it; step plan, K/V slots, tile max,
+  G and D). The other cases differ from one of these in grid size and constants only."""
+  seen, cases = set(), []
+  for b, (hkv, g), d, (p, s), spread in itertools.product(
+      [1, 16, 1024], [(1, 8), (2, 8), (1, 16)], [64, 128], [(1024, 64), (16384, 192)],
+      [True, False]):
+    cfg = fp.default_config(b * g, hkv, p, s, g, head_dim=d,
+                            options=FusedDecodeOptions(spread_suffix=spread))
+    key = (min(cfg.splits, 3), cfg.cluster_merge, cfg.spread_suffix, cfg.max_concurrent_steps,
+           cfg.tile_max_in_kernel, g, d)
+    if key not in seen:
+      seen.add(key)
+      cases.append((b, hkv * g, hkv, d, p, s, spread))
+  return cases
 
 
-@pytest.mark.parametrize("spread", [True, False])
-@pytest.mark.parametrize("b,hq,hkv,d,p,s", FUSED_SWEEP)
+@pytest.mark.parametrize("b,hq,hkv,d,p,s,spread", _distinct_fused_cases())
 def test_fused_decode_exports_for_cuda(b, hq, hkv, d, p, s, spread):
   """Both step plans (``spread_suffix``: the splits' shares of prefix and suffix steps, or equal
-  ranges of "prefix, then suffix") lower for CUDA as one Mosaic GPU kernel."""
-  import pallas_kernels.gpu as gpu
+  ranges of "prefix, then suffix") lower for CUDA as ONE Mosaic GPU kernel for prefix and
+  suffixes (no Triton kernel)."""
   dt = jnp.bfloat16
+  # flat path off: small batches take the one kernel too
+  config = GpuConfig(flat_max_shared_reads=0, fused=FusedDecodeOptions(spread_suffix=spread))
   fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
-                                                             impl="pallas:mosaic_gpu")
-  with gpu.flat_decode(0), gpu.spread_suffix(spread):  # small batches too (else: flat path)
-    text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
-                       S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
+                                                             impl="pallas:mosaic_gpu",
+                                                             config=config)
+  text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
+                     S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
   assert text.count(f"custom_call @{MOSAIC}") == 1 and "private @_fused_jit" in text
   assert attention_kernels(text) == 0  # no Triton kernel but the split merge's
 
@@ -159,29 +173,31 @@ def test_merge_kernel_exports_for_cuda(counts, lead, d, in_dtype, out_dtype):
 
 
 def test_flat_path_switch_and_limits():
-  """``flat_decode(0)`` turns the path off; reads of the shared K/V past the budget, more than 64
-  query rows per KV head, a tree level or an empty suffix buffer take the other paths."""
-  import pallas_kernels.gpu as gpu
+  """``flat_max_shared_reads=0`` turns the path off; reads of the shared K/V past the budget,
+  more than 64 query rows per KV head, a tree level or an empty suffix buffer take the other
+  paths."""
   dt = jnp.bfloat16
 
-  def export(b, tq, hq, s, impl="pallas:triton"):
-    fn = lambda q, pk, pv, sk, sv: shared_prefix_attention(q, pk, pv, sk, sv, impl=impl)
+  def export(b, tq, hq, s, impl="pallas:triton", config=None):
+    fn = lambda q, pk, pv, sk, sv: shared_prefix_attention(q, pk, pv, sk, sv, impl=impl,
+                                                           config=config)
     return export_cuda(fn, S((b, tq, hq, 128), dt), S((1024, 1, 128), dt),
                        S((1024, 1, 128), dt), S((b, s, 1, 128), dt), S((b, s, 1, 128), dt))
 
   assert FLAT in export(4, 1, 8, 128)
-  with gpu.flat_decode(0):
-    assert FLAT not in export(4, 1, 8, 128)
+  assert FLAT not in export(4, 1, 8, 128, config=GpuConfig(flat_max_shared_reads=0))
   per_seq = 2 * 1024 * 128 * 2  # shared K/V bytes one sequence reads
-  with gpu.flat_decode(16 * per_seq):  # against two kernels: FLAT_SPLIT_FACTOR x the budget
-    n = 16 * gpu.FLAT_SPLIT_FACTOR
-    assert FLAT in export(n, 1, 8, 128) and FLAT not in export(n + 1, 1, 8, 128)
-    # Against the one-kernel decode path (Hopper family, G = 8, whole blocks): the budget itself.
-    assert FLAT in export(16, 1, 8, 128, "pallas:mosaic_gpu")
-    text = export(17, 1, 8, 128, "pallas:mosaic_gpu")
-    assert FLAT not in text and "_fused_jit" in text
-  assert FLAT not in export(gpu.FLAT_MAX_SHARED_READS * gpu.FLAT_SPLIT_FACTOR // per_seq + 1,
-                            1, 8, 128)
+  small = GpuConfig(flat_max_shared_reads=16 * per_seq, flat_split_factor=3)
+  n = 16 * small.flat_split_factor  # against two kernels: flat_split_factor x the budget
+  assert FLAT in export(n, 1, 8, 128, config=small)
+  assert FLAT not in export(n + 1, 1, 8, 128, config=small)
+  # Against the one-kernel decode path (Hopper family, G = 8, whole blocks): the budget itself.
+  assert FLAT in export(16, 1, 8, 128, "pallas:mosaic_gpu", small)
+  text = export(17, 1, 8, 128, "pallas:mosaic_gpu", small)
+  assert FLAT not in text and "_fused_jit" in text
+  default = GpuConfig()
+  assert FLAT not in export(default.flat_max_shared_reads * default.flat_split_factor // per_seq
+                            + 1, 1, 8, 128)
   assert FLAT not in export(4, 9, 8, 128)  # 72 rows per KV head
   assert FLAT not in export(4, 1, 8, 0)
   fn = lambda q, pk, lk, lens, nodes, sk: hierarchical_attention(
@@ -193,21 +209,20 @@ def test_flat_path_switch_and_limits():
 
 
 def test_fused_decode_off_switch_and_limits():
-  """``fused_decode(False)`` and shapes outside the kernel's limits take the split path."""
-  import pallas_kernels.gpu as gpu
+  """``GpuConfig(fused_decode=False)`` and shapes outside the kernel's limits take the split
+  path."""
   dt = jnp.bfloat16
 
-  def export(b, tq, p, s, d=128):
+  def export(b, tq, p, s, d=128, config=None):
     fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv,
                                                                suffix_lengths=n,
-                                                               impl="pallas:mosaic_gpu")
+                                                               impl="pallas:mosaic_gpu",
+                                                               config=config)
     return export_cuda(fn, S((b, tq, 8, d), dt), S((p, 1, d), dt), S((p, 1, d), dt),
                        S((b, s, 1, d), dt), S((b, s, 1, d), dt), S((b,), jnp.int32))
 
   assert "_fused_jit" in export(64, 1, 1024, 128)
-  with gpu.fused_decode(False):
-    assert "_fused_jit" not in export(64, 1, 1024, 128)
-  assert gpu.FUSED_DECODE
+  assert "_fused_jit" not in export(64, 1, 1024, 128, config=GpuConfig(fused_decode=False))
   for b, tq, p, s, d in [(64, 2, 1024, 128, 128),  # Tq > 1
                          (64, 1, 1024, 100, 128),  # suffix capacity not whole 64-key blocks
                          (64, 1, 1000, 128, 128),  # prefix not whole 128-key blocks
@@ -237,19 +252,18 @@ def test_fused_kernel_exports_for_every_group_size(g):
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_kv_slots_follow_the_shared_memory(d):
-  """``kv_stages``: three K/V slots where ``smem_bytes`` says they fit, and those configurations
+  """``stages`` options: three K/V slots where ``smem_bytes`` says they fit, and those configurations
   lower for CUDA (Mosaic GPU checks a kernel's shared memory when it lowers); four fit at D = 64
   only, and Mosaic GPU agrees. The one kernel fits three slots only since its
   LSE is stored from registers (with a staging tile it was 168 bytes over at D = 128)."""
-  import dataclasses
-  import pallas_kernels.gpu as gpu
   from pallas_kernels.gpu import prefix_attention_mgpu as mg
   from pallas_kernels.gpu import shared_attention_mgpu as fm
-  from pallas_kernels.gpu import shared_attention_plan as fp
   dt = jnp.bfloat16
   b, g, p, s = 256, 8, 2048, 128
-  fused_cfg = lambda: fp.default_config(b * g, 1, p, s, g, head_dim=d)
-  prefix_cfg = lambda keys, dim: mg.default_config(b * g, 1, keys, dim)
+  fused_cfg = lambda stages=2: fp.default_config(b * g, 1, p, s, g, head_dim=d,
+                                                 options=FusedDecodeOptions(stages=stages))
+  prefix_cfg = lambda keys, dim, stages=2: mg.default_config(
+      b * g, 1, keys, dim, options=MosaicPrefixOptions(stages=stages))
 
   def lower_fused(cfg):
     fn = lambda q, k, v, sk, sv, n: fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1, config=cfg)
@@ -261,23 +275,22 @@ def test_kv_slots_follow_the_shared_memory(d):
     return export_cuda(fn, S((1, b * g, d), dt), S((keys, 1, d), dt), S((keys, 1, d), dt))
 
   assert fused_cfg().max_concurrent_steps == 2 and prefix_cfg(4096, d).max_concurrent_steps == 2
-  with gpu.kv_stages(3, 3):
-    cfg = fused_cfg()
-    assert cfg.max_concurrent_steps == 3
-    assert MOSAIC in lower_fused(cfg)
-    pcfg = prefix_cfg(4096, d)
-    assert (pcfg.block_kv, pcfg.max_concurrent_steps) == (128, 3)
-    assert MOSAIC in lower_prefix(pcfg)
-    wide = mg.default_config(8192, 1, 16384, 128)  # 8K keys per split: 192-key steps, two slots
-    assert (wide.block_kv, wide.max_concurrent_steps) == (192, 2)
-    assert prefix_cfg(4096, 256).max_concurrent_steps == 2
+  cfg = fused_cfg(3)
+  assert cfg.max_concurrent_steps == 3
+  assert MOSAIC in lower_fused(cfg)
+  pcfg = prefix_cfg(4096, d, 3)
+  assert (pcfg.block_kv, pcfg.max_concurrent_steps) == (128, 3)
+  assert MOSAIC in lower_prefix(pcfg)
+  # 8K keys per split: 192-key steps, two slots (three do not fit)
+  wide = mg.default_config(8192, 1, 16384, 128, options=MosaicPrefixOptions(stages=3))
+  assert (wide.block_kv, wide.max_concurrent_steps) == (192, 2)
+  assert prefix_cfg(4096, 256, 3).max_concurrent_steps == 2
   # Four slots: the model and Mosaic GPU agree (they fit at D = 64, not at D = 128), and the
   # defaults take them only where they fit.
   four = dataclasses.replace(fused_cfg(), max_concurrent_steps=4)
   fits = fp.smem_bytes(four, d) <= fp.SMEM_LIMIT
   assert fits == (d == 64)
-  with gpu.kv_stages(4, 4):
-    assert fused_cfg().max_concurrent_steps == (4 if fits else 2)
+  assert fused_cfg(4).max_concurrent_steps == (4 if fits else 2)
   if fits:
     assert MOSAIC in lower_fused(four)
   else:
@@ -306,12 +319,10 @@ def test_prefix_kernel_overlap_exports_for_cuda(block_kv, splits, d, stages):
 @pytest.mark.parametrize("b,g,d,extra", [(1024, 8, 128, {}), (300, 8, 64, {}), (100, 16, 128, {}),
                                          (256, 8, 128, {"max_concurrent_steps": 3})])
 def test_fused_tile_max_in_kernel_exports_for_cuda(b, g, d, extra):
-  """With ``TILE_MAX_IN_KERNEL`` the one kernel lowers without XLA's reduction of the suffix
+  """With ``tile_max_in_kernel`` the one kernel lowers without XLA's reduction of the suffix
   lengths before it (and with it otherwise); G < 8 (more than MAX_TILE_LOADS sequences per CTA)
   keeps the reduction."""
-  import pallas_kernels.gpu as gpu
   from pallas_kernels.gpu import shared_attention_mgpu as fm
-  from pallas_kernels.gpu import shared_attention_plan as fp
   dt, p, s = jnp.bfloat16, 1024, 128
 
   def lower(cfg):
@@ -319,28 +330,29 @@ def test_fused_tile_max_in_kernel_exports_for_cuda(b, g, d, extra):
     return export_cuda(fn, S((b, 1, g, d), dt), S((p, 1, d), dt), S((p, 1, d), dt),
                        S((b, s, 1, d), dt), S((b, s, 1, d), dt), S((b,), jnp.int32))
 
-  with gpu.tile_max_in_kernel(True):
-    cfg = dataclasses.replace(fp.default_config(b * g, 1, p, s, g, head_dim=d), **extra)
-    assert not fp.default_config(b * 4, 1, p, s, 4, head_dim=d).tile_max_in_kernel
+  cfg = dataclasses.replace(fp.default_config(b * g, 1, p, s, g, head_dim=d), **extra)
+  assert not fp.default_config(b * 4, 1, p, s, 4, head_dim=d).tile_max_in_kernel
   assert cfg.tile_max_in_kernel
   inside = lower(cfg)
   assert MOSAIC in inside and "stablehlo.reduce" not in inside
   assert "stablehlo.reduce" in lower(dataclasses.replace(cfg, tile_max_in_kernel=False))
 
 
-def test_prefix_overlap_default_and_switch():
-  """``default_config`` overlaps 128-key steps at D = 128 only (not 192-key steps, whose S, P and
-  O do not fit in the registers, nor D 64/256, not measured); ``prefix_overlap`` switches it."""
-  import pallas_kernels.gpu as gpu
+@pytest.mark.parametrize("options", [MosaicPrefixOptions(), MosaicPrefixOptions(overlap=False),
+                                     MosaicPrefixOptions(wide_min_keys=0),
+                                     MosaicPrefixOptions(wide_min_keys=2048)])
+def test_prefix_wide_steps_and_overlap_follow_the_options(options):
+  """``default_config`` takes 192-key steps exactly where a split covers at least
+  ``wide_min_keys`` keys at D <= 128 (never with 0), and overlaps exactly the 128-key steps at
+  D = 128 where ``overlap`` is on (192-key steps' S, P and O do not fit in the registers; D 64
+  and 256 were not measured)."""
   from pallas_kernels.gpu import prefix_attention_mgpu as mg
-  short, wide = mg.default_config(8192, 1, 4096, 128), mg.default_config(8192, 1, 16384, 128)
-  assert (short.block_kv, short.overlap) == (128, True)
-  assert (wide.block_kv, wide.overlap) == (192, False)
-  assert not mg.default_config(8192, 1, 4096, 64).overlap
-  assert not mg.default_config(8192, 1, 4096, 256).overlap
-  with gpu.prefix_overlap(False):
-    assert not mg.default_config(8192, 1, 4096, 128).overlap
-  assert mg.default_config(8192, 1, 4096, 128).overlap
+  for rows, keys, d in itertools.product([128, 8192], [1024, 4096, 16384], [64, 128, 256]):
+    cfg = mg.default_config(rows, 1, keys, d, options=options)
+    wide = (d <= 128 and options.wide_min_keys > 0
+            and keys // cfg.splits >= options.wide_min_keys)
+    assert (cfg.block_kv == 192) == wide, (rows, keys, d, cfg)
+    assert cfg.overlap == (options.overlap and cfg.block_kv == 128 and d == 128), (rows, keys, d)
 
 
 # Suffix capacity 100 takes the split path (the prefix kernel), 128 the one-kernel decode path.
@@ -354,40 +366,39 @@ def test_mosaic_kernel_lowered_once_per_shape(capacity, function):
   def layers(q, pk, pv, sk, sv, n):
     outs = []
     for _ in range(4):
-      out = shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n, impl="pallas:mosaic_gpu")
+      # flat path off: 64 sequences of a 1K prefix would take it at capacity 100
+      out = shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n, impl="pallas:mosaic_gpu",
+                                    config=GpuConfig(flat_max_shared_reads=0))
       outs.append(out)
       q = out.astype(dt)
     return outs
 
-  import pallas_kernels.gpu as gpu
   kv = S((64, capacity, 1, 128), dt)
-  with gpu.flat_decode(0):  # 64 sequences of a 1K prefix would take the flat path at capacity 100
-    text = export_cuda(layers, S((64, 1, 8, 128), dt), S((1024, 1, 128), dt),
-                       S((1024, 1, 128), dt), kv, kv, S((64,), jnp.int32))
+  text = export_cuda(layers, S((64, 1, 8, 128), dt), S((1024, 1, 128), dt),
+                     S((1024, 1, 128), dt), kv, kv, S((64,), jnp.int32))
   assert text.count(f"private @{function}") == 1, "the kernel's function is not shared"
   assert text.count(f"custom_call @{MOSAIC}") == 1
 
 
 @pytest.mark.parametrize("hq,hkv,merge_kernel", [(8, 1, True), (32, 8, False)])
 def test_split_merge_kernel_only_where_no_transpose_follows(hq, hkv, merge_kernel):
-  """Head-major rows (FLAT_SEQUENCE_MAJOR off). One KV head: the flat path's splits merge in the
-  merge kernel. Several: XLA merges them, fused into the transpose back to [B, Tq, Hq, D]
-  (merge_kernel.merge_parts)."""
-  import pallas_kernels.gpu as gpu
+  """Head-major rows (``flat_sequence_major=False``). One KV head: the flat path's splits merge
+  in the merge kernel. Several: XLA merges them, fused into the transpose back to
+  [B, Tq, Hq, D] (merge_kernel.merge_parts)."""
   dt = jnp.bfloat16
-  fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n,
-                                                             impl="pallas:triton")
+  fn = lambda q, pk, pv, sk, sv, n: shared_prefix_attention(
+      q, pk, pv, sk, sv, suffix_lengths=n, impl="pallas:triton",
+      config=GpuConfig(flat_sequence_major=False))
   b, d, p, s = 16, 128, 1024, 128
-  with gpu.flat_sequence_major(False):
-    text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
-                       S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
+  text = export_cuda(fn, S((b, 1, hq, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
+                     S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
   assert FLAT in text and (MERGE in text) == merge_kernel
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 1), (32, 8)])
 @pytest.mark.parametrize("tq,transposes", [(1, 0), (3, 2)])
 def test_flat_path_sequence_major(hq, hkv, tq, transposes):
-  """By default (FLAT_SEQUENCE_MAJOR) the flat path reads q and writes its output as
+  """By default (``flat_sequence_major``) the flat path reads q and writes its output as
   [B, Hkv, Tq*G, D]: in decoding both are [B, 1, Hq, D] reshaped, so no transpose runs and the
   splits merge in the merge kernel (which writes the final layout). With Tq > 1 and several KV
   heads the rows are folded and unfolded by transposes."""
@@ -424,7 +435,6 @@ def test_mosaic_ir_fingerprints_tell_kernels_apart():
   every module of tools/mosaic_ir.py's list identical.)"""
   import importlib.util
   import pathlib
-  import pallas_kernels.gpu as gpu
   from pallas_kernels.gpu import shared_attention_mgpu as fm
   path = pathlib.Path(__file__).parents[1] / "tools" / "mosaic_ir.py"
   spec = importlib.util.spec_from_file_location("mosaic_ir", path)
@@ -434,18 +444,19 @@ def test_mosaic_ir_fingerprints_tell_kernels_apart():
   b, g, d, p, s = 300, 8, 64, 384, 64
   ins = (S((b, 1, g, d), dt), S((p, 1, d), dt), S((p, 1, d), dt), S((b, s, 1, d), dt),
          S((b, s, 1, d), dt), S((b,), jnp.int32))
+  plan = lambda spread: fp.default_config(b * g, 1, p, s, g, head_dim=d,
+                                          options=FusedDecodeOptions(spread_suffix=spread))
   # A fresh function per export (jax.jit would reuse a function's trace and lowering).
-  fn = lambda: lambda q, k, v, sk, sv, n: fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1)
+  fn = lambda cfg: lambda q, k, v, sk, sv, n: fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1,
+                                                              config=cfg)
   # The same function written elsewhere in this file (other source lines, other locations).
   fn2 = lambda q, k, v, sk, sv, n: (
-      fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1))
-  with gpu.spread_suffix(False):
-    ranges = tool.modules(fn(), *ins)
-    again = tool.modules(fn2, *ins)
-    with pytest.raises(ValueError, match="not exported before"):
-      tool.modules(fn2, *ins)
-  with gpu.spread_suffix(True):
-    spread = tool.modules(fn(), *ins)
+      fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1, config=plan(False)))
+  ranges = tool.modules(fn(plan(False)), *ins)
+  again = tool.modules(fn2, *ins)
+  with pytest.raises(ValueError, match="not exported before"):
+    tool.modules(fn2, *ins)
+  spread = tool.modules(fn(plan(True)), *ins)
   assert len(ranges) == 1 and len(spread) == 1 and len(ranges[0]) > 10_000
   assert ranges == again and ranges != spread
   assert "loc(" not in ranges[0]
@@ -460,10 +471,8 @@ def test_mosaic_ir_fingerprints_tell_kernels_apart():
 def test_fused_cluster_merge_exports_for_cuda(b, g, hkv, d, p, s, extra):
   """With ``cluster_merge`` the one kernel merges its key splits itself: it lowers for CUDA as a
   cluster kernel (2-4 splits), and the module has no merge kernel after it (it does without).
-  ``default_config`` takes it with two splits only, and not with the switch off."""
-  import pallas_kernels.gpu as gpu
+  ``default_config`` takes it with two splits only, and not with the option off."""
   from pallas_kernels.gpu import shared_attention_mgpu as fm
-  from pallas_kernels.gpu import shared_attention_plan as fp
   dt = jnp.bfloat16
 
   def lower(cfg):
@@ -472,9 +481,9 @@ def test_fused_cluster_merge_exports_for_cuda(b, g, hkv, d, p, s, extra):
                        S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
 
   cfg = fp.default_config(b * g, hkv, p, s, g, head_dim=d)
-  assert fp.CLUSTER_MERGE and cfg.cluster_merge == (cfg.splits == 2)
-  with gpu.cluster_merge(False):
-    assert not fp.default_config(b * g, hkv, p, s, g, head_dim=d).cluster_merge
+  assert cfg.cluster_merge == (cfg.splits == 2)
+  assert not fp.default_config(b * g, hkv, p, s, g, head_dim=d,
+                               options=FusedDecodeOptions(cluster_merge=False)).cluster_merge
   assert not fp.default_config(256 * 8, 1, 4096, 128, 8).cluster_merge  # 8 splits
   cfg = dataclasses.replace(cfg, cluster_merge=True, **extra)
   assert 2 <= cfg.splits <= fp.MAX_CLUSTER_SPLITS

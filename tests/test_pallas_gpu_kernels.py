@@ -19,6 +19,7 @@ from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_a
 from jax_shared_attn.testing import lse_err, oracle_full, oracle_tree, rel_err, tolerance
 from pallas_kernels.gpu import prefix_attention, segment_attention, suffix_attention
 from pallas_kernels.gpu import _common
+from pallas_kernels.gpu.config import FusedDecodeOptions, GpuConfig, MosaicPrefixOptions
 from pallas_kernels.gpu.merge_kernel import merge_parts
 from pallas_kernels.gpu.suffix_attention import SuffixConfig, flat_rows
 from strategies import SEEDS, count_case, lengths, rand
@@ -226,7 +227,7 @@ class TestInterpret:
   def test_public_api_through_triton(self, flat):
     """shared_prefix_attention (the small-batch flat kernel in either row layout, or the prefix +
     suffix kernels) and hierarchical_attention through the fused GPU path."""
-    import pallas_kernels.gpu as gpu
+    from pallas_kernels.gpu import dispatch
     rng = np.random.default_rng(0)
     b, tq, hq, hkv, d, p, s = 5, 2, 8, 2, 80, 45, 11
     for dtype in ("float32", "bfloat16"):
@@ -236,12 +237,13 @@ class TestInterpret:
       sk, sk64 = rand(rng, (b, s, hkv, d), dtype)
       sv, sv64 = rand(rng, (b, s, hkv, d), dtype)
       lens = np.array([11, 0, 1, 5, 2], np.int32)
-      assert gpu.flat_applies(q, [("prefix", pk, pv, 40, None)], sk)
-      with gpu.flat_decode(gpu.FLAT_MAX_SHARED_READS if flat else 0), \
-          gpu.flat_sequence_major(flat == "sequence_major"):
-        out, lse = shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=40,
-                                           suffix_lengths=lens, impl="pallas:triton",
-                                           return_lse=True)
+      config = GpuConfig(flat_max_shared_reads=GpuConfig().flat_max_shared_reads if flat else 0,
+                         flat_sequence_major=flat == "sequence_major")
+      plan = dispatch.plan_shared(q, [("prefix", pk, pv, 40, None)], sk, config=config)
+      assert plan.path == ("flat" if flat else "split")
+      out, lse = shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=40,
+                                         suffix_lengths=lens, impl="pallas:triton",
+                                         return_lse=True, config=config)
       ref = oracle_tree(q64, [[pk64[:40]]] * b, [[pv64[:40]]] * b, sk64, sv64, lens)
       check(out, lse, *ref, dtype)
       if not flat:
@@ -361,6 +363,8 @@ FUSED_CASES = (
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 class TestNativeFusedDecode:
   examples = 5
+  options = None  # FusedDecodeOptions (None: the defaults); the subclasses set others
+  prefix_options = None  # MosaicPrefixOptions for the prefix kernel the public API runs at G < 8
 
   def run(self, data, seed, case, dtype="bfloat16", config=None):
     b, hq, hkv, d, p, s = case
@@ -379,22 +383,26 @@ class TestNativeFusedDecode:
     ref = oracle_tree(q64, [[pk64[:plen]]] * b, [[pv64[:plen]]] * b, sk64, sv64, lens)
     # The kernel directly (any G), and the public API (the one kernel where G >= 8).
     from pallas_kernels.gpu import shared_attention_mgpu as fm
+    from pallas_kernels.gpu import shared_attention_plan as fp
+    options = self.options or FusedDecodeOptions()
+    direct = config or fp.default_config(b * (hq // hkv), hkv, p, s, hq // hkv, head_dim=d,
+                                         options=options)
     out, lse = fm.fused_decode(q, pk, pv, jnp.int32(plen), sk, sv, jnp.asarray(lens),
-                               scale=d**-0.5, config=config)
+                               scale=d**-0.5, config=direct)
     check(out, lse, *ref, dtype)
     if config is not None:
       return
+    gpu_config = GpuConfig(fused=options, prefix=self.prefix_options or MosaicPrefixOptions())
     out, lse = shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=plen,
                                        suffix_lengths=lens, impl="pallas:mosaic_gpu",
-                                       return_lse=True)
+                                       return_lse=True, config=gpu_config)
     check(out, lse, *ref, dtype)
 
   @pytest.mark.parametrize("case", FUSED_CASES)
   def test_against_oracle(self, case):
-    import pallas_kernels.gpu as gpu
     from pallas_kernels.gpu import shared_attention_plan as fp
     b, hq, hkv, d, p, s = case
-    assert gpu.FUSED_DECODE and fp.supported(jnp.bfloat16, d, p, s, hq // hkv, fp.FusedConfig())
+    assert fp.supported(jnp.bfloat16, d, p, s, hq // hkv, fp.FusedConfig())
     given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples, deadline=None)(
         lambda data, seed: self.run(data, seed, case)))()
 
@@ -407,61 +415,35 @@ class TestNativeFusedDecode:
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 class TestNativeFusedDecodeEqualRanges(TestNativeFusedDecode):
   """The same cases with the key splits cutting "prefix blocks, then suffix steps" into equal
-  ranges for every shape (``spread_suffix(False)``)."""
-  spread = False
-
-  def setup_method(self):
-    import pallas_kernels.gpu as gpu
-    self._switch = gpu.spread_suffix(self.spread)
-    self._switch.__enter__()
-
-  def teardown_method(self):
-    self._switch.__exit__(None, None, None)
+  ranges for every shape (``FusedDecodeOptions(spread_suffix=False)``)."""
+  options = FusedDecodeOptions(spread_suffix=False)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 class TestNativeFusedDecodeSpread(TestNativeFusedDecodeEqualRanges):
   """The same cases with every shape's splits spreading their suffix steps among their prefix
-  blocks (``spread_suffix(True)``; by default only few splits over a long prefix do)."""
-  spread = True
+  blocks (``spread_suffix=True``; by default only few splits over a long prefix do)."""
+  options = FusedDecodeOptions(spread_suffix=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 class TestNativeFusedDecodeXlaTileMax(TestNativeFusedDecode):
   """The same cases with XLA reducing the suffix lengths to each row tile's longest before the
-  kernel (``tile_max_in_kernel(False)``; by default each CTA takes its sequences' longest suffix
+  kernel (``tile_max_in_kernel=False``; by default each CTA takes its sequences' longest suffix
   itself)."""
-
-  def setup_method(self):
-    import pallas_kernels.gpu as gpu
-    from pallas_kernels.gpu import shared_attention_plan as fp
-    assert fp.default_config(128, 1, 1024, 128, 8, head_dim=128).tile_max_in_kernel
-    self._switch = gpu.tile_max_in_kernel(False)
-    self._switch.__enter__()
-
-  def teardown_method(self):
-    self._switch.__exit__(None, None, None)
+  options = FusedDecodeOptions(tile_max_in_kernel=False)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 class TestNativeFusedDecodeMergeKernel(TestNativeFusedDecode):
   """The same cases with the key splits merged by the merge kernel after the one kernel
-  (``cluster_merge(False)``; by default two splits merge inside it, 3 of the 6 cases), and
+  (``cluster_merge=False``; by default two splits merge inside it, 3 of the 6 cases), and
   cluster-merging configurations set directly: 2, 3 and 4 splits, two KV heads, spread suffix
   steps, lengths reduced by XLA or in the kernel, three K/V slots."""
-
-  def setup_method(self):
-    import pallas_kernels.gpu as gpu
-    from pallas_kernels.gpu import shared_attention_plan as fp
-    assert fp.default_config(8192, 1, 16384, 128, 8, head_dim=128).cluster_merge
-    self._switch = gpu.cluster_merge(False)
-    self._switch.__enter__()
-
-  def teardown_method(self):
-    self._switch.__exit__(None, None, None)
+  options = FusedDecodeOptions(cluster_merge=False)
 
   @pytest.mark.parametrize("splits,extra", [
       (2, {}), (3, {"spread_suffix": True}), (4, {}), (2, {"max_concurrent_steps": 3}),
@@ -479,18 +461,10 @@ class TestNativeFusedDecodeMergeKernel(TestNativeFusedDecode):
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 class TestNativeFusedDecodeThreeStages(TestNativeFusedDecode):
-  """The same cases with three K/V slots in flight in the one kernel (``kv_stages(3, 3)``; D = 64
-  and 128 both fit) and in the prefix kernel that the public API runs at G < 8."""
-
-  def setup_method(self):
-    import pallas_kernels.gpu as gpu
-    from pallas_kernels.gpu import shared_attention_plan as fp
-    self._switch = gpu.kv_stages(3, 3)
-    self._switch.__enter__()
-    assert fp.default_config(128, 1, 1024, 128, 8, head_dim=128).max_concurrent_steps == 3
-
-  def teardown_method(self):
-    self._switch.__exit__(None, None, None)
+  """The same cases with three K/V slots in flight in the one kernel (``stages=3``; D = 64 and
+  128 both fit) and in the prefix kernel that the public API runs at G < 8."""
+  options = FusedDecodeOptions(stages=3)
+  prefix_options = MosaicPrefixOptions(stages=3)
 
 
 @pytest.mark.parametrize("itemsize", [2, 4])
@@ -515,9 +489,8 @@ def test_default_configs_fit_the_shared_memory(itemsize, head_dim):
 
 
 def test_mosaic_prefix_step_size():
-  """192-key steps where a split covers at least WIDE_MIN_KEYS keys (D <= 128), else 128 (64 at
-  D = 256); the switch turns them off; P need not be a multiple of the step, only of 128."""
-  import pallas_kernels.gpu as gpu
+  """192-key steps where a split covers at least ``wide_min_keys`` keys (D <= 128), else 128 (64
+  at D = 256); 0 turns them off; P need not be a multiple of the step, only of 128."""
   from pallas_kernels.gpu import prefix_attention_mgpu as mg
   cfg = mg.default_config
   assert (cfg(4096, 8, 16384).block_kv, cfg(4096, 8, 16384).splits) == (192, 1)  # Llama, B=1024
@@ -525,27 +498,24 @@ def test_mosaic_prefix_step_size():
   assert cfg(4096, 8, 2048).block_kv == 128
   assert cfg(256, 8, 16384).block_kv == 128  # 8 splits of 2K keys
   assert cfg(4096, 8, 16384, head_dim=256).block_kv == 64
-  with gpu.wide_prefix_steps(0):
-    assert cfg(4096, 8, 16384).block_kv == 128
-  with gpu.wide_prefix_steps(2048):
-    assert cfg(4096, 8, 2048).block_kv == 192
-  assert mg.WIDE_MIN_KEYS == 8192
+  assert cfg(4096, 8, 16384, options=MosaicPrefixOptions(wide_min_keys=0)).block_kv == 128
+  assert cfg(4096, 8, 2048, options=MosaicPrefixOptions(wide_min_keys=2048)).block_kv == 192
   assert mg.supported(jnp.bfloat16, 128, 16384) and mg.supported(jnp.bfloat16, 128, 640)
   assert not mg.supported(jnp.bfloat16, 128, 700) and mg.supported(jnp.bfloat16, 256, 448)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_many_prefix_splits_are_merged_before_the_suffix_kernel(monkeypatch, dtype):
-  """A prior with more splits than the epilogue merges is reduced by XLA first: same result."""
+  """A prior with more splits than the epilogue merges (``max_fused_prior_splits``) is reduced by
+  the merge kernel first: same result."""
   import dataclasses
-  import sys
 
-  import pallas_kernels.gpu as gpu
-  mod = sys.modules["pallas_kernels.gpu.prefix_attention"]
-  base = mod.default_config
-  monkeypatch.setattr(mod, "default_config",
+  from pallas_kernels.gpu import dispatch
+  base = dispatch.triton_prefix_config
+  monkeypatch.setattr(dispatch, "triton_prefix_config",
                       lambda *a, **k: dataclasses.replace(base(*a, **k), block_n=16, splits=5))
-  monkeypatch.setattr(gpu, "MAX_FUSED_PRIOR_SPLITS", 2)
+  # flat path off: these 3 sequences would take it, and no prefix kernel would run
+  config = GpuConfig(max_fused_prior_splits=2, flat_max_shared_reads=0)
   rng = np.random.default_rng(3)
   b, tq, hq, hkv, d, p, s = 3, 1, 4, 2, 64, 90, 7
   q, q64 = rand(rng, (b, tq, hq, d), dtype)
@@ -554,7 +524,9 @@ def test_many_prefix_splits_are_merged_before_the_suffix_kernel(monkeypatch, dty
   sk, sk64 = rand(rng, (b, s, hkv, d), dtype)
   sv, sv64 = rand(rng, (b, s, hkv, d), dtype)
   lens = np.array([7, 0, 3], np.int32)
+  plan = dispatch.plan_shared(q, [("prefix", pk, pv, 83, None)], sk, config=config)
+  assert plan.path == "split" and plan.prefixes[0].merge_first
   out, lse = shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=83, suffix_lengths=lens,
-                                     impl="pallas:triton", return_lse=True)
+                                     impl="pallas:triton", return_lse=True, config=config)
   ref = oracle_tree(q64, [[pk64[:83]]] * b, [[pv64[:83]]] * b, sk64, sv64, lens)
   check(out, lse, *ref, dtype)

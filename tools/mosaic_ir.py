@@ -3,7 +3,8 @@
   PYTHONPATH=. python tools/mosaic_ir.py > before.txt   # then change the kernel's source
   PYTHONPATH=. python tools/mosaic_ir.py > after.txt && diff before.txt after.txt
 
-For each shape and step plan of the one-kernel decode path (and the prefix kernel), lowers the
+For each shape and step plan (``FusedDecodeOptions``) of the one-kernel decode path (and the
+prefix kernel with its default config), lowers the
 kernel with ``jax.export(platforms=["cuda"])`` and prints a hash of its Mosaic GPU module as text
 without debug information (source locations change with any edit). Identical lines mean the
 refactor left the kernel unchanged, so its native tests on a GPU still hold; a different line
@@ -12,7 +13,6 @@ Native``). ``--dump DIR`` also writes each module's text.
 """
 
 import argparse
-import contextlib
 import hashlib
 import os
 
@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import core
 
-import pallas_kernels.gpu as gpu
 from pallas_kernels.gpu import prefix_attention_mgpu as mg
 from pallas_kernels.gpu import shared_attention_mgpu as fm
+from pallas_kernels.gpu import shared_attention_plan as fp
+from pallas_kernels.gpu.config import FusedDecodeOptions
 
 S = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16
@@ -31,9 +32,9 @@ CHECKS = [jax.export.DisabledSafetyCheck.custom_call(t)
 # (B, Hq, Hkv, D, P, S): the paper's headline, a small D = 64 case, several KV heads, G = 4.
 SHAPES = [(1024, 8, 1, 128, 16384, 128), (300, 8, 1, 64, 384, 64), (40, 32, 8, 128, 512, 192),
           (256, 32, 8, 128, 4096, 128)]
-PLANS = {"default": contextlib.nullcontext, "spread": lambda: gpu.spread_suffix(True),
-         "ranges": lambda: gpu.spread_suffix(False),
-         "three_slots": lambda: gpu.kv_stages(3, 3)}
+PLANS = {"default": FusedDecodeOptions(), "spread": FusedDecodeOptions(spread_suffix=True),
+         "ranges": FusedDecodeOptions(spread_suffix=False),
+         "three_slots": FusedDecodeOptions(stages=3)}
 
 
 def modules(fn, *args) -> list[str]:
@@ -53,8 +54,7 @@ def modules(fn, *args) -> list[str]:
   finally:
     core._run_serde_pass = serde
   if not seen:  # jax.jit caches traces by function: a function exported before lowers nothing
-    raise ValueError("no Mosaic GPU kernel was lowered; pass a function not exported before "
-                     "(switches like spread_suffix are read when tracing)")
+    raise ValueError("no Mosaic GPU kernel was lowered; pass a function not exported before")
   return seen
 
 
@@ -68,18 +68,20 @@ def main():
   for b, hq, hkv, d, p, s in SHAPES:
     ins = (S((b, 1, hq, d), BF16), S((p, hkv, d), BF16), S((p, hkv, d), BF16),
            S((b, s, hkv, d), BF16), S((b, s, hkv, d), BF16), S((b,), jnp.int32))
-    for plan, ctx in PLANS.items():
-      fused = lambda q, k, v, sk, sv, n, p=p: fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1)
-      cases.append((f"fused B={b} Hq={hq} Hkv={hkv} D={d} P={p} S={s} {plan}", ctx, fused, ins))
+    for plan, options in PLANS.items():
+      g = hq // hkv
+      fcfg = fp.default_config(b * g, hkv, p, s, g, head_dim=d, options=options)
+      fused = lambda q, k, v, sk, sv, n, p=p, fcfg=fcfg: fm.fused_decode(
+          q, k, v, p, sk, sv, n, scale=0.1, config=fcfg)
+      cases.append((f"fused B={b} Hq={hq} Hkv={hkv} D={d} P={p} S={s} {plan}", fused, ins))
     rows = b * hq // hkv
     cfg = mg.default_config(rows, hkv, p, d)
     prefix = lambda q, k, v, p=p, cfg=cfg: mg.prefix_attention_rows_mgpu(q, k, v, p, scale=0.1,
                                                                          config=cfg)
-    cases.append((f"prefix rows={rows} Hkv={hkv} D={d} P={p} {cfg}", contextlib.nullcontext,
+    cases.append((f"prefix rows={rows} Hkv={hkv} D={d} P={p} {cfg}",
                   prefix, (S((hkv, -(-rows // 128) * 128, d), BF16), ins[1], ins[2])))
-  for i, (name, ctx, fn, ins) in enumerate(cases):
-    with ctx():
-      texts = modules(fn, *ins)
+  for i, (name, fn, ins) in enumerate(cases):
+    texts = modules(fn, *ins)
     digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
     print(f"{digest} {len(texts)} {name}", flush=True)
     if args.dump:

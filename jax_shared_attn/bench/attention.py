@@ -72,18 +72,20 @@ def _duplicated(shape: AttentionShape, dtype, seed: int, capacity: int):
   return q, full(pk, sk), full(pv, sv)
 
 
-def _ours(impl):
+def ours(impl: str = "auto", config=None):
+  """``shared_prefix_attention`` with ``impl`` and ``config`` as an op of this benchmark: A/B
+  two configs in one process with ``compare_variants({"a": ours(config=a), "b": ours(config=b)},
+  ...)`` (each config is its own trace)."""
   def op(q, pk, pv, sk, sv):
-    return shared_prefix_attention(q, pk, pv, sk, sv, impl=impl)
+    return shared_prefix_attention(q, pk, pv, sk, sv, impl=impl, config=config)
   return op
 
 
-def _ours_split(q, pk, pv, sk, sv):
+def _split_config():
   """Ours with the prefix and suffix kernels apart (neither the one-kernel decode path nor the
   small-batch flat kernel): the comparison that shows what running them in one kernel buys."""
-  import pallas_kernels.gpu as gpu
-  with gpu.fused_decode(False), gpu.flat_decode(0):
-    return shared_prefix_attention(q, pk, pv, sk, sv, impl="auto")
+  from jax_shared_attn import GpuConfig
+  return GpuConfig(fused_decode=False, flat_max_shared_reads=0)
 
 
 def _cudnn(q, k, v):
@@ -204,13 +206,13 @@ def run_config(shape: AttentionShape, impls, dtype, ceilings, trials: int) -> di
 
   make_shared = functools.partial(_inputs, shape, dtype)
   if "ours" in impls:
-    timed("ours", _ours("auto"), make_shared, shared_set)
+    timed("ours", ours("auto"), make_shared, shared_set)
   if on_gpu and "split" in impls:
-    timed("split", _ours_split, make_shared, shared_set)
+    timed("split", ours("auto", _split_config()), make_shared, shared_set)
   if on_gpu and "triton" in impls:
-    timed("triton", _ours("pallas:triton"), make_shared, shared_set)
+    timed("triton", ours("pallas:triton"), make_shared, shared_set)
   if "xla" in impls:
-    timed("xla", _ours("xla"), make_shared, shared_set)
+    timed("xla", ours("xla"), make_shared, shared_set)
   if on_gpu and "jax_pallas_hydragen" in impls:
     timed("jax_pallas_hydragen", _jax_pallas_hydragen, make_shared, shared_set)
   ctx = shape.prefix + shape.suffix

@@ -16,7 +16,6 @@ Same arithmetic as :func:`jax_shared_attn.merge.merge_states` (float32; parts wi
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
@@ -37,21 +36,6 @@ from pallas_kernels.gpu import _common
 TILE_ROWS = 4
 NUM_WARPS = 4
 PRELOAD_ELEMENTS_PER_WARP = 32 * 128
-PRELOAD = True
-# False merges with XLA instead (jax_shared_attn.merge.merge_states; comparisons). Read when
-# tracing.
-USE_KERNEL = True
-
-
-@contextlib.contextmanager
-def xla_merge():
-  """Temporarily merges key splits with XLA instead of the kernel (for calls traced inside)."""
-  global USE_KERNEL
-  before, USE_KERNEL = USE_KERNEL, False
-  try:
-    yield
-  finally:
-    USE_KERNEL = before
 
 
 def _kernel(*refs, counts: tuple[int, ...], rows: int, head_dim: int, num_warps: int):
@@ -73,7 +57,7 @@ def _kernel(*refs, counts: tuple[int, ...], rows: int, head_dim: int, num_warps:
   lses = [plgpu.load(l_ref, mask=row_ok, other=-jnp.inf).astype(jnp.float32)
           for _, l_ref in parts()]
   # Every load issued up front where the tiles fit the registers: the kernel is latency-bound.
-  preload = PRELOAD and sum(counts) * tr * dp <= PRELOAD_ELEMENTS_PER_WARP * num_warps
+  preload = sum(counts) * tr * dp <= PRELOAD_ELEMENTS_PER_WARP * num_warps
   outs = [_common.load(o_ref_, mask) for o_ref_, _ in parts()] if preload else None
   m = functools.reduce(jnp.maximum, lses)
   m = jnp.where(m == -jnp.inf, 0.0, m)  # no part: weights exp(-inf) = 0, not NaN
@@ -134,7 +118,7 @@ def merge_parts(stacks, *, out_dtype, transposed_next: bool = False,
   rows = math.prod(lead)
   if rows == 0:
     return jnp.zeros((*lead, d), out_dtype), jnp.full(lead, -jnp.inf, jnp.float32)
-  if transposed_next or not USE_KERNEL:
+  if transposed_next:
     out, lse = merge_states([o[j] for o, _ in stacks for j in range(o.shape[0])],
                             [l[j] for _, l in stacks for j in range(l.shape[0])])
     return out.astype(out_dtype), lse

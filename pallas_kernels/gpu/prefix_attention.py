@@ -24,7 +24,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_shared_attn.reference import prefix_attention as prefix_attention_reference  # noqa: F401
 from pallas_kernels.gpu import _common
-from pallas_kernels.gpu.merge_kernel import merge_parts
 
 NUM_SMS_DEFAULT = 132  # H100 SXM; only used to size the grid
 
@@ -155,40 +154,32 @@ def prefix_attention_rows(
     *,
     kv_length: jax.Array,  # int32 scalar
     scale: float,
-    config: PrefixConfig | None = None,
-    mosaic: bool = False,
+    plan,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Prefix attention on folded rows; returns the per-split partial states.
+  """Prefix attention on folded rows as ``plan`` says
+  (:func:`pallas_kernels.gpu.dispatch.plan_prefix`); returns the per-split partial states.
 
   Returns ``out [splits, Hkv, R, D]`` (float32 from Triton, q's dtype from
   the Mosaic kernel) and natural-log float32 ``lse [splits, Hkv, R]``; merge
   the splits with :func:`pallas_kernels.gpu.merge_kernel.merge_parts` (or let the
-  suffix kernel do it). With ``mosaic`` the Hopper kernel is lowered for CUDA
-  when it supports the shape; elsewhere the Triton kernel runs.
+  suffix kernel do it). A "mosaic" plan lowers the Hopper kernel for CUDA and
+  the Triton kernel, interpreted, elsewhere.
   """
-  from pallas_kernels.gpu import prefix_attention_mgpu as mg
   hkv, r, d = q_rows.shape
-  p = k.shape[0]
-  if p == 0 or r == 0:
+  if plan.kernel == "empty":
     return (jnp.zeros((1, hkv, r, d), jnp.float32), jnp.full((1, hkv, r), -jnp.inf, jnp.float32))
   length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
-  mcfg = mg.default_config(r, hkv, p, d) if mosaic else None
-  use_mosaic = mosaic and interpret is not True and mg.supported(q_rows.dtype, d, p)
-  if use_mosaic:
-    cfg = config or default_config(r, hkv, p, d, itemsize=k.dtype.itemsize)
-    cfg = dataclasses.replace(cfg, splits=mcfg.splits)
-    tile = 2 * mcfg.block_q
-  else:
-    cfg = config or default_config(r, hkv, p, d, itemsize=k.dtype.itemsize)
-    tile = cfg.block_m
+  cfg = plan.triton
+  use_mosaic = plan.kernel == "mosaic"
+  tile = 2 * plan.mosaic.block_q if use_mosaic else cfg.block_m
   # Only the (small) query rows are padded, to whole row tiles; K/V are never copied.
   r_pad = pl.cdiv(r, tile) * tile
   if r_pad != r:
     q_rows = jnp.pad(q_rows, ((0, 0), (0, r_pad - r), (0, 0)))
   triton = functools.partial(_triton_rows, scale=scale, cfg=cfg)
   if use_mosaic:
-    native = functools.partial(_mosaic_rows, scale=scale, config=mcfg)
+    native = functools.partial(_mosaic_rows, scale=scale, config=plan.mosaic)
     fallback = lambda n, q, k, v: tuple(
         x.astype(y) for x, y in zip(triton(n, q, k, v, interpret=True), (q.dtype, jnp.float32)))
     out, lse = jax.lax.platform_dependent(length, q_rows, k, v, cuda=native, default=fallback)
@@ -197,23 +188,3 @@ def prefix_attention_rows(
   if r_pad != r:
     out, lse = out[:, :, :r], lse[:, :, :r]
   return out, lse
-
-
-def prefix_attention(
-    q: jax.Array,  # [B, Tq, Hq, D]
-    k: jax.Array,  # [P, Hkv, D]
-    v: jax.Array,  # [P, Hkv, D]
-    *,
-    kv_length: jax.Array,
-    scale: float,
-    mosaic: bool = False,
-    interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array]:
-  """Same signature and result as the reference: float32 out ``[B, Tq, Hq, D]``, lse ``[B, Tq, Hq]``."""
-  b, t, _, _ = q.shape
-  hkv = k.shape[1]
-  out, lse = prefix_attention_rows(_common.fold_rows(q, hkv), k, v, kv_length=kv_length,
-                                   scale=scale, mosaic=mosaic, interpret=interpret)
-  out, lse = merge_parts([(out, lse)], out_dtype=jnp.float32, transposed_next=hkv > 1,
-                         interpret=interpret)
-  return _common.unfold_rows(out, b, t), _common.unfold_rows(lse, b, t)

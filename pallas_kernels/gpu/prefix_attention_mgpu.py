@@ -39,6 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.gpu.config import MosaicPrefixOptions
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -55,26 +57,7 @@ class MosaicPrefixConfig:
   overlap: bool = False
 
 
-# Keys per split from which the kernel takes 192-key steps instead of 128 (D <= 128; 0: never).
-# Wider steps amortise each step's fixed work (barriers, row max and sum, the accumulator's
-# rescale) over more keys but leave a partial last block; measured on an H100
-# (docs/results/2026-11-23-h100-wide-steps/): faster at 8K-16K keys per split, slower at 2K.
-WIDE_MIN_KEYS = 8192
 WIDE_BLOCK_KV = 192  # 2 stages of 192-key K and V tiles + q: 224 KiB of the 227 KiB of shared memory
-# K/V slots in flight with 128-key (or 64-key) steps, where they fit in shared memory
-# (:func:`smem_bytes`; otherwise 2). Read when tracing. Three slots of 128 keys were no faster
-# than two on an H100 (tools/device/stages.py, 2026-11-24, Llama-3-8B shape, whole attention, us,
-# two / three: B=1024 P=4K S=128 315.3 / 316.1, B=256 P=4K 90.0 / 90.2) nor than two of 192 keys
-# where those apply (B=1024 P=16K: 592.5 with 192-key steps, 611.5 with three 128-key slots).
-STAGES = 2
-# FlashAttention-3's intra-warpgroup overlap (MosaicPrefixConfig.overlap) as default_config sets it
-# (read when tracing): on for 128-key steps at D = 128, where it was measured faster on an H100
-# (tools/device/overlap.py, 2026-11-24, device us, plain / overlapped: Llama-3-8B B=256 P=4K
-# 31.0 / 30.6, B=1024 P=4K 108.4 / 106.3, paper shape B=1024 P=4K 30.7 / 30.1). Not with 192-key
-# steps: S, P and O no longer fit in a consumer's 232 registers (ptxas spills and serialises the
-# wgmma: 157.8 vs 101.7 us at B=1024 P=16K), and 128-key overlapped steps only tie those (102.4
-# vs 102.5; Llama B=256 P=16K 107.4 vs 105.6). docs/results/2026-11-24-h100-overlap/.
-OVERLAP = True
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper CTA may use
 # Barriers and the alignment of the swizzled tiles (both Mosaic GPU kernels): Mosaic GPU counted
 # 2,728 bytes beyond the tiles of the three-slot one-kernel decode path with its LSE staged
@@ -103,7 +86,8 @@ def supported(dtype, head_dim: int, prefix: int) -> bool:
 
 
 def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int = 128,
-                   num_sms: int = 132) -> MosaicPrefixConfig:
+                   num_sms: int = 132,
+                   options: MosaicPrefixOptions = MosaicPrefixOptions()) -> MosaicPrefixConfig:
   """128-row CTAs (2 x 64); key splits while a split still fills the SMs once.
 
   Measured on an H100 (tools/device/tune.py, 2026-11-22): 8192 rows x 16384
@@ -112,19 +96,21 @@ def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int = 128,
 
   Shared memory holds q (2 x 64 rows) and ``max_concurrent_steps`` K and V
   tiles: with D = 256, 64-key tiles keep it under the 227 KiB of a Hopper SM.
-  Long key ranges per split take 192-key steps (:data:`WIDE_MIN_KEYS`); 128-key steps at
-  D = 128 the intra-warpgroup overlap (:data:`OVERLAP`).
+  Long key ranges per split take 192-key steps (``options.wide_min_keys``); 128-key steps at
+  D = 128 the intra-warpgroup overlap (``options.overlap``); ``options.stages`` K/V slots where
+  they fit (docs/configuration.md gives the measurements).
   """
   cfg = MosaicPrefixConfig(block_kv=64 if head_dim > 128 else 128)
   tiles = pl.cdiv(rows, 2 * cfg.block_q) * kv_heads
   kv_blocks = prefix // cfg.block_kv
   splits = max(1, min(num_sms // tiles, kv_blocks // 4 or 1))
   block_kv = cfg.block_kv
-  if head_dim <= 128 and WIDE_MIN_KEYS and prefix // splits >= WIDE_MIN_KEYS:
+  wide = options.wide_min_keys
+  if head_dim <= 128 and wide and prefix // splits >= wide:
     block_kv = WIDE_BLOCK_KV
   cfg = dataclasses.replace(cfg, splits=splits, block_kv=block_kv,
-                            overlap=OVERLAP and block_kv == 128 and head_dim == 128)
-  staged = dataclasses.replace(cfg, max_concurrent_steps=STAGES)
+                            overlap=options.overlap and block_kv == 128 and head_dim == 128)
+  staged = dataclasses.replace(cfg, max_concurrent_steps=options.stages)
   return staged if smem_bytes(staged, head_dim) <= SMEM_LIMIT else cfg
 
 
@@ -154,20 +140,11 @@ def store_result(acc, m_i, l_i, qo_smem, out_dst, lse_dst, *, dtype):
 
 
 def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
-                               config: MosaicPrefixConfig, side=None):
+                               config: MosaicPrefixConfig):
   """``q_rows [Hkv, R, D]`` (R a multiple of 2*block_q), ``k, v [P, Hkv, D]``.
 
   Returns ``out [splits, Hkv, R, D]`` in q's dtype and natural-log float32
   ``lse [splits, Hkv, R]``.
-
-  ``side`` (experiments: ``tools/device/partitioned.py``) adds CTAs of another role to the same
-  launch: ``(ctas, body, inputs, out_types)`` runs ``body(cta, wg, q_ref, *input_refs,
-  *out_refs)`` in ``ctas`` more CTAs (``cta`` numbering them from 0) instead of the prefix
-  product, and returns its outputs after ``out`` and ``lse``. The launch is then one flat grid:
-  the side CTAs first, then one CTA per (KV head, row tile, split) of the prefix. The GPU starts
-  CTAs in grid order, one per SM here (each takes a whole SM's registers), and starts the next
-  waiting CTA on whichever SM frees up first; so where there are more CTAs than SMs, the prefix
-  CTAs fill the SMs around the side CTAs and then the SMs the side CTAs leave.
   """
   hkv, r, d = q_rows.shape
   p = k.shape[0]
@@ -181,12 +158,9 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
   steps_buf = max(2, min(cfg.max_concurrent_steps, blocks_per_split))
   qk_scale = scale * LOG2E
 
-  def kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, unit=None):
-    if unit is None:
-      head = lax.axis_index("heads")
-      split = lax.axis_index("split")
-    else:  # (head, row tile, split) of a flat grid (side CTAs)
-      head, _, split = unit
+  def kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
+    head = lax.axis_index("heads")
+    split = lax.axis_index("split")
     smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
     wg_idx = lax.axis_index("wg")
     qo_smem2, k_smem, v_smem = smem_buffers
@@ -214,7 +188,7 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
       """A consumer's registers raised and its query tile loaded: (the tile, its first row)."""
       plgpu.set_max_registers(232, action="increase")
       qo_smem = qo_smem2.at[wg_idx]
-      tile = lax.axis_index("q_seq") if unit is None else unit[1]
+      tile = lax.axis_index("q_seq")
       q_base = tile * (2 * block_q) + wg_idx * block_q
       plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(q_base, block_q)], qo_smem,
                               q_barriers.at[wg_idx])
@@ -412,24 +386,7 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
         plgpu.barrier_wait(v_consumed_barriers.at[tma_slot])
         plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[tma_slot], v_barriers.at[tma_slot])
 
-  def entry(len_ref, q_ref, k_ref, v_ref, *refs):
-    if side is None:
-      prefix_entry(len_ref, q_ref, k_ref, v_ref, *refs)
-      return
-    ctas, body, inputs, _ = side  # refs: side inputs, out, lse, side outputs
-    n = len(inputs)
-    out_ref, lse_ref = refs[n:n + 2]
-    cta = lax.axis_index("cta")
-    u = jnp.maximum(cta - ctas, 0)  # the prefix unit: head-major, then row tile, then split
-    per_head = (r // (2 * block_q)) * cfg.splits
-    head = lax.div(u, jnp.int32(per_head))
-    tile = lax.div(u - head * per_head, jnp.int32(cfg.splits))
-    unit = (head, tile, u - head * per_head - tile * cfg.splits)
-    pl.when(cta < ctas)(lambda: body(cta, lax.axis_index("wg"), q_ref, *refs[:n], *refs[n + 2:]))
-    pl.when(cta >= ctas)(
-        lambda: prefix_entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, unit=unit))
-
-  def prefix_entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, unit=None):
+  def entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref):
     compute_wgs = 2
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
@@ -437,7 +394,7 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
     k_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
     v_scratch = plgpu.SMEM((steps_buf, block_kv, d), dtype, transforms=(tiling, swizzle))
     pl.run_scoped(
-        lambda *args: kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, args, unit),
+        lambda *args: kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, args),
         [qo_scratch, k_scratch, v_scratch],
         (plgpu.Barrier(num_barriers=steps_buf), plgpu.Barrier(num_barriers=steps_buf),
          plgpu.Barrier(num_barriers=compute_wgs)),
@@ -452,19 +409,13 @@ def prefix_attention_rows_mgpu(q_rows, k, v, kv_length, *, scale: float,
                jax.ShapeDtypeStruct((cfg.splits, hkv, r), jnp.float32)]
   length = jnp.reshape(jnp.asarray(kv_length, jnp.int32), (1,))
   tiles = r // (2 * block_q)
-  if side is None:
-    grid, grid_names, extra_inputs = (hkv, tiles, cfg.splits), ("heads", "q_seq", "split"), ()
-  else:
-    grid, grid_names = (side[0] + hkv * tiles * cfg.splits,), ("cta",)
-    extra_inputs = tuple(side[2])
-    out_shape += list(side[3])
   outs = plgpu.kernel(
       entry,
       out_type=out_shape,
-      grid=grid,
-      grid_names=grid_names,
+      grid=(hkv, tiles, cfg.splits),
+      grid_names=("heads", "q_seq", "split"),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(length, q_rows, k, v, *extra_inputs)
-  return tuple(outs) if side is not None else (outs[0], outs[1])
+  )(length, q_rows, k, v)
+  return outs[0], outs[1]

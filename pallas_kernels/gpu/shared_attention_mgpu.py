@@ -28,8 +28,8 @@ few splits and a long prefix, :func:`spreads`) each take an equal share of the p
 and of the suffix steps, running the suffix steps as one run among the prefix blocks from a
 position that varies over the CTAs, so that the suffix reads (HBM) are spread over the
 kernel's run instead of coming in one burst at its end (:func:`step_ranges`); the splits'
-partial states are merged by LSE afterwards, or (``FusedConfig.cluster_merge``,
-:data:`CLUSTER_MERGE`) inside the kernel: the splits of a row tile are one thread-block cluster,
+partial states are merged by LSE afterwards, or (``FusedConfig.cluster_merge``) inside the
+kernel: the splits of a row tile are one thread-block cluster,
 and once every consumer warpgroup of the cluster is done with its K/V slots (a cluster barrier)
 each warpgroup's 64 rows are merged by one CTA of the cluster -- warpgroup w's by split w -- to
 which the other splits' warpgroup w push their normalised rows and LSEs
@@ -48,7 +48,7 @@ are multiplied by a zero probability: they must be finite, which the model's
 zero-initialised caches guarantee (this is also true of the prefix kernel's
 last block).
 
-The plan -- :class:`FusedConfig`, :func:`default_config` and the switches it reads, the step
+The plan -- :class:`FusedConfig`, :func:`default_config` and the options it reads, the step
 lists (:func:`step_ranges`) and the barrier protocol (:func:`arrivals`, :func:`waits`) -- lives
 in :mod:`pallas_kernels.gpu.shared_attention_plan`, pure scalar arithmetic that the CPU tests
 emulate; this module holds the kernel and its wrapper.

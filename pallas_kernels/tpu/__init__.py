@@ -15,6 +15,8 @@ visible key, never NaN):
                 intermediate kept in the kernels' row layout: no copy between kernels.
 ``common.py``   block sizes per chip (:class:`BlockSizes`), padding, the online softmax,
                 native/interpret dispatch.
+``config.py``   :class:`TpuConfig`, the choices a call passes (static under jit).
+``dispatch.py`` which block sizes a call runs with: a pure function of chip and config.
 ``perf_model.py``  bytes, FLOPs and floors per chip (``python -m pallas_kernels.tpu.perf_model``).
 
 Example:
@@ -28,47 +30,50 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+from pallas_kernels.interface import AttentionOps
+from pallas_kernels.tpu import dispatch
 from pallas_kernels.tpu.common import CHIPS, BlockSizes, block_sizes_for, detect_chip
+from pallas_kernels.tpu.config import TpuConfig
 from pallas_kernels.tpu.prefix import prefix_attention, prefix_attention_head_major
 from pallas_kernels.tpu.segment import segment_attention, segment_attention_head_major
 from pallas_kernels.tpu.shared import shared_attention
 from pallas_kernels.tpu.suffix import suffix_attention, suffix_attention_head_major
 
-__all__ = ["get_ops", "BlockSizes", "block_sizes_for", "CHIPS", "detect_chip",
+__all__ = ["get_ops", "TpuConfig", "BlockSizes", "block_sizes_for", "CHIPS", "detect_chip",
            "prefix_attention", "segment_attention", "suffix_attention", "shared_attention",
            "prefix_attention_head_major", "segment_attention_head_major",
            "suffix_attention_head_major"]
 
 
 def get_ops(interpret: Optional[bool] = None, *, chip: Optional[str] = None,
-            block_sizes: Optional[BlockSizes] = None):
-  """The TPU family as a :class:`jax_shared_attn.ops.AttentionOps`.
+            block_sizes: Optional[BlockSizes] = None, config: Optional[TpuConfig] = None):
+  """The TPU family as a :class:`pallas_kernels.interface.AttentionOps`.
 
   Args:
     interpret: ``None`` (default): Mosaic where the program is lowered for a TPU (also
       ``jax.export(..., platforms=["tpu"])`` from a CPU machine), Pallas' HLO interpreter
       elsewhere, decided at lowering time by ``jax.lax.platform_dependent``. ``True``:
       always the TPU simulator ``pltpu.InterpretParams()``. ``False``: always Mosaic.
-    chip: ``"v5e"``, ``"v5p"`` or ``"v6e"``: use that chip's block sizes (e.g. when
-      exporting for it from a CPU). Default: the chip of the default backend, else v5e's.
-    block_sizes: explicit :class:`BlockSizes` (overrides ``chip``).
+    config: a :class:`TpuConfig` (None: its defaults, the chip the call runs on).
+    chip, block_sizes: shorthand for ``config=TpuConfig(chip, block_sizes)``.
   """
-  from jax_shared_attn.ops import AttentionOps  # deferred: the core imports us lazily
-
-  if chip is not None and chip not in CHIPS:
-    raise ValueError(f"pallas_kernels.tpu.get_ops: chip must be one of {sorted(CHIPS)}; "
-                     f"got {chip!r}")
-  if block_sizes is None and chip is not None:
-    block_sizes = block_sizes_for(chip)
+  if config is not None and not isinstance(config, TpuConfig):
+    raise TypeError(f"pallas_kernels.tpu.get_ops: config must be a TpuConfig or None; got "
+                    f"{type(config).__name__}")
+  if config is None:
+    if chip is not None and chip not in CHIPS:
+      raise ValueError(f"pallas_kernels.tpu.get_ops: chip must be one of {sorted(CHIPS)}; "
+                       f"got {chip!r}")
+    config = TpuConfig(chip, block_sizes)
+  elif chip is not None or block_sizes is not None:
+    raise ValueError("pallas_kernels.tpu.get_ops: pass chip and block_sizes inside config, "
+                     "not beside it")
   bind = functools.partial
-  knobs = dict(block_sizes=block_sizes, interpret=interpret)
-  fused = {}
-  if "shared_attention" in AttentionOps._fields:  # the optional whole-decomposition entry
-    fused["shared_attention"] = bind(shared_attention, **knobs)
+  knobs = dict(block_sizes=dispatch.block_sizes(config), interpret=interpret)
   return AttentionOps(
       "pallas:tpu",
       bind(prefix_attention, **knobs),
       bind(segment_attention, **knobs),
       bind(suffix_attention, **knobs),
-      **fused,
+      bind(shared_attention, **knobs),
   )

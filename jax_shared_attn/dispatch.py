@@ -1,0 +1,155 @@
+"""Which implementation and kernels run a call: the core's half of dispatch.
+
+:func:`choose_family` maps ``impl`` and the platform to a kernel family ("xla", "triton",
+"mosaic_gpu", "tpu"); the family's own dispatch module (:mod:`pallas_kernels.gpu.dispatch`,
+:mod:`pallas_kernels.tpu.dispatch`) then picks the kernels from shapes and config.
+:func:`plan` joins the two into a :class:`Plan` with its reasons, for any platform and device
+kind (so a CPU can show what a GPU or TPU would run); ``jax_shared_attn.explain`` calls it with
+a public function's own arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Optional
+
+import jax
+
+IMPLS = ("auto", "xla", "pallas", "pallas:triton", "pallas:mosaic_gpu", "pallas:tpu")
+_HOPPER = re.compile(r"\b(GH200|H100|H200|H800|H20)\b", re.IGNORECASE)
+_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def _platform(fn: str, platform: Optional[str]) -> str:
+  if platform is None:
+    return _PLATFORMS.get(jax.default_backend(), jax.default_backend())
+  if platform not in _PLATFORMS:
+    raise ValueError(f"{fn}: platform must be one of {sorted(_PLATFORMS)} or None (the default "
+                     f"backend); got {platform!r}")
+  return _PLATFORMS[platform]
+
+
+def _gpu_family(device_kind: Optional[str]) -> str:
+  """Mosaic GPU (wgmma) on Hopper, Triton on every other CUDA GPU."""
+  if device_kind is None:
+    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+    return "mosaic_gpu" if cc.startswith("9") else "triton"
+  return "mosaic_gpu" if _HOPPER.search(device_kind) else "triton"
+
+
+def choose_family(impl: str, fn: str = "attention", platform: Optional[str] = None,
+                  device_kind: Optional[str] = None) -> str:
+  """The kernel family ``impl`` runs on ``platform`` ("cpu", "gpu", "tpu"; None: the default
+  backend) with ``device_kind`` (e.g. "NVIDIA H100 80GB HBM3"; None: the default device's)."""
+  if not isinstance(impl, str) or impl not in IMPLS:
+    raise ValueError(f"{fn}: impl must be one of {', '.join(map(repr, IMPLS))}; got {impl!r}")
+  backend = _platform(fn, platform)
+  if impl == "xla" or (impl == "auto" and backend not in ("gpu", "tpu")):
+    return "xla"
+  if impl in ("auto", "pallas"):
+    if backend not in ("gpu", "tpu"):
+      raise ValueError(
+          f"{fn}: impl='pallas' needs a GPU or TPU backend (the default backend is {backend!r}); "
+          "use impl='xla', or impl='pallas:triton' / 'pallas:tpu' to run the kernels in "
+          "interpret mode")
+    return _gpu_family(device_kind) if backend == "gpu" else "tpu"
+  family = impl.split(":", 1)[1]
+  native = {"triton": "gpu", "mosaic_gpu": "gpu", "tpu": "tpu"}[family]
+  if backend not in ("cpu", native):
+    raise ValueError(f"{fn}: impl={impl!r} runs on {native} (or cpu, interpreted); the default "
+                     f"backend is {backend!r}")
+  return family
+
+
+def check_config(fn: str, family: str, config) -> None:
+  """``config`` must be None or the family's config class (ignored by "xla")."""
+  if config is None:
+    return
+  from pallas_kernels.config import GpuConfig, TpuConfig
+  if not isinstance(config, (GpuConfig, TpuConfig)):
+    raise TypeError(f"{fn}: config must be a GpuConfig, a TpuConfig or None; got "
+                    f"{type(config).__name__}")
+  want = {"triton": GpuConfig, "mosaic_gpu": GpuConfig, "tpu": TpuConfig}.get(family)
+  if want is not None and not isinstance(config, want):
+    raise TypeError(f"{fn}: the {family} kernels take a {want.__name__} as config; got a "
+                    f"{type(config).__name__}")
+
+
+def segment_alignment(impl: str = "auto", *, platform: Optional[str] = None,
+                      device_kind: Optional[str] = None) -> int:
+  """Token multiple that shared-segment K/V buffers should be padded to (128 where the Hopper
+  prefix kernel runs, else 1)."""
+  if _platform("segment_alignment", platform) != "gpu":
+    return 1
+  if impl == "pallas:mosaic_gpu" or (impl in ("auto", "pallas")
+                                     and _gpu_family(device_kind) == "mosaic_gpu"):
+    from pallas_kernels.gpu import dispatch as gpu_dispatch
+    return gpu_dispatch.segment_alignment("mosaic_gpu")
+  return 1
+
+
+def suffix_alignment(impl: str = "auto", rows_per_seq: int = 1, config=None, *,
+                     platform: Optional[str] = None, device_kind: Optional[str] = None) -> int:
+  """Token multiple that per-sequence K/V capacities should be padded to (64 on Hopper where the
+  one-kernel decode path runs, else 1)."""
+  if segment_alignment(impl, platform=platform, device_kind=device_kind) == 1:
+    return 1
+  from pallas_kernels.gpu import dispatch as gpu_dispatch
+  return gpu_dispatch.suffix_alignment("mosaic_gpu", rows_per_seq, config)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What a call runs and why.
+
+  Attributes:
+    function: the public function ("shared_prefix_attention", ...).
+    impl: the implementation that runs: "xla", "pallas:triton", "pallas:mosaic_gpu" or
+      "pallas:tpu".
+    platform: "cpu", "gpu" or "tpu".
+    backend: the family's plan (:class:`pallas_kernels.gpu.dispatch.GpuPlan`,
+      :class:`pallas_kernels.tpu.dispatch.TpuPlan`), None for "xla".
+    reasons: why, in words (the core's, then the family's).
+  """
+
+  function: str
+  impl: str
+  platform: str
+  backend: Any = None
+  reasons: tuple[str, ...] = ()
+
+  def __str__(self) -> str:
+    path = getattr(self.backend, "path", None)
+    head = f"{self.function}: {self.impl} on {self.platform}" + (f", path {path}" if path else "")
+    return "\n".join([head] + [f"  - {r}" for r in self.reasons])
+
+
+def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
+         platform: Optional[str] = None, device_kind: Optional[str] = None) -> Plan:
+  """The plan for a call with query ``q``, shared ``parts`` (None: no shared part, as
+  ``attention_with_lse``) and ``suffix_k``: shapes and dtypes only."""
+  backend = _platform(fn, platform)
+  family = choose_family(impl, fn, platform, device_kind)
+  check_config(fn, family, config)
+  why_impl = f"impl={impl!r} on {backend}" + (f" ({device_kind})" if device_kind else "")
+  if family == "xla":
+    return Plan(fn, "xla", backend, None, (f"{why_impl}: pure JAX (XLA)",))
+  name = f"pallas:{family}"
+  reasons = [f"{why_impl}: the {name} kernels"]
+  native = {"triton": "gpu", "mosaic_gpu": "gpu", "tpu": "tpu"}[family]
+  if backend != native:
+    reasons.append(f"lowered for {backend}: the kernels run in Pallas interpret mode"
+                   + (" (Triton: Mosaic GPU has none)" if family == "mosaic_gpu" else ""))
+  if family == "tpu":
+    from pallas_kernels.tpu import dispatch as tpu_dispatch
+    bplan = tpu_dispatch.plan(q, parts or (), suffix_k, config=config,
+                              device_kind=device_kind if backend == "tpu" else "")
+  elif parts is None:
+    from pallas_kernels.gpu import dispatch as gpu_dispatch
+    bplan = gpu_dispatch.GpuPlan(family, "suffix",
+                                 reasons=("no shared part: the suffix kernel alone",))
+  else:
+    from pallas_kernels.gpu import dispatch as gpu_dispatch
+    bplan = gpu_dispatch.plan_shared(q, parts, suffix_k, family=family, config=config)
+  return Plan(fn, name, backend, bplan, tuple(reasons) + tuple(bplan.reasons))

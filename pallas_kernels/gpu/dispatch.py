@@ -1,0 +1,245 @@
+"""Which GPU kernels run a call: pure functions of shapes, dtypes, the family and a
+:class:`~pallas_kernels.gpu.config.GpuConfig`, the one place the GPU family decides.
+
+- :func:`plan_shared`: the whole decomposition (``shared_attention``): the small-batch flat
+  kernel, the one-kernel decode path (Hopper), or the shared parts' kernels then the suffix
+  kernel ("split"), with every kernel's config.
+- :func:`plan_prefix`: a shared prefix's kernel, Mosaic GPU (Hopper) or Triton, and its configs.
+- :func:`segment_alignment`, :func:`suffix_alignment`: the buffer multiples that let a cache
+  reach the Hopper kernels.
+
+The family is ``"mosaic_gpu"`` (Hopper: the Mosaic GPU kernels where they apply) or
+``"triton"``. ``interpret=True`` plans for Pallas interpret mode (Triton only: Mosaic GPU has no
+interpret mode). The kernels (:mod:`pallas_kernels.gpu.shared`) only execute a plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax.numpy as jnp
+
+from pallas_kernels.gpu import prefix_attention_mgpu as mg
+from pallas_kernels.gpu import shared_attention_plan as fp
+from pallas_kernels.gpu.config import GpuConfig, MosaicPrefixOptions
+from pallas_kernels.gpu.prefix_attention import PrefixConfig
+from pallas_kernels.gpu.prefix_attention import default_config as triton_prefix_config
+from pallas_kernels.gpu.suffix_attention import MAX_ROWS, SuffixConfig, flat_config
+
+FAMILIES = ("triton", "mosaic_gpu")
+PATHS = ("flat", "fused_decode", "split")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixPlan:
+  """One shared prefix's kernel: ``kernel`` is "mosaic" (``mosaic`` config; ``triton`` is the
+  fallback where the program is not lowered for CUDA, with the same splits), "triton", or
+  "empty" (no rows or no keys: nothing runs). ``merge_first``: the splits are merged by the
+  merge kernel before the suffix kernel takes them (``GpuConfig.max_fused_prior_splits``)."""
+
+  kernel: str
+  triton: Optional[PrefixConfig] = None
+  mosaic: Optional[mg.MosaicPrefixConfig] = None
+  merge_first: bool = False
+  reasons: tuple[str, ...] = ()
+
+  @property
+  def splits(self) -> int:
+    return 1 if self.kernel == "empty" else self.triton.splits
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuPlan:
+  """The GPU family's plan for one ``shared_attention`` call.
+
+  Attributes:
+    family: "mosaic_gpu" or "triton".
+    path: "flat" (one Triton kernel, shared then own keys per sequence), "fused_decode" (one
+      Mosaic GPU kernel, prefix and suffixes), or "split" (the shared parts' kernels, then the
+      suffix kernel merging their states in its epilogue).
+    flat: the flat kernel's config (path "flat").
+    sequence_major: the flat kernel's rows are sequence-major (path "flat").
+    fused: the one kernel's config (path "fused_decode").
+    prefixes: per shared part, its :class:`PrefixPlan` (None for a tree level of several
+      segments, which runs the segment kernel) (path "split").
+    reasons: why, in words.
+  """
+
+  family: str
+  path: str
+  flat: Optional[SuffixConfig] = None
+  sequence_major: bool = False
+  fused: Optional[fp.FusedConfig] = None
+  prefixes: tuple = ()
+  reasons: tuple[str, ...] = ()
+
+
+def _check_family(family: str) -> None:
+  if family not in FAMILIES:
+    raise ValueError(f"gpu dispatch: family must be one of {FAMILIES}; got {family!r}")
+
+
+def plan_prefix(rows: int, kv_heads: int, prefix: int, head_dim: int, dtype, *,
+                kv_itemsize: int = 2, family: str = "triton", interpret: Optional[bool] = None,
+                options: MosaicPrefixOptions = MosaicPrefixOptions(),
+                max_fused_prior_splits: Optional[int] = None) -> PrefixPlan:
+  """The kernel and configs for ``rows`` query rows per KV head against ``prefix`` keys."""
+  _check_family(family)
+  if prefix == 0 or rows == 0:
+    return PrefixPlan("empty", reasons=("no query rows or no prefix keys: nothing to run",))
+  triton = triton_prefix_config(rows, kv_heads, prefix, head_dim, itemsize=kv_itemsize)
+  reasons = []
+  kernel = "triton"
+  mosaic = None
+  if family == "mosaic_gpu":
+    if interpret is True:
+      reasons.append("interpret=True: Mosaic GPU has no interpret mode, the Triton kernel runs")
+    elif not mg.supported(dtype, head_dim, prefix):
+      reasons.append(f"the Mosaic GPU prefix kernel needs bf16/f16, D % 64 == 0 (D <= 256) and "
+                     f"P a multiple of {mg.alignment(head_dim)} (got {jnp.dtype(dtype).name}, "
+                     f"D={head_dim}, P={prefix}): the Triton kernel runs")
+    else:
+      kernel = "mosaic"
+      mosaic = mg.default_config(rows, kv_heads, prefix, head_dim, options=options)
+      triton = dataclasses.replace(triton, splits=mosaic.splits)
+      reasons.append(f"Mosaic GPU prefix kernel (Hopper): {mosaic}")
+  if kernel == "triton":
+    reasons.append(f"Triton prefix kernel: {triton}")
+  merge_first = max_fused_prior_splits is not None and triton.splits > max_fused_prior_splits
+  if merge_first:
+    reasons.append(f"{triton.splits} key splits > max_fused_prior_splits="
+                   f"{max_fused_prior_splits}: merged by the merge kernel first")
+  return PrefixPlan(kernel, triton, mosaic, merge_first, tuple(reasons))
+
+
+def _shared_reads(batch: int, k) -> int:
+  """Bytes of shared K and V read by ``batch`` sequences on the flat path (``k [P, Hkv, D]``)."""
+  return 2 * batch * k.shape[0] * k.shape[1] * k.shape[2] * jnp.dtype(k.dtype).itemsize
+
+
+def _fused_decode_check(q, parts, suffix_k, family, interpret, config) -> Optional[str]:
+  """None where the one-kernel decode path applies, else why not."""
+  if not config.fused_decode:
+    return "GpuConfig.fused_decode is off"
+  if family != "mosaic_gpu":
+    return "the one-kernel decode path needs the mosaic_gpu family (Hopper)"
+  if interpret is True:
+    return "interpret=True: Mosaic GPU has no interpret mode"
+  if not (len(parts) == 1 and parts[0][0] == "prefix"):
+    return "the one-kernel decode path takes one shared prefix"
+  b, tq, hq, d = q.shape
+  if tq != 1 or b == 0:
+    return f"the one-kernel decode path decodes one token per sequence (Tq={tq}, B={b})"
+  k = parts[0][1]
+  g = hq // k.shape[1]
+  if not fp.supported(q.dtype, d, k.shape[0], suffix_k.shape[1], g, fp.FusedConfig()):
+    return (f"the one-kernel decode path needs bf16/f16, D in (64, 128), P a multiple of "
+            f"{fp.FusedConfig.block_kv}, S a multiple of {fp.FusedConfig.block_s} and G dividing "
+            f"{fp.FusedConfig.block_q} (got {jnp.dtype(q.dtype).name}, D={d}, P={k.shape[0]}, "
+            f"S={suffix_k.shape[1]}, G={g})")
+  if not fp.worthwhile(g):
+    return (f"G={g}: the one kernel's suffix steps would compute {fp.waste(g)}x the useful "
+            f"products (> MAX_WASTE={fp.MAX_WASTE}); the kernels apart are faster")
+  if not jnp.dtype(suffix_k.dtype) == jnp.dtype(q.dtype) == jnp.dtype(k.dtype):
+    return "the one-kernel decode path needs q, the prefix and the suffixes in one dtype"
+  return None
+
+
+def _flat_check(q, parts, suffix_k, one_kernel: bool, config: GpuConfig) -> Optional[str]:
+  """None where the flat path applies, else why not."""
+  if not (len(parts) == 1 and parts[0][0] == "prefix" and q.shape[0] > 0):
+    return "the flat path takes one shared prefix"
+  b, tq, hq, _ = q.shape
+  k = parts[0][1]
+  if not (tq * (hq // k.shape[1]) <= MAX_ROWS and k.shape[0] > 0 and suffix_k.shape[1] > 0):
+    return (f"the flat path needs Tq * G <= {MAX_ROWS} and non-empty prefix and suffix "
+            f"buffers")
+  budget = config.flat_max_shared_reads * (1 if one_kernel else config.flat_split_factor)
+  reads = _shared_reads(b, k)
+  if reads > budget:
+    return (f"{b} sequences would read {reads} bytes of shared K/V, over the flat path's budget "
+            f"of {budget} (flat_max_shared_reads"
+            f"{'' if one_kernel else ' x flat_split_factor'})")
+  return None
+
+
+def plan_shared(q, parts, suffix_k, *, family: str = "triton", interpret: Optional[bool] = None,
+                config: Optional[GpuConfig] = None) -> GpuPlan:
+  """The plan for ``q [B, Tq, Hq, D]``, shared ``parts`` (``(kind, k, v, lengths, nodes)`` as
+  ``shared_attention`` takes them) and ``suffix_k [B, S, Hkv, D]``; anything with ``shape`` and
+  ``dtype`` (arrays, ``jax.ShapeDtypeStruct``) will do."""
+  _check_family(family)
+  config = GpuConfig() if config is None else config
+  b, tq, hq, d = q.shape
+  hkv = suffix_k.shape[2]
+  not_fused = _fused_decode_check(q, parts, suffix_k, family, interpret, config)
+  not_flat = _flat_check(q, parts, suffix_k, not_fused is None, config)
+  if not_flat is None:
+    k = parts[0][1]
+    flat = flat_config(b, hkv, k.shape[0] + suffix_k.shape[1], d,
+                       itemsize=jnp.dtype(suffix_k.dtype).itemsize)
+    reads = _shared_reads(b, k)
+    return GpuPlan(family, "flat", flat=flat, sequence_major=config.flat_sequence_major,
+                   reasons=(f"few sequences: their shared K/V reads ({reads} bytes) fit the flat "
+                            f"path's budget, one Triton kernel per sequence over shared then own "
+                            f"keys: {flat}",
+                            "sequence-major rows" if config.flat_sequence_major
+                            else "head-major rows"))
+  if not_fused is None:
+    k = parts[0][1]
+    g = hq // k.shape[1]
+    fused = fp.default_config(b * g, k.shape[1], k.shape[0], suffix_k.shape[1], g, head_dim=d,
+                              options=config.fused)
+    return GpuPlan(family, "fused_decode", fused=fused,
+                   reasons=(f"not flat: {not_flat}",
+                            f"decoding with one shared prefix at G={g}: prefix and suffixes in "
+                            f"one Mosaic GPU kernel: {fused}"))
+  return plan_split(q, parts, suffix_k, family=family, interpret=interpret, config=config,
+                    reasons=(f"not flat: {not_flat}", f"not one kernel: {not_fused}"))
+
+
+def plan_split(q, parts, suffix_k, *, family: str = "triton", interpret: Optional[bool] = None,
+               config: Optional[GpuConfig] = None, reasons: tuple[str, ...] = ()) -> GpuPlan:
+  """The "split" path's plan: each shared part's kernel, then the suffix kernel."""
+  _check_family(family)
+  config = GpuConfig() if config is None else config
+  b, tq, hq, d = q.shape
+  hkv = suffix_k.shape[2]
+  m = tq * (hq // hkv)
+  prefixes = []
+  for kind, k, *_ in parts:
+    if kind == "prefix" or k.shape[0] == 1:  # one segment: the batched prefix kernel
+      keys = k.shape[0] if kind == "prefix" else k.shape[1]
+      prefixes.append(plan_prefix(b * m, hkv, keys, d, q.dtype,
+                                  kv_itemsize=jnp.dtype(k.dtype).itemsize, family=family,
+                                  interpret=interpret, options=config.prefix,
+                                  max_fused_prior_splits=config.max_fused_prior_splits))
+    else:
+      prefixes.append(None)
+  per_part = tuple(f"part {i}: {r}" for i, pp in enumerate(prefixes) if pp is not None
+                   for r in pp.reasons)
+  per_part += tuple(f"part {i}: a tree level of several segments: the segment kernel"
+                    for i, pp in enumerate(prefixes) if pp is None)
+  return GpuPlan(family, "split", prefixes=tuple(prefixes),
+                 reasons=tuple(reasons) + (
+                     "the shared parts' kernels, then the suffix kernel merging their states "
+                     "in its epilogue",) + per_part)
+
+
+def segment_alignment(family: str) -> int:
+  """Token multiple shared-segment K/V buffers should be padded to: the Hopper prefix kernel
+  streams whole 128-token TMA blocks (any other size runs the Triton kernel: correct, slower)."""
+  _check_family(family)
+  return 128 if family == "mosaic_gpu" else 1
+
+
+def suffix_alignment(family: str, rows_per_seq: int = 1,
+                     config: Optional[GpuConfig] = None) -> int:
+  """Token multiple per-sequence K/V capacities should be padded to: the one-kernel decode path
+  streams suffixes in 64-key blocks, where it runs (Hopper, ``rows_per_seq = G`` worthwhile);
+  1 elsewhere (padding would only cost memory)."""
+  config = GpuConfig() if config is None else config
+  if segment_alignment(family) == 1 or not config.fused_decode:
+    return 1
+  return fp.FusedConfig().block_s if fp.worthwhile(rows_per_seq) else 1

@@ -1,0 +1,131 @@
+"""The GPU family's entry points that run a plan of :mod:`pallas_kernels.gpu.dispatch`: the
+prefix primitive and the whole decomposition (shared parts + suffix, fused).
+
+``shared_attention`` runs the shared parts' partial states (every key split, every tree level)
+straight into the suffix kernel's epilogue, which writes the final output once; or, as the plan
+says, the small-batch flat kernel, or on Hopper the one-kernel decode path
+(:mod:`pallas_kernels.gpu.shared_attention_mgpu`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gpu import _common, dispatch
+from pallas_kernels.gpu.config import GpuConfig
+from pallas_kernels.gpu.merge_kernel import merge_parts
+from pallas_kernels.gpu.prefix_attention import prefix_attention_rows
+from pallas_kernels.gpu.segment_attention import segment_rows
+from pallas_kernels.gpu.suffix_attention import flat_rows, suffix_rows
+
+
+def prefix_attention(
+    q: jax.Array,  # [B, Tq, Hq, D]
+    k: jax.Array,  # [P, Hkv, D]
+    v: jax.Array,  # [P, Hkv, D]
+    *,
+    kv_length: jax.Array,
+    scale: float,
+    mosaic: bool = False,
+    config: GpuConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Same signature and result as the reference: float32 out ``[B, Tq, Hq, D]``, lse ``[B, Tq, Hq]``."""
+  config = GpuConfig() if config is None else config
+  b, t, _, d = q.shape
+  hkv = k.shape[1]
+  q_rows = _common.fold_rows(q, hkv)
+  plan = dispatch.plan_prefix(q_rows.shape[1], hkv, k.shape[0], d, q.dtype,
+                              kv_itemsize=k.dtype.itemsize,
+                              family="mosaic_gpu" if mosaic else "triton", interpret=interpret,
+                              options=config.prefix)
+  out, lse = prefix_attention_rows(q_rows, k, v, kv_length=kv_length, scale=scale, plan=plan,
+                                   interpret=interpret)
+  out, lse = merge_parts([(out, lse)], out_dtype=jnp.float32, transposed_next=hkv > 1,
+                         interpret=interpret)
+  return _common.unfold_rows(out, b, t), _common.unfold_rows(lse, b, t)
+
+
+def shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, mosaic=False,
+                     config: GpuConfig | None = None, interpret=None):
+  """Shared parts + suffix, fused (see :class:`pallas_kernels.interface.AttentionOps`).
+
+  Returns ``out [B, Tq, Hq, D]`` in q's dtype and natural-log ``lse [B, Tq, Hq]``.
+  """
+  family = "mosaic_gpu" if mosaic else "triton"
+  plan = dispatch.plan_shared(q, parts, suffix_k, family=family, interpret=interpret,
+                              config=config)
+  return run_plan(plan, q, parts, suffix_k, suffix_v, kv_lengths=kv_lengths, causal=causal,
+                  scale=scale, config=config, interpret=interpret)
+
+
+def run_plan(plan: dispatch.GpuPlan, q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale,
+             config: GpuConfig | None = None, interpret=None):
+  """Executes ``plan`` (:func:`pallas_kernels.gpu.dispatch.plan_shared` of these inputs)."""
+  if plan.path == "flat":
+    _, k, v, length, _ = parts[0]
+    b, tq, hq, d = q.shape
+    hkv = k.shape[1]
+    run = functools.partial(flat_rows, shared_k=k, shared_v=v, shared_length=length, k=suffix_k,
+                            v=suffix_v, lengths=kv_lengths, q_len=tq, causal=causal, scale=scale,
+                            out_dtype=q.dtype, config=plan.flat, interpret=interpret)
+    if plan.sequence_major:  # in decoding [B, 1, Hq, D] reshaped, in and out
+      out, lse = run(_common.seq_rows(q, hkv), by_sequence=True)
+      return _common.unfold_seq_rows(out, tq), _common.unfold_seq_rows(lse, tq)
+    m = tq * (hq // hkv)
+    out, lse = run(_common.fold_rows(q, hkv).reshape(hkv, b, m, d))
+    return (_common.unfold_rows(out.reshape(hkv, b * m, -1), b, tq),
+            _common.unfold_rows(lse.reshape(hkv, b * m), b, tq))
+  if plan.path == "fused_decode":
+    from pallas_kernels.gpu import shared_attention_mgpu as fm
+    _, k, v, length, _ = parts[0]
+    # Where the program is not lowered for CUDA: the split path's Triton kernels, interpreted.
+    fallback = dispatch.plan_split(q, parts, suffix_k, family="triton", interpret=True,
+                                   config=config)
+
+    def native(q, k, v, length, sk, sv, lens):
+      return fm.fused_decode(q, k, v, length, sk, sv, lens, scale=scale, config=plan.fused)
+
+    def elsewhere(q, k, v, length, sk, sv, lens):  # no Mosaic interpret mode
+      return run_plan(fallback, q, [("prefix", k, v, length, None)], sk, sv, kv_lengths=lens,
+                      causal=causal, scale=scale, config=config, interpret=True)
+
+    return jax.lax.platform_dependent(q, k, v, jnp.asarray(length, jnp.int32), suffix_k, suffix_v,
+                                      jnp.asarray(kv_lengths, jnp.int32), cuda=native,
+                                      default=elsewhere)
+  return _split(plan, q, parts, suffix_k, suffix_v, kv_lengths=kv_lengths, causal=causal,
+                scale=scale, interpret=interpret)
+
+
+def _split(plan, q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, interpret):
+  """The shared parts' kernels, then the suffix kernel merging their states in its epilogue."""
+  b, tq, hq, d = q.shape
+  hkv = suffix_k.shape[2]
+  m = tq * (hq // hkv)
+  q_rows = _common.fold_rows(q, hkv)  # [Hkv, B * M, D]; a reshape when Hkv == 1
+  priors = []
+  for (kind, k, v, lengths, nodes), prefix_plan in zip(parts, plan.prefixes):
+    if kind == "prefix":
+      out, lse = prefix_attention_rows(q_rows, k, v, kv_length=lengths, scale=scale,
+                                       plan=prefix_plan, interpret=interpret)
+    elif prefix_plan is not None:  # one segment: the batched prefix kernel; rows without it drop out
+      out, lse = prefix_attention_rows(q_rows, k[0], v[0], kv_length=lengths[0], scale=scale,
+                                       plan=prefix_plan, interpret=interpret)
+      mine = jnp.repeat(nodes == 0, m)  # [B * M]
+      lse = jnp.where(mine[None, None, :], lse, -jnp.inf)
+    else:
+      out, lse = segment_rows(q_rows, k, v, rows_per_seq=m, lengths=lengths, node_of_seq=nodes,
+                              scale=scale, interpret=interpret)
+      out, lse = out[None], lse[None]
+    if prefix_plan is not None and prefix_plan.merge_first:
+      out, lse = merge_parts([(out, lse)], out_dtype=jnp.float32, interpret=interpret)
+      out, lse = out[None], lse[None]  # float32: no extra rounding
+    priors.append((out.reshape(out.shape[0], hkv, b, m, d), lse.reshape(lse.shape[0], hkv, b, m)))
+  # Sequence-major output: in decoding the kernel writes [B, 1, Hq, D] itself (no transpose).
+  out, lse = suffix_rows(q_rows.reshape(hkv, b, m, d), suffix_k, suffix_v, kv_lengths, priors,
+                         q_len=tq, causal=causal, scale=scale, out_dtype=q.dtype,
+                         by_sequence=True, interpret=interpret)
+  return _common.unfold_seq_rows(out, tq), _common.unfold_seq_rows(lse, tq)

@@ -69,6 +69,7 @@ from typing import Any, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_shared_attn.sharding import AttentionSharding, shard_map
@@ -260,20 +261,27 @@ def shard_model(model, mesh: MeshSpec):
   """``model`` with every parameter on its shards of ``mesh`` (see the rules table).
 
   Returns the model itself when it is laid out so already; otherwise a new
-  :class:`models.llama.Llama` (with ``num_kv_heads`` replicated where the
-  model axis needs it: :func:`sharded_config`).
+  model of the same class (with ``num_kv_heads`` replicated where the model
+  axis needs it: :func:`sharded_config`). Works on any NNX module built as
+  ``cls(config, rngs=...)`` whose parameter paths the rules name, so this
+  module needs no import of :mod:`models.llama` (which imports this one).
   """
-  from models.llama import build, flat_params
-
   mesh = make_mesh(mesh)
   config = sharded_config(model.config, mesh)
-  params = flat_params(model)
+  graphdef, state = nnx.split(model)
+  tree = nnx.to_pure_dict(state)
+  dotted = lambda keypath: ".".join(str(k.key) for k in keypath)
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
   if config == model.config and all(
-      getattr(v, "sharding", None) == NamedSharding(mesh, param_spec(p, config, mesh))
-      for p, v in params.items()):
+      getattr(v, "sharding", None) == NamedSharding(mesh, param_spec(dotted(p), config, mesh))
+      for p, v in leaves):
     return model
-  placed = {path: place_param(path, value, model.config, mesh) for path, value in params.items()}
-  return build(config, placed)
+  placed = jax.tree_util.tree_map_with_path(
+      lambda p, v: place_param(dotted(p), v, model.config, mesh), tree)
+  if config != model.config:  # new KV head count: the graph of the model with those heads
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: type(model)(config, rngs=nnx.Rngs(0))))
+  nnx.replace_by_pure_dict(state, placed)
+  return nnx.merge(graphdef, state)
 
 
 # -- caches and the decode state ------------------------------------------------------------------

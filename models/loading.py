@@ -49,7 +49,7 @@ class LazyTensor:
 
   ``shape`` is the tensor's shape in the file (transformers' ``[out, in]``, or
   1-D). ``np.asarray`` reads it whole; :meth:`reader` serves blocks of a
-  reshaped view (our parameter layout) for ``jax.make_array_from_callback``.
+  reshaped view (our parameter layout), block by block for the devices that hold it.
   """
 
   def __init__(self, shape: Sequence[int], read: Callable[..., np.ndarray]):

@@ -285,8 +285,8 @@ def place_param_from(path: str, shape: Sequence[int], read, config: LlamaConfig,
 
   ``read(index)`` returns the block ``index`` (a tuple of slices into
   ``shape``, the parameter's own shape) as a NumPy array. Every process
-  calls ``read`` only for the blocks its own devices hold
-  (``jax.make_array_from_callback``), so under ``jax.distributed`` no host
+  calls ``read`` only for the blocks its own devices hold (each sent by an
+  explicit ``device_put`` to its device), so under ``jax.distributed`` no host
   reads tensors or parts of them that it does not place. KV heads are repeated
   (:func:`kv_replication`) from the original heads each block covers.
   """
@@ -312,8 +312,11 @@ def place_param_from(path: str, shape: Sequence[int], read, config: LlamaConfig,
       blocks[key] = x.astype(dtype, copy=False)
     return blocks[key]
 
-  return jax.make_array_from_callback(
-      global_shape, NamedSharding(mesh, param_spec(path, config, mesh)), block)
+  # As jax.make_array_from_callback, with each block sent by an explicit device_put.
+  sharding = NamedSharding(mesh, param_spec(path, config, mesh))
+  arrays = [jax.device_put(block(index), device)
+            for device, index in sharding.addressable_devices_indices_map(global_shape).items()]
+  return jax.make_array_from_single_device_arrays(global_shape, sharding, arrays)
 
 
 def shard_model(model, mesh: MeshSpec):

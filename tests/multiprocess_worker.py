@@ -60,6 +60,58 @@ def write(ckpt):
   save_file(tensors, os.path.join(ckpt, "model.safetensors"))
   with open(os.path.join(ckpt, "config.json"), "w") as f:
     json.dump(CONFIG, f)
+  from models.loading import from_pretrained, save_pretrained
+  save_pretrained(os.path.join(ckpt, "orbax"), from_pretrained(ckpt).model)
+  write_gguf(os.path.join(ckpt, "model.gguf"), config, tensors)
+
+
+def write_gguf(path, config, tensors):
+  """The same weights as llama.cpp stores them: Q8_0 matrices (blocks of 32 along a row),
+  q/k rows in llama.cpp's rotary order."""
+  import gguf
+
+  from models.tokenizer import _bytes_to_unicode
+
+  w = gguf.GGUFWriter(path, "llama")
+  w.add_block_count(config.num_layers)
+  w.add_context_length(config.max_position_embeddings)
+  w.add_embedding_length(config.hidden_size)
+  w.add_feed_forward_length(config.intermediate_size)
+  w.add_head_count(config.num_heads)
+  w.add_head_count_kv(config.num_kv_heads)
+  w.add_key_length(config.head_dim)
+  w.add_value_length(config.head_dim)
+  w.add_layer_norm_rms_eps(config.rms_norm_eps)
+  w.add_rope_freq_base(config.rope_theta)
+  w.add_tokenizer_model("gpt2")
+  spelling = _bytes_to_unicode()
+  w.add_token_list([spelling[b] for b in range(256)])
+  names = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm",
+           "lm_head.weight": "output"}
+  layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+           "mlp.down_proj": "ffn_down"}
+  for name, x in tensors.items():
+    module = name.rsplit(".", 1)[0]
+    if name.startswith("model.layers."):
+      i, module = module[len("model.layers."):].split(".", 1)
+      heads = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
+      if module in heads:  # llama.cpp's permutation: rotary pairs (i, i + D/2) -> (2i, 2i + 1)
+        h = heads[module]
+        x = x.reshape(h, 2, x.shape[0] // h // 2, -1).swapaxes(1, 2).reshape(x.shape)
+      gname = f"blk.{i}.{layer[module]}.weight"
+    else:
+      gname = names[name] + ".weight"
+    if x.ndim == 1:
+      w.add_tensor(gname, np.ascontiguousarray(x))
+    else:
+      q8 = gguf.GGMLQuantizationType.Q8_0
+      w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(x), q8), raw_dtype=q8)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
 
 
 def run(ckpt, out, port=None, n=1, i=0):
@@ -83,6 +135,14 @@ def run(ckpt, out, port=None, n=1, i=0):
       tokens = generate(model, prompt, num_samples=samples, max_new_tokens=NEW,
                         attention=attention, impl="xla", mesh=mesh)
       result["tokens"][f"{name} {mesh}"] = np.asarray(tokens).tolist()
+  # The other formats, read per shard too: orbax (restored into the shards), GGUF (Q8_0 blocks).
+  prompt, samples, attention = cases()["hydragen-one-prompt"]
+  for fmt in ("orbax", "model.gguf"):
+    for mesh in [(2, 2)] + [None] * (port is None):
+      model = from_pretrained(os.path.join(ckpt, fmt), mesh=mesh).model
+      tokens = generate(model, prompt, num_samples=samples, max_new_tokens=NEW,
+                        attention=attention, impl="xla", mesh=mesh)
+      result["tokens"][f"hydragen-one-prompt {fmt} {mesh}"] = np.asarray(tokens).tolist()
   if port is None:  # the reference without a mesh
     model = from_pretrained(ckpt).model
     for name, (prompt, samples, attention) in cases().items():

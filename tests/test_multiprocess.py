@@ -85,13 +85,18 @@ def test_two_processes_give_the_tokens_of_one_process_and_of_no_mesh(runs):
   p0, p1, ref = runs
   assert (p0["process"], p1["process"], p0["processes"], p0["devices"]) == (0, 1, 2, 4)
   assert ref["processes"] == 1 and ref["devices"] == 4
-  assert set(p0["tokens"]) == {"hydragen-one-prompt (2, 2)", "hydragen-two-level-tree (2, 2)",
-                               "standard (2, 2)", "hydragen-two-level-tree (1, 4)"}
+  assert set(p0["tokens"]) == {
+      "hydragen-one-prompt (2, 2)", "hydragen-two-level-tree (2, 2)", "standard (2, 2)",
+      "hydragen-two-level-tree (1, 4)", "hydragen-one-prompt orbax (2, 2)",
+      "hydragen-one-prompt model.gguf (2, 2)"}
   for case, tokens in p0["tokens"].items():
     assert p1["tokens"][case] == tokens, case  # every process returns all the rows
     assert ref["tokens"][case] == tokens, case  # = one process on 4 devices
     assert ref["tokens"][case.rsplit(" (", 1)[0] + " None"] == tokens, case  # = no mesh
     assert len(tokens) == 8 and len({t for row in tokens for t in row}) > 4  # not degenerate
+  # orbax holds the same float32 weights; GGUF's Q8_0 blocks round them (other tokens).
+  assert p0["tokens"]["hydragen-one-prompt orbax (2, 2)"] == p0["tokens"][
+      "hydragen-one-prompt (2, 2)"]
 
 
 def test_bad_mesh_and_disagreeing_prompts_raise_on_every_process(runs):

@@ -1,6 +1,7 @@
 """``hydragen bench sharded``: decoding on device meshes and across jax.distributed processes.
 
     PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false hydragen bench sharded --out runs/sharded
+    PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python -m models.bench_sharded --out ...
 
 On one host with N devices it runs, each part in its own Python process so that
 every part finds the devices free:
@@ -18,6 +19,7 @@ every part finds the devices free:
    device) and at the largest batch that fits (estimated from the device memory, halved
    on an out-of-memory error); the model-axis collectives of the compiled decode step
    (from the HLO: op, shape, bytes, per layer) and the time of one such all-reduce.
+   Optional rows that would start within 45 s of ``--budget-s`` are skipped and listed.
 
 The weights are drawn on the devices, each parameter straight into its shards
 (``jax.jit`` with ``out_shardings``): no device ever holds the whole model. Writes
@@ -27,8 +29,8 @@ and the single process must give the same tokens, and the processes' throughput 
 A CPU run of the logic at a tiny size::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
-        python -m models.cli bench sharded --model tiny --batch 8 --prefix 32 --new-tokens 6 \\
-        --quick --processes 2 --out /tmp/sharded
+        python -m models.bench_sharded --model tiny --batch 8 --prefix 32 --new-tokens 6 \\
+        --processes 2 --out /tmp/sharded
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--processes", type=int, default=None,
                  help="processes of the jax.distributed part (default: one per device; 1 or 0: "
                  "skip it)")
+  p.add_argument("--budget-s", type=float, default=450,
+                 help="wall-time budget: optional parts (collectives, then largest batches) that "
+                 "would start within 45 s of it are skipped and listed (default 450)")
   p.add_argument("--out", default="runs/sharded")
   p.set_defaults(handler=_run)
 
@@ -81,7 +86,8 @@ def _run(args: argparse.Namespace) -> int:
   if procs > 1 and n % procs:
     raise SystemExit(f"hydragen bench sharded: {n} devices do not split over --processes "
                      f"{procs}; give a divisor of {n}")
-  forward = [x for flag, _ in OPTIONS for x in _forward(args, flag)]
+  deadline = time.time() + args.budget_s
+  forward = [x for flag, _ in OPTIONS for x in _forward(args, flag)] + ["--deadline", str(deadline)]
   result = dict(info=dict(devices=n, device=kind, backend=backend, date=time.strftime("%Y-%m-%d"),
                           **{f.lstrip("-").replace("-", "_"): getattr(
                               args, f.lstrip("-").replace("-", "_")) for f, _ in OPTIONS}))
@@ -90,13 +96,15 @@ def _run(args: argparse.Namespace) -> int:
     outs = [os.path.join(args.out, f"process{i}.json") for i in range(procs)]
     _launch([[*forward, "--role", "process", "--coordinator", f"localhost:{port}",
               "--num-processes", str(procs), "--process-id", str(i), "--json", outs[i]]
-             for i in range(procs)], [_device_env(i, k) for i in range(procs)])
+             for i in range(procs)], [_device_env(i, k) for i in range(procs)],
+            timeout_s=max(300.0, args.budget_s / 2))
     parts = [json.load(open(o)) for o in outs]
     result["processes"] = dict(parts[0], count=procs, devices_each=k,
                                same_tokens_on_every_process=all(
                                    p["tokens"] == parts[0]["tokens"] for p in parts))
   single = os.path.join(args.out, "single.json")
-  _launch([[*forward, "--role", "single", "--json", single]], [{}])
+  _launch([[*forward, "--role", "single", "--json", single]], [{}],
+          timeout_s=max(300.0, deadline - time.time() + 120))
   result["single"] = json.load(open(single))
   result["comparison"] = _compare(result)
   result["info"]["wall_s"] = time.perf_counter() - t0
@@ -190,6 +198,13 @@ def _compare(result) -> list[dict]:
 # -- the workers ------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
+  """``python -m models.bench_sharded [options]``: the command; with ``--role``: a worker."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if "--role" not in argv:
+    p = argparse.ArgumentParser(prog="python -m models.bench_sharded",
+                                description=__doc__.split("\n\n")[0])
+    _configure(p)
+    return _run(p.parse_args(argv))
   p = argparse.ArgumentParser(description="a worker of hydragen bench sharded")
   for flag, kw in OPTIONS:
     p.add_argument(flag, **kw)
@@ -198,6 +213,7 @@ def main(argv=None) -> int:
   p.add_argument("--num-processes", type=int)
   p.add_argument("--process-id", type=int)
   p.add_argument("--json", required=True)
+  p.add_argument("--deadline", type=float, default=float("inf"), help="epoch seconds")
   args = p.parse_args(argv)
   from models import distributed
   if args.role == "process":
@@ -209,7 +225,7 @@ def main(argv=None) -> int:
       jax.process_index() == 0) else (lambda *a: None)
   say(f"{args.role}: {jax.process_count()} process(es), {n} x {jax.devices()[0].device_kind}, "
       f"jax {jax.__version__}")
-  out = dict(jax=jax.__version__, tokens={}, throughput=[], collectives=[])
+  out = dict(jax=jax.__version__, tokens={}, throughput=[], collectives=[], skipped=[])
 
   def save():
     with open(args.json, "w") as f:
@@ -230,12 +246,19 @@ def main(argv=None) -> int:
     for mesh in meshes:
       out["throughput"].append(throughput(config, mesh, mesh[0] * args.batch, args, say))
       save()
-    for mesh in ([] if args.quick else [None] + meshes):
-      out["throughput"].append(throughput(config, mesh, None, args, say))
-      save()
-    for mesh in meshes:
-      if mesh[1] > 1:
+    def in_time(what: str) -> bool:
+      if time.time() + 45 < args.deadline:
+        return True
+      out["skipped"].append(what)
+      return False
+
+    for mesh in meshes:  # the model axis's collectives first: they explain its efficiency
+      if mesh[1] > 1 and in_time(f"collectives {_label(mesh)}"):
         out["collectives"].append(collectives(config, mesh, mesh[0] * args.batch, args, say))
+        save()
+    for mesh in ([] if args.quick else [None] + meshes):
+      if in_time(f"largest batch {_label(mesh)}"):
+        out["throughput"].append(throughput(config, mesh, None, args, say))
         save()
   save()
   say("done")
@@ -487,6 +510,8 @@ def markdown(result) -> str:
                  f"{r['devices']} | {r['batch']} | {fmt(r.get('tokens_per_s'), '%.0f')} | "
                  f"{fmt(r.get('step_ms'), '%.2f')} | {fmt(eff, '%.2f')} | "
                  f"{fmt(r.get('init_s'), '%.1f')} | {fmt(r.get('compile_s'), '%.1f')} |")
+  if single.get("skipped"):
+    lines += ["", f"Skipped to stay within --budget-s: {', '.join(single['skipped'])}."]
   for c in single["collectives"]:
     lines += ["", f"Collectives of the decode step on {tuple(c['mesh'])} at batch {c['batch']} "
               f"(compiled HLO): per layer {c['per_layer_bytes'] / 1e6:.2f} MB", "",

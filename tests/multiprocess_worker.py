@@ -61,6 +61,12 @@ def write(ckpt):
   with open(os.path.join(ckpt, "config.json"), "w") as f:
     json.dump(CONFIG, f)
   from models.loading import from_pretrained, save_pretrained
+  from models.tokenizer import Tokenizer, _bytes_to_unicode
+
+  spelling = _bytes_to_unicode()  # a byte-level tokenizer for the command line's text
+  Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "gpt2",
+                              "tokenizer.ggml.tokens": [spelling[b] for b in range(256)]}
+                             ).save(ckpt)
   save_pretrained(os.path.join(ckpt, "orbax"), from_pretrained(ckpt).model)
   write_gguf(os.path.join(ckpt, "model.gguf"), config, tensors)
 
@@ -163,6 +169,13 @@ def run(ckpt, out, port=None, n=1, i=0):
       result["errors"]["different prompts"] = str(e)
   with open(out, "w") as f:
     json.dump(result, f)
+  # The command line last: process 0 prints the completions (JSON), the others nothing.
+  from models.cli import main as cli
+  cli(["generate", "--model", ckpt, "--prompt", "The sea, the sea", "--num-samples", "4",
+       "--max-new-tokens", "5", "--temperature", "0", "--ignore-eos", "--json", "--no-progress",
+       "--compile-cache", "", "--mesh", "2x2"]
+      + (["--coordinator", f"localhost:{port}", "--num-processes", str(n), "--process-id", str(i)]
+         if port is not None else []))
 
 
 def devices(port, n, i):

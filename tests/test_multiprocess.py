@@ -32,7 +32,7 @@ def free_port() -> int:
 
 
 def launch(args_per_process, devices_per_process, timeout=TIMEOUT_S):
-  """Starts one worker per entry, waits for all; returns [(returncode, stdout + stderr)].
+  """Starts one worker per entry, waits for all; returns [(returncode, stdout, stderr)].
 
   The processes are killed (their whole process groups) if any is still running when the
   time is up or the test fails.
@@ -44,16 +44,16 @@ def launch(args_per_process, devices_per_process, timeout=TIMEOUT_S):
                  XLA_FLAGS=f"--xla_force_host_platform_device_count={n} {FAST}")
       env.pop("PYTEST_XDIST_WORKER", None)
       procs.append(subprocess.Popen([sys.executable, WORKER, *map(str, args)], cwd=ROOT, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     start_new_session=True))
     deadline = time.monotonic() + timeout
     outputs = []
     for p in procs:
       try:
-        out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
       except subprocess.TimeoutExpired:
         pytest.fail(f"a worker did not finish within {timeout} s (a hang)")
-      outputs.append((p.returncode, out))
+      outputs.append((p.returncode, out, err))
     return outputs
   finally:
     for p in procs:
@@ -70,19 +70,19 @@ def runs(tmp_path_factory):
   """The checkpoint; then 2 processes x 2 devices and 1 process x 4 devices, side by side."""
   tmp = tmp_path_factory.mktemp("multiprocess")
   ckpt = tmp / "ckpt"
-  [(rc, out)] = launch([["write", ckpt]], [1])
-  assert rc == 0, out[-4000:]
+  [(rc, _, err)] = launch([["write", ckpt]], [1])
+  assert rc == 0, err[-4000:]
   port = free_port()
   outs = [tmp / f"p{i}.json" for i in range(2)] + [tmp / "ref.json"]
   results = launch([["run", ckpt, outs[0], port, 2, 0], ["run", ckpt, outs[1], port, 2, 1],
                     ["run", ckpt, outs[2]]], [2, 2, 4])
-  for rc, out in results:
-    assert rc == 0, out[-4000:]
-  return [json.loads(p.read_text()) for p in outs]
+  for rc, _, err in results:
+    assert rc == 0, err[-4000:]
+  return [json.loads(p.read_text()) for p in outs], [out for _, out, _ in results]
 
 
 def test_two_processes_give_the_tokens_of_one_process_and_of_no_mesh(runs):
-  p0, p1, ref = runs
+  p0, p1, ref = runs[0]
   assert (p0["process"], p1["process"], p0["processes"], p0["devices"]) == (0, 1, 2, 4)
   assert ref["processes"] == 1 and ref["devices"] == 4
   assert set(p0["tokens"]) == {
@@ -99,8 +99,18 @@ def test_two_processes_give_the_tokens_of_one_process_and_of_no_mesh(runs):
       "hydragen-one-prompt (2, 2)"]
 
 
+def test_the_command_line_prints_on_process_0_only(runs):
+  # gloo's C++ library prints its connection log lines to stdout itself (NCCL does not).
+  out0, out1, ref = ("".join(l for l in out.splitlines(keepends=True) if not l.startswith("[Gloo]"))
+                     for out in runs[1])
+  assert out1 == ""
+  completions = json.loads(out0)["completions"]
+  assert len(completions) == 4 and all(len(c["token_ids"]) == 5 for c in completions)
+  assert completions == json.loads(ref)["completions"]
+
+
 def test_bad_mesh_and_disagreeing_prompts_raise_on_every_process(runs):
-  p0, p1, _ = runs
+  p0, p1, _ = runs[0]
   for p in (p0, p1):
     assert "must span every process's devices" in p["errors"]["mesh (3, 1)"]
     assert "disagree with process 0 (prompt_ids differs on process(es) [1])" in (
@@ -110,5 +120,5 @@ def test_bad_mesh_and_disagreeing_prompts_raise_on_every_process(runs):
 def test_processes_with_different_device_counts_fail_on_every_process():
   port = free_port()
   results = launch([["devices", port, 2, 0], ["devices", port, 2, 1]], [2, 1], timeout=90)
-  for rc, out in results:
-    assert rc != 0 and "the processes hold different numbers of devices ([2, 1]" in out, out[-3000:]
+  for rc, _, err in results:
+    assert rc != 0 and "the processes hold different numbers of devices ([2, 1]" in err, err[-3000:]

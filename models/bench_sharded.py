@@ -514,7 +514,7 @@ def markdown(result) -> str:
     lines += ["", f"Skipped to stay within --budget-s: {', '.join(single['skipped'])}."]
   for c in single["collectives"]:
     lines += ["", f"Collectives of the decode step on {tuple(c['mesh'])} at batch {c['batch']} "
-              f"(compiled HLO): per layer {c['per_layer_bytes'] / 1e6:.2f} MB", "",
+              f"(compiled HLO): {c['per_layer_bytes']:,} bytes per layer", "",
               "| where | op | result | bytes | group | count |", "|---|---|---|---|---|---|"]
     for where in ("per_layer", "rest"):
       lines += [f"| {where.replace('_', ' ')} | {x['op']} | `{x['type']}` | {x['bytes']:,} | "

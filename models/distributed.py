@@ -81,7 +81,7 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
     return
   # CPU processes talk through gloo (the CPU client's default is no cross-process collectives);
   # GPU and TPU clients ignore this option.
-  if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
+  if getattr(jax.config, "jax_cpu_collectives_implementation", "gloo") in (None, "", "none"):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                              process_id=process_id, local_device_ids=local_device_ids,

@@ -293,6 +293,11 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
       if any); the model is placed on it (:func:`models.sharding.shard_model`;
       a no-op for a model placed already) and the loop runs sharded.
   """
+  # Before any check that could fail on one process only (the others would wait for it).
+  distributed.check_same(sharding_lib.mesh_of(state) if mesh is None else
+                         sharding_lib.make_mesh(mesh), num_steps=num_steps,
+                         sampling=(temperature, top_k, top_p), eos_id=eos_id, pad_id=pad_id,
+                         progress=(progress is not None, progress_every))
   remaining = state.max_new_tokens - int(state.step)
   num_steps = remaining if num_steps is None else int(num_steps)
   if not 0 <= num_steps <= remaining:
@@ -308,8 +313,6 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
     raise ValueError(f"progress_every must be >= 1; got {progress_every}")
   sampling = SamplingParams(temperature, top_k, top_p)
   model, state, mesh = _on_mesh(model, state, mesh)
-  distributed.check_same(mesh, num_steps=num_steps, sampling=sampling, eos_id=eos_id,
-                         pad_id=pad_id)
   graphdef, params = nnx.split(model)
   stop = state.step + num_steps
   return _decode_loop(graphdef, params, state, stop, sampling=sampling, eos_id=eos_id,

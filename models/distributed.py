@@ -145,9 +145,8 @@ def _digest(value: Any) -> np.ndarray:
 
 def _canonical(x: Any) -> Any:
   """A value whose ``repr`` is the same for equal inputs however they are spelled."""
-  if isinstance(x, (np.ndarray, jax.Array)):
-    x = np.asarray(x)
-    return ("array", x.shape, x.tolist())
+  if isinstance(x, (np.ndarray, jax.Array)):  # an array of ids is the same prompt as a list
+    return _canonical(np.asarray(x).tolist())
   if dataclasses.is_dataclass(x) and not isinstance(x, type):
     return (type(x).__name__, tuple((f.name, _canonical(getattr(x, f.name)))
                                     for f in dataclasses.fields(x)))

@@ -122,3 +122,50 @@ def test_processes_with_different_device_counts_fail_on_every_process():
   results = launch([["devices", port, 2, 0], ["devices", port, 2, 1]], [2, 1], timeout=90)
   for rc, _, err in results:
     assert rc != 0 and "the processes hold different numbers of devices ([2, 1]" in err, err[-3000:]
+
+
+# -- in this process: argument checks and the digest (no second process needed) -----------------
+
+def test_initialize_rejects_partial_or_malformed_arguments():
+  from models import distributed
+
+  for args, match in [(("localhost:1234", None, 0), "together"),
+                      ((None, 2, None), "together"),
+                      (("localhost", 2, 0), "HOST:PORT"),
+                      (("localhost:1234", 0, 0), "num_processes must be an int >= 1"),
+                      (("localhost:1234", 2, 2), r"process_id must lie in \[0, 2\)")]:
+    with pytest.raises(ValueError, match=match):
+      distributed.initialize(*args)
+
+
+def test_the_digest_follows_values_not_their_spelling():
+  import jax.numpy as jnp
+  import numpy as np
+
+  from models import distributed
+  from models.prompt_tree import PromptTree
+
+  same = lambda a, b: np.array_equal(distributed._digest(a), distributed._digest(b))
+  prompt = [5, 6, 7]
+  assert same(prompt, np.array(prompt)) and same(prompt, jnp.array(prompt))
+  assert same(prompt, (np.int64(5), 6, 7))
+  assert not same(prompt, [5, 6, 8]) and not same(prompt, [[5, 6, 7]])
+  tree = lambda last: PromptTree.from_prompts([prompt * 10 + [1], prompt * 10 + [last]], 2)
+  assert same(tree(2), tree(2)) and not same(tree(2), tree(3))
+  distributed.check_same(None, prompt_ids=prompt)  # one process: nothing to compare
+
+
+def test_command_line_mesh_flags():
+  import argparse
+
+  from models import distributed
+
+  p = argparse.ArgumentParser()
+  distributed.add_arguments(p)
+  assert distributed.from_args(p.parse_args([])) is None
+  assert distributed.from_args(p.parse_args(["--mesh", "2x4"])) == (2, 4)
+  assert distributed.from_args(p.parse_args(["--mesh", "auto"])) == "auto"
+  with pytest.raises(SystemExit, match="--mesh must be"):
+    distributed.from_args(p.parse_args(["--mesh", "2,4"]))
+  with pytest.raises(SystemExit, match="need --coordinator"):
+    distributed.from_args(p.parse_args(["--num-processes", "2"]))

@@ -1,7 +1,8 @@
 """Real processes under jax.distributed: 2 processes x 2 CPU devices on localhost (gloo).
 
 Greedy tokens from a safetensors checkpoint (each process reads only its shards) on meshes
-over both processes equal one process on 4 devices, and no mesh; bad launches (a mesh that
+over both processes equal one process on 4 devices, and no mesh (orbax and GGUF too);
+``hydragen generate`` prints on process 0 only; bad launches (a mesh that
 does not span the processes, processes that disagree on the prompt, processes with different
 device counts) raise a clear error on every process instead of hanging. Every process is
 started in its own process group and killed when a test fails or times out.

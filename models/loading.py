@@ -16,10 +16,11 @@ only, so no device ever holds a whole copy it does not need.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
-from typing import Any, Iterable, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,55 @@ class Pretrained(NamedTuple):
   model: Llama
   tokenizer: Optional[Tokenizer]
   config: LlamaConfig
+
+
+class LazyTensor:
+  """A checkpoint tensor read in blocks: ``read(*slices)`` -> the NumPy block.
+
+  ``shape`` is the tensor's shape in the file (transformers' ``[out, in]``, or
+  1-D). ``np.asarray`` reads it whole; :meth:`reader` serves blocks of a
+  reshaped view (our parameter layout), block by block for the devices that hold it.
+  """
+
+  def __init__(self, shape: Sequence[int], read: Callable[..., np.ndarray]):
+    self.shape = tuple(int(n) for n in shape)
+    self.read = read
+
+  def __array__(self, dtype=None, copy=None):
+    x = np.asarray(self.read(*(slice(0, n) for n in self.shape)))
+    return x if dtype is None else x.astype(dtype)
+
+  def reader(self, shape: Sequence[int]) -> Callable[[tuple], np.ndarray]:
+    """``read(index)`` for the view of this tensor reshaped to ``shape``.
+
+    Each file dimension is a run of consecutive dimensions of ``shape``
+    (``[H * D, hidden]`` -> ``[H, D, hidden]``). A block reads the file rows
+    (columns) of whole units of the run's first dimension, e.g. whole heads,
+    then takes the rest of the index in memory.
+    """
+    shape, groups, size = tuple(int(n) for n in shape), [], None
+    for dim, n in enumerate(shape):
+      if size is None:  # the next file dimension starts here
+        groups.append([])
+        size = 1
+      groups[-1].append(dim)
+      size *= n
+      if len(groups) <= len(self.shape) and size == self.shape[len(groups) - 1]:
+        size = None
+    if size is not None or [int(np.prod([shape[d] for d in g])) for g in groups] != list(self.shape):
+      raise ValueError(f"LazyTensor: shape {shape} is not a view of the file's {self.shape}")
+
+    def read(index: tuple) -> np.ndarray:
+      ranges, view, rest = [], [], []
+      for group in groups:
+        lead, tail = index[group[0]], [shape[d] for d in group[1:]]
+        unit = int(np.prod(tail, dtype=np.int64))
+        ranges.append(slice(lead.start * unit, lead.stop * unit))
+        view += [lead.stop - lead.start, *tail]
+        rest += [slice(None)] + [index[d] for d in group[1:]]
+      return np.asarray(self.read(*ranges)).reshape(view)[tuple(rest)]
+
+    return read
 
 
 def from_pretrained(path: str, *, dtype: Optional[str] = None, progress: bool = False,
@@ -117,7 +167,8 @@ def model_from_tensors(config: LlamaConfig,
 
   ``tensors``: a mapping, or an iterable of ``(name, array)`` pairs consumed
   one at a time (each tensor is converted, and with ``mesh`` placed on its
-  shards, before the next is read). Raises ValueError naming any missing,
+  shards, before the next is read); a :class:`LazyTensor` is read, with
+  ``mesh``, only in the blocks this process's devices hold. Raises ValueError naming any missing,
   unexpected or mis-shaped tensor. ``lm_head.weight`` is ignored when the
   embeddings are tied.
   """
@@ -137,8 +188,11 @@ def model_from_tensors(config: LlamaConfig,
     if int(np.prod(t.shape)) != int(np.prod(shape)):
       raise ValueError(f"model_from_tensors: {name} has shape {tuple(t.shape)}; the config needs "
                        f"{int(np.prod(shape))} values, as {shape}")
-    value = np.asarray(t).reshape(shape)
-    values[path] = value if mesh is None else sharding_lib.place_param(path, value, config, mesh)
+    if mesh is not None and isinstance(t, LazyTensor):  # each process reads only its blocks
+      values[path] = sharding_lib.place_param_from(path, shape, t.reader(shape), config, mesh)
+    else:
+      value = np.asarray(t).reshape(shape)
+      values[path] = value if mesh is None else sharding_lib.place_param(path, value, config, mesh)
     seen.add(name)
   missing, extra = sorted(set(names) - seen), sorted(extra)
   if missing or extra:
@@ -164,8 +218,12 @@ def load_hf(path: str, *, dtype: Optional[str] = None, progress: bool = False,
   return Pretrained(model, tokenizer, model.config)
 
 
-def read_safetensors_dir(path: str) -> Iterable[tuple[str, np.ndarray]]:
-  """Yields ``(name, array)`` from ``model.safetensors`` or the sharded index's files."""
+def read_safetensors_dir(path: str) -> Iterable[tuple[str, "LazyTensor"]]:
+  """Yields ``(name, LazyTensor)`` from ``model.safetensors`` or the sharded index's files.
+
+  Each tensor is read with safetensors' ``get_slice`` (only the requested
+  block leaves the file) while its file is open: use it before the next.
+  """
   from safetensors import safe_open
 
   index = os.path.join(path, "model.safetensors.index.json")
@@ -180,7 +238,8 @@ def read_safetensors_dir(path: str) -> Iterable[tuple[str, np.ndarray]]:
   for file in files:
     with safe_open(os.path.join(path, file), framework="numpy") as f:
       for name in f.keys():
-        yield name, f.get_tensor(name)
+        part = f.get_slice(name)
+        yield name, LazyTensor(part.get_shape(), lambda *ranges, part=part: part[ranges])
 
 
 # -- GGUF ---------------------------------------------------------------------------------------
@@ -264,15 +323,13 @@ def load_gguf(path: str, *, dtype: Optional[str] = None, progress: bool = False,
   config = gguf_config(fields, has_output="output.weight" in by_name,
                        rope_freq_factors=freq_factors)
 
-  def tensors():  # dequantized one at a time, each placed before the next is read
+  def tensors():  # dequantized one block at a time, each placed before the next is read
     for t in _iter_progress(by_name.values(), progress, "loading tensors", total=len(by_name)):
       name = _hf_name(t.name)
-      w = _dequantize(t)
-      if name.endswith("q_proj.weight"):
-        w = unpermute_rope_rows(w, config.num_heads)
-      elif name.endswith("k_proj.weight"):
-        w = unpermute_rope_rows(w, config.num_kv_heads)
-      yield name, w
+      read = functools.partial(_dequantize_block, t)
+      if name.endswith(("q_proj.weight", "k_proj.weight")):  # blocks are whole heads
+        read = functools.partial(_unpermuted_block, read, config.head_dim)
+      yield name, LazyTensor(tuple(int(n) for n in reversed(t.shape)), read)
 
   model = model_from_tensors(config, tensors(), dtype=dtype or "float32", mesh=mesh)
   return Pretrained(model, Tokenizer.from_gguf_fields(fields), model.config)
@@ -307,6 +364,33 @@ def _hf_name(gguf_name: str) -> str:
   if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
     raise ValueError(f"load_gguf: unexpected tensor {gguf_name!r} for a llama model")
   return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.weight"
+
+
+def _dequantize_block(t, rows: slice, cols: Optional[slice] = None) -> np.ndarray:
+  """float32 block ``[rows, cols]`` of a GGUF tensor ``[out, in]``, read from its memory map.
+
+  Quantized rows are runs of fixed-size blocks (e.g. 32 values in 20 bytes
+  for Q4_1): only the bytes of the blocks covering ``cols`` are read.
+  """
+  from gguf import GGML_QUANT_SIZES
+  from gguf.quants import dequantize
+
+  if cols is None:  # a 1-D tensor (the norms): small
+    return _dequantize(t)[rows]
+  if t.data.dtype != np.uint8:  # F32 / F16: plain values
+    return np.asarray(t.data[rows, cols], np.float32)
+  size, nbytes = GGML_QUANT_SIZES[t.tensor_type]
+  first, last = cols.start // size, -(-cols.stop // size)
+  w = dequantize(np.ascontiguousarray(t.data[rows, first * nbytes:last * nbytes]), t.tensor_type)
+  return np.asarray(w, np.float32)[:, cols.start - first * size:cols.stop - first * size]
+
+
+def _unpermuted_block(read, head_dim: int, rows: slice, cols: slice) -> np.ndarray:
+  """:func:`unpermute_rope_rows` of a block of whole heads of q_proj or k_proj."""
+  if rows.start % head_dim or rows.stop % head_dim:
+    raise ValueError(f"load_gguf: rows [{rows.start}, {rows.stop}) of a q/k projection are not "
+                     f"whole heads of {head_dim}")
+  return unpermute_rope_rows(read(rows, cols), (rows.stop - rows.start) // head_dim)
 
 
 def _dequantize(t) -> np.ndarray:

@@ -69,6 +69,7 @@ from typing import Any, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_shared_attn.sharding import AttentionSharding, shard_map
@@ -118,6 +119,7 @@ def make_mesh(spec: MeshSpec = "auto", *, devices: Optional[Sequence[Any]] = Non
     if missing:
       raise ValueError(f"mesh: a Mesh needs the axes {AXES}; {tuple(spec.axis_names)} lacks "
                        f"{missing}")
+    _check_spans_processes(spec)
     return spec
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
@@ -143,9 +145,30 @@ def make_mesh(spec: MeshSpec = "auto", *, devices: Optional[Sequence[Any]] = Non
   grid = _device_grid(shape, devices[:shape[0] * shape[1]])
   auto = getattr(jax.sharding, "AxisType", None)
   if auto is None:  # older JAX: every axis is "auto" (the SPMD partitioner decides)
-    return Mesh(grid, AXES)
-  # Auto axes: jit partitions the dense layers from the arrays' NamedShardings (the rules).
-  return Mesh(grid, AXES, axis_types=(auto.Auto, auto.Auto))
+    mesh = Mesh(grid, AXES)
+  else:  # Auto axes: jit partitions the dense layers from the arrays' NamedShardings (the rules)
+    mesh = Mesh(grid, AXES, axis_types=(auto.Auto, auto.Auto))
+  _check_spans_processes(mesh)
+  return mesh
+
+
+def _check_spans_processes(mesh: Mesh) -> None:
+  """Under jax.distributed every process runs every program: the mesh must hold all devices.
+
+  A process with no device in the mesh would compute nothing while the
+  others wait for it in a collective. The check needs no communication:
+  every process sees the same global device list, so all of them raise.
+  """
+  if jax.process_count() == 1:
+    return
+  n = jax.device_count()
+  if mesh.devices.size != n or {d.id for d in mesh.devices.flat} != {d.id for d in jax.devices()}:
+    raise ValueError(
+        f"mesh {tuple(mesh.devices.shape)}: under jax.distributed the mesh must span every "
+        f"process's devices ({jax.process_count()} processes, {n} devices, "
+        f"{jax.local_device_count()} per process); it holds {mesh.devices.size}. Use a "
+        f"(data, model) shape whose product is {n}, e.g. ({n}, 1) or "
+        f"({jax.process_count()}, {jax.local_device_count()})")
 
 
 def _device_grid(shape: tuple[int, int], devices: list) -> np.ndarray:
@@ -256,24 +279,71 @@ def place_param(path: str, value: Any, config: LlamaConfig, mesh: Mesh, dtype=No
   return jax.device_put(value, NamedSharding(mesh, param_spec(path, config, mesh)))
 
 
+def place_param_from(path: str, shape: Sequence[int], read, config: LlamaConfig, mesh: Mesh,
+                     dtype=None) -> jax.Array:
+  """Parameter ``path`` on its shards of ``mesh``, each block read by ``read`` as it is needed.
+
+  ``read(index)`` returns the block ``index`` (a tuple of slices into
+  ``shape``, the parameter's own shape) as a NumPy array. Every process
+  calls ``read`` only for the blocks its own devices hold (each sent by an
+  explicit ``device_put`` to its device), so under ``jax.distributed`` no host
+  reads tensors or parts of them that it does not place. KV heads are repeated
+  (:func:`kv_replication`) from the original heads each block covers.
+  """
+  dtype = jnp.dtype(config.param_dtype if dtype is None else dtype)
+  shape = tuple(int(n) for n in shape)
+  r = (kv_replication(shape[0], mesh.shape[MODEL])
+       if path.endswith(("self_attn.k_proj", "self_attn.v_proj")) else 1)
+  global_shape = (shape[0] * r,) + shape[1:]
+
+  blocks = {}  # devices holding the same block (replicas over "data") read it once
+
+  def block(index):
+    index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, global_shape))
+    key = tuple((s.start, s.stop) for s in index)
+    if key not in blocks:
+      if r == 1:
+        x = np.asarray(read(index))
+      else:  # replicated head j is original head j // r
+        lo, hi = index[0].start, index[0].stop
+        first = lo // r
+        x = np.repeat(np.asarray(read((slice(first, -(-hi // r)),) + index[1:])), r, axis=0)
+        x = x[lo - first * r:hi - first * r]
+      blocks[key] = x.astype(dtype, copy=False)
+    return blocks[key]
+
+  # As jax.make_array_from_callback, with each block sent by an explicit device_put.
+  sharding = NamedSharding(mesh, param_spec(path, config, mesh))
+  arrays = [jax.device_put(block(index), device)
+            for device, index in sharding.addressable_devices_indices_map(global_shape).items()]
+  return jax.make_array_from_single_device_arrays(global_shape, sharding, arrays)
+
+
 def shard_model(model, mesh: MeshSpec):
   """``model`` with every parameter on its shards of ``mesh`` (see the rules table).
 
   Returns the model itself when it is laid out so already; otherwise a new
-  :class:`models.llama.Llama` (with ``num_kv_heads`` replicated where the
-  model axis needs it: :func:`sharded_config`).
+  model of the same class (with ``num_kv_heads`` replicated where the model
+  axis needs it: :func:`sharded_config`). Works on any NNX module built as
+  ``cls(config, rngs=...)`` whose parameter paths the rules name, so this
+  module needs no import of :mod:`models.llama` (which imports this one).
   """
-  from models.llama import build, flat_params
-
   mesh = make_mesh(mesh)
   config = sharded_config(model.config, mesh)
-  params = flat_params(model)
+  graphdef, state = nnx.split(model)
+  tree = nnx.to_pure_dict(state)
+  dotted = lambda keypath: ".".join(str(k.key) for k in keypath)
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
   if config == model.config and all(
-      getattr(v, "sharding", None) == NamedSharding(mesh, param_spec(p, config, mesh))
-      for p, v in params.items()):
+      getattr(v, "sharding", None) == NamedSharding(mesh, param_spec(dotted(p), config, mesh))
+      for p, v in leaves):
     return model
-  placed = {path: place_param(path, value, model.config, mesh) for path, value in params.items()}
-  return build(config, placed)
+  placed = jax.tree_util.tree_map_with_path(
+      lambda p, v: place_param(dotted(p), v, model.config, mesh), tree)
+  if config != model.config:  # new KV head count: the graph of the model with those heads
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: type(model)(config, rngs=nnx.Rngs(0))))
+  nnx.replace_by_pure_dict(state, placed)
+  return nnx.merge(graphdef, state)
 
 
 # -- caches and the decode state ------------------------------------------------------------------

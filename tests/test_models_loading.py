@@ -194,3 +194,25 @@ def test_loading_errors_name_the_problem(tmp_path):
   with pytest.raises(ValueError, match="unexpected \\['model.layers.9.mlp.up_proj.weight'\\]"):
     model_from_tensors(config, dict(tensors, **{"model.layers.9.mlp.up_proj.weight": np.zeros(1)}))
 
+
+
+def test_gguf_blocks_equal_the_whole_tensor_dequantized():
+  """Per-shard loading reads Q4_1 blocks (32 values in 20 bytes) of any rows and columns."""
+  from models.loading import LazyTensor, _dequantize, _dequantize_block, _gguf_reader
+
+  reader = _gguf_reader(smollm2_gguf())
+  t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+  whole = _dequantize(t)
+  rng = np.random.default_rng(0)
+  for _ in range(5):  # unaligned row and column ranges
+    r0, c0 = rng.integers(0, whole.shape[0] - 1), rng.integers(0, whole.shape[1] - 1)
+    r1, c1 = rng.integers(r0 + 1, whole.shape[0] + 1), rng.integers(c0 + 1, whole.shape[1] + 1)
+    np.testing.assert_array_equal(_dequantize_block(t, slice(r0, r1), slice(c0, c1)),
+                                  whole[r0:r1, c0:c1])
+  # A block of our layout [hidden, F] -> a view [hidden, 2, F / 2]: whole units of its first dim.
+  lazy = LazyTensor(whole.shape, lambda *r: _dequantize_block(t, *r))
+  view = whole.reshape(whole.shape[0], 2, -1)
+  index = (slice(3, 70), slice(1, 2), slice(5, 40))
+  np.testing.assert_array_equal(lazy.reader(view.shape)(index), view[index])
+  with pytest.raises(ValueError, match="is not a view"):
+    lazy.reader((whole.shape[0] + 1, whole.shape[1]))

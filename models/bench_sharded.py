@@ -56,6 +56,11 @@ OPTIONS = (  # (flag, argparse keywords): shared by the command and its worker p
     ("--new-tokens", dict(type=int, default=64)),
     ("--impl", dict(default="auto", help="attention implementation")),
     ("--token-impl", dict(default="auto", help="attention implementation of the token check")),
+    ("--token-cases", dict(default="one,tree,standard",
+                           help="cases of the token check: one (hydragen, one prompt), tree "
+                           "(hydragen, two-level tree), standard")),
+    ("--token-meshes", dict(default="all", choices=("all", "data"),
+                            help="meshes of the token check: all, or only (N, 1) (and no mesh)")),
     ("--quick", dict(action="store_true", help="no largest-batch rows, no (N/2, 2) mesh")),
 )
 
@@ -96,7 +101,7 @@ def _run(args: argparse.Namespace) -> int:
     error = _launch([[*forward, "--role", "process", "--coordinator", f"localhost:{port}",
                       "--num-processes", str(procs), "--process-id", str(i), "--json", outs[i]]
                      for i in range(procs)], [_device_env(i, k) for i in range(procs)],
-                    timeout_s=max(240.0, args.budget_s / 2))
+                    timeout_s=max(240.0, 0.45 * args.budget_s))
     if error:  # reported; the single-process part still runs
       result["processes_error"] = error
       print(error, file=sys.stderr)
@@ -246,13 +251,16 @@ def main(argv=None) -> int:
 
   if args.role == "process":
     meshes = list(dict.fromkeys([(n, 1), (1, n)]))
-    out["tokens"] = token_cases(meshes, args.token_impl, say)
+    checked = meshes if args.token_meshes == "all" else meshes[:1]
+    out["tokens"] = token_cases(checked, args.token_impl, say, args.token_cases.split(","))
     save()
     out["throughput"].append(throughput(_big_config(args), (n, 1), n * args.batch, args, say))
   else:
     meshes = list(dict.fromkeys([(n, 1), (1, n)] + [(n // 2, 2)] * (
         n >= 4 and n % 2 == 0 and not args.quick)))
-    out["tokens"] = token_cases([None] + meshes, args.token_impl, say)
+    checked = meshes if args.token_meshes == "all" else meshes[:1]
+    out["tokens"] = token_cases([None] + checked, args.token_impl, say,
+                                args.token_cases.split(","))
     save()
     config = _big_config(args)
     out["throughput"].append(throughput(config, None, args.batch, args, say))

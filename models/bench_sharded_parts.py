@@ -52,9 +52,9 @@ def label(mesh) -> str:
   return "none" if mesh is None else f"({mesh[0]}, {mesh[1]})"
 
 
-def token_cases(meshes, impl: str, say) -> dict:
+def token_cases(meshes, impl: str, say, which=("one", "tree", "standard")) -> dict:
   """Greedy tokens of a float32 model (8 query heads, 2 KV heads: replicated on a model axis
-  of 4) for three cases on each mesh; ``"case @ mesh"`` -> rows."""
+  of 4) for the cases ``which`` on each mesh; ``"case @ mesh"`` -> rows."""
   import numpy as np
 
   from models import distributed
@@ -76,6 +76,11 @@ def token_cases(meshes, impl: str, say) -> dict:
                [shared + ids(40), shared + ids(17)], [half, samples - half], min_shared_tokens=4),
                None, "hydragen"),
            "standard": (ids(257), samples, "standard")}
+  names = dict(one="hydragen one prompt", tree="hydragen two-level tree", standard="standard")
+  unknown = set(which) - set(names)
+  if unknown:
+    raise ValueError(f"--token-cases: unknown {sorted(unknown)}; choose from {sorted(names)}")
+  cases = {names[w]: cases[names[w]] for w in which}
   tokens = {}
   for shape in meshes:
     mesh = None if shape is None else S.make_mesh(shape)

@@ -39,16 +39,26 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
-  """Tile of the chunked backward: ``block_rows`` query rows x ``block_keys`` keys per KV head."""
+  """How the backward runs.
+
+  ``block_rows x block_keys``: the XLA path's tile per KV head. ``kernels``:
+  ``"xla"`` (chunked ``lax.scan``), ``"triton"`` (the Pallas GPU kernels of
+  :mod:`pallas_kernels.gpu.backward`, interpreted off a GPU), or None: the
+  family's own (Triton for the GPU families, XLA for the others).
+  """
 
   block_rows: int = 256
   block_keys: int = 256
+  kernels: Optional[str] = None
 
   def __post_init__(self):
     for name in ("block_rows", "block_keys"):
       val = getattr(self, name)
       if not isinstance(val, int) or isinstance(val, bool) or val < 1:
         raise ValueError(f"BackwardConfig: {name} must be a positive int; got {val!r}")
+    if self.kernels not in (None, "xla", "triton"):
+      raise ValueError(f"BackwardConfig: kernels must be None, 'xla' or 'triton'; got "
+                       f"{self.kernels!r}")
 
 
 def _pad_to(x: Array, axis: int, size: int) -> Array:
@@ -64,9 +74,10 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-def part_grads(q: Array, do: Array, lse: Array, delta: Array, k: Array, v: Array,
-               visible: Callable[[Array, Array], Array], *, scale: float,
-               config: BackwardConfig = BackwardConfig()):
+def part_grads(q: Array, do: Array, lse: Array, delta: Array, k: Array, v: Array, *,
+               scale: float, row_seg: Optional[Array] = None, key_seg: Optional[Array] = None,
+               lengths: Optional[Array] = None, causal: bool = False, group: int = 1,
+               tq: int = 1, config: BackwardConfig = BackwardConfig()):
   """dQ, dK, dV of one part from the merged residuals, tile by tile.
 
   Args:
@@ -74,14 +85,35 @@ def part_grads(q: Array, do: Array, lse: Array, delta: Array, k: Array, v: Array
       each), in the input dtype.
     lse, delta: float32 ``[Z, H, R]``: the merged LSE and ``rowsum(dO * O) - dL``.
     k, v: ``[Z, K, H, D]`` the part's keys and values.
-    visible: ``(rows [br], keys [bk]) -> bool`` broadcastable to
-      ``[Z, H, br, bk]``: row r sees key j (indices into R and K).
+    row_seg, key_seg: int32 ``[R]``, ``[K]`` (a shared part, ``Z = 1``): row r
+      sees key j iff ``row_seg[r] == key_seg[j]`` (-1: a row without the part,
+      -2: a key past its segment's length); or
+    lengths, causal, group, tq: the suffix (``Z = B``, ``R = Tq * G``): row r of
+      sequence z sees key j iff ``j < lengths[z]`` and, causal,
+      ``j <= lengths[z] - tq + r // group``.
 
   Returns:
     float32 ``dq [Z, H, R, D]``, ``dk, dv [Z, K, H, D]``.
   """
+  if config.kernels == "triton":
+    from pallas_kernels.gpu import backward as gpu_backward  # deferred: kernels are optional
+    return gpu_backward.part_grads(q, do, lse, delta, k, v, scale=scale, row_seg=row_seg,
+                                   key_seg=key_seg, lengths=lengths, causal=causal, group=group,
+                                   tq=tq, sparse=row_seg is not None)
   z, h, r, d = q.shape
   nk, dv_dim = k.shape[1], v.shape[-1]
+
+  def visible(rows, keys):  # [Z or 1, 1, br, bk]
+    if row_seg is not None:
+      rs = row_seg[jnp.minimum(rows, r - 1)]
+      ks = key_seg[jnp.minimum(keys, nk - 1)]
+      return (rs[:, None] == ks[None, :])[None, None]
+    n = lengths[:, None, None, None]
+    ok = keys[None, None, None, :] < n
+    if causal:
+      ok = ok & (keys[None, None, None, :] <= n - tq + (rows // group)[None, None, :, None])
+    return ok
+
   br = min(config.block_rows, max(r, 1))
   bk = min(config.block_keys, max(nk, 1))
   rp, kp = _cdiv(r, br) * br, _cdiv(nk, bk) * bk
@@ -193,38 +225,26 @@ def decomposition_grads(q: Array, parts: Sequence[tuple], suffix_k: Optional[Arr
     g = hq // hkv
     rows = [_shared_rows(x, hkv) for x in (q, dout, lse, delta)]
     if kind == "prefix":
-      visible = lambda r, j, n=lengths: (j < n)[None, None, None, :]
+      row_seg = jnp.zeros((b * tq * g,), jnp.int32)
+      key_seg = jnp.where(jnp.arange(k.shape[0]) < lengths, 0, -2)
       kk, vv = k[None], v[None]
     else:
       n_seg, t_seg = k.shape[:2]
-      seg_of_row = nodes[jnp.minimum(jnp.arange(b * tq * g) // (tq * g), b - 1)]
-
-      def visible(r, j, seg_of_row=seg_of_row, lengths=lengths, t_seg=t_seg, n_seg=n_seg):
-        seg = j // t_seg
-        ok = (j % t_seg) < lengths[jnp.minimum(seg, n_seg - 1)]
-        mine = seg_of_row[jnp.minimum(r, seg_of_row.shape[0] - 1)][:, None] == seg[None, :]
-        return (mine & ok[None, :])[None, None]
-
+      row_seg = jnp.repeat(nodes.astype(jnp.int32), tq * g)
+      key_seg = jnp.where(jnp.arange(t_seg)[None, :] < lengths[:, None],
+                          jnp.arange(n_seg)[:, None], -2).reshape(-1)
       kk = k.reshape(1, n_seg * t_seg, hkv, k.shape[-1])
       vv = v.reshape(1, n_seg * t_seg, hkv, v.shape[-1])
-    dq_p, dk, dv = part_grads(*rows, kk, vv, visible, scale=scale, config=config)
+    dq_p, dk, dv = part_grads(*rows, kk, vv, scale=scale, row_seg=row_seg, key_seg=key_seg,
+                              config=config)
     dq = dq + _unshared_rows(dq_p, b, tq)
     part_out.append((dk.reshape(k.shape), dv.reshape(v.shape)))
   suffix = None
   if suffix_k is not None:
     hkv = suffix_k.shape[2]
-    g = hq // hkv
     rows = [_seq_rows(x, hkv) for x in (q, dout, lse, delta)]
-    lens = kv_lengths[:, None, None, None]
-
-    def visible(r, j):
-      ok = j[None, None, None, :] < lens
-      if causal:
-        pos = lens - tq + (r // g)[None, None, :, None]
-        ok = ok & (j[None, None, None, :] <= pos)
-      return ok
-
-    dq_s, dk, dv = part_grads(*rows, suffix_k, suffix_v, visible, scale=scale, config=config)
+    dq_s, dk, dv = part_grads(*rows, suffix_k, suffix_v, scale=scale, lengths=kv_lengths,
+                              causal=causal, group=hq // hkv, tq=tq, config=config)
     dq = dq + _unseq_rows(dq_s, tq)
     suffix = (dk, dv)
   return dq, part_out, suffix
@@ -317,6 +337,9 @@ def differentiable(ops, reference_shared: Callable, config: BackwardConfig = Bac
   built from its primitives), so ``jax.grad`` never differentiates a kernel
   or the reference; each primitive gets the same backward on its own.
   """
+  if config.kernels is None:
+    family = "triton" if ops.name in ("pallas:triton", "pallas:mosaic_gpu") else "xla"
+    config = dataclasses.replace(config, kernels=family)
   shared_fwd = ops.shared_attention
   if shared_fwd is None:
     shared_fwd = lambda *a, **kw: reference_shared(*a, **kw, ops=ops)

@@ -55,6 +55,13 @@ class BackwardKernelConfig:
                          f"{_common.MIN_DOT}; got {val}")
 
 
+def default_config(head_dim: int) -> BackwardKernelConfig:
+  """64 x 64 tiles (two float32 accumulators of 64 x D in registers), 32 x 32 for D > 128."""
+  if head_dim > 128:
+    return BackwardKernelConfig(32, 32, num_warps=4)
+  return BackwardKernelConfig(64, 64, num_warps=4 if head_dim <= 64 else 8)
+
+
 def _dot(a, b, trans_a=False, trans_b=False):
   precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
   return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
@@ -190,7 +197,7 @@ def _calls(lens, row_info, key_info, q, do, lse2, delta, k, v, *, mode, causal, 
 
 def part_grads(q, do, lse, delta, k, v, *, scale: float, row_seg=None, key_seg=None,
                lengths=None, causal: bool = False, group: int = 1, tq: int = 1,
-               sparse: bool = False, config: BackwardKernelConfig = BackwardKernelConfig(),
+               sparse: bool = False, config: BackwardKernelConfig | None = None,
                interpret: bool | None = None):
   """dQ, dK, dV of one part (float32), same contract as the XLA ``part_grads``.
 
@@ -207,6 +214,7 @@ def part_grads(q, do, lse, delta, k, v, *, scale: float, row_seg=None, key_seg=N
             jnp.zeros(v.shape, jnp.float32))
   mode = "segments" if row_seg is not None else "suffix"
   dp = _common.padded_head_dim(d)
+  config = default_config(d) if config is None else config
   br = min(config.block_rows, max(_common.MIN_DOT, _common.next_pow2(r)))
   bk = min(config.block_keys, max(_common.MIN_DOT, _common.next_pow2(nk)))
   cfg = dataclasses.replace(config, block_rows=br, block_keys=bk)

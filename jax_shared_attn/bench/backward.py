@@ -144,13 +144,14 @@ def floors(g, p, c, heads, itemsize, bandwidth, rate) -> dict:
               ours_gflop=ours_flops / 1e9, per_seq_gflop=seq_flops / 1e9)
 
 
-def compiled_bytes(op, args) -> int | None:
-  """Arguments + outputs + temporaries of the compiled program (None where unavailable)."""
+def compiled(op, args):
+  """The compiled program and its arguments + outputs + temporaries (None where unavailable)."""
+  exe = jax.jit(op).lower(*args).compile()
   try:
-    m = jax.jit(op).lower(*args).compile().memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+    m = exe.memory_analysis()
+    return exe, int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
   except Exception:  # noqa: BLE001 -- a backend without the analysis
-    return None
+    return exe, None
 
 
 def run_config(g, p, c, heads, dtype, impls, ceilings, trials, per_seq_impl) -> dict:
@@ -175,9 +176,9 @@ def run_config(g, p, c, heads, dtype, impls, ceilings, trials, per_seq_impl) -> 
       m = timing.measure(op, mk, n_sets=n_sets, trials=trials)
       row[f"{name}_us"] = m["seconds"] * 1e6
       row["timing"] = m["method"]
-      row[f"{name}_bytes"] = compiled_bytes(op, mk(0))
+      exe, row[f"{name}_bytes"] = compiled(op, mk(0))
       if name != "ours_completions":
-        grads[name] = jax.jit(op)(*mk(0))
+        grads[name] = exe(*mk(0))
     except Exception as e:  # noqa: BLE001 -- a path that cannot run this shape is reported
       oom = "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
       row[f"{name}_us"] = "x" if oom else "err"
@@ -264,16 +265,15 @@ def main(argv=None):
   info.update(bandwidth_GBps=bw / 1e9, matmul_TFLOPs=rate / 1e12, dtype=dtype.name,
               per_seq_impl=per_seq_impl, heads=list(heads))
   rows = []
-  for g, p, c in configs:
+  for g, p, c in configs:  # files rewritten after every row: a cut-off run keeps its rows
     row = run_config(g, p, c, heads, dtype, impls, (bw, rate), args.trials, per_seq_impl)
     rows.append(row)
-    print(json.dumps({k: v for k, v in row.items() if not k.endswith("_error")}),
-          file=sys.stderr)
-  with open(os.path.join(args.out, "backward.json"), "w") as f:
-    json.dump({"info": info, "rows": rows}, f, indent=1)
-  md = to_markdown(rows, info)
-  with open(os.path.join(args.out, "backward.md"), "w") as f:
-    f.write(md)
+    print(json.dumps(row), file=sys.stderr)
+    with open(os.path.join(args.out, "backward.json"), "w") as f:
+      json.dump({"info": info, "rows": rows}, f, indent=1)
+    md = to_markdown(rows, info)
+    with open(os.path.join(args.out, "backward.md"), "w") as f:
+      f.write(md)
   print(md)
   return rows
 

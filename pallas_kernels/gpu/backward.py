@@ -114,8 +114,13 @@ def _dkv_kernel(lens_ref, row_info_ref, key_info_ref, q_ref, do_ref, lse_ref, de
       return work(carry)
     return lax.cond(jnp.max(mask.astype(jnp.int32)) > 0, work, lambda c: c, carry)
 
+  lo = 0
+  if mode == "suffix":  # rows that see no key of this tile (past the length, causal) skipped
+    n = lens_ref[z]
+    first_t = jnp.maximum(kt * bk - (n - tq), 0) if causal else 0
+    lo = jnp.where(kt * bk < n, jnp.minimum(first_t * group // block_rows, n_rows), n_rows)
   zeros = jnp.zeros((bk, dp), jnp.float32)
-  dk, dv = lax.fori_loop(0, n_rows, body, (zeros, zeros))
+  dk, dv = lax.fori_loop(lo, n_rows, body, (zeros, zeros))
   plgpu.store(dk_ref, (dk * scale).astype(dk_ref.dtype))
   plgpu.store(dv_ref, dv.astype(dv_ref.dtype))
 
@@ -144,7 +149,12 @@ def _dq_kernel(lens_ref, row_info_ref, key_info_ref, q_ref, do_ref, lse_ref, del
       return work(dq)
     return lax.cond(jnp.max(mask.astype(jnp.int32)) > 0, work, lambda d: d, dq)
 
-  dq = lax.fori_loop(0, n_keys, body, jnp.zeros((br, dp), jnp.float32))
+  hi = n_keys
+  if mode == "suffix":  # key tiles past the length, or past the tile's last causal query
+    n = lens_ref[z]
+    last = jnp.minimum(n, n - tq + (rt * br + br - 1) // group + 1) if causal else n
+    hi = jnp.clip(pl.cdiv(last, block_keys), 0, n_keys)
+  dq = lax.fori_loop(0, hi, body, jnp.zeros((br, dp), jnp.float32))
   plgpu.store(dq_ref, (dq * scale).astype(dq_ref.dtype))
 
 

@@ -42,9 +42,10 @@ class BackwardConfig:
   """How the backward runs.
 
   ``block_rows x block_keys``: the XLA path's tile per KV head. ``kernels``:
-  ``"xla"`` (chunked ``lax.scan``), ``"triton"`` (the Pallas GPU kernels of
-  :mod:`pallas_kernels.gpu.backward`, interpreted off a GPU), or None: the
-  family's own (Triton for the GPU families, XLA for the others).
+  ``"xla"`` (chunked ``lax.scan``), ``"triton"`` / ``"tpu"`` (the Pallas kernels
+  of :mod:`pallas_kernels.gpu.backward` / :mod:`pallas_kernels.tpu.backward`,
+  interpreted off their platform), or None: the family's own (Triton for the
+  GPU families, Mosaic TPU for ``pallas:tpu``, XLA for ``xla``).
   """
 
   block_rows: int = 256
@@ -56,8 +57,8 @@ class BackwardConfig:
       val = getattr(self, name)
       if not isinstance(val, int) or isinstance(val, bool) or val < 1:
         raise ValueError(f"BackwardConfig: {name} must be a positive int; got {val!r}")
-    if self.kernels not in (None, "xla", "triton"):
-      raise ValueError(f"BackwardConfig: kernels must be None, 'xla' or 'triton'; got "
+    if self.kernels not in (None, "xla", "triton", "tpu"):
+      raise ValueError(f"BackwardConfig: kernels must be None, 'xla', 'triton' or 'tpu'; got "
                        f"{self.kernels!r}")
 
 
@@ -100,6 +101,11 @@ def part_grads(q: Array, do: Array, lse: Array, delta: Array, k: Array, v: Array
     return gpu_backward.part_grads(q, do, lse, delta, k, v, scale=scale, row_seg=row_seg,
                                    key_seg=key_seg, lengths=lengths, causal=causal, group=group,
                                    tq=tq, sparse=row_seg is not None)
+  if config.kernels == "tpu":
+    from pallas_kernels.tpu import backward as tpu_backward
+    return tpu_backward.part_grads(q, do, lse, delta, k, v, scale=scale, row_seg=row_seg,
+                                   key_seg=key_seg, lengths=lengths, causal=causal, group=group,
+                                   tq=tq)
   z, h, r, d = q.shape
   nk, dv_dim = k.shape[1], v.shape[-1]
 
@@ -338,7 +344,8 @@ def differentiable(ops, reference_shared: Callable, config: BackwardConfig = Bac
   or the reference; each primitive gets the same backward on its own.
   """
   if config.kernels is None:
-    family = "triton" if ops.name in ("pallas:triton", "pallas:mosaic_gpu") else "xla"
+    family = {"pallas:triton": "triton", "pallas:mosaic_gpu": "triton",
+              "pallas:tpu": "tpu"}.get(ops.name, "xla")
     config = dataclasses.replace(config, kernels=family)
   shared_fwd = ops.shared_attention
   if shared_fwd is None:

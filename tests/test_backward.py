@@ -188,13 +188,16 @@ def _property(impl, dtypes, max_examples, config=None, tag=None, shapes=SHAPES):
 
 test_xla_small_tiles = _property("xla", ("float32", "bfloat16"), 300, SMALL,
                                  "backward xla (6x4 tiles)")
-# The public API's default tiles, and the kernel families' forwards (interpret mode on a CPU,
-# slow: few cases) feeding the same backward.
+# The public API's default tiles, and the kernel families (forward and backward kernels;
+# interpret mode on a CPU is slow: few cases).
 test_xla_api = _property("xla", ("float32", "bfloat16"), 30, shapes=SHAPES[1:3])
 
 
 @pytest.mark.parametrize("impl", ["pallas:triton", "pallas:tpu"])
-def test_kernel_forward_paths(impl):
+def test_kernel_paths(impl):
+  native = {"pallas:triton": "gpu", "pallas:tpu": "tpu"}[impl]
+  if jax.default_backend() not in ("cpu", native):
+    pytest.skip(f"{impl} runs on {native} or interpreted on a CPU")
   _property(impl, ("float32", "bfloat16"), 10, shapes=SHAPES[1:2])()
 
 

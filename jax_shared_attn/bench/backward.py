@@ -139,8 +139,10 @@ def floors(g, p, c, heads, itemsize, bandwidth, rate) -> dict:
   token_bytes = itemsize * d * (4 * hq + 4 * hkv)  # q, out, dO, dq and k, v, dk, dv
   ours_bytes = token_bytes * (p + g * c)
   seq_bytes = token_bytes * g * (p + c)
-  return dict(floor_us=max(ours_bytes / bandwidth, ours_flops / rate) * 1e6,
-              per_seq_floor_us=max(seq_bytes / bandwidth, seq_flops / rate) * 1e6,
+  ours = max(ours_bytes / bandwidth, ours_flops / rate)
+  seq = max(seq_bytes / bandwidth, seq_flops / rate)
+  # floor_ratio: the speedup over per_seq that the floors allow (both paths at their floor)
+  return dict(floor_us=ours * 1e6, per_seq_floor_us=seq * 1e6, floor_ratio=seq / ours,
               ours_gflop=ours_flops / 1e9, per_seq_gflop=seq_flops / 1e9)
 
 
@@ -214,7 +216,7 @@ def _fmt(x, digits=1):
 
 COLUMNS = [("G", 0), ("P", 0), ("C", 0), ("floor_us", 1), ("ours_us", 1), ("roofline", 2),
            ("ours_completions_us", 1), ("per_seq_us", 1), ("per_seq_floor_us", 1), ("xla_us", 1),
-           ("ours_xla_bwd_us", 1), ("speedup_vs_per_seq", 2), ("ours_bytes", 0), ("per_seq_bytes", 0),
+           ("ours_xla_bwd_us", 1), ("speedup_vs_per_seq", 2), ("floor_ratio", 2), ("ours_bytes", 0), ("per_seq_bytes", 0),
            ("memory_ratio", 3), ("err_per_seq", 4)]
 
 

@@ -258,3 +258,15 @@ def test_oracle_agrees_with_autodiff_of_float64_reference(data, shape, seed):
   for name, (dk, dv) in got.items():
     assert rel_err(dk, want[name][0].reshape(dk.shape)) <= 1e-10, name
     assert rel_err(dv, want[name][1].reshape(dv.shape)) <= 1e-10, name
+
+
+def test_one_wrong_sequence_is_caught():
+  """The per-sequence check rejects a gradient with one sequence 10% off, which a batch-wide
+  relative norm at 16-bit tolerance passes."""
+  rng = np.random.default_rng(3)
+  want = rng.normal(size=(64, 2, 4, 16))
+  got = want.copy()
+  got[5] *= 1.1
+  assert rel_err(got, want) <= tolerance("bfloat16")
+  assert per_seq_err(got, want) > tolerance("bfloat16")
+  assert per_seq_err(want, want) == 0.0

@@ -220,6 +220,7 @@ def decomposition_grads(q: Array, parts: Sequence[tuple], suffix_k: Optional[Arr
   ``(dq, [(dk, dv) per part], (dsuffix_k, dsuffix_v) or None)``.
   """
   b, tq, hq, _ = q.shape
+  dout = dout.astype(q.dtype)  # the products run in the input dtype; half the bytes for 16-bit
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   if dlse is not None:
     delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
@@ -279,7 +280,8 @@ def with_chunked_backward(forward: Callable, config: BackwardConfig = BackwardCo
 
     def fwd(q, arrs, sk, sv, lens):
       out, lse = run(q, arrs, sk, sv, lens)
-      return (out, lse), (q, arrs, sk, sv, lens, out, lse)
+      # O is kept in the input dtype (as FlashAttention keeps it): it only enters rowsum(dO * O)
+      return (out, lse), (q, arrs, sk, sv, lens, out.astype(q.dtype), lse)
 
     def bwd(res, ct):
       q, arrs, sk, sv, lens, out, lse = res

@@ -270,3 +270,36 @@ def test_one_wrong_sequence_is_caught():
   assert rel_err(got, want) <= tolerance("bfloat16")
   assert per_seq_err(got, want) > tolerance("bfloat16")
   assert per_seq_err(want, want) == 0.0
+
+
+def test_primitives_and_prior_vjp_equal_autodiff_of_the_reference():
+  """Each primitive alone (prefix, segments, suffix with and without a prior state) has the
+  chunked VJP; it equals autodiff of the reference primitive, the prior's gradient included."""
+  rng = np.random.default_rng(7)
+  b, tq, hq, hkv, d, p, n, t, s = 3, 2, 4, 2, 16, 11, 2, 5, 6
+  x = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  q, pk, pv, segk, segv, sk, sv = (x(b, tq, hq, d), x(p, hkv, d), x(p, hkv, d), x(n, t, hkv, d),
+                                   x(n, t, hkv, d), x(b, s, hkv, d), x(b, s, hkv, d))
+  prior = (x(b, tq, hq, d), x(b, tq, hq) + 1.0)
+  prior = (prior[0], prior[1].at[0, 0, 0].set(-jnp.inf))
+  seg_lens, nodes, lens = jnp.array([5, 0], jnp.int32), jnp.array([1, -1, 0], jnp.int32), \
+      jnp.array([6, 2, 0], jnp.int32)
+  ours = ops_lib.differentiable(ops_lib.XLA_OPS, bw.BackwardConfig(3, 4))
+  calls = {  # name: (f(ops, *args), args)
+      "prefix": (lambda o, q, k, v: o.prefix_attention(q, k, v, kv_length=jnp.int32(7),
+                                                       scale=0.3), (q, pk, pv)),
+      "segments": (lambda o, q, k, v: o.segment_attention(q, k, v, lengths=seg_lens,
+                                                          node_of_seq=nodes, scale=0.3),
+                   (q, segk, segv)),
+      "suffix": (lambda o, q, k, v: o.suffix_attention(q, k, v, kv_lengths=lens, causal=True,
+                                                       scale=0.3), (q, sk, sv)),
+      "suffix+prior": (lambda o, q, k, v, po, pl: o.suffix_attention(
+          q, k, v, kv_lengths=lens, causal=True, scale=0.3, prior=(po, pl)), (q, sk, sv, *prior)),
+  }
+  dout, dl = x(b, tq, hq, d), x(b, tq, hq)
+  for name, (f, args) in calls.items():
+    pulls = [jax.vjp(functools.partial(f, o), *args)[1] for o in (ours, ops_lib.XLA_OPS)]
+    got, want = (jax.tree.leaves(pull((dout, dl))) for pull in pulls)
+    for g, w in zip(got, want):
+      assert np.isfinite(np.asarray(g)).all(), name
+      assert rel_err(g, w) <= 1e-5, name

@@ -44,6 +44,18 @@ def _mask(mode, row_info, key_info, i, j, z, lens_ref, *, causal, group, tq, br,
   return ok
 
 
+def _tile_visible(mode, i, j, z, lens_ref, *, causal, group, tq, br, bk):
+  """False where no row of row block i sees a key of key block j (suffix mode: past the
+  length or past the block's last causal query); always True for segments."""
+  if mode == "segments":
+    return True
+  n = lens_ref[z]
+  ok = j * bk < n
+  if causal:
+    ok = jnp.logical_and(ok, j * bk <= n - tq + lax.div(i * br + br - 1, jnp.int32(group)))
+  return ok
+
+
 def _tile(q, k, v, do, lse, delta, mask, *, scale, prec):
   s = lax.dot_general(q, k, NT_DIMS, precision=prec, preferred_element_type=jnp.float32) * scale
   p = jnp.where(mask, jnp.exp(s - lse), 0.0)
@@ -60,15 +72,17 @@ def _dkv_kernel(lens_ref, row_info_ref, key_info_ref, q_ref, do_ref, lse_ref, de
     dk_acc[...] = jnp.zeros_like(dk_acc)
     dv_acc[...] = jnp.zeros_like(dv_acc)
 
-  reps = (1, k_ref.shape[0] // LANES)
-  mask = _mask(mode, row_info_ref[...], key_info_ref[...], i, j, z, lens_ref, **vis)
-  q, do = q_ref[...], do_ref[...]
-  p, ds = _tile(q, k_ref[...], v_ref[...], do, jnp.tile(lse_ref[...], reps),
-                jnp.tile(delta_ref[...], reps), mask, scale=scale, prec=prec)
-  dv_acc[...] += lax.dot(p.T.astype(do.dtype), do, precision=prec,
-                         preferred_element_type=jnp.float32)
-  dk_acc[...] += lax.dot(ds.T.astype(q.dtype), q, precision=prec,
-                         preferred_element_type=jnp.float32)
+  @pl.when(_tile_visible(mode, i, j, z, lens_ref, **vis))
+  def _accumulate():
+    reps = (1, k_ref.shape[0] // LANES)
+    mask = _mask(mode, row_info_ref[...], key_info_ref[...], i, j, z, lens_ref, **vis)
+    q, do = q_ref[...], do_ref[...]
+    p, ds = _tile(q, k_ref[...], v_ref[...], do, jnp.tile(lse_ref[...], reps),
+                  jnp.tile(delta_ref[...], reps), mask, scale=scale, prec=prec)
+    dv_acc[...] += lax.dot(p.T.astype(do.dtype), do, precision=prec,
+                           preferred_element_type=jnp.float32)
+    dk_acc[...] += lax.dot(ds.T.astype(q.dtype), q, precision=prec,
+                           preferred_element_type=jnp.float32)
 
   @pl.when(i == pl.num_programs(3) - 1)
   def _store():
@@ -84,13 +98,15 @@ def _dq_kernel(lens_ref, row_info_ref, key_info_ref, q_ref, do_ref, lse_ref, del
   def _init():
     dq_acc[...] = jnp.zeros_like(dq_acc)
 
-  reps = (1, k_ref.shape[0] // LANES)
-  mask = _mask(mode, row_info_ref[...], key_info_ref[...], i, j, z, lens_ref, **vis)
-  k = k_ref[...]
-  _, ds = _tile(q_ref[...], k, v_ref[...], do_ref[...], jnp.tile(lse_ref[...], reps),
-                jnp.tile(delta_ref[...], reps), mask, scale=scale, prec=prec)
-  dq_acc[...] += lax.dot(ds.astype(k.dtype), k, precision=prec,
-                         preferred_element_type=jnp.float32)
+  @pl.when(_tile_visible(mode, i, j, z, lens_ref, **vis))
+  def _accumulate():
+    reps = (1, k_ref.shape[0] // LANES)
+    mask = _mask(mode, row_info_ref[...], key_info_ref[...], i, j, z, lens_ref, **vis)
+    k = k_ref[...]
+    _, ds = _tile(q_ref[...], k, v_ref[...], do_ref[...], jnp.tile(lse_ref[...], reps),
+                  jnp.tile(delta_ref[...], reps), mask, scale=scale, prec=prec)
+    dq_acc[...] += lax.dot(ds.astype(k.dtype), k, precision=prec,
+                           preferred_element_type=jnp.float32)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _store():

@@ -26,63 +26,22 @@ imported only when asked for (data flows one way: API -> kernels).
 the ops the family returns; which kernels a call runs is decided by the family's
 ``dispatch`` module (:mod:`jax_shared_attn.dispatch` shows it, ``explain``).
 
-Kernels are wrapped so that ``jax.grad`` works: the backward pass is the
-VJP of the pure-JAX reference (recomputed), which is exact because both
-compute the same function.
+Every implementation, ``"xla"`` included, is wrapped so that ``jax.grad``
+runs the chunked backward of :mod:`jax_shared_attn.backward` from the merged
+output and LSE (the forward stays the family's own).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Callable
 
-import jax
 
 from jax_shared_attn import dispatch, reference
-from jax_shared_attn.dispatch import IMPLS
+from jax_shared_attn.dispatch import IMPLS  # noqa: F401  (re-exported)
 from pallas_kernels.interface import AttentionOps
 
 
 XLA_OPS = AttentionOps("xla", reference.prefix_attention, reference.segment_attention,
                        reference.suffix_attention)
-
-_STATIC_KWARGS = frozenset({"scale", "causal"})
-
-
-def _cast_like(ct, out):
-  """A kernel may return bf16 where the reference returns float32: match the pullback's dtype."""
-  return jax.tree.map(lambda c, o: c.astype(o.dtype), ct, out)
-
-
-def _with_reference_vjp(kernel: Callable, ref: Callable) -> Callable:
-  """Kernel forward, reference backward (kernels have no autodiff rules)."""
-
-  @functools.wraps(kernel)
-  def call(*args, **kwargs):
-    static = {k: v for k, v in kwargs.items() if k in _STATIC_KWARGS}
-    names = [k for k in kwargs if k not in _STATIC_KWARGS]
-    dynamic = [kwargs[k] for k in names]
-
-    def bind(fn, *xs):
-      n = len(args)
-      return fn(*xs[:n], **dict(zip(names, xs[n:])), **static)
-
-    @jax.custom_vjp
-    def f(*xs):
-      return bind(kernel, *xs)
-
-    def fwd(*xs):
-      return bind(kernel, *xs), xs
-
-    def bwd(xs, ct):
-      out, vjp = jax.vjp(lambda *ys: bind(ref, *ys), *xs)
-      return vjp(_cast_like(ct, out))
-
-    f.defvjp(fwd, bwd)
-    return f(*args, *dynamic)
-
-  return call
-
 
 def reference_shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale,
                                ops: AttentionOps = XLA_OPS):
@@ -100,46 +59,11 @@ def reference_shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, caus
                               scale=scale, prior=prior)
 
 
-def _shared_with_reference_vjp(kernel: Callable) -> Callable:
-  """``shared_attention`` forward from the kernels, backward from the XLA decomposition."""
-
-  def call(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale):
-    kinds = [p[0] for p in parts]
-    arrays = [p[1:] for p in parts]
-
-    def rebuild(arrs):
-      return [(kind,) + tuple(a) for kind, a in zip(kinds, arrs)]
-
-    @jax.custom_vjp
-    def f(q, arrs, sk, sv, lens):
-      return kernel(q, rebuild(arrs), sk, sv, kv_lengths=lens, causal=causal, scale=scale)
-
-    def fwd(*xs):
-      return f(*xs), xs
-
-    def bwd(xs, ct):
-      ref = lambda q, arrs, sk, sv, lens: reference_shared_attention(
-          q, rebuild(arrs), sk, sv, kv_lengths=lens, causal=causal, scale=scale)
-      out, vjp = jax.vjp(ref, *xs)
-      return vjp(_cast_like(ct, out))
-
-    f.defvjp(fwd, bwd)
-    return f(q, arrays, suffix_k, suffix_v, kv_lengths)
-
-  return call
-
-
-def differentiable(ops: AttentionOps) -> AttentionOps:
-  if ops is XLA_OPS:
-    return ops
-  shared = ops.shared_attention
-  return AttentionOps(
-      ops.name,
-      _with_reference_vjp(ops.prefix_attention, reference.prefix_attention),
-      _with_reference_vjp(ops.segment_attention, reference.segment_attention),
-      _with_reference_vjp(ops.suffix_attention, reference.suffix_attention),
-      _shared_with_reference_vjp(shared) if shared is not None else None,
-  )
+def differentiable(ops: AttentionOps, backward_config=None) -> AttentionOps:
+  """``ops`` with the chunked backward (:mod:`jax_shared_attn.backward`) as every VJP."""
+  from jax_shared_attn import backward
+  config = backward.BackwardConfig() if backward_config is None else backward_config
+  return backward.differentiable(ops, reference_shared_attention, config)
 
 
 def segment_alignment(impl: str = "auto") -> int:
@@ -165,7 +89,7 @@ def resolve(impl: str, fn: str, config=None) -> AttentionOps:
   family = dispatch.choose_family(impl, fn)
   dispatch.check_config(fn, family, config)
   if family == "xla":
-    return XLA_OPS
+    return differentiable(XLA_OPS)
   import pallas_kernels  # deferred: the core does not need the kernels for impl="xla"
 
   # Interpret mode vs native kernel is decided when lowering (platform_dependent).

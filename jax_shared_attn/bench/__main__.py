@@ -2,7 +2,8 @@
 
 import sys
 
-BENCHMARKS = {"attention": "jax_shared_attn.bench.attention"}
+BENCHMARKS = {"attention": "jax_shared_attn.bench.attention",
+              "backward": "jax_shared_attn.bench.backward"}
 
 
 def main(argv=None):

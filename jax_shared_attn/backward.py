@@ -1,0 +1,382 @@
+"""Chunked backward pass of the decomposition, from the merged output and LSE.
+
+Forward: every part i (the shared prefix, each tree level, the suffix) gives
+``(O_i, L_i)`` over its own keys and the parts are merged into ``(O, L)``.
+Backward (FlashAttention's, restricted to each part's keys): with the MERGED
+``O`` and ``L`` of a row, for the keys of any part::
+
+    P  = exp(scale * q.k - L)          (the row's probabilities over ALL keys)
+    D  = rowsum(dO * O) - dL           (dL: the cotangent of the returned LSE)
+    dV_part = P^T dO
+    dS = P * (dO V^T - D)
+    dQ += scale * dS K_part            (summed over the parts)
+    dK_part = scale * dS^T Q
+
+so no part needs its own ``(O_i, L_i)`` and nothing is recomputed through the
+merge. A shared part's dK/dV is ONE reduction over all the rows that read it
+(rows folded as in the forward: ``B * Tq * G`` per KV head); only the suffix
+is per sequence. Every product runs on ``block_rows x block_keys`` tiles
+(``lax.scan`` over row blocks, then key blocks): no score tensor larger than a
+tile exists. Rows with no visible key (``L = -inf``) get zero gradients.
+
+:func:`with_chunked_backward` wraps any forward of the decomposition (the
+kernels' or XLA's) in a ``jax.custom_vjp`` whose backward is this one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_shared_attn.reference import _precision
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+  """How the backward runs.
+
+  ``block_rows x block_keys``: the XLA path's tile per KV head. ``kernels``:
+  ``"xla"`` (chunked ``lax.scan``), ``"triton"`` / ``"tpu"`` (the Pallas kernels
+  of :mod:`pallas_kernels.gpu.backward` / :mod:`pallas_kernels.tpu.backward`,
+  interpreted off their platform), or None: the family's own (Triton for the
+  GPU families, Mosaic TPU for ``pallas:tpu``, XLA for ``xla``).
+  """
+
+  block_rows: int = 256
+  block_keys: int = 256
+  kernels: Optional[str] = None
+
+  def __post_init__(self):
+    for name in ("block_rows", "block_keys"):
+      val = getattr(self, name)
+      if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+        raise ValueError(f"BackwardConfig: {name} must be a positive int; got {val!r}")
+    if self.kernels not in (None, "xla", "triton", "tpu"):
+      raise ValueError(f"BackwardConfig: kernels must be None, 'xla', 'triton' or 'tpu'; got "
+                       f"{self.kernels!r}")
+
+
+def _pad_to(x: Array, axis: int, size: int) -> Array:
+  pad = size - x.shape[axis]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths)
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def part_grads(q: Array, do: Array, lse: Array, delta: Array, k: Array, v: Array, *,
+               scale: float, row_seg: Optional[Array] = None, key_seg: Optional[Array] = None,
+               lengths: Optional[Array] = None, causal: bool = False, group: int = 1,
+               tq: int = 1, config: BackwardConfig = BackwardConfig()):
+  """dQ, dK, dV of one part from the merged residuals, tile by tile.
+
+  Args:
+    q, do: ``[Z, H, R, D]`` rows (Z independent problems, H KV heads, R rows
+      each), in the input dtype.
+    lse, delta: float32 ``[Z, H, R]``: the merged LSE and ``rowsum(dO * O) - dL``.
+    k, v: ``[Z, K, H, D]`` the part's keys and values.
+    row_seg, key_seg: int32 ``[R]``, ``[K]`` (a shared part, ``Z = 1``): row r
+      sees key j iff ``row_seg[r] == key_seg[j]`` (-1: a row without the part,
+      -2: a key past its segment's length); or
+    lengths, causal, group, tq: the suffix (``Z = B``, ``R = Tq * G``): row r of
+      sequence z sees key j iff ``j < lengths[z]`` and, causal,
+      ``j <= lengths[z] - tq + r // group``.
+
+  Returns:
+    float32 ``dq [Z, H, R, D]``, ``dk, dv [Z, K, H, D]``.
+  """
+  if config.kernels == "triton":
+    from pallas_kernels.gpu import backward as gpu_backward  # deferred: kernels are optional
+    return gpu_backward.part_grads(q, do, lse, delta, k, v, scale=scale, row_seg=row_seg,
+                                   key_seg=key_seg, lengths=lengths, causal=causal, group=group,
+                                   tq=tq, sparse=row_seg is not None)
+  if config.kernels == "tpu":
+    from pallas_kernels.tpu import backward as tpu_backward
+    return tpu_backward.part_grads(q, do, lse, delta, k, v, scale=scale, row_seg=row_seg,
+                                   key_seg=key_seg, lengths=lengths, causal=causal, group=group,
+                                   tq=tq)
+  z, h, r, d = q.shape
+  nk, dv_dim = k.shape[1], v.shape[-1]
+
+  def visible(rows, keys):  # [Z or 1, 1, br, bk]
+    if row_seg is not None:
+      rs = row_seg[jnp.minimum(rows, r - 1)]
+      ks = key_seg[jnp.minimum(keys, nk - 1)]
+      return (rs[:, None] == ks[None, :])[None, None]
+    n = lengths[:, None, None, None]
+    ok = keys[None, None, None, :] < n
+    if causal:
+      ok = ok & (keys[None, None, None, :] <= n - tq + (rows // group)[None, None, :, None])
+    return ok
+
+  br = min(config.block_rows, max(r, 1))
+  bk = min(config.block_keys, max(nk, 1))
+  rp, kp = _cdiv(r, br) * br, _cdiv(nk, bk) * bk
+  if r == 0 or nk == 0:
+    return (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
+            jnp.zeros(v.shape, jnp.float32))
+  cdt = q.dtype
+  prec = _precision(cdt)
+  finite = jnp.isfinite(lse)
+  lse = jnp.where(finite, lse, 0.0)
+
+  def blocks(x, axis, size, b):  # [..., size, ...] -> [n, ..., b, ...]
+    x = _pad_to(x, axis, size)
+    x = x.reshape(x.shape[:axis] + (size // b, b) + x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
+
+  qb, dob = blocks(q, 2, rp, br), blocks(do.astype(cdt), 2, rp, br)
+  lb, db, fb = blocks(lse, 2, rp, br), blocks(delta, 2, rp, br), blocks(finite, 2, rp, br)
+  kb, vb = blocks(k, 1, kp, bk), blocks(v.astype(cdt), 1, kp, bk)
+  key_starts = jnp.arange(kp // bk, dtype=jnp.int32) * bk
+
+  def row_block(acc, xs):
+    q_i, do_i, l_i, d_i, f_i, r0 = xs
+    rows = r0 + jnp.arange(br, dtype=jnp.int32)
+
+    def key_block(dq, ys):
+      k_j, v_j, k0 = ys
+      keys = k0 + jnp.arange(bk, dtype=jnp.int32)
+      s = jnp.einsum("zhrd,zkhd->zhrk", q_i, k_j, precision=prec,
+                     preferred_element_type=jnp.float32) * scale
+      mask = visible(rows, keys) & (keys < nk)[None, None, None, :] & f_i[..., None]
+      p = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - l_i[..., None]), 0.0)
+      dv_j = jnp.einsum("zhrk,zhrd->zkhd", p.astype(cdt), do_i, precision=prec,
+                        preferred_element_type=jnp.float32)
+      dp = jnp.einsum("zhrd,zkhd->zhrk", do_i, v_j, precision=prec,
+                      preferred_element_type=jnp.float32)
+      ds = (p * (dp - d_i[..., None])).astype(cdt)
+      dq = dq + jnp.einsum("zhrk,zkhd->zhrd", ds, k_j, precision=prec,
+                           preferred_element_type=jnp.float32)
+      dk_j = jnp.einsum("zhrk,zhrd->zkhd", ds, q_i, precision=prec,
+                        preferred_element_type=jnp.float32)
+      return dq, (dk_j, dv_j)
+
+    dq0 = jnp.zeros((z, h, br, d), jnp.float32)
+    dq, (dk, dv) = lax.scan(key_block, dq0, (kb, vb, key_starts))
+    return (acc[0] + dk, acc[1] + dv), dq
+
+  acc0 = (jnp.zeros((kp // bk, z, bk, h, d), jnp.float32),
+          jnp.zeros((kp // bk, z, bk, h, dv_dim), jnp.float32))
+  row_starts = jnp.arange(rp // br, dtype=jnp.int32) * br
+  (dk, dv), dq = lax.scan(row_block, acc0, (qb, dob, lb, db, fb, row_starts))
+  dq = jnp.moveaxis(dq, 0, 2).reshape(z, h, rp, d)[:, :, :r] * scale
+  unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(z, kp, h, x.shape[-1])[:, :nk]
+  return dq, unblock(dk) * scale, unblock(dv)
+
+
+def _shared_rows(x: Array, hkv: int) -> Array:
+  """``[B, Tq, Hq, ...]`` -> ``[1, Hkv, B*Tq*G, ...]`` (the forward's folded rows)."""
+  b, t, hq = x.shape[:3]
+  x = x.reshape(b, t, hkv, hq // hkv, *x.shape[3:])
+  x = jnp.moveaxis(x, 2, 0)
+  return x.reshape(1, hkv, b * t * (hq // hkv), *x.shape[4:])
+
+
+def _unshared_rows(x: Array, b: int, t: int) -> Array:
+  hkv, rows = x.shape[1:3]
+  x = x.reshape(hkv, b, t, rows // (b * t), *x.shape[3:])
+  x = jnp.moveaxis(x, 0, 2)
+  return x.reshape(b, t, -1, *x.shape[4:])
+
+
+def _seq_rows(x: Array, hkv: int) -> Array:
+  """``[B, Tq, Hq, ...]`` -> ``[B, Hkv, Tq*G, ...]`` (one sequence's rows per KV head)."""
+  b, t, hq = x.shape[:3]
+  x = x.reshape(b, t, hkv, hq // hkv, *x.shape[3:])
+  x = jnp.moveaxis(x, 2, 1)
+  return x.reshape(b, hkv, t * (hq // hkv), *x.shape[4:])
+
+
+def _unseq_rows(x: Array, t: int) -> Array:
+  b, hkv, rows = x.shape[:3]
+  x = x.reshape(b, hkv, t, rows // t, *x.shape[3:])
+  x = jnp.moveaxis(x, 1, 2)
+  return x.reshape(b, t, -1, *x.shape[4:])
+
+
+def decomposition_grads(q: Array, parts: Sequence[tuple], suffix_k: Optional[Array],
+                        suffix_v: Optional[Array], *, kv_lengths: Optional[Array], causal: bool,
+                        scale: float, out: Array, lse: Array, dout: Array,
+                        dlse: Optional[Array] = None,
+                        config: BackwardConfig = BackwardConfig()):
+  """Gradients of the decomposition from its merged ``out [B,Tq,Hq,D]`` and ``lse [B,Tq,Hq]``.
+
+  ``parts`` as in :func:`jax_shared_attn.ops.reference_shared_attention`
+  (``("prefix", k [P,Hkv,D], v, length, None)`` /
+  ``("segments", k [N,T,Hkv,D], v, lengths [N], node_of_seq [B])``);
+  ``suffix_k = None`` means no suffix part. Returns float32
+  ``(dq, [(dk, dv) per part], (dsuffix_k, dsuffix_v) or None)``.
+  """
+  b, tq, hq, _ = q.shape
+  dout = dout.astype(q.dtype)  # the products run in the input dtype; half the bytes for 16-bit
+  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  if dlse is not None:
+    delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
+  lse = lse.astype(jnp.float32)
+  dq = jnp.zeros(q.shape, jnp.float32)
+  part_out = []
+  for kind, k, v, lengths, nodes in parts:
+    hkv = k.shape[-2]
+    g = hq // hkv
+    rows = [_shared_rows(x, hkv) for x in (q, dout, lse, delta)]
+    if kind == "prefix":
+      row_seg = jnp.zeros((b * tq * g,), jnp.int32)
+      key_seg = jnp.where(jnp.arange(k.shape[0]) < lengths, 0, -2)
+      kk, vv = k[None], v[None]
+    else:
+      n_seg, t_seg = k.shape[:2]
+      row_seg = jnp.repeat(nodes.astype(jnp.int32), tq * g)
+      key_seg = jnp.where(jnp.arange(t_seg)[None, :] < lengths[:, None],
+                          jnp.arange(n_seg)[:, None], -2).reshape(-1)
+      kk = k.reshape(1, n_seg * t_seg, hkv, k.shape[-1])
+      vv = v.reshape(1, n_seg * t_seg, hkv, v.shape[-1])
+    dq_p, dk, dv = part_grads(*rows, kk, vv, scale=scale, row_seg=row_seg, key_seg=key_seg,
+                              config=config)
+    dq = dq + _unshared_rows(dq_p, b, tq)
+    part_out.append((dk.reshape(k.shape), dv.reshape(v.shape)))
+  suffix = None
+  if suffix_k is not None:
+    hkv = suffix_k.shape[2]
+    rows = [_seq_rows(x, hkv) for x in (q, dout, lse, delta)]
+    dq_s, dk, dv = part_grads(*rows, suffix_k, suffix_v, scale=scale, lengths=kv_lengths,
+                              causal=causal, group=hq // hkv, tq=tq, config=config)
+    dq = dq + _unseq_rows(dq_s, tq)
+    suffix = (dk, dv)
+  return dq, part_out, suffix
+
+
+def with_chunked_backward(forward: Callable, config: BackwardConfig = BackwardConfig()):
+  """``forward`` (the decomposition: ``(q, parts, suffix_k, suffix_v, *, kv_lengths, causal,
+  scale) -> (out, lse)``) with the chunked backward as its VJP.
+
+  ``suffix_k = suffix_v = kv_lengths = None`` means no suffix part (then
+  ``forward`` is called with them as None). Integer inputs get no cotangent.
+  """
+
+  def call(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale):
+    kinds = tuple(p[0] for p in parts)
+    arrays = [tuple(p[1:]) for p in parts]
+
+    def rebuild(arrs):
+      return [(kind,) + tuple(a) for kind, a in zip(kinds, arrs)]
+
+    def run(q, arrs, sk, sv, lens):
+      out, lse = forward(q, rebuild(arrs), sk, sv, kv_lengths=lens, causal=causal, scale=scale)
+      return out.astype(jnp.float32), lse.astype(jnp.float32)
+
+    f = jax.custom_vjp(run)
+
+    def fwd(q, arrs, sk, sv, lens):
+      out, lse = run(q, arrs, sk, sv, lens)
+      # O is kept in the input dtype (as FlashAttention keeps it): it only enters rowsum(dO * O)
+      return (out, lse), (q, arrs, sk, sv, lens, out.astype(q.dtype), lse)
+
+    def bwd(res, ct):
+      q, arrs, sk, sv, lens, out, lse = res
+      dq, dparts, dsuffix = decomposition_grads(
+          q, rebuild(arrs), sk, sv, kv_lengths=lens, causal=causal, scale=scale, out=out,
+          lse=lse, dout=ct[0], dlse=ct[1], config=config)
+      darrs = [(dk.astype(a[0].dtype), dv.astype(a[1].dtype), None, None)
+               for (dk, dv), a in zip(dparts, arrs)]
+      dsk = dsv = None
+      if dsuffix is not None:
+        dsk, dsv = dsuffix[0].astype(sk.dtype), dsuffix[1].astype(sv.dtype)
+      return dq.astype(q.dtype), darrs, dsk, dsv, None
+
+    f.defvjp(fwd, bwd)
+    return f(q, arrays, suffix_k, suffix_v, kv_lengths)
+
+  return call
+
+
+def _suffix_with_prior(suffix_attention: Callable, config: BackwardConfig):
+  """``suffix_attention(..., prior=(out_p, lse_p))`` with the chunked VJP; the prior is a part
+  whose gradient follows from the merge: ``w = exp(lse_p - L)``, ``d out_p = w dO``,
+  ``d lse_p = w (dO . (out_p - O) + dL)``."""
+
+  def call(q, k, v, *, kv_lengths, causal, scale, prior):
+    @jax.custom_vjp
+    def f(q, k, v, lens, prior):
+      out, lse = suffix_attention(q, k, v, kv_lengths=lens, causal=causal, scale=scale,
+                                  prior=prior)
+      return out.astype(jnp.float32), lse.astype(jnp.float32)
+
+    def fwd(q, k, v, lens, prior):
+      out, lse = f(q, k, v, lens, prior)
+      return (out, lse), (q, k, v, lens, prior, out, lse)
+
+    def bwd(res, ct):
+      q, k, v, lens, (po, pl), out, lse = res
+      dout, dlse = ct
+      dq, _, (dk, dv) = decomposition_grads(q, [], k, v, kv_lengths=lens, causal=causal,
+                                            scale=scale, out=out, lse=lse, dout=dout, dlse=dlse,
+                                            config=config)
+      pl32 = pl.astype(jnp.float32)
+      w = jnp.where(jnp.isfinite(pl32), jnp.exp(pl32 - jnp.where(jnp.isfinite(lse), lse, 0.0)),
+                    0.0)
+      dpo = w[..., None] * dout.astype(jnp.float32)
+      dpl = w * (jnp.sum(dout * (po.astype(jnp.float32) - out), axis=-1) + dlse)
+      return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
+              (dpo.astype(po.dtype), dpl.astype(pl.dtype)))
+
+    f.defvjp(fwd, bwd)
+    return f(q, k, v, kv_lengths, prior)
+
+  return call
+
+
+def differentiable(ops, reference_shared: Callable, config: BackwardConfig = BackwardConfig()):
+  """``ops`` (an ``AttentionOps``) with the chunked backward as the VJP of every entry point.
+
+  The whole decomposition becomes ``ops.shared_attention`` (the family's own
+  fused forward where it has one, else ``reference_shared(..., ops=ops)``
+  built from its primitives), so ``jax.grad`` never differentiates a kernel
+  or the reference; each primitive gets the same backward on its own.
+  """
+  if config.kernels is None:
+    family = {"pallas:triton": "triton", "pallas:mosaic_gpu": "triton",
+              "pallas:tpu": "tpu"}.get(ops.name, "xla")
+    config = dataclasses.replace(config, kernels=family)
+  shared_fwd = ops.shared_attention
+  if shared_fwd is None:
+    shared_fwd = lambda *a, **kw: reference_shared(*a, **kw, ops=ops)
+  with_prior = _suffix_with_prior(ops.suffix_attention, config)
+
+  def one_part(kind, q, k, v, lengths, nodes, scale):
+    def fwd(q, parts, sk, sv, *, kv_lengths, causal, scale):
+      _, k, v, lengths, nodes = parts[0]
+      if kind == "prefix":
+        return ops.prefix_attention(q, k, v, kv_length=lengths, scale=scale)
+      return ops.segment_attention(q, k, v, lengths=lengths, node_of_seq=nodes, scale=scale)
+
+    return with_chunked_backward(fwd, config)(q, [(kind, k, v, lengths, nodes)], None, None,
+                                              kv_lengths=None, causal=False, scale=scale)
+
+  def prefix_attention(q, k, v, *, kv_length, scale):
+    return one_part("prefix", q, k, v, kv_length, None, scale)
+
+  def segment_attention(q, k, v, *, lengths, node_of_seq, scale):
+    return one_part("segments", q, k, v, lengths, node_of_seq, scale)
+
+  def suffix_attention(q, k, v, *, kv_lengths, causal, scale, prior=None):
+    if prior is not None:
+      return with_prior(q, k, v, kv_lengths=kv_lengths, causal=causal, scale=scale, prior=prior)
+    fwd = lambda q, parts, sk, sv, *, kv_lengths, causal, scale: ops.suffix_attention(
+        q, sk, sv, kv_lengths=kv_lengths, causal=causal, scale=scale)
+    return with_chunked_backward(fwd, config)(q, [], k, v, kv_lengths=kv_lengths, causal=causal,
+                                              scale=scale)
+
+  return type(ops)(ops.name, prefix_attention, segment_attention, suffix_attention,
+                   with_chunked_backward(shared_fwd, config))

@@ -33,8 +33,6 @@ output and LSE (the forward stays the family's own).
 
 from __future__ import annotations
 
-
-
 from jax_shared_attn import dispatch, reference
 from jax_shared_attn.dispatch import IMPLS  # noqa: F401  (re-exported)
 from pallas_kernels.interface import AttentionOps

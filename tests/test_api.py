@@ -163,23 +163,37 @@ def test_none_lengths_mean_full_buffers():
   assert rel_err(out, ref) <= 1e-5
 
 
-def test_default_impl_equals_xla_on_cpu():
+def test_default_impl_matches_the_oracle():
+  """impl="auto" (whatever the backend picks) against the float64 oracle, every sequence."""
   rng = np.random.default_rng(1)
-  q, _ = rand(rng, (2, 1, 8, 128), "bfloat16")
-  pk, _ = rand(rng, (33, 1, 128), "bfloat16")
-  sk, _ = rand(rng, (2, 7, 1, 128), "bfloat16")
-  a = shared_prefix_attention(q, pk, pk, sk, sk)
-  b = shared_prefix_attention(q, pk, pk, sk, sk, impl="xla")
-  np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  q, q64 = rand(rng, (2, 1, 8, 128), "bfloat16")
+  pk, pk64 = rand(rng, (33, 1, 128), "bfloat16")
+  pv, pv64 = rand(rng, (33, 1, 128), "bfloat16")
+  sk, sk64 = rand(rng, (2, 7, 1, 128), "bfloat16")
+  sv, sv64 = rand(rng, (2, 7, 1, 128), "bfloat16")
+  lens = np.array([7, 2], np.int32)
+  out, lse = shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=30, suffix_lengths=lens,
+                                     return_lse=True)
+  assert out.dtype == q.dtype
+  assert_close(out, lse, *oracle_tree(q64, [[pk64[:30]]] * 2, [[pv64[:30]]] * 2, sk64, sv64,
+                                      lens), "bfloat16")
 
 
-def test_shared_by_all_level_equals_prefix():
+def test_shared_by_all_level_matches_the_oracle():
+  """A level built by ``shared_by_all`` (the all_share fast path) and the same level without
+  the promise both give the oracle of the prefix followed by each suffix."""
   rng = np.random.default_rng(3)
-  q, _ = rand(rng, (3, 1, 4, 64), "float32")
-  pk, _ = rand(rng, (9, 2, 64), "float32")
-  sk, _ = rand(rng, (3, 4, 2, 64), "float32")
+  q, q64 = rand(rng, (3, 1, 4, 64), "float32")
+  pk, pk64 = rand(rng, (9, 2, 64), "float32")
+  pv, pv64 = rand(rng, (9, 2, 64), "float32")
+  sk, sk64 = rand(rng, (3, 4, 2, 64), "float32")
+  sv, sv64 = rand(rng, (3, 4, 2, 64), "float32")
   lens = np.array([4, 1, 2], np.int32)
-  a = shared_prefix_attention(q, pk, pk, sk, sk, prefix_length=7, suffix_lengths=lens, impl="xla")
-  level = SharedLevel.shared_by_all(pk, pk, batch_size=3, length=7)
-  b = hierarchical_attention(q, [level], sk, sk, suffix_lengths=lens, impl="xla")
-  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+  ref = oracle_tree(q64, [[pk64[:7]]] * 3, [[pv64[:7]]] * 3, sk64, sv64, lens)
+  level = SharedLevel.shared_by_all(pk, pv, batch_size=3, length=7)
+  assert level.all_share
+  plain = SharedLevel(level.k, level.v, level.lengths, level.node_of_seq)
+  for lvl in (level, plain):
+    out, lse = hierarchical_attention(q, [lvl], sk, sv, suffix_lengths=lens, impl="xla",
+                                      return_lse=True)
+    assert_close(out, lse, *ref, "float32")

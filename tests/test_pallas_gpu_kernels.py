@@ -514,21 +514,25 @@ def test_default_configs_fit_the_shared_memory(itemsize, head_dim):
 
 
 def test_mosaic_prefix_step_size():
-  """192-key steps where a split covers at least WIDE_MIN_KEYS keys (D <= 128), else 128 (64 at
-  D = 256); the switch turns them off; P need not be a multiple of the step, only of 128."""
-  import pallas_kernels.gpu as gpu
+  """The default Hopper prefix configs: every one fits a CTA's shared memory, steps are whole
+  wgmma tiles, key splits never outnumber the SMs' worth of tiles nor leave a split under 4
+  steps, and steps widen only with the keys per split (never at 2K keys, where wider steps were
+  slower); a prefix of any multiple of the alignment is supported."""
   from pallas_kernels.gpu import prefix_attention_mgpu as mg
-  cfg = mg.default_config
-  assert (cfg(4096, 8, 16384).block_kv, cfg(4096, 8, 16384).splits) == (192, 1)  # Llama, B=1024
-  assert (cfg(8192, 1, 16384).block_kv, cfg(8192, 1, 16384).splits) == (192, 2)  # paper, B=1024
-  assert cfg(4096, 8, 2048).block_kv == 128
-  assert cfg(256, 8, 16384).block_kv == 128  # 8 splits of 2K keys
-  assert cfg(4096, 8, 16384, head_dim=256).block_kv == 64
-  with gpu.wide_prefix_steps(0):
-    assert cfg(4096, 8, 16384).block_kv == 128
-  with gpu.wide_prefix_steps(2048):
-    assert cfg(4096, 8, 2048).block_kv == 192
-  assert mg.WIDE_MIN_KEYS == 8192
+  for d in (64, 128, 256):
+    for kv_heads in (1, 8):
+      last = 0
+      for prefix in (640, 2048, 4096, 8192, 16384, 65536):
+        for rows in (64, 256, 4096, 8192):
+          cfg = mg.default_config(rows, kv_heads, prefix, head_dim=d)
+          tiles = -(-rows // (2 * cfg.block_q)) * kv_heads
+          assert mg.smem_bytes(cfg, d) <= mg.SMEM_LIMIT, (cfg, d)
+          assert cfg.block_kv % 64 == 0 and cfg.max_concurrent_steps >= 2, cfg
+          assert cfg.splits == 1 or (cfg.splits * tiles <= 132
+                                     and prefix // cfg.splits >= 4 * cfg.block_kv), (cfg, rows)
+          assert cfg.block_kv <= 128 or prefix // cfg.splits > 2048, (cfg, prefix)
+        assert cfg.block_kv >= last, (cfg, prefix)  # rows fixed (8192): wider with more keys
+        last = cfg.block_kv
   assert mg.supported(jnp.bfloat16, 128, 16384) and mg.supported(jnp.bfloat16, 128, 640)
   assert not mg.supported(jnp.bfloat16, 128, 700) and mg.supported(jnp.bfloat16, 256, 448)
 

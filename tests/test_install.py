@@ -1,6 +1,7 @@
 """A non-editable wheel install works from outside the repository (the CLI and the packages)."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -18,8 +19,14 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
   wheels, site, away = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
   away.mkdir()
   pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-  subprocess.run(pip + ["wheel", ROOT, "--no-deps", "--no-build-isolation", "-w", str(wheels)],
-                 check=True, cwd=tmp_path, capture_output=True, timeout=300)
+  leftovers = [p for p in ("build", "hydragen_jax.egg-info")
+               if not os.path.exists(os.path.join(ROOT, p))]
+  try:
+    subprocess.run(pip + ["wheel", ROOT, "--no-deps", "--no-build-isolation", "-w", str(wheels)],
+                   check=True, cwd=tmp_path, capture_output=True, timeout=300)
+  finally:  # setuptools builds inside the checkout: leave it as it was
+    for p in leftovers:
+      shutil.rmtree(os.path.join(ROOT, p), ignore_errors=True)
   (wheel,) = wheels.glob("*.whl")
   subprocess.run(pip + ["install", "--no-deps", "--target", str(site), str(wheel)], check=True,
                  cwd=tmp_path, capture_output=True, timeout=300)

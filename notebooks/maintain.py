@@ -115,11 +115,11 @@ def store_executed(nb, values: dict, dest: Path) -> None:
     nb.cells[i] = nbformat.v4.new_markdown_cell(
         f"*The stored outputs below come from a run with {shown} in place of the defaults above "
         "(`notebooks/maintain.py execute`); run all cells for your own.*")
+    nb.cells[i].id = "stored-outputs-note"  # a fixed id: small diffs between runs
   else:
     del nb.cells[i]
   for cell in nb.cells:
     cell.get("metadata", {}).pop("execution", None)
-    cell.pop("id", None)
   nb.get("metadata", {}).pop("widgets", None)
   _write(dest, json.loads(nbformat.writes(nb)))
 

@@ -14,13 +14,14 @@ from strategies import rand
 def big_batch():
   """B = 512 bf16 sequences sharing a prefix, their outputs and the oracle's."""
   rng = np.random.default_rng(11)
-  b, hq, hkv, d, p, s = 512, 8, 1, 64, 96, 32
+  b, hq, hkv, d, p, s = 512, 8, 1, 64, 256, 32
   q, q64 = rand(rng, (b, 1, hq, d), "bfloat16")
   pk, pk64 = rand(rng, (p, hkv, d), "bfloat16")
   pv, pv64 = rand(rng, (p, hkv, d), "bfloat16")
   sk, sk64 = rand(rng, (b, s, hkv, d), "bfloat16")
   sv, sv64 = rand(rng, (b, s, hkv, d), "bfloat16")
   lens = rng.integers(1, s + 1, size=b).astype(np.int32)
+  lens[300] = 8  # the sequence whose suffix goes missing below: 8 of its 264 keys
   run = lambda lens: shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=lens, impl="xla",
                                              return_lse=True)
   ref = oracle_tree(q64, [[pk64]] * b, [[pv64]] * b, sk64, sv64, lens)
@@ -28,8 +29,8 @@ def big_batch():
 
 
 def test_one_wrong_sequence_among_512_is_caught(big_batch):
-  """Dropping one sequence's whole suffix hides in a batch-wide norm, not in the per-sequence
-  check, which names the sequence."""
+  """Dropping one sequence's whole suffix (8 keys after a 256-key prefix) hides in a
+  batch-wide norm, not in the per-sequence check, which names the sequence."""
   run, lens, (ref_out, ref_lse) = big_batch
   out, lse = run(lens)
   check_attention(out, lse, ref_out, ref_lse, "bfloat16")

@@ -107,15 +107,15 @@ def test_16bit_decoding_hydragen_equals_standard_per_step(tiny, dtype, impl):
   model = cast(tiny, dtype)
   shared = tokens(21, 3)
   prompts, counts = [shared + [8, 8], shared + [2]], [3, 2]
-  feed = np.asarray(generate(model, prompts, num_samples=counts, max_new_tokens=NEW, impl=impl))
+  feed = np.asarray(generate(model, prompts, num_samples=counts, max_new_tokens=4, impl=impl))
   hyd = step_logits(model, prompts, counts, feed, "hydragen", impl)
   std = step_logits(model, prompts, counts, feed, "standard", impl)
-  for i in range(NEW):
+  for i in range(feed.shape[1]):
     check_rows(hyd[i], std[i], 2 * tolerance(dtype), what=f"{dtype} step {i}")
   assert np.abs(hyd - std).max() > 0  # really two computations
 
 
-@settings(max_examples=6)
+@settings(max_examples=4)
 @given(data=st.data())
 def test_generate_over_random_prompt_trees_equals_each_prompt_alone(tiny, data):
   """Random trees of shared text (a root, branches, leaves; repeats and prompts that are

@@ -1,9 +1,12 @@
-"""Shared test settings: hypothesis profiles and a count of generated cases."""
+"""Shared test settings: hypothesis profiles, the attention path the oracle tests run
+(``--impl``), and a count of generated cases."""
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
+from jax_shared_attn.ops import IMPLS
 from strategies import CASES
 
 # Interpret-mode kernels and CPU compiles are slow per example; no deadline.
@@ -31,3 +34,24 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("-", f"property-test cases generated: {total}")
     for name, n in sorted(CASES.items()):
       terminalreporter.write_line(f"  {name}: {n}")
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+      "--impl", default=os.environ.get("HYDRAGEN_TEST_IMPL", "xla"), choices=IMPLS,
+      help="attention implementation the oracle tests (marker 'device') run: xla (default), or "
+      "auto on a GPU or TPU for its kernels natively (docs/gpu-tests.md); env HYDRAGEN_TEST_IMPL")
+
+
+@pytest.fixture(scope="session")
+def impl(request):
+  """The ``--impl`` the oracle tests pass to the attention API."""
+  return request.config.getoption("--impl")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Marks 'device' the tests that run the configured attention path: those taking the ``impl``
+  fixture, and the model tests (they use impl="auto", the kernels on a GPU or TPU)."""
+  for item in items:
+    if "impl" in getattr(item, "fixturenames", ()) or item.path.name.startswith("test_models_"):
+      item.add_marker(pytest.mark.device)

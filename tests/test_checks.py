@@ -7,6 +7,9 @@ import pytest
 
 from jax_shared_attn import (SharedLevel, attention_with_lse, hierarchical_attention,
                              shared_prefix_attention)
+from jax_shared_attn.ops import resolve
+from jax_shared_attn.testing import check_attention, oracle_full, oracle_tree
+from strategies import rand
 
 B, TQ, HQ, HKV, D, P, S = 2, 1, 4, 2, 64, 8, 5
 q = jnp.ones((B, TQ, HQ, D))
@@ -53,11 +56,43 @@ def test_errors_are_raised_at_trace_time_under_jit():
     f(jnp.ones((B, TQ, 3, D)))
 
 
-def test_traced_lengths_are_clamped_not_garbage():
-  """Lengths past capacity cannot be checked under jit: they are clamped to the capacity."""
-  f = jax.jit(lambda n: spa(prefix_length=n, suffix_lengths=jnp.array([S, S]) + n))
-  g = jax.jit(lambda: spa(prefix_length=P, suffix_lengths=jnp.array([S, S])))
-  np.testing.assert_array_equal(np.asarray(f(jnp.int32(100))), np.asarray(g()))
+@pytest.mark.parametrize("impl", ["xla", "pallas:triton", "pallas:tpu", "auto"])
+def test_traced_lengths_are_clamped_into_the_capacity(impl):
+  """Lengths outside [0, capacity] cannot be checked under jit: each is clamped into it, so
+  every path gives the oracle at the clamped lengths (random inputs, varied lengths: a
+  length clamped to the wrong value changes the output)."""
+  try:
+    resolve(impl, "test")
+  except ValueError:
+    pytest.skip(f"impl={impl!r} does not run on {jax.default_backend()}")
+  rng = np.random.default_rng(7)
+  b, hq, hkv, d, p, s, n, t = 3, 4, 2, 64, 8, 5, 2, 6
+  q, q64 = rand(rng, (b, 1, hq, d), "float32")
+  pk, pk64 = rand(rng, (p, hkv, d), "float32")
+  pv, pv64 = rand(rng, (p, hkv, d), "float32")
+  sk, sk64 = rand(rng, (b, s, hkv, d), "float32")
+  sv, sv64 = rand(rng, (b, s, hkv, d), "float32")
+  lk, lk64 = rand(rng, (n, t, hkv, d), "float32")
+  lv, lv64 = rand(rng, (n, t, hkv, d), "float32")
+  nodes = np.array([1, -1, 0], np.int32)
+  prefix = jax.jit(lambda n, lens: shared_prefix_attention(
+      q, pk, pv, sk, sv, prefix_length=n, suffix_lengths=lens, impl=impl, return_lse=True))
+  full = jax.jit(lambda lens: attention_with_lse(q, sk, sv, kv_lengths=lens, impl=impl))
+  tree = jax.jit(lambda seg, lens: hierarchical_attention(
+      q, [SharedLevel(lk, lv, seg, jnp.asarray(nodes))], sk, sv, suffix_lengths=lens, impl=impl,
+      return_lse=True))
+  for plen, slen, seg in [(100, [s + 3, 2, -4], [-2, t + 1]), (-5, [1, 2**30, s], [t, 2**31 - 1]),
+                          (p - 3, [-1, 0, 3], [3, -7])]:
+    slen, seg = np.array(slen, np.int32), np.array(seg, np.int32)
+    cp, cs, cseg = np.clip(plen, 0, p), np.clip(slen, 0, s), np.clip(seg, 0, t)
+    check_attention(*prefix(jnp.int32(plen), slen),
+                    *oracle_tree(q64, [[pk64[:cp]]] * b, [[pv64[:cp]]] * b, sk64, sv64, cs),
+                    "float32")
+    check_attention(*full(slen), *oracle_full(q64, sk64, sv64, cs), "float32")
+    segs_k = [[lk64[j, :cseg[j]]] if j >= 0 else [] for j in nodes]
+    segs_v = [[lv64[j, :cseg[j]]] if j >= 0 else [] for j in nodes]
+    check_attention(*tree(seg, slen), *oracle_tree(q64, segs_k, segs_v, sk64, sv64, cs),
+                    "float32")
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_shared_attn import attention_with_lse, merge_attention_states
-from jax_shared_attn.testing import lse_err, oracle_full, rel_err, tolerance
+from jax_shared_attn.testing import check_attention, lse_err, oracle_full, rel_err
 from strategies import DTYPES, SEEDS, count_case, rand
 
 part_jit = jax.jit(attention_with_lse, static_argnames=("causal", "impl", "scale"))
@@ -37,8 +37,7 @@ def test_merge_of_any_split_is_full_attention(data, seed, dtype, n_parts):
     lses.append(l)
   out, lse = merge_attention_states(outs, lses)
   ref_out, ref_lse = oracle_full(q64, k64, v64)
-  assert rel_err(out, ref_out) <= tolerance(dtype)
-  assert lse_err(lse, ref_lse) <= (1e-5 if dtype == "float32" else 1e-2)
+  check_attention(out, lse, ref_out, ref_lse, dtype)
 
 
 @settings(max_examples=100)

@@ -58,8 +58,15 @@ def test_generate_json_for_two_prompts_sharing_text(tiny_dir, capsys):
 def test_generate_text_output_and_standard_attention(tiny_dir, capsys):
   out = run_cli(capsys, "--model", tiny_dir, "--prompt", "hello", "--num-samples", "2",
                 "--max-new-tokens", "4", "--attention", "standard", "--seed", "3")
-  assert out.count("[sample ") == 2
   assert "attention=standard" in out and "tokens/s (decode only" in out
+  # Each sample's text is the library's sampled completion (the CLI's defaults: T 0.7, top-p 0.9).
+  model, tokenizer, _ = from_pretrained(tiny_dir)
+  expected = np.asarray(generate(model, tokenizer.encode("hello"), num_samples=2,
+                                 max_new_tokens=4, attention="standard", seed=3, temperature=0.7,
+                                 top_p=0.9))
+  assert out.count("[sample ") == 2
+  for i, row in enumerate(expected):
+    assert f"[sample {i}] {tokenizer.decode(row).strip()}\n" in out, (i, out)
 
 
 def test_missing_default_model_says_how_to_install_it(monkeypatch, capsys):

@@ -1,5 +1,6 @@
 """Generation: hydragen == standard == full-forward greedy; sharing trees; one jitted loop; capacity."""
 
+import functools
 import re
 
 import jax
@@ -23,19 +24,20 @@ def tiny():
   return random_init(config, seed=3, std=0.12)
 
 
-@nnx.jit
-def _last_logits(model, ids, lengths):
-  logits = model(ids)  # causal: the right padding is never seen by position lengths - 1
+@functools.partial(nnx.jit, static_argnames="skip_attention")
+def _last_logits(model, ids, lengths, skip_attention=False):
+  # causal: the right padding is never seen by position lengths - 1
+  logits = model(ids, skip_attention=skip_attention)
   return logits[jnp.arange(ids.shape[0]), lengths - 1]
 
 
-def greedy_reference(model, prompt, n):
+def greedy_reference(model, prompt, n, skip_attention=False):
   """Greedy decoding by re-running the plain full forward (no cache) for every token."""
   seq = np.zeros((1, 64), np.int32)
   seq[0, :len(prompt)] = prompt
   length = len(prompt)
   for _ in range(n):
-    logits = _last_logits(model, jnp.asarray(seq), jnp.asarray([length]))
+    logits = _last_logits(model, jnp.asarray(seq), jnp.asarray([length]), skip_attention)
     seq[0, length] = int(jnp.argmax(logits[0]))
     length += 1
   return seq[0, len(prompt):length]
@@ -126,11 +128,18 @@ def test_segment_buffers_padded_to_the_alignment_give_the_same_tokens(tiny, monk
   np.testing.assert_array_equal(padded, plain)
 
 
-def test_segment_alignment_is_one_off_hopper():
-  from jax_shared_attn.ops import segment_alignment, suffix_alignment
-  if jax.default_backend() == "cpu":
-    assert segment_alignment("auto") == segment_alignment("pallas:mosaic_gpu") == 1
-    assert suffix_alignment("auto", 8) == suffix_alignment("pallas:mosaic_gpu", 8) == 1
+def test_alignment_only_where_the_mosaic_kernel_runs_natively():
+  """Buffers are padded (segments to 128 tokens, own caches for G >= 8) exactly where the
+  Hopper kernel runs natively, on any backend; every other path takes any width."""
+  from jax_shared_attn.ops import IMPLS, resolve, segment_alignment, suffix_alignment
+  for impl in IMPLS:
+    try:
+      name = resolve(impl, "test").name
+    except ValueError:  # "pallas" needs a GPU or TPU
+      name = None
+    mosaic = jax.default_backend() == "gpu" and name == "pallas:mosaic_gpu"
+    assert segment_alignment(impl) == (128 if mosaic else 1), impl
+    assert suffix_alignment(impl, 1) == 1 and (suffix_alignment(impl, 8) > 1) == mosaic, impl
 
 
 def test_suffix_alignment_on_hopper_only_where_the_one_kernel_runs(monkeypatch):
@@ -184,10 +193,14 @@ def test_eos_pads_the_rest_and_ends_the_loop_early(tiny):
   assert int(state.step) == first + 1  # the while loop stopped when every sample was done
 
 
-def test_no_attention_mode_runs_without_kv(tiny):
-  out = np.asarray(generate(tiny, prompt_of(19, 0), num_samples=4, max_new_tokens=NEW,
-                            attention="none"))
-  assert out.shape == (4, NEW) and ((out >= 0) & (out < 256)).all()
+def test_no_attention_mode_is_the_model_without_attention(tiny):
+  """attention="none" skips every attention sublayer: its greedy tokens are the full forward's
+  with ``skip_attention`` (no cache, no K/V)."""
+  prompt = prompt_of(19, 0)
+  out = np.asarray(generate(tiny, prompt, num_samples=2, max_new_tokens=NEW, attention="none"))
+  np.testing.assert_array_equal(out, np.broadcast_to(
+      greedy_reference(tiny, prompt, NEW, skip_attention=True), (2, NEW)))
+  assert not np.array_equal(out[0], greedy_reference(tiny, prompt, NEW))
 
 
 def test_capacity_and_argument_errors_name_the_argument(tiny):

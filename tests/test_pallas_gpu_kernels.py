@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_attention
-from jax_shared_attn.testing import lse_err, oracle_full, oracle_tree, rel_err, tolerance
+from jax_shared_attn.testing import check_attention, lse_err, oracle_full, oracle_tree, rel_err, tolerance
 from pallas_kernels.gpu import prefix_attention, segment_attention, suffix_attention
 from pallas_kernels.gpu import _common
 from pallas_kernels.gpu.config import FusedDecodeOptions, GpuConfig, MosaicPrefixOptions
@@ -41,8 +41,7 @@ CASES = (
 
 def check(out, lse, ref_out, ref_lse, dtype):
   assert not np.isnan(np.asarray(out)).any()
-  assert rel_err(out, ref_out) <= tolerance(dtype), rel_err(out, ref_out)
-  assert lse_err(lse, ref_lse) <= (1e-5 if dtype == "float32" else 1e-2), lse_err(lse, ref_lse)
+  check_attention(out, lse, ref_out, ref_lse, dtype)
 
 
 def f64(x):
@@ -489,17 +488,29 @@ def test_default_configs_fit_the_shared_memory(itemsize, head_dim):
 
 
 def test_mosaic_prefix_step_size():
-  """192-key steps where a split covers at least ``wide_min_keys`` keys (D <= 128), else 128 (64
-  at D = 256); 0 turns them off; P need not be a multiple of the step, only of 128."""
+  """The default Hopper prefix configs: every one fits a CTA's shared memory, steps are whole
+  wgmma tiles, key splits never outnumber the SMs' worth of tiles nor leave a split under 4
+  steps, and steps widen only with the keys per split (never at 2K keys, where wider steps were
+  slower); a prefix of any multiple of the alignment is supported."""
   from pallas_kernels.gpu import prefix_attention_mgpu as mg
-  cfg = mg.default_config
-  assert (cfg(4096, 8, 16384).block_kv, cfg(4096, 8, 16384).splits) == (192, 1)  # Llama, B=1024
-  assert (cfg(8192, 1, 16384).block_kv, cfg(8192, 1, 16384).splits) == (192, 2)  # paper, B=1024
-  assert cfg(4096, 8, 2048).block_kv == 128
-  assert cfg(256, 8, 16384).block_kv == 128  # 8 splits of 2K keys
-  assert cfg(4096, 8, 16384, head_dim=256).block_kv == 64
-  assert cfg(4096, 8, 16384, options=MosaicPrefixOptions(wide_min_keys=0)).block_kv == 128
-  assert cfg(4096, 8, 2048, options=MosaicPrefixOptions(wide_min_keys=2048)).block_kv == 192
+  for d in (64, 128, 256):
+    for kv_heads in (1, 8):
+      last = 0
+      for prefix in (640, 2048, 4096, 8192, 16384, 65536):
+        for rows in (64, 256, 4096, 8192):
+          cfg = mg.default_config(rows, kv_heads, prefix, head_dim=d)
+          tiles = -(-rows // (2 * cfg.block_q)) * kv_heads
+          assert mg.smem_bytes(cfg, d) <= mg.SMEM_LIMIT, (cfg, d)
+          assert cfg.block_kv % 64 == 0 and cfg.max_concurrent_steps >= 2, cfg
+          assert cfg.splits == 1 or (cfg.splits * tiles <= 132
+                                     and prefix // cfg.splits >= 4 * cfg.block_kv), (cfg, rows)
+          assert cfg.block_kv <= 128 or prefix // cfg.splits > 2048, (cfg, prefix)
+        assert cfg.block_kv >= last, (cfg, prefix)  # rows fixed (8192): wider with more keys
+        last = cfg.block_kv
+  # The option is what decides: off keeps 128-key steps, a lower threshold widens them at 2K.
+  assert mg.default_config(4096, 8, 16384, options=MosaicPrefixOptions(wide_min_keys=0)).block_kv == 128
+  assert mg.default_config(4096, 8, 2048,
+                           options=MosaicPrefixOptions(wide_min_keys=2048)).block_kv == 192
   assert mg.supported(jnp.bfloat16, 128, 16384) and mg.supported(jnp.bfloat16, 128, 640)
   assert not mg.supported(jnp.bfloat16, 128, 700) and mg.supported(jnp.bfloat16, 256, 448)
 

@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_shared_attn.testing import lse_err, oracle_tree, rel_err, tolerance
+from jax_shared_attn.testing import check_attention, lse_err, oracle_tree, rel_err
 from pallas_kernels.tpu import BlockSizes, shared
 from strategies import SEEDS, count_case, lengths, rand
 
@@ -71,8 +71,7 @@ def test_shared_attention(data, seed, case):
   assert out.dtype == q.dtype and lse.dtype == jnp.float32 and lse.shape == (b, tq, hq)
   ref_out, ref_lse = oracle_tree(q64, seg_k, seg_v, sk64, sv64, slen, causal=causal)
   assert not np.isnan(np.asarray(out, np.float32)).any()
-  assert rel_err(np.asarray(out, np.float32), ref_out) <= tolerance(dtype)
-  assert lse_err(lse, ref_lse) <= (1e-5 if dtype == "float32" else 1e-2)
+  check_attention(np.asarray(out, np.float32), lse, ref_out, ref_lse, dtype)
 
 
 def test_merge_rows_is_the_lse_merge():

@@ -45,8 +45,13 @@ class Problem:
 
 
 def problems(rng: np.random.Generator, n: int) -> list[Problem]:
-  """``n`` single-digit additions (every prompt the same number of tokens: one compile)."""
-  return [Problem(int(rng.integers(1, 10)), int(rng.integers(1, 10))) for _ in range(n)]
+  """``n`` distinct single-digit additions.
+
+  Every prompt has the same number of tokens and no two are equal, so every step's
+  :class:`PromptTree` has the same shape (one compiled program for all steps).
+  """
+  pairs = rng.choice(81, size=n, replace=False)
+  return [Problem(int(p) // 9 + 1, int(p) % 9 + 1) for p in pairs]
 
 
 def reward(completion: str, answer: int) -> float:
@@ -149,7 +154,7 @@ def configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--prompts", type=int, default=4, help="problems per step")
   p.add_argument("--group-size", type=int, default=8, help="completions per problem (G)")
   p.add_argument("--max-new-tokens", type=int, default=8)
-  p.add_argument("--lr", type=float, default=3e-5)
+  p.add_argument("--lr", type=float, default=2e-5)
   p.add_argument("--kl-coef", type=float, default=0.0)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--eval-problems", type=int, default=32,

@@ -81,11 +81,16 @@ def default_optimizer(learning_rate: float = 1e-5) -> optax.GradientTransformati
 
 def init_train_state(model: Llama, optimizer: optax.GradientTransformation, *,
                      mesh=None) -> TrainState:
-  """The state to train ``model`` with ``optimizer``; on ``mesh``, laid out by its rules."""
+  """The state to train ``model`` with ``optimizer`` (a copy of its parameters).
+
+  On ``mesh``, the parameters and optimizer state are laid out by :mod:`models.sharding`.
+  """
   if mesh is not None:
     model = sharding_lib.shard_model(model, sharding_lib.make_mesh(mesh))
   graphdef, params = nnx.split(model)
-  # Eagerly: zeros_like keeps each parameter's sharding for the moments.
+  # A copy: train_step donates the state, and the caller's model must stay usable. Eagerly
+  # (no jit): the copies and the moments keep each parameter's sharding.
+  params = jax.tree.map(jnp.copy, params)
   return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32), graphdef)
 
 
@@ -211,5 +216,5 @@ def _train_step(state: TrainState, batch: GRPOBatch, reference, *, config: GRPOC
   params = optax.apply_updates(state.params, updates)
   rewards = batch.rewards.reshape(-1, config.group_size)
   metrics = dict(loss=loss, reward_mean=rewards.mean(), reward_std=rewards.std(axis=1).mean(),
-                 grad_norm=optax.global_norm(grads), **stats)
+                 grad_norm=optax.tree.norm(grads), **stats)
   return TrainState(params, opt_state, state.step + 1, state.graphdef), metrics

@@ -193,7 +193,8 @@ def _concatenated(prompts: PromptArrays, targets: Array) -> tuple[Array, Array]:
   with 0 (padding comes after every valid token: causal attention never sees it).
   """
   b, t = targets.shape
-  width = sum(prompts.widths) + 1 + t
+  # Whole blocks of 64 for flash-attention kernels (cuDNN); the padding comes after every token.
+  width = -(-(sum(prompts.widths) + 1 + t) // 64) * 64
   rows = jnp.zeros((b, width), jnp.int32)
   offset = jnp.zeros((b,), jnp.int32)
   cols = jnp.arange(width)[None, :]

@@ -56,12 +56,23 @@ def completions_for(tree, t, seed):
   return c
 
 
+class Frozen:
+  """A NumPy array as a hashable static argument of jit (by identity)."""
+
+  def __init__(self, array):
+    self.array = array
+
+  def __array__(self, dtype=None, copy=None):
+    return self.array
+
+
 def per_sequence_logprobs(model, tree, completions):
   """The oracle: each sample's prompt + completion as its own row of the plain model.
 
   Rows are built in NumPy and right-padded (causal attention never sees the padding), so
   the model runs once on ``[B, width]``; nothing of the prompt is shared between rows.
   """
+  completions = np.asarray(completions)
   b, t = completions.shape
   seqs = [tree.prompt(i) + [int(c) for c in completions[i] if c >= 0] for i in range(b)]
   rows = np.zeros((b, max(len(tree.prompt(i)) for i in range(b)) + t), np.int32)
@@ -88,9 +99,9 @@ def test_tree_has_the_shapes_the_test_means(tiny):
 def test_logprobs_equal_the_per_sequence_model(tiny, attention):
   tree = a_tree()
   comp = completions_for(tree, 5, 0)
-  expected = per_sequence_logprobs(tiny, tree, comp)
-  got = completion_logprobs(tiny, prompt_arrays(tree, pad_multiple=4), jnp.asarray(comp),
-                            attention=attention)
+  expected = nnx.jit(per_sequence_logprobs, static_argnums=(1, 2))(tiny, tree, Frozen(comp))
+  got = nnx.jit(completion_logprobs, static_argnames="attention")(
+      tiny, prompt_arrays(tree, pad_multiple=4), jnp.asarray(comp), attention=attention)
   assert got.shape == comp.shape and got.dtype == jnp.float32
   np.testing.assert_allclose(got, expected, atol=LOGP_ATOL, rtol=0)
   assert np.all(np.asarray(got)[comp < 0] == 0)
@@ -102,16 +113,21 @@ def test_logprob_gradients_equal_the_per_sequence_model(tiny):
   tree = a_tree()
   comp = completions_for(tree, 4, 1)
   weights = jnp.asarray(np.random.default_rng(2).standard_normal(comp.shape), jnp.float32)
-  pa = prompt_arrays(tree)
-  ours = nnx.grad(lambda m: jnp.sum(weights * completion_logprobs(m, pa, jnp.asarray(comp))))(tiny)
-  oracle = nnx.grad(lambda m: jnp.sum(weights * per_sequence_logprobs(m, tree, comp)))(tiny)
-  remat = nnx.grad(lambda m: jnp.sum(
-      weights * completion_logprobs(m, pa, jnp.asarray(comp), remat=True)))(tiny)
+  pa, c = prompt_arrays(tree), jnp.asarray(comp)
+  graphdef, params = nnx.split(tiny)
+  # The arrays enter as arguments (closed-over constants would meet concrete-value checks).
+  grad = lambda f: jax.jit(jax.grad(lambda p, pa, c: jnp.sum(
+      weights * f(nnx.merge(graphdef, p), pa, c))))(params, pa, c)
+  ours = grad(completion_logprobs)
+  oracle = grad(lambda m, pa, c: per_sequence_logprobs(m, tree, comp))
+  remat = grad(lambda m, pa, c: completion_logprobs(m, pa, c, remat=True))
   ours, oracle, remat = (jax.tree.leaves(nnx.to_pure_dict(g)) for g in (ours, oracle, remat))
+  # float32 sums over every row that reads a weight, in different orders (XLA fuses the
+  # recomputed forward differently): 1e-5 of the largest entry is ~100 ulps of it.
   for a, b, c in zip(ours, oracle, remat):
     scale = float(jnp.max(jnp.abs(b)))
     np.testing.assert_allclose(a, b, atol=1e-5 * scale, rtol=0)
-    np.testing.assert_allclose(c, a, atol=1e-6 * scale, rtol=0)
+    np.testing.assert_allclose(c, a, atol=1e-5 * scale, rtol=0)
   assert all(float(jnp.max(jnp.abs(g))) > 0 for g in ours)  # no parameter silently detached
 
 

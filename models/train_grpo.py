@@ -8,7 +8,7 @@ model's chat template), samples ``--group-size`` completions of each with
 a two-level :class:`PromptTree`), scores them (reward 1 when the completion's first integer
 is the sum, else 0) and takes one :func:`models.training.train_step` (optax AdamW) on the
 batch's log-probs, computed under the same prompt tree. Writes ``rewards.json`` (per step:
-mean reward, loss, KL, seconds; greedy accuracy on held-out problems before and after) and
+mean reward, loss, KL, seconds; greedy accuracy on a fixed set of problems before and after) and
 ``rewards.png`` under ``--out``.
 """
 
@@ -81,13 +81,13 @@ def run(model, tokenizer, *, steps: int, num_prompts: int, group_size: int,
   optimizer = default_optimizer(learning_rate)
   reference = nnx.split(model)[1] if kl_coef > 0 else None
   state = init_train_state(model, optimizer)
-  held_out = problems(np.random.default_rng(seed + 10_000), eval_problems)
+  eval_set = problems(np.random.default_rng(seed + 10_000), eval_problems)
 
-  def accuracy(model) -> float:  # greedy, one sample per held-out problem
-    out = np.asarray(generate(model, [encode(p) for p in held_out], max_new_tokens=max_new_tokens,
+  def accuracy(model) -> float:  # greedy, one sample per evaluation problem
+    out = np.asarray(generate(model, [encode(p) for p in eval_set], max_new_tokens=max_new_tokens,
                               eos_id=tokenizer.eos_id))
     return float(np.mean([reward(tokenizer.decode(row), p.answer)
-                          for row, p in zip(out, held_out)]))
+                          for row, p in zip(out, eval_set)]))
 
   record = dict(task="single-digit addition, reward 1 if the first integer is the sum",
                 steps=[], config=dict(steps=steps, num_prompts=num_prompts,
@@ -139,8 +139,12 @@ def plot(record: dict, path: str, *, window: int = 5) -> None:
     ax.plot(steps[window - 1:], smooth, "-", label=f"moving mean ({window} steps)")
   c = record["config"]
   ax.set(xlabel="GRPO step", ylabel="mean reward", ylim=(-0.02, 1.02),
-         title=f"SmolLM2-135M-Instruct, addition ({c['num_prompts']} prompts x "
-               f"{c['group_size']} samples per step)")
+         title=f"GRPO on addition: {c['num_prompts']} prompts x {c['group_size']} samples "
+               "per step")
+  if record.get("eval_before") is not None and record.get("eval_after") is not None:
+    ax.text(0.02, 0.95, f"greedy accuracy on {c['eval_problems']} fixed problems: "
+            f"{record['eval_before']:.2f} before, {record['eval_after']:.2f} after",
+            transform=ax.transAxes, fontsize=8, va="top")
   ax.legend(loc="lower right", fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -158,7 +162,7 @@ def configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--kl-coef", type=float, default=0.0)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--eval-problems", type=int, default=32,
-                 help="held-out problems for greedy accuracy before and after (0: none)")
+                 help="problems (a fixed draw) for greedy accuracy before and after (0: none)")
   p.add_argument("--out", required=True, help="folder for rewards.json and rewards.png")
   p.set_defaults(handler=main_args)
 

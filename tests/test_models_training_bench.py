@@ -6,7 +6,7 @@ from models.bench_train import main
 
 
 def test_bench_train_writes_json_and_markdown(tmp_path):
-  assert main(["--model", "tiny", "--layers", "2", "--prompt", "24", "--completion", "6",
+  assert main(["--model", "tiny", "--layers", "1", "--prompt", "24", "--completion", "6",
                "--group", "4", "--steps", "1", "--impl", "xla", "--dtype", "float32",
                "--out", str(tmp_path)]) == 0
   record = json.loads((tmp_path / "train.json").read_text())

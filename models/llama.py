@@ -104,6 +104,10 @@ class Attention(nnx.Module):
     xq, keys = apply_rope(xq, positions, inv_freq), apply_rope(keys, positions, inv_freq)
     if skip_attention:
       out = _no_attention(xq, keys, values)
+    elif cache is None and impl == "cudnn":  # the per-sequence flash baseline of benchmarks
+      if sharding is not None:
+        raise ValueError("impl='cudnn' (jax.nn.dot_product_attention) runs without a mesh only")
+      out = jax.nn.dot_product_attention(xq, keys, values, is_causal=True, implementation="cudnn")
     elif cache is None:
       out, _ = _per_shard(attention_with_lse, sharding)(xq, keys, values, causal=True, impl=impl)
     else:

@@ -292,7 +292,8 @@ def sample(logits: Array, keys: Array, params: SamplingParams,
     return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
 
   k = min(config.candidates, logits.shape[-1])
-  if k == 0 or (params.top_p is None and params.top_k is None) or not _partitionable_threefry():
+  top_k = params.top_k is not None and params.top_k < logits.shape[-1]
+  if k == 0 or not (top_k or params.top_p is not None) or not _partitionable_threefry():
     return full()
   ok, token = _candidate_draw(logits.astype(jnp.float32) / params.temperature, keys, params, k)
   return lax.cond(jnp.all(ok), lambda: token, full)

@@ -29,7 +29,7 @@ import os
 import sys
 import time
 
-from models.cli import register
+from models.cli import UsageError, register
 
 MODES = ("hydragen", "standard", "none")
 SWEEPS = {
@@ -255,13 +255,13 @@ def _run(args: argparse.Namespace) -> int:
   from models.config import preset
 
   if args.profile_steps < 0:
-    raise SystemExit(f"hydragen bench decode: --profile-steps must be >= 0; got {args.profile_steps}")
+    raise UsageError(f"--profile-steps must be >= 0; got {args.profile_steps}")
   if args.profile_top < 1:
-    raise SystemExit(f"hydragen bench decode: --profile-top must be >= 1; got {args.profile_top}")
+    raise UsageError(f"--profile-top must be >= 1; got {args.profile_top}")
   modes = args.modes.split(",")
   bad = set(modes) - set(MODES)
   if bad:
-    raise SystemExit(f"hydragen bench decode: --modes: unknown {sorted(bad)}; choose from {MODES}")
+    raise UsageError(f"--modes: unknown {sorted(bad)}; choose from {MODES}")
   sweep = SWEEPS[args.sweep]
   batches = args.batch or sweep["batch"]
   prefixes = args.prefix or sweep["prefix"]

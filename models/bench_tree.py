@@ -393,14 +393,14 @@ def _run(args: argparse.Namespace) -> int:
   modes = args.modes.split(",")
   bad = set(modes) - set(MODES)
   if bad:
-    raise SystemExit(f"hydragen bench tree: --modes: unknown {sorted(bad)}; choose from {MODES}")
+    raise cli.UsageError(f"--modes: unknown {sorted(bad)}; choose from {MODES}")
   if len(args.problem_tokens) not in (1, 2):
-    raise SystemExit("hydragen bench tree: --problem-tokens must be MIN,MAX (or one length)")
+    raise cli.UsageError("--problem-tokens must be MIN,MAX (or one length)")
   lo, hi = args.problem_tokens[0], args.problem_tokens[-1]
   if not 2 <= lo <= hi:
-    raise SystemExit("hydragen bench tree: --problem-tokens must satisfy 2 <= MIN <= MAX")
+    raise cli.UsageError("--problem-tokens must satisfy 2 <= MIN <= MAX")
   if args.new_tokens < 2 or args.samples < 1 or args.problems < 1 or args.shots < 1:
-    raise SystemExit("hydragen bench tree: --new-tokens >= 2, --samples, --problems, --shots >= 1")
+    raise cli.UsageError("--new-tokens >= 2, --samples, --problems, --shots >= 1")
   config = preset(args.model)
   longest = args.shots + hi + args.new_tokens
   config = config.replace(dtype=args.dtype,

@@ -35,6 +35,10 @@ HYDRAGEN_CONFIG = "hydragen_config.json"
 ORBAX_PARAMS = "params"
 
 
+class CheckpointError(ValueError):
+  """A checkpoint that cannot be read: missing, unreadable or malformed (the message starts with its path)."""
+
+
 class Pretrained(NamedTuple):
   """What :func:`from_pretrained` returns (unpacks as ``model, tokenizer, config``)."""
 
@@ -64,8 +68,29 @@ def from_pretrained(path: str, *, dtype: Optional[str] = None, progress: bool = 
   Returns:
     ``Pretrained(model, tokenizer, config)``; ``tokenizer`` is None when the
     checkpoint has none.
+
+  Raises:
+    CheckpointError: ``path`` is missing, unreadable or not a valid checkpoint.
   """
   path = os.fspath(path)
+  if not os.path.exists(path):
+    raise CheckpointError(f"{path}: no such file or directory")
+  try:
+    return _from_pretrained(path, dtype=dtype, progress=progress, mesh=mesh)
+  except CheckpointError:
+    raise
+  except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+    # gguf, safetensors and json report a damaged file in their own words; name the file.
+    detail = " ".join(str(e).split()) or type(e).__name__
+    raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: "
+                          f"{detail[:300]})") from e
+  except Exception as e:  # e.g. safetensors' SafetensorError (a plain Exception)
+    if type(e).__module__.split(".")[0] not in ("safetensors", "gguf", "json"):
+      raise
+    raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from e
+
+
+def _from_pretrained(path: str, *, dtype, progress, mesh) -> Pretrained:
   if os.path.isfile(path) and path.endswith(".gguf"):
     return load_gguf(path, dtype=dtype, progress=progress, mesh=mesh)
   if not os.path.isdir(path):

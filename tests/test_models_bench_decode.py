@@ -69,14 +69,13 @@ def test_bench_decode_markdown_profile_table():
   assert "| hydragen | 8 | 16 | 2.000 | 0.500 | 1.500 |" in md
 
 
-def test_bench_decode_rejects_negative_profile_steps(tmp_path):
-  import pytest
-  with pytest.raises(SystemExit, match="--profile-steps must be >= 0"):
-    main(["bench", "decode", "--model", "tiny", "--profile-steps", "-1", "--out", str(tmp_path)])
+def test_bench_decode_rejects_negative_profile_steps(tmp_path, capsys):
+  assert main(["bench", "decode", "--model", "tiny", "--profile-steps", "-1",
+               "--out", str(tmp_path)]) == 2
+  assert "--profile-steps must be >= 0" in capsys.readouterr().err
 
 
-def test_bench_decode_rejects_nonpositive_profile_top(tmp_path):
-  import pytest
-  with pytest.raises(SystemExit, match="--profile-top must be >= 1"):
-    main(["bench", "decode", "--model", "tiny", "--profile-steps", "1", "--profile-top", "0",
-          "--out", str(tmp_path)])
+def test_bench_decode_rejects_nonpositive_profile_top(tmp_path, capsys):
+  assert main(["bench", "decode", "--model", "tiny", "--profile-steps", "1", "--profile-top", "0",
+               "--out", str(tmp_path)]) == 2
+  assert "--profile-top must be >= 1" in capsys.readouterr().err

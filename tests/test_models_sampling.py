@@ -130,7 +130,7 @@ CASES = (
     (SamplerConfig(candidates=8, search_width=3), SamplingParams(0.7, top_k=6, top_p=0.8)),
     (SamplerConfig(candidates=8), SamplingParams(1.0, top_k=V)),
     (SamplerConfig(candidates=64), SamplingParams(1.0, top_k=70, top_p=0.999)),
-    (SamplerConfig(candidates=64), SamplingParams(0.7, top_p=0.9)),
+    (SamplerConfig(candidates=(8, 1024)), SamplingParams(0.7, top_p=0.9)),
     (SamplerConfig(candidates=64), SamplingParams(2.0, top_k=1)),
 )
 
@@ -227,9 +227,9 @@ def test_threshold_search_finds_the_exact_row_value():
 
 
 def test_default_configs_and_bad_configs():
-  assert default_sampler_config("cpu").candidates > 0
-  assert default_sampler_config("gpu").candidates == 0
-  for kwargs, name in ((dict(candidates=-1), "candidates"), (dict(search_width=0), "search_width"),
+  assert default_sampler_config("cpu").candidates == (64, 1024)
+  assert default_sampler_config("gpu").candidates == () == SamplerConfig(candidates=0).candidates
+  for kwargs, name in ((dict(candidates=-1), "candidates"), (dict(candidates=(64, 8)), "candidates"), (dict(search_width=0), "search_width"),
                        (dict(value_passes=-2), "value_passes")):
     with pytest.raises(ValueError, match=name):
       SamplerConfig(**kwargs)

@@ -82,13 +82,17 @@ def from_pretrained(path: str, *, dtype: Optional[str] = None, progress: bool = 
     raise
   except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
     # gguf, safetensors and json report a damaged file in their own words; name the file.
-    detail = " ".join(str(e).split()) or type(e).__name__
-    raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: "
-                          f"{detail[:300]})") from e
+    raise _unreadable(path, e) from e
   except Exception as e:  # e.g. safetensors' SafetensorError (a plain Exception)
     if type(e).__module__.split(".")[0] not in ("safetensors", "gguf", "json"):
       raise
-    raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from e
+    raise _unreadable(path, e) from e
+
+
+def _unreadable(path: str, e: Exception) -> CheckpointError:
+  kind = "GGUF file" if path.endswith(".gguf") and os.path.isfile(path) else "checkpoint"
+  detail = " ".join(str(e).split()) or type(e).__name__
+  return CheckpointError(f"{path}: not a readable {kind} ({type(e).__name__}: {detail[:300]})")
 
 
 def _from_pretrained(path: str, *, dtype, progress, mesh) -> Pretrained:

@@ -52,6 +52,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--top-p", type=float, default=0.9)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--impls", default=",".join(IMPLS), help="hydragen,transformers")
+  p.add_argument("--torch-threads", type=int, default=None,
+                 help="torch.set_num_threads for transformers (default: torch's own choice)")
   p.add_argument("--compile-cache", default=None, metavar="DIR",
                  help="as hydragen generate's (default: the user cache; '' disables it)")
   p.add_argument("--out", default="runs/compare")
@@ -166,6 +168,8 @@ def _run(args: argparse.Namespace) -> int:
   bad = sorted(set(impls) - set(IMPLS))
   if bad or not impls:
     raise UsageError(f"--impls: unknown {bad}; choose from {', '.join(IMPLS)}")
+  if args.torch_threads is not None and args.torch_threads < 1:
+    raise UsageError(f"--torch-threads must be >= 1; got {args.torch_threads}")
   if min(args.samples, default=0) < 1 or min(args.new_tokens, default=0) < 2:
     raise UsageError("--samples must be >= 1 and --new-tokens >= 2")
   try:
@@ -197,6 +201,8 @@ def _run(args: argparse.Namespace) -> int:
     if "transformers" in impls:
       import torch
       import transformers
+      if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
       info.update(transformers=transformers.__version__, torch=torch.__version__,
                   torch_threads=torch.get_num_threads())
     os.makedirs(args.out, exist_ok=True)

@@ -17,7 +17,10 @@ alone, then ``new_tokens - 2`` steps in ONE call of the same compiled
 program; tokens/s = batch * steps / time of that call. The per-step time of
 the 1-step call next to the long call's shows that no host round-trip
 happens per token. Points that do not fit in memory are reported as "x".
-Writes JSON, a Markdown table and PNG plots.
+Every point runs greedily and with the CLI's default sampling (temperature
+0.7, top-p 0.9; ``--sampling``): ``vs_greedy`` and ``sampler_share`` say
+what sampling costs a step (with ``--profile-steps``, also from the device
+time per step). Writes JSON, a Markdown table and PNG plots.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ import os
 import sys
 import time
 
-from models.cli import register
+from models.cli import UsageError, register
 
 MODES = ("hydragen", "standard", "none")
+# Decoding greedily and with the CLI's default sampling (hydragen generate: temperature 0.7, top-p 0.9).
+SAMPLINGS = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.9)}
 SWEEPS = {
     "batch": dict(batch=[32, 64, 128, 256, 512, 1024], prefix=[2048]),
     "prefix": dict(batch=[1024], prefix=[1024, 2048, 4096, 8192, 16384]),
@@ -52,6 +57,9 @@ def _configure_bench(d: argparse.ArgumentParser) -> None:
   d.add_argument("--new-tokens", type=int, default=128)
   d.add_argument("--question-tokens", type=int, default=32, help="document sweep: tokens per question")
   d.add_argument("--modes", default=",".join(MODES))
+  d.add_argument("--sampling", default=",".join(SAMPLINGS),
+                 help="greedy, sampled (temperature 0.7, top-p 0.9: the CLI's default) or both "
+                      "(default): every point runs once per choice")
   d.add_argument("--dtype", default="bfloat16")
   d.add_argument("--impl", default="auto", help="attention implementation (jax_shared_attn impl)")
   d.add_argument("--profile-steps", type=int, default=0,
@@ -121,12 +129,13 @@ def _is_oom(e: Exception) -> bool:
 
 def run_point(model, mode: str, batch: int, prefix: int, new_tokens: int, *, impl: str,
               question_tokens: int = 0, seed: int = 0, profile_steps: int = 0,
-              profile_top: int = 12) -> dict:
+              profile_top: int = 12, sampling: str = "greedy") -> dict:
   """One (mode, batch, prompt) point; see the module docstring for the method.
 
   ``profile_steps > 0``: after the timed run, that many more steps run under
   the profiler (the cache is sized for them) and the row gets their device
   time per step by kernel category and the ``profile_top`` busiest kernels (``profile``).
+  ``sampling``: a key of :data:`SAMPLINGS`.
   """
   import jax
   import numpy as np
@@ -134,7 +143,8 @@ def run_point(model, mode: str, batch: int, prefix: int, new_tokens: int, *, imp
   from models.generate import decode, prefill
 
   config = model.config
-  row = dict(mode=mode, batch=batch, prefix=prefix, new_tokens=new_tokens)
+  row = dict(mode=mode, sampling=sampling, batch=batch, prefix=prefix, new_tokens=new_tokens)
+  how = dict(impl=impl, **SAMPLINGS[sampling])
   if new_tokens < 4:
     raise ValueError("--new-tokens must be >= 4 (compile, one step, a timed run)")
   suffix = question_tokens + new_tokens
@@ -160,14 +170,14 @@ def run_point(model, mode: str, batch: int, prefix: int, new_tokens: int, *, imp
     jax.block_until_ready(state)
     row["prefill_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    state = jax.block_until_ready(decode(model, state, 1, impl=impl))
+    state = jax.block_until_ready(decode(model, state, 1, **how))
     row["compile_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    state = jax.block_until_ready(decode(model, state, 1, impl=impl))
+    state = jax.block_until_ready(decode(model, state, 1, **how))
     row["one_step_call_ms"] = (time.perf_counter() - t0) * 1e3
     steps = new_tokens - 2
     t0 = time.perf_counter()
-    state = jax.block_until_ready(decode(model, state, steps, impl=impl))
+    state = jax.block_until_ready(decode(model, state, steps, **how))
     dt = time.perf_counter() - t0
     row.update(steps=steps, decode_s=dt, step_ms=dt / steps * 1e3,
                tokens_per_s=batch * steps / dt)
@@ -179,7 +189,7 @@ def run_point(model, mode: str, batch: int, prefix: int, new_tokens: int, *, imp
       holder = [state]
 
       def run():
-        holder[0] = jax.block_until_ready(decode(model, holder[0], profile_steps, impl=impl))
+        holder[0] = jax.block_until_ready(decode(model, holder[0], profile_steps, **how))
 
       events = profile.device_events(run)
       state = holder[0]
@@ -195,6 +205,30 @@ def run_point(model, mode: str, batch: int, prefix: int, new_tokens: int, *, imp
   return row
 
 
+def add_ratios(rows) -> None:
+  """Ratios at the same point: against the ceiling, the baseline, and greedy decoding.
+
+  ``sampler_share``: the part of a sampled step that greedy decoding does not
+  spend, ``1 - step_ms(greedy) / step_ms(sampled)`` (``sampler_share_profiled``:
+  the same from the profiler's device time per step).
+  """
+  by = {(r["mode"], r.get("sampling", "greedy"), r["batch"], r["prefix"]): r for r in rows}
+  for r in rows:
+    key = (r.get("sampling", "greedy"), r["batch"], r["prefix"])
+    for base in ("none", "standard"):
+      other = by.get((base, *key), {}).get("tokens_per_s")
+      if isinstance(r.get("tokens_per_s"), float) and isinstance(other, float) and r["mode"] != base:
+        r[f"vs_{base}"] = r["tokens_per_s"] / other
+    if r.get("sampling") != "sampled":
+      continue
+    greedy = by.get((r["mode"], "greedy", r["batch"], r["prefix"]), {})
+    if isinstance(r.get("tokens_per_s"), float) and isinstance(greedy.get("tokens_per_s"), float):
+      r["vs_greedy"] = r["tokens_per_s"] / greedy["tokens_per_s"]
+      r["sampler_share"] = 1 - greedy["step_ms"] / r["step_ms"]
+    if "profile" in r and "profile" in greedy:
+      r["sampler_share_profiled"] = 1 - greedy["profile"]["busy_us"] / r["profile"]["busy_us"]
+
+
 def _plot(rows, sweep: str, path: str, title: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
@@ -203,15 +237,19 @@ def _plot(rows, sweep: str, path: str, title: str) -> None:
   x_key = {"batch": "batch", "prefix": "prefix", "document": "batch"}[sweep]
   y_key = "s_per_batch" if sweep == "document" else "tokens_per_s"
   fig, ax = plt.subplots(figsize=(6.5, 4.2))
-  for mode, style in zip(MODES, ("o-", "s--", "^:")):
+  lines = [(m, s) for m in MODES for s in SAMPLINGS if any(
+      r["mode"] == m and r.get("sampling", "greedy") == s for r in rows)]
+  for (mode, sampling), style in zip(lines, ("o-", "o:", "s--", "s:", "^-.", "^:")):
     # a point that did not fit has only tokens_per_s == "x" (no time per batch)
-    pts = sorted((r[x_key], r.get(y_key, r["tokens_per_s"])) for r in rows if r["mode"] == mode)
+    pts = sorted((r[x_key], r.get(y_key, r["tokens_per_s"])) for r in rows
+                 if r["mode"] == mode and r.get("sampling", "greedy") == sampling)
+    label = mode if len(SAMPLINGS) == 1 else f"{mode}, {sampling}"
     ok = [(x, y) for x, y in pts if isinstance(y, float)]
     if ok:
-      ax.plot(*zip(*ok), style, label=mode)
+      ax.plot(*zip(*ok), style, label=label)
     bad = [x for x, y in pts if y == "x"]
     if bad:
-      ax.plot(bad, [0] * len(bad), "rx", markersize=9, label=f"{mode}: does not fit")
+      ax.plot(bad, [0] * len(bad), "rx", markersize=9, label=f"{label}: does not fit")
   ax.set_xscale("log", base=2)
   ax.set_xlabel({"batch": "batch size", "prefix": "shared prompt length",
                  "document": "questions in the batch"}[sweep])
@@ -224,8 +262,9 @@ def _plot(rows, sweep: str, path: str, title: str) -> None:
 
 
 def _markdown(rows, info) -> str:
-  cols = ["mode", "batch", "prefix", "new_tokens", "tokens_per_s", "step_ms", "one_step_call_ms",
-          "s_per_batch", "vs_none", "vs_standard", "prefill_s", "compile_s"]
+  cols = ["mode", "sampling", "batch", "prefix", "new_tokens", "tokens_per_s", "step_ms",
+          "one_step_call_ms", "s_per_batch", "vs_none", "vs_standard", "vs_greedy",
+          "sampler_share", "prefill_s", "compile_s"]
   cols = [c for c in cols if any(c in r for r in rows)]
   fmt = lambda v: f"{v:.1f}" if isinstance(v, float) and abs(v) >= 10 else (
       f"{v:.3f}" if isinstance(v, float) else str(v))
@@ -237,13 +276,15 @@ def _markdown(rows, info) -> str:
   profiled = [r for r in rows if "profile" in r]
   if profiled:  # device time per step by kernel category (the profiler's, --profile-steps)
     cats = sorted({c for r in profiled for c in r["profile"]["by_category_us"]})
-    pcols = ["mode", "batch", "prefix", "device_ms_per_step"] + [f"{c}_ms" for c in cats]
+    pcols = ["mode", "sampling", "batch", "prefix", "device_ms_per_step"] + [
+        f"{c}_ms" for c in cats] + ["sampler_share_profiled"]
     lines += ["", "Device time per decode step by kernel category (profiler, ms):", "",
               "| " + " | ".join(pcols) + " |", "|" + "---|" * len(pcols)]
     for r in profiled:
       p = r["profile"]
-      vals = [r["mode"], r["batch"], r["prefix"], p["busy_us"] / 1e3]
+      vals = [r["mode"], r.get("sampling", "greedy"), r["batch"], r["prefix"], p["busy_us"] / 1e3]
       vals += [p["by_category_us"].get(c, 0.0) / 1e3 for c in cats]
+      vals += [r.get("sampler_share_profiled", "")]
       lines.append("| " + " | ".join(fmt(v) for v in vals) + " |")
   return "\n".join(lines) + "\n"
 
@@ -255,13 +296,13 @@ def _run(args: argparse.Namespace) -> int:
   from models.config import preset
 
   if args.profile_steps < 0:
-    raise SystemExit(f"hydragen bench decode: --profile-steps must be >= 0; got {args.profile_steps}")
+    raise UsageError(f"--profile-steps must be >= 0; got {args.profile_steps}")
   if args.profile_top < 1:
-    raise SystemExit(f"hydragen bench decode: --profile-top must be >= 1; got {args.profile_top}")
+    raise UsageError(f"--profile-top must be >= 1; got {args.profile_top}")
   modes = args.modes.split(",")
   bad = set(modes) - set(MODES)
   if bad:
-    raise SystemExit(f"hydragen bench decode: --modes: unknown {sorted(bad)}; choose from {MODES}")
+    raise UsageError(f"--modes: unknown {sorted(bad)}; choose from {MODES}")
   sweep = SWEEPS[args.sweep]
   batches = args.batch or sweep["batch"]
   prefixes = args.prefix or sweep["prefix"]
@@ -279,23 +320,22 @@ def _run(args: argparse.Namespace) -> int:
   info = dict(model=args.model, dtype=args.dtype, device=jax.devices()[0].device_kind,
               backend=jax.default_backend(), jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
               sweep=args.sweep, impl=args.impl)
-  points = [(m, b, p) for p in prefixes for b in batches for m in modes]
+  samplings = [x for x in args.sampling.split(",") if x]
+  bad = set(samplings) - set(SAMPLINGS)
+  if bad or not samplings:
+    raise UsageError(f"--sampling: unknown {sorted(bad)}; choose from {', '.join(SAMPLINGS)}")
+  points = [(m, b, p, s) for p in prefixes for b in batches for m in modes for s in samplings]
   rows = []
   stem = os.path.join(args.out, f"decode_{args.model}_{args.sweep}")
-  for mode, b, p in tqdm(points, desc=f"decode {args.sweep}", disable=args.no_progress,
+  for mode, b, p, sampling in tqdm(points, desc=f"decode {args.sweep}", disable=args.no_progress,
                          file=sys.stderr):
     rows.append(run_point(model, mode, b, p, args.new_tokens, impl=args.impl,
                           question_tokens=questions, profile_steps=args.profile_steps,
-                          profile_top=args.profile_top))
+                          profile_top=args.profile_top, sampling=sampling))
     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     with open(stem + ".json", "w") as f:
       json.dump(dict(info=info, rows=rows), f, indent=1)
-  by = {(r["mode"], r["batch"], r["prefix"]): r for r in rows}
-  for r in rows:  # ratios against the ceiling and the baseline at the same point
-    for base in ("none", "standard"):
-      other = by.get((base, r["batch"], r["prefix"]), {}).get("tokens_per_s")
-      if isinstance(r.get("tokens_per_s"), float) and isinstance(other, float) and r["mode"] != base:
-        r[f"vs_{base}"] = r["tokens_per_s"] / other
+  add_ratios(rows)
   with open(stem + ".json", "w") as f:
     json.dump(dict(info=info, rows=rows), f, indent=1)
   md = _markdown(rows, info)

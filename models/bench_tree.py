@@ -24,8 +24,8 @@ prefill is timed by running it again (compiled). Total time for the N problems
 = the measured batches plus the untimed ones at the mean of the measured full
 batches; a last batch with fewer problems is always measured (``--timed-batches
 0`` measures every batch; each batch's problem lengths differ, so each batch
-compiles anew). Greedy decoding (sampling adds the same cost to every mode),
-random bf16 weights of a named preset drawn on the device. Points that do not
+compiles anew). Every point runs greedily and with the CLI's default sampling
+(temperature 0.7, top-p 0.9; ``--sampling``): the ``sampling`` column. Random bf16 weights of a named preset drawn on the device. Points that do not
 fit are reported as "x" (by the memory estimate, or an out-of-memory error).
 Writes JSON, a Markdown table and a PNG like the paper's Figure 7.
 """
@@ -66,6 +66,9 @@ def configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--batch", type=_ints, default=[1, 2, 4, 8],
                  help="problems per batch to compare at equal batch (default 1,2,4,8)")
   p.add_argument("--modes", default=",".join(MODES))
+  p.add_argument("--sampling", default=",".join(bench_decode.SAMPLINGS),
+                 help="greedy, sampled (temperature 0.7, top-p 0.9: the CLI's default) or both "
+                      "(default)")
   p.add_argument("--memory-gb", type=float, default=None,
                  help="memory budget (default: the device's memory: JAX's allocator limit on a "
                  "GPU, the host's RAM on a CPU)")
@@ -239,8 +242,11 @@ def max_batch(config, mode: str, budget: int, num_problems: int, samples: int, s
 
 def run_point(model, data: Dataset, mode: str, b: int, *, samples: int, new_tokens: int,
               impl: str, budget: int, timed_batches: int = 1, seed: int = 0,
-              min_shared_tokens=None, on_batch=None) -> dict:
-  """One (mode, problems per batch) point: time per batch, total time, tokens/s."""
+              min_shared_tokens=None, on_batch=None, sampling: str = "greedy") -> dict:
+  """One (mode, problems per batch) point: time per batch, total time, tokens/s.
+
+  ``sampling``: a key of :data:`models.bench_decode.SAMPLINGS`.
+  """
   import jax
 
   from models.generate import decode
@@ -248,7 +254,9 @@ def run_point(model, data: Dataset, mode: str, b: int, *, samples: int, new_toke
   config = model.config
   batches = data.batches(b)
   longest = max(len(p) for p in data.problems)
-  row = dict(mode=mode, problems_per_batch=b, sequences=b * samples, batches=len(batches))
+  row = dict(mode=mode, sampling=sampling, problems_per_batch=b, sequences=b * samples,
+             batches=len(batches))
+  how = dict(impl=impl, **bench_decode.SAMPLINGS[sampling])
   need = memory_needed(config, mode, b, samples, len(data.shots), longest, new_tokens)
   row["est_GB"] = need / 1e9
   if need > HEADROOM * budget:
@@ -265,11 +273,11 @@ def run_point(model, data: Dataset, mode: str, b: int, *, samples: int, new_toke
       row.setdefault("first_prefill_s", time.perf_counter() - t0)  # compiles
       row["kv_GB"] = state.cache.nbytes / 1e9
       t0 = time.perf_counter()
-      state = jax.block_until_ready(decode(model, state, 1, impl=impl))
+      state = jax.block_until_ready(decode(model, state, 1, **how))
       row.setdefault("compile_s", time.perf_counter() - t0)
       steps = new_tokens - 1
       t0 = time.perf_counter()
-      state = jax.block_until_ready(decode(model, state, steps, impl=impl))
+      state = jax.block_until_ready(decode(model, state, steps, **how))
       dt = time.perf_counter() - t0
       state = None
       gc.collect()
@@ -307,7 +315,17 @@ def run_point(model, data: Dataset, mode: str, b: int, *, samples: int, new_toke
 # -- reports --------------------------------------------------------------------------------------
 
 def summarize(rows) -> list[str]:
-  """Two-level against single-level: at equal batch, and each at its largest batch."""
+  """Two-level against single-level, per sampling: at equal batch, and each at its largest batch."""
+  samplings = list(dict.fromkeys(r.get("sampling", "greedy") for r in rows))
+  lines = []
+  for sampling in samplings:
+    part = [r for r in rows if r.get("sampling", "greedy") == sampling]
+    prefix = f"{sampling}: " if len(samplings) > 1 else ""
+    lines += [prefix + line for line in _summarize(part)]
+  return lines
+
+
+def _summarize(rows) -> list[str]:
   ok = lambda r: isinstance(r.get("total_s"), float)
   by = {(r["mode"], r["problems_per_batch"]): r for r in rows if ok(r)}
   less = lambda two, single: (f"{100 * abs(1 - two / single):.1f}% "
@@ -329,7 +347,7 @@ def summarize(rows) -> list[str]:
 
 
 def _markdown(rows, info, summary) -> str:
-  cols = ["mode", "problems_per_batch", "sequences", "at_max_batch", "total_s", "batch_s",
+  cols = ["mode", "sampling", "problems_per_batch", "sequences", "at_max_batch", "total_s", "batch_s",
           "decode_s", "prefill_s", "tokens_per_s", "vs_single_level", "kv_GB", "est_GB",
           "timed_batches", "batches", "compile_s"]
   cols = [c for c in cols if any(c in r for r in rows)]
@@ -393,14 +411,19 @@ def _run(args: argparse.Namespace) -> int:
   modes = args.modes.split(",")
   bad = set(modes) - set(MODES)
   if bad:
-    raise SystemExit(f"hydragen bench tree: --modes: unknown {sorted(bad)}; choose from {MODES}")
+    raise cli.UsageError(f"--modes: unknown {sorted(bad)}; choose from {MODES}")
+  samplings = [x for x in args.sampling.split(",") if x]
+  bad = set(samplings) - set(bench_decode.SAMPLINGS)
+  if bad or not samplings:
+    raise cli.UsageError(f"--sampling: unknown {sorted(bad)}; choose from "
+                         f"{', '.join(bench_decode.SAMPLINGS)}")
   if len(args.problem_tokens) not in (1, 2):
-    raise SystemExit("hydragen bench tree: --problem-tokens must be MIN,MAX (or one length)")
+    raise cli.UsageError("--problem-tokens must be MIN,MAX (or one length)")
   lo, hi = args.problem_tokens[0], args.problem_tokens[-1]
   if not 2 <= lo <= hi:
-    raise SystemExit("hydragen bench tree: --problem-tokens must satisfy 2 <= MIN <= MAX")
+    raise cli.UsageError("--problem-tokens must satisfy 2 <= MIN <= MAX")
   if args.new_tokens < 2 or args.samples < 1 or args.problems < 1 or args.shots < 1:
-    raise SystemExit("hydragen bench tree: --new-tokens >= 2, --samples, --problems, --shots >= 1")
+    raise cli.UsageError("--new-tokens >= 2, --samples, --problems, --shots >= 1")
   config = preset(args.model)
   longest = args.shots + hi + args.new_tokens
   config = config.replace(dtype=args.dtype,
@@ -430,18 +453,19 @@ def _run(args: argparse.Namespace) -> int:
           at_max.add((mode, b))
           if (mode, b) not in points:
             points.append((mode, b))
+  points = [(m, b, s) for s in samplings for m, b in points]
   n_batches = lambda b: len(timed_batch_indices([len(x) for x in data.batches(b)],
                                                  args.timed_batches))
   rows = []
   stem = os.path.join(args.out, f"tree_{args.model}")
-  with tqdm(total=sum(n_batches(b) for _, b in points), desc="bench tree", unit="batch",
+  with tqdm(total=sum(n_batches(b) for _, b, _ in points), desc="bench tree", unit="batch",
             disable=args.no_progress, file=sys.stderr) as bar:
-    for mode, b in points:
-      bar.set_postfix_str(f"{mode} b={b}")
+    for mode, b, sampling in points:
+      bar.set_postfix_str(f"{mode} b={b} {sampling}")
       row = run_point(model, data, mode, b, samples=args.samples, new_tokens=args.new_tokens,
                       impl=args.impl, budget=budget, timed_batches=args.timed_batches,
                       seed=args.seed, min_shared_tokens=args.min_shared_tokens,
-                      on_batch=lambda: bar.update(1))
+                      on_batch=lambda: bar.update(1), sampling=sampling)
       row["at_max_batch"] = (mode, b) in at_max
       if row["total_s"] == "x":
         bar.update(n_batches(b))
@@ -455,7 +479,10 @@ def _run(args: argparse.Namespace) -> int:
   md = _markdown(rows, info, summary)
   with open(stem + ".md", "w") as f:
     f.write(md)
-  _plot(rows, stem + ".png", f"{args.model}: {args.problems} problems x {args.samples} samples, "
-        f"{info['device']}, {info['date']}")
+  for i, sampling in enumerate(samplings):  # the first sampling's plot keeps the plain name
+    _plot([r for r in rows if r["sampling"] == sampling],
+          stem + (".png" if i == 0 else f"_{sampling}.png"),
+          f"{args.model}: {args.problems} problems x {args.samples} samples, {sampling}, "
+          f"{info['device']}, {info['date']}")
   print(md)
   return 0

@@ -153,6 +153,8 @@ def _concrete_max(lengths: Array):
   """``max(lengths)`` as an int when the lengths are concrete (outside jit), else None."""
   if lengths.size == 0:
     return 0
+  if isinstance(lengths, jax.core.Tracer):  # no int(): its error costs ~50 ms per layer to build
+    return None
   try:
     return int(jnp.max(lengths))
   except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):

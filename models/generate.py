@@ -337,7 +337,9 @@ def _on_mesh(model: Llama, state: DecodeState, mesh):
   """``(model, state, mesh)`` laid out on ``mesh`` (default: the state's own mesh, if any)."""
   mesh = sharding_lib.mesh_of(state) if mesh is None else sharding_lib.make_mesh(mesh)
   if mesh is None:
-    return model, state, None
+    # Committed where it lives: a state fresh from prefill (uncommitted) and one a decode call
+    # returned (committed) would otherwise be two programs to compile.
+    return model, jax.device_put(state, next(iter(state.tokens.devices()))), None
   return sharding_lib.shard_model(model, mesh), sharding_lib.shard_state(state, mesh), mesh
 
 

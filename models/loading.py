@@ -36,6 +36,10 @@ HYDRAGEN_CONFIG = "hydragen_config.json"
 ORBAX_PARAMS = "params"
 
 
+class CheckpointError(ValueError):
+  """A checkpoint that cannot be read: missing, unreadable or malformed (the message starts with its path)."""
+
+
 class Pretrained(NamedTuple):
   """What :func:`from_pretrained` returns (unpacks as ``model, tokenizer, config``)."""
 
@@ -114,8 +118,34 @@ def from_pretrained(path: str, *, dtype: Optional[str] = None, progress: bool = 
   Returns:
     ``Pretrained(model, tokenizer, config)``; ``tokenizer`` is None when the
     checkpoint has none.
+
+  Raises:
+    CheckpointError: ``path`` is missing, unreadable or not a valid checkpoint.
   """
   path = os.fspath(path)
+  if not os.path.exists(path):
+    raise CheckpointError(f"{path}: no such file or directory (a .gguf file or a checkpoint "
+                          "directory is needed; this is neither)")
+  try:
+    return _from_pretrained(path, dtype=dtype, progress=progress, mesh=mesh)
+  except CheckpointError:
+    raise
+  except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+    # gguf, safetensors and json report a damaged file in their own words; name the file.
+    raise _unreadable(path, e) from e
+  except Exception as e:  # e.g. safetensors' SafetensorError (a plain Exception)
+    if type(e).__module__.split(".")[0] not in ("safetensors", "gguf", "json"):
+      raise
+    raise _unreadable(path, e) from e
+
+
+def _unreadable(path: str, e: Exception) -> CheckpointError:
+  kind = "GGUF file" if path.endswith(".gguf") and os.path.isfile(path) else "checkpoint"
+  detail = " ".join(str(e).split()) or type(e).__name__
+  return CheckpointError(f"{path}: not a readable {kind} ({type(e).__name__}: {detail[:300]})")
+
+
+def _from_pretrained(path: str, *, dtype, progress, mesh) -> Pretrained:
   if os.path.isfile(path) and path.endswith(".gguf"):
     return load_gguf(path, dtype=dtype, progress=progress, mesh=mesh)
   if not os.path.isdir(path):

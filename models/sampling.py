@@ -1,4 +1,4 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p (nucleus).
+"""Next-token sampling: greedy, temperature, top-k, top-p (nucleus), without a sort.
 
 Applied in transformers' order: logits / temperature, then top-k, then
 top-p on what is left, then one categorical draw per sequence.
@@ -7,7 +7,35 @@ top-p on what is left, then one categorical draw per sequence.
 * ``top_k = k``: keep the k largest logits (ties with the k-th are kept).
 * ``top_p = p``: keep the smallest set of most likely tokens whose total
   probability is >= p; the most likely token is always kept (ties with the
-  last kept token are kept too). ``p >= 1`` keeps everything.
+  last kept token are kept too). ``p >= 1`` keeps everything. Equivalently:
+  keep a token iff the probability of the tokens strictly more likely than it
+  is < p.
+
+Both filters are a threshold ``t`` per row (keep ``x >= t``): the largest
+logit ``c`` whose weight ``W(c) = sum of w(x) over x >= c`` reaches a target
+(``w = 1``, target k for top-k; ``w`` = probability, target p for top-p).
+:func:`sample` finds it without sorting the vocabulary:
+
+1. Candidates (``SamplerConfig.candidates``, e.g. K = 64 and then 1024):
+   ``lax.top_k(x, K)``. Where
+   every row's threshold lies strictly above its K-th candidate, every kept
+   token is a candidate; the weights are summed over the candidates and the
+   draw needs the Gumbel noise of the candidates only (computed at their
+   vocabulary positions, bit-identical to ``jax.random.categorical``'s).
+2. Otherwise (``lax.cond``, for the whole batch; after the last K): a threshold search over the
+   whole vocabulary. ``W`` is monotone in ``c``, so the threshold is found by
+   bisection over the float32 values, ``search_width`` trial thresholds per
+   pass over the row: a few passes on the values' range, then on the order of
+   their bit patterns, which ends on the exact row value in at most 32 / log2
+   (``search_width`` + 1) more passes; then ``jax.random.categorical`` over the
+   masked logits.
+
+Either way the kept set is the definition's (the sort-based
+:func:`filter_logits_reference`), and the draw is ``categorical`` over the
+same masked logits, so a seed gives the reference's tokens. The one
+difference: the top-p sums are float32 sums in another order, so a token
+whose strictly-more-likely mass is within float32 rounding of p may go
+either way (as it may between two sorts).
 
 Randomness: sequence b at step t draws with ``key(seed) -> fold_in(b) ->
 fold_in(t)`` (:func:`sampling_keys`), where b is the caller's sample index:
@@ -18,10 +46,11 @@ attention path or how many steps run per call.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 Array = jax.Array
@@ -36,14 +65,16 @@ class SamplingParams:
   top_p: Optional[float] = None
 
   def __post_init__(self):
-    if not self.temperature >= 0:
-      raise ValueError(f"sampling: temperature must be >= 0; got {self.temperature}")
+    if not self.temperature >= 0 or not np.isfinite(self.temperature):
+      raise ValueError(f"sampling: temperature must be finite and >= 0; got {self.temperature}")
     if self.top_k is not None and (int(self.top_k) != self.top_k or self.top_k < 1):
       raise ValueError(f"sampling: top_k must be a positive int or None; got {self.top_k}")
     if self.top_p is not None and not 0 < self.top_p <= 1:
       raise ValueError(f"sampling: top_p must lie in (0, 1] or be None; got {self.top_p}")
     object.__setattr__(self, "temperature", float(self.temperature))
-    if self.top_p is not None and self.top_p >= 1:  # keeps every token: no sort needed
+    if self.top_k is not None:
+      object.__setattr__(self, "top_k", int(self.top_k))
+    if self.top_p is not None and self.top_p >= 1:  # keeps every token: no search needed
       object.__setattr__(self, "top_p", None)
 
   @property
@@ -51,8 +82,52 @@ class SamplingParams:
     return self.temperature == 0
 
 
-def filter_logits(logits: Array, params: SamplingParams) -> Array:
-  """float32 ``[B, V]``: ``logits / temperature`` with dropped tokens at ``-inf``.
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  """How :func:`sample` finds the kept set (never what it is).
+
+  Attributes:
+    candidates: the K of the candidate path (``lax.top_k``), or several, tried in turn
+      (e.g. ``(64, 1024)``: 1024 only where 64 did not hold every row's kept set); 0 or
+      ``()`` skips it.
+    search_width: trial thresholds per pass of the threshold search (each
+      pass reads the row once and halves the interval ``search_width + 1``
+      times over).
+    value_passes: the first passes split the interval by value (fast on
+      smooth logits), the rest by bit pattern (exact in a bounded count).
+  """
+
+  candidates: Union[int, tuple[int, ...]] = (64, 1024)
+  search_width: int = 1
+  value_passes: int = 4
+
+  def __post_init__(self):
+    sizes = (self.candidates,) if np.ndim(self.candidates) == 0 else tuple(self.candidates)
+    if any(int(k) != k or k < 0 for k in sizes) or list(sizes) != sorted(sizes):
+      raise ValueError(f"SamplerConfig: {self.candidates=} must be ints >= 0, increasing")
+    object.__setattr__(self, "candidates", tuple(int(k) for k in sizes if k > 0))
+    if int(self.search_width) != self.search_width or self.search_width < 1:
+      raise ValueError(f"SamplerConfig: {self.search_width=} must be an int >= 1")
+    if int(self.value_passes) != self.value_passes or self.value_passes < 0:
+      raise ValueError(f"SamplerConfig: {self.value_passes=} must be an int >= 0")
+
+
+def default_sampler_config(platform: str) -> SamplerConfig:
+  """The configuration :func:`sample` uses on ``platform`` (``jax.default_backend()``).
+
+  CPU: ``lax.top_k`` is a cheap partial sort and one wide pass costs more than
+  several narrow ones. GPU/TPU: ``lax.top_k`` of more than a few elements is a
+  sort, and a pass is bound by reading the row, so a wide pass is nearly free.
+  """
+  if platform == "cpu":
+    return SamplerConfig(candidates=(64, 1024), search_width=1)
+  return SamplerConfig(candidates=0, search_width=15)
+
+
+# -- the reference (sorts the vocabulary) --------------------------------------------------------
+
+def filter_logits_reference(logits: Array, params: SamplingParams) -> Array:
+  """float32 ``[B, V]``: ``logits / temperature`` with dropped tokens at ``-inf`` (by sorting).
 
   Requires ``temperature > 0``.
   """
@@ -61,28 +136,187 @@ def filter_logits(logits: Array, params: SamplingParams) -> Array:
     kth = lax.top_k(logits, params.top_k)[0][:, -1:]  # [B, 1]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
   if params.top_p is not None:
-    logits = _top_p(logits, params.top_p)
+    ordered = -jnp.sort(-logits, axis=-1)  # [B, V] descending
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
+    keep = before < params.top_p  # a prefix of the sorted order; always holds the top token
+    threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < threshold, -jnp.inf, logits)
   return logits
 
 
-def _top_p(logits: Array, top_p: float) -> Array:
-  ordered = -jnp.sort(-logits, axis=-1)  # [B, V] descending
-  probs = jax.nn.softmax(ordered, axis=-1)
-  before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
-  keep = before < top_p  # a prefix of the sorted order; always holds the top token
-  threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
-  return jnp.where(logits < threshold, -jnp.inf, logits)
+def sample_reference(logits: Array, keys: Array, params: SamplingParams) -> Array:
+  """:func:`sample` through :func:`filter_logits_reference` (a full sort per row)."""
+  if params.greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  filtered = filter_logits_reference(logits, params)
+  return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+
+# -- the threshold search over the whole row -----------------------------------------------------
+
+def _order_keys(x: Array) -> Array:
+  """int32 keys of float32 values, in the values' order (-0.0 just below +0.0)."""
+  bits = lax.bitcast_convert_type(x, jnp.int32)
+  return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _from_order_keys(k: Array) -> Array:
+  return lax.bitcast_convert_type(jnp.where(k < 0, k ^ jnp.int32(0x7FFFFFFF), k), jnp.float32)
+
+
+def threshold_search(x: Array, weights: Array, target, config: SamplerConfig) -> Array:
+  """float32 ``[B, 1]``: per row the largest value ``c`` of ``x`` with ``sum(weights[x >= c]) >= target``.
+
+  The row's smallest finite value where no value qualifies. ``x``: float32
+  ``[B, V]`` (-inf allowed, not NaN); ``weights`` >= 0 of the same shape.
+  Invariant per row: the answer's key lies in ``[lo, hi)``; ``lo`` qualifies
+  (or is the row minimum), ``hi`` does not. Ends when ``hi == lo + 1``.
+  """
+  m = config.search_width
+  lo = _order_keys(jnp.min(jnp.where(jnp.isfinite(x), x, jnp.inf), axis=-1))
+  hi = _order_keys(jnp.max(x, axis=-1)) + 1
+  j = jnp.arange(1, m + 1, dtype=jnp.uint32)
+  gap = lambda lo, hi: lax.bitcast_convert_type(hi - lo, jnp.uint32)  # no int32 overflow
+
+  def running(carry):
+    i, lo, hi = carry
+    return (i < config.value_passes + 33) & jnp.any(gap(lo, hi) > 1)
+
+  def one_pass(carry):
+    i, lo, hi = carry
+    d = gap(lo, hi)
+    step = jnp.maximum(d // (m + 1), 1)
+    offset = step[:, None] * j
+    by_key = jnp.where(offset < d[:, None],
+                       lo[:, None] + lax.bitcast_convert_type(offset, jnp.int32), hi[:, None])
+    vlo, vhi = _from_order_keys(lo)[:, None], _from_order_keys(hi)[:, None]
+    by_value = jnp.clip(_order_keys(vlo + (vhi - vlo) * (j.astype(jnp.float32) / (m + 1))),
+                        lo[:, None] + 1, hi[:, None])
+    trial = jnp.where(i < config.value_passes, by_value, by_key)  # [B, m] keys in (lo, hi]
+    c = _from_order_keys(trial)
+    if m == 1:  # one plain reduction: what a CPU vectorises best
+      w = jnp.sum(jnp.where(x >= c, weights, 0), axis=-1, keepdims=True)
+    else:
+      w = jnp.sum(jnp.where(x[:, :, None] >= c[:, None, :], weights[:, :, None], 0), axis=1)
+    ok = (w >= target) & (trial < hi[:, None])
+    lo = jnp.max(jnp.where(ok, trial, lo[:, None]), axis=1)
+    hi = jnp.min(jnp.where(ok, hi[:, None], trial), axis=1)
+    return i + 1, lo, hi
+
+  _, lo, _ = lax.while_loop(running, one_pass, (jnp.int32(0), lo, hi))
+  return _from_order_keys(lo)[:, None]
+
+
+def filter_logits(logits: Array, params: SamplingParams,
+                  config: Optional[SamplerConfig] = None) -> Array:
+  """:func:`filter_logits_reference` by threshold search (no sort). Requires ``temperature > 0``."""
+  config = config or default_sampler_config(jax.default_backend())
+  x = logits.astype(jnp.float32) / params.temperature
+  if params.top_k is not None and params.top_k < x.shape[-1]:
+    t = threshold_search(x, jnp.ones(x.shape, jnp.int32), params.top_k, config)
+    x = jnp.where(x < t, -jnp.inf, x)
+  if params.top_p is not None:
+    t = threshold_search(x, jax.nn.softmax(x, axis=-1), jnp.float32(params.top_p), config)
+    x = jnp.where(x < t, -jnp.inf, x)
+  return x
+
+
+# -- the candidate path ---------------------------------------------------------------------------
+
+def _partitionable_threefry() -> bool:
+  """Whether a key's bits at position i are threefry(key, i) (what ``_gumbel_at`` computes)."""
+  return bool(jax.config.jax_threefry_partitionable) and (
+      str(jax.config.jax_default_prng_impl) == "threefry2x32")
+
+
+def _gumbel_at(keys: Array, idx: Array) -> Array:
+  """float32 ``[B, K]``: ``jax.random.gumbel(keys[b], (V,))[idx[b]]`` without the other V - K draws."""
+  from jax.extend.random import threefry2x32_p
+
+  data = jax.random.key_data(keys)  # uint32 [B, 2]
+  k1 = jnp.broadcast_to(data[:, :1], idx.shape)
+  k2 = jnp.broadcast_to(data[:, 1:], idx.shape)
+  b1, b2 = threefry2x32_p.bind(k1, k2, jnp.zeros(idx.shape, jnp.uint32), idx.astype(jnp.uint32))
+  bits = b1 ^ b2
+  # jax.random.uniform(minval=tiny, maxval=1), then -log(-log(u)), step for step.
+  one = np.array(1.0, np.float32).view(np.uint32)
+  floats = lax.bitcast_convert_type((bits >> np.uint32(9)) | one, jnp.float32) - 1.0
+  tiny = jnp.float32(np.finfo(np.float32).tiny)
+  u = lax.max(tiny, floats * (jnp.float32(1.0) - tiny) + tiny)
+  return -jnp.log(-jnp.log(u))
+
+
+def _candidate_draw(x: Array, keys: Array, params: SamplingParams, k: int):
+  """(ok bool ``[B]``, token int32 ``[B]``): the draw from the top-k candidates, where they hold the kept set."""
+  # The barrier keeps XLA from folding later slices of the result into the top-k, which turns
+  # it back into a full sort on the CPU.
+  vals, idx = lax.optimization_barrier(lax.top_k(x, k))  # [B, K], descending
+  last = vals[:, -1:]
+  keep = jnp.ones(vals.shape, bool)
+  ok = jnp.ones(x.shape[:1], bool)
+  masked = x
+  if params.top_k is not None and params.top_k < x.shape[-1]:
+    if params.top_k > k:  # the k-th value is not among the candidates
+      kth, ok = last, jnp.zeros_like(ok)
+    else:
+      kth = vals[:, params.top_k - 1:params.top_k]
+      ok &= kth[:, 0] > last[:, 0]
+    keep = vals >= kth
+    masked = jnp.where(x < kth, -jnp.inf, x)
+  if params.top_p is not None:
+    top = vals[:, :1]
+    total = jnp.sum(jnp.exp(masked - top), axis=-1, keepdims=True)  # softmax's denominator
+    probs = jnp.where(keep, jnp.exp(vals - top) / total, 0.0)
+    # W(c) at each candidate value c: the mass of every candidate >= c, i.e. the running sum
+    # at the end of c's group of ties (a reverse running minimum of the group ends' sums).
+    ends = jnp.concatenate([vals[:, :-1] > vals[:, 1:], jnp.ones_like(vals[:, :1], bool)], axis=1)
+    mass = lax.cummin(jnp.where(ends, jnp.cumsum(probs, axis=1), jnp.inf), axis=1, reverse=True)
+    reach = keep & (mass >= jnp.float32(params.top_p))
+    t = jnp.max(jnp.where(reach, vals, -jnp.inf), axis=1, keepdims=True)
+    keep &= vals >= t
+    ok &= t[:, 0] > last[:, 0]
+  if k == x.shape[-1]:  # every token is a candidate
+    ok = jnp.ones_like(ok)
+  score = jnp.where(keep, vals + _gumbel_at(keys, idx), -jnp.inf)
+  best = jnp.max(score, axis=1, keepdims=True)
+  # argmax's rule: of equal scores the lowest vocabulary index wins.
+  token = jnp.min(jnp.where(score == best, idx, x.shape[-1]), axis=1)
+  return ok, token.astype(jnp.int32)
+
+
+def sample(logits: Array, keys: Array, params: SamplingParams,
+           config: Optional[SamplerConfig] = None) -> Array:
+  """int32 ``[B]``: the next token of each sequence from float ``logits [B, V]``.
+
+  ``keys``: ``[B]`` typed PRNG keys (:func:`sampling_keys`). ``config``:
+  default :func:`default_sampler_config` of the default backend.
+  """
+  if params.greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  config = config or default_sampler_config(jax.default_backend())
+
+  def full():
+    filtered = filter_logits(logits, params, config)
+    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+  v = logits.shape[-1]
+  sizes = sorted({min(k, v) for k in config.candidates})
+  top_k = params.top_k is not None and params.top_k < v
+  if not sizes or not (top_k or params.top_p is not None) or not _partitionable_threefry():
+    return full()
+  x = logits.astype(jnp.float32) / params.temperature
+
+  def attempt(i):
+    if i == len(sizes):
+      return full()
+    ok, token = _candidate_draw(x, keys, params, sizes[i])
+    return lax.cond(jnp.all(ok), lambda: token, lambda: attempt(i + 1))
+
+  return attempt(0)
 
 
 def sampling_keys(seed: Array, sample_ids: Array, step: Array) -> Array:
   """``[B]`` keys: ``fold_in(fold_in(key(seed), sample_ids[b]), step)``."""
   base = jax.random.key(seed)
   return jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(base, i), step))(sample_ids)
-
-
-def sample(logits: Array, keys: Array, params: SamplingParams) -> Array:
-  """int32 ``[B]``: the next token of each sequence from float ``logits [B, V]``."""
-  if params.greedy:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  filtered = filter_logits(logits, params)
-  return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)

@@ -100,6 +100,12 @@ def test_bench_tree_tiny_end_to_end(tmp_path):
                "--memory-gb", repr(budget / 1e9), "--out", out, "--no-progress"]) == 0
   stem = os.path.join(out, "tree_tiny")
   report = json.load(open(stem + ".json"))
+  assert {r["sampling"] for r in report["rows"]} == {"greedy", "sampled"}
+  sampled = [r for r in report["rows"] if r["sampling"] == "sampled"]
+  assert all(r["tokens_per_s"] == "x" or r["tokens_per_s"] > 0 for r in sampled)
+  assert os.path.getsize(stem + "_sampled.png") > 0
+  report["rows"] = [r for r in report["rows"] if r["sampling"] == "greedy"]
+  report["summary"] = [s for s in report["summary"] if s.startswith("greedy: ")]
   assert report["info"]["max_batch_single-level"] == 2 and report["info"]["max_batch_two-level"] == 3
   rows = {(r["mode"], r["problems_per_batch"]): r for r in report["rows"]}
   assert set(rows) == {("single-level", 3), ("two-level", 3), ("single-level", 2)}
@@ -120,7 +126,8 @@ def test_bench_tree_tiny_end_to_end(tmp_path):
   assert r["timed_batches"] == 1 and r["total_s"] == pytest.approx(r["batch_s"])
   assert len(report["summary"]) == 1 and "two-level (3 problems)" in report["summary"][0]
   md = open(stem + ".md").read()
-  assert "| two-level | 3 |" in md and "| single-level | 3 |" in md and "largest batch" in md
+  assert "| two-level | greedy | 3 |" in md and "| single-level | sampled | 3 |" in md
+  assert "largest batch" in md
   assert os.path.getsize(stem + ".png") > 0
 
 

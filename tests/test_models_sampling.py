@@ -1,5 +1,7 @@
 """Sampling follows the definitions of greedy, temperature, top-k and top-p on fixed logits."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,3 +108,130 @@ def test_keys_depend_only_on_seed_sample_and_step():
 def test_bad_parameters_name_themselves(kwargs, name):
   with pytest.raises(ValueError, match=name):
     SamplingParams(**kwargs)
+
+
+# -- the sort-free sampler equals the sort-based reference ---------------------------------------
+
+from hypothesis import assume, given, settings, strategies as st
+
+from models.sampling import (SamplerConfig, _gumbel_at, default_sampler_config,
+                             filter_logits_reference, sample_reference, threshold_search)
+from strategies import count_case
+
+B, V = 4, 203
+_search = lambda width, passes=4: SamplerConfig(candidates=0, search_width=width, value_passes=passes)
+# (config, params): each config's paths under top-k, top-p, both, extreme temperatures, top_k >= V.
+CASES = (
+    (_search(1), SamplingParams(0.7, top_p=0.9)),
+    (_search(6), SamplingParams(0.5, top_k=12, top_p=0.6)),
+    (_search(3, passes=0), SamplingParams(1.0, top_k=5)),
+    (_search(1), SamplingParams(1e-3, top_p=0.95)),
+    (_search(15), SamplingParams(50.0, top_p=0.3)),
+    (SamplerConfig(candidates=8, search_width=3), SamplingParams(0.7, top_k=6, top_p=0.8)),
+    (SamplerConfig(candidates=8), SamplingParams(1.0, top_k=V)),
+    (SamplerConfig(candidates=64), SamplingParams(1.0, top_k=70, top_p=0.999)),
+    (SamplerConfig(candidates=(8, 1024)), SamplingParams(0.7, top_p=0.9)),
+    (SamplerConfig(candidates=64), SamplingParams(2.0, top_k=1)),
+)
+
+
+def oracle_kept(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, float]:
+  """float64 definition: (kept mask [B, V], the smallest |strictly-above mass - p| of any row).
+
+  top-k: x >= the k-th largest; top-p: the mass of the kept tokens strictly more likely than x
+  is < p. The margin says how close a decision came to p (float32 rounding decides below ~1e-6).
+  """
+  x = logits.astype(np.float64) / params.temperature
+  keep = np.ones(x.shape, bool)
+  if params.top_k is not None and params.top_k < x.shape[1]:
+    keep = x >= np.sort(x, axis=1)[:, -params.top_k][:, None]
+  margin = np.inf
+  if params.top_p is not None:
+    w = np.where(keep, np.exp(x - x.max(axis=1, keepdims=True)), 0.0)
+    w /= w.sum(axis=1, keepdims=True)
+    above = np.array([[w[b][x[b] > v].sum() for v in x[b]] for b in range(x.shape[0])])
+    keep &= above < params.top_p
+    margin = float(np.min(np.abs(above - params.top_p)))
+  return keep, margin
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(config, params):
+  """One program per case: (kept mask, tokens) of the sampler and of the reference."""
+  def both(logits, keys):
+    return (jnp.isfinite(filter_logits(logits, params, config)), sample(logits, keys, params, config),
+            jnp.isfinite(filter_logits_reference(logits, params)),
+            sample_reference(logits, keys, params))
+  return jax.jit(both)
+
+
+@settings(max_examples=40)
+@given(seed=st.integers(0, 2**31 - 1), case=st.sampled_from(CASES),
+       levels=st.sampled_from([0, 3, 12]), scale=st.sampled_from([0.5, 4.0, 30.0]),
+       flat_rows=st.integers(0, B))
+def test_kept_set_and_tokens_equal_the_sorting_reference(seed, case, levels, scale, flat_rows):
+  """Random logits, ties (``levels`` distinct values per row) and flat rows (the fallback path)."""
+  count_case("sampler-vs-sort")
+  config, params = case
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(B, V)) * scale
+  if levels:
+    x = np.round(x * levels / scale) / levels * scale  # many exact ties
+  x[:flat_rows] *= 1e-3  # near-uniform rows: the kept set is most of the vocabulary
+  logits = x.astype(np.float32)
+  expected, margin = oracle_kept(logits, params)
+  assume(margin > 1e-5)  # closer to p, float32 rounding decides (for the reference as well)
+  keys = sampling_keys(jnp.uint32(seed % 1000), jnp.arange(B, dtype=jnp.int32), jnp.int32(3))
+  kept, tokens, kept_ref, tokens_ref = map(np.asarray, _jitted(config, params)(logits, keys))
+  np.testing.assert_array_equal(kept, kept_ref)
+  np.testing.assert_array_equal(kept, expected)
+  np.testing.assert_array_equal(tokens, tokens_ref)
+  assert expected[np.arange(B), tokens].all()
+
+
+def test_the_candidate_path_and_the_fallback_both_run_and_agree():
+  """A peaked batch fits 8 candidates; one flat row sends the whole batch to the search."""
+  rng = np.random.default_rng(1)
+  peaked = (rng.normal(size=(B, V)) * 8).astype(np.float32)
+  flat = peaked.copy()
+  flat[2] *= 1e-3
+  params = SamplingParams(0.7, top_p=0.9)
+  keys = sampling_keys(jnp.uint32(5), jnp.arange(B, dtype=jnp.int32), jnp.int32(0))
+  config = SamplerConfig(candidates=8)
+  from models.sampling import _candidate_draw
+  for logits, fits in ((peaked, True), (flat, False)):
+    ok, _ = _candidate_draw(jnp.asarray(logits) / params.temperature, keys, params, 8)
+    assert bool(jnp.all(ok)) == fits
+    _, tokens, _, tokens_ref = _jitted(config, params)(jnp.asarray(logits), keys)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(tokens_ref))
+
+
+def test_gumbel_at_positions_is_jax_random_gumbel_there():
+  keys = sampling_keys(jnp.uint32(11), jnp.arange(3, dtype=jnp.int32), jnp.int32(7))
+  full = jax.vmap(lambda k: jax.random.gumbel(k, (1000,)))(keys)
+  idx = jnp.asarray(np.random.default_rng(2).integers(0, 1000, (3, 17)), jnp.int32)
+  np.testing.assert_array_equal(np.asarray(_gumbel_at(keys, idx)),
+                                np.take_along_axis(np.asarray(full), np.asarray(idx), 1))
+
+
+def test_threshold_search_finds_the_exact_row_value():
+  """Values across signs, binades and -inf; the answer is a row value to the last bit."""
+  rng = np.random.default_rng(3)
+  x = (rng.normal(size=(6, 500)) * np.array([1e-30, 1e-3, 1.0, 1e3, 1e30, 1.0])[:, None])
+  x = x.astype(np.float32)
+  x[5, :400] = -np.inf
+  for k in (1, 7, 100):
+    got = np.asarray(threshold_search(jnp.asarray(x), jnp.ones(x.shape, jnp.int32), k,
+                                      SamplerConfig(search_width=3)))[:, 0]
+    np.testing.assert_array_equal(got, np.sort(x, axis=1)[:, -k])
+
+
+def test_default_configs_and_bad_configs():
+  assert default_sampler_config("cpu").candidates == (64, 1024)
+  assert default_sampler_config("gpu").candidates == () == SamplerConfig(candidates=0).candidates
+  for kwargs, name in ((dict(candidates=-1), "candidates"), (dict(candidates=(64, 8)), "candidates"), (dict(search_width=0), "search_width"),
+                       (dict(value_passes=-2), "value_passes")):
+    with pytest.raises(ValueError, match=name):
+      SamplerConfig(**kwargs)
+  with pytest.raises(ValueError, match="temperature"):
+    SamplingParams(float("inf"))

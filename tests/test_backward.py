@@ -261,12 +261,12 @@ def test_oracle_agrees_with_autodiff_of_float64_reference(data, shape, seed):
 
 
 def test_one_wrong_sequence_is_caught():
-  """The per-sequence check rejects a gradient with one sequence 10% off, which a batch-wide
+  """The per-sequence check rejects a gradient with one sequence 5% off, which a batch-wide
   relative norm at 16-bit tolerance passes."""
   rng = np.random.default_rng(3)
   want = rng.normal(size=(64, 2, 4, 16))
   got = want.copy()
-  got[5] *= 1.1
+  got[5] *= 1.05
   assert rel_err(got, want) <= tolerance("bfloat16")
   assert per_seq_err(got, want) > tolerance("bfloat16")
   assert per_seq_err(want, want) == 0.0

@@ -251,7 +251,9 @@ def _candidate_draw(x: Array, keys: Array, params: SamplingParams, k: int):
   """(ok bool ``[B]``, token int32 ``[B]``): the draw from the top-k candidates, where they hold the kept set."""
   # The barrier keeps XLA from folding later slices of the result into the top-k, which turns
   # it back into a full sort on the CPU.
-  vals, idx = lax.optimization_barrier(lax.top_k(x, k))  # [B, K], descending
+  vals, idx = lax.top_k(x, k)  # [B, K], descending
+  # One barrier per array: a barrier over the tuple crashes XLA's CPU compiler under SPMD.
+  vals, idx = lax.optimization_barrier(vals), lax.optimization_barrier(idx)
   last = vals[:, -1:]
   keep = jnp.ones(vals.shape, bool)
   ok = jnp.ones(x.shape[:1], bool)

@@ -43,6 +43,8 @@ CI_PARAMETERS = {
         MODEL=CI_MODEL, NUM_SHOTS=2, NUM_PROBLEMS=2, SAMPLES_PER_PROBLEM=3, MAX_NEW_TOKENS=4,
         EQUALITY_NEW_TOKENS=4),
     "04_sharded_decoding": dict(MODEL=CI_MODEL, NUM_SAMPLES=8, MAX_NEW_TOKENS=4),
+    "05_grpo_fine_tuning": dict(MODEL=CI_MODEL, STEPS=2, PROMPTS=2, GROUP=2, MAX_NEW_TOKENS=4,
+                                EVAL_PROBLEMS=2),
 }
 
 

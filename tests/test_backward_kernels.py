@@ -42,6 +42,12 @@ def _inputs(rng, z, h, r, k, d, dtype):
           x(z, k, h, d).astype(dtype), x(z, k, h, d).astype(dtype))
 
 
+def _bound(dtype: str) -> float:
+  """Kernel against the XLA backward: float32 inputs differ by float32 accumulation order (the
+  project's float32 tolerance); 16-bit inputs round P and dS alike in both, so a tenth of it."""
+  return tolerance(dtype) if dtype == "float32" else tolerance(dtype) / 10
+
+
 # One shape per test (several row and key tiles, partial last tiles): each interpreted compile
 # costs seconds.
 @pytest.mark.parametrize("family", sorted(KERNELS))
@@ -59,7 +65,7 @@ def test_segment_visibility_matches_xla(family, shape, dtype, seed, data):
   want = REFERENCE(*args, scale=0.3, row_seg=row_seg, key_seg=key_seg, config=XLA)
   got = KERNELS[family](*args, scale=0.3, row_seg=row_seg, key_seg=key_seg, sparse=True)
   for g, w in zip(got, want):
-    assert rel_err(g, w) <= tolerance(dtype) / 10
+    assert rel_err(g, w) <= _bound(dtype)
   count_case(f"backward kernel ({family}, segments)")
 
 
@@ -78,7 +84,7 @@ def test_suffix_visibility_matches_xla(family, shape, dtype, causal, seed, data)
   want = REFERENCE(*args, config=XLA, **kw)
   got = KERNELS[family](*args, **kw)
   for gg, w in zip(got, want):
-    assert rel_err(gg, w) <= tolerance(dtype) / 10
+    assert rel_err(gg, w) <= _bound(dtype)
   count_case(f"backward kernel ({family}, suffix)")
 
 

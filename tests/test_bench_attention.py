@@ -12,9 +12,9 @@ from jax_shared_attn.testing import tolerance
 
 def test_attention_benchmark_tiny(tmp_path, monkeypatch):
   if jax.default_backend() == "cpu":  # "auto" is the XLA path here: time the kernels instead
-    ours = attention._ours
-    monkeypatch.setattr(attention, "_ours",
-                        lambda impl: ours("pallas:triton" if impl == "auto" else impl))
+    ours = attention.ours
+    monkeypatch.setattr(attention, "ours", lambda impl="auto", config=None: ours(
+        "pallas:triton" if impl == "auto" else impl, config))
   rows = attention.main(["--batch", "2", "--prefix", "40", "--suffix", "8", "--shapes", "paper",
                          "--impls", "ours,xla", "--trials", "1", "--out", str(tmp_path),
                          "--ceiling-bytes", str(2**22), "--matmul-n", "128"])

@@ -55,3 +55,20 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "impl" in getattr(item, "fixturenames", ()) or item.path.name.startswith("test_models_"):
       item.add_marker(pytest.mark.device)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+  """A saved tiny model (context 1024) with a byte-level tokenizer (one token per byte), for the
+  command-line tests."""
+  from models.config import preset
+  from models.llama import random_init
+  from models.loading import save_pretrained
+  from models.tokenizer import Tokenizer, _bytes_to_unicode
+
+  path = str(tmp_path_factory.mktemp("tiny"))
+  spelling = _bytes_to_unicode()
+  tokenizer = Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "gpt2",
+                                          "tokenizer.ggml.tokens": [spelling[b] for b in range(256)]})
+  save_pretrained(path, random_init(preset("tiny"), seed=7, std=0.1), tokenizer)
+  return path

@@ -14,23 +14,8 @@ import jax.numpy as jnp
 import pytest
 
 from models import cli
-from models.config import preset
-from models.llama import random_init
-from models.loading import save_pretrained
-from models.tokenizer import Tokenizer, _bytes_to_unicode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-  """A saved tiny model (context 1024) with a byte-level tokenizer (one token per byte)."""
-  path = str(tmp_path_factory.mktemp("tiny"))
-  spelling = _bytes_to_unicode()
-  tokenizer = Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "gpt2",
-                                          "tokenizer.ggml.tokens": [spelling[b] for b in range(256)]})
-  save_pretrained(path, random_init(preset("tiny"), seed=7, std=0.1), tokenizer)
-  return path
 
 
 def error_line(capsys, *argv, command="generate") -> str:

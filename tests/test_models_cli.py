@@ -8,28 +8,13 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from models import cli
-from models.config import preset
 from models.generate import generate
-from models.llama import random_init
-from models.loading import from_pretrained, save_pretrained
-from models.tokenizer import Tokenizer, _bytes_to_unicode
+from models.loading import from_pretrained
 from test_models_loading import smollm2_gguf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-  """A saved tiny model with a byte-level tokenizer (256 tokens: one per byte, no merges)."""
-  path = str(tmp_path_factory.mktemp("tiny"))
-  spelling = _bytes_to_unicode()
-  tokenizer = Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "gpt2",
-                                          "tokenizer.ggml.tokens": [spelling[b] for b in range(256)]})
-  save_pretrained(path, random_init(preset("tiny"), seed=7, std=0.1), tokenizer)
-  return path
 
 
 def run_cli(capsys, *argv):

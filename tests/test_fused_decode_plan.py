@@ -1,8 +1,8 @@
 """The one-kernel decode path's step plans, emulated on the CPU in float64.
 
-The Mosaic GPU kernel (``pallas_kernels.gpu.shared_attention_mgpu``) has no interpret mode (its
+The Mosaic GPU kernel (``pallas_kernels.gpu.shared_mgpu``) has no interpret mode (its
 native tests run on an H100 through the device tool). What decides correctness beyond the
-arithmetic of each step is the plan (``pallas_kernels.gpu.shared_attention_plan``, which this
+arithmetic of each step is the plan (``pallas_kernels.gpu.shared_mgpu_plan``, which this
 file mirrors): which keys each CTA split and warpgroup visits (prefix blocks, sequences, key
 blocks) and how the parts are merged. These tests run the kernel's own plan functions
 (``step_ranges``, ``is_suffix``, ``prefix_block``, ``suffix_step``) step by step over float64
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pallas_kernels.gpu import shared_attention_plan as fp
+from pallas_kernels.gpu import shared_mgpu_plan as fp
 
 BLOCK_Q = 64  # rows per consumer warpgroup, as in the kernel
 CTA_ROWS = 2 * BLOCK_Q

@@ -96,3 +96,15 @@ def test_importing_the_kernels_loads_no_core_dispatch():
                        check=True, env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
                                         "PATH": ""}).stdout.split()
   assert not {"jax_shared_attn.api", "jax_shared_attn.ops", "jax_shared_attn.dispatch"} & set(out)
+
+
+def test_gpu_and_tpu_families_name_their_files_alike():
+  """The two kernel families share one file layout, so a reader who knows one finds the other:
+  the same name means the same role (kernels per part, the entry points, the dispatch, the
+  config, the backward); what only one backend has carries a suffix or its own name."""
+  shared_roles = {"__init__", "backward", "common", "config", "dispatch", "prefix", "segment",
+                  "shared", "suffix"}
+  for family in ("gpu", "tpu"):
+    names = {p.stem for p in (ROOT / "pallas_kernels" / family).glob("*.py")}
+    assert shared_roles <= names, (family, sorted(shared_roles - names))
+    assert not any(n.startswith("_") and n != "__init__" for n in names), (family, sorted(names))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_attention
-from pallas_kernels.gpu import shared_attention_plan as fp
+from pallas_kernels.gpu import shared_mgpu_plan as fp
 from pallas_kernels.gpu.config import FusedDecodeOptions, GpuConfig, MosaicPrefixOptions
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -165,7 +165,7 @@ def test_flat_path_exports_for_cuda(b, hq, hkv, d, p, s, tq, impl):
     ((1,), (1, 1), 64, jnp.float16, jnp.float16),
 ])
 def test_merge_kernel_exports_for_cuda(counts, lead, d, in_dtype, out_dtype):
-  from pallas_kernels.gpu.merge_kernel import merge_parts
+  from pallas_kernels.gpu.merge import merge_parts
   args = [x for n in counts for x in (S((n, *lead, d), in_dtype), S((n, *lead), jnp.float32))]
   fn = lambda *a: merge_parts(list(zip(a[::2], a[1::2])), out_dtype=out_dtype)
   text = export_cuda(fn, *args)
@@ -240,7 +240,7 @@ def test_fused_decode_off_switch_and_limits():
 @pytest.mark.parametrize("g", [1, 2, 4, 8, 16, 32, 64])
 def test_fused_kernel_exports_for_every_group_size(g):
   """The kernel itself takes any G dividing 64 (the dispatcher uses it for G >= 8)."""
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  from pallas_kernels.gpu import shared_mgpu as fm
   dt = jnp.bfloat16
   fn = lambda q, k, v, n, sk, sv, sl: fm.fused_decode(q, k, v, n, sk, sv, sl, scale=0.1)
   b = 37
@@ -256,8 +256,8 @@ def test_kv_slots_follow_the_shared_memory(d):
   lower for CUDA (Mosaic GPU checks a kernel's shared memory when it lowers); four fit at D = 64
   only, and Mosaic GPU agrees. The one kernel fits three slots only since its
   LSE is stored from registers (with a staging tile it was 168 bytes over at D = 128)."""
-  from pallas_kernels.gpu import prefix_attention_mgpu as mg
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  from pallas_kernels.gpu import prefix_mgpu as mg
+  from pallas_kernels.gpu import shared_mgpu as fm
   dt = jnp.bfloat16
   b, g, p, s = 256, 8, 2048, 128
   fused_cfg = lambda stages=2: fp.default_config(b * g, 1, p, s, g, head_dim=d,
@@ -304,7 +304,7 @@ def test_prefix_kernel_overlap_exports_for_cuda(block_kv, splits, d, stages):
   """The Mosaic prefix kernel with the intra-warpgroup overlap (``MosaicPrefixConfig.overlap``)
   lowers for CUDA with 128-, 192- and 64-key steps, two or three K/V slots; its module differs
   from the kernel's without it."""
-  from pallas_kernels.gpu import prefix_attention_mgpu as mg
+  from pallas_kernels.gpu import prefix_mgpu as mg
   dt, keys = jnp.bfloat16, 4096
 
   def lower(cfg):
@@ -322,7 +322,7 @@ def test_fused_tile_max_in_kernel_exports_for_cuda(b, g, d, extra):
   """With ``tile_max_in_kernel`` the one kernel lowers without XLA's reduction of the suffix
   lengths before it (and with it otherwise); G < 8 (more than MAX_TILE_LOADS sequences per CTA)
   keeps the reduction."""
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  from pallas_kernels.gpu import shared_mgpu as fm
   dt, p, s = jnp.bfloat16, 1024, 128
 
   def lower(cfg):
@@ -346,7 +346,7 @@ def test_prefix_wide_steps_and_overlap_follow_the_options(options):
   ``wide_min_keys`` keys at D <= 128 (never with 0), and overlaps exactly the 128-key steps at
   D = 128 where ``overlap`` is on (192-key steps' S, P and O do not fit in the registers; D 64
   and 256 were not measured)."""
-  from pallas_kernels.gpu import prefix_attention_mgpu as mg
+  from pallas_kernels.gpu import prefix_mgpu as mg
   for rows, keys, d in itertools.product([128, 8192], [1024, 4096, 16384], [64, 128, 256]):
     cfg = mg.default_config(rows, 1, keys, d, options=options)
     wide = (d <= 128 and options.wide_min_keys > 0
@@ -431,11 +431,11 @@ def test_mosaic_ir_fingerprints_tell_kernels_apart():
   """``tools/mosaic_ir.py`` (how a kernel refactor is checked without a GPU): the lowered module
   of one export, without debug info, is the same on a repeat through a caller on other source
   lines, and differs between two step plans that change the kernel. (Its first use: the
-  ``wait_on`` refactor of shared_attention_mgpu.py, which moved the kernel's own lines, left
+  ``wait_on`` refactor of shared_mgpu.py, which moved the kernel's own lines, left
   every module of tools/mosaic_ir.py's list identical.)"""
   import importlib.util
   import pathlib
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  from pallas_kernels.gpu import shared_mgpu as fm
   path = pathlib.Path(__file__).parents[1] / "tools" / "mosaic_ir.py"
   spec = importlib.util.spec_from_file_location("mosaic_ir", path)
   tool = importlib.util.module_from_spec(spec)
@@ -472,7 +472,7 @@ def test_fused_cluster_merge_exports_for_cuda(b, g, hkv, d, p, s, extra):
   """With ``cluster_merge`` the one kernel merges its key splits itself: it lowers for CUDA as a
   cluster kernel (2-4 splits), and the module has no merge kernel after it (it does without).
   ``default_config`` takes it with two splits only, and not with the option off."""
-  from pallas_kernels.gpu import shared_attention_mgpu as fm
+  from pallas_kernels.gpu import shared_mgpu as fm
   dt = jnp.bfloat16
 
   def lower(cfg):

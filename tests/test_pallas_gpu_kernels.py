@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_attention
 from jax_shared_attn.testing import check_attention, lse_err, oracle_full, oracle_tree, rel_err, tolerance
 from pallas_kernels.gpu import prefix_attention, segment_attention, suffix_attention
-from pallas_kernels.gpu import _common
+from pallas_kernels.gpu import common
 from pallas_kernels.gpu.config import FusedDecodeOptions, GpuConfig, MosaicPrefixOptions
-from pallas_kernels.gpu.merge_kernel import merge_parts
-from pallas_kernels.gpu.suffix_attention import SuffixConfig, flat_rows
+from pallas_kernels.gpu.merge import merge_parts
+from pallas_kernels.gpu.suffix import SuffixConfig, flat_rows
 from strategies import SEEDS, count_case, lengths, rand
 
 HAS_GPU = jax.default_backend() == "gpu"
@@ -131,8 +131,8 @@ class TestInterpret:
     v, v64 = rand(rng, (b, s, hkv, d), dtype)
     m = tq * hq // hkv
     by_sequence = data.draw(st.booleans())  # rows in and out [B, Hkv, M, D], else [Hkv, B, M, D]
-    rows = (_common.seq_rows(q, hkv) if by_sequence
-            else _common.fold_rows(q, hkv).reshape(hkv, b, m, d))
+    rows = (common.seq_rows(q, hkv) if by_sequence
+            else common.fold_rows(q, hkv).reshape(hkv, b, m, d))
     call = functools.partial(self.flat, rows, pk, pv, jnp.int32(plen), k, v, jnp.asarray(kv_len),
                              q_len=tq, causal=causal, scale=d**-0.5, out_dtype=jnp.float32,
                              config=cfg, by_sequence=by_sequence)
@@ -142,10 +142,10 @@ class TestInterpret:
       return
     out, lse = call()
     if by_sequence:
-      out, lse = _common.unfold_seq_rows(out, tq), _common.unfold_seq_rows(lse, tq)
+      out, lse = common.unfold_seq_rows(out, tq), common.unfold_seq_rows(lse, tq)
     else:
-      out = _common.unfold_rows(out.reshape(hkv, b * m, d), b, tq)
-      lse = _common.unfold_rows(lse.reshape(hkv, b * m), b, tq)
+      out = common.unfold_rows(out.reshape(hkv, b * m, d), b, tq)
+      lse = common.unfold_rows(lse.reshape(hkv, b * m), b, tq)
     ref = oracle_tree(q64, [[pk64[:plen]]] * b, [[pv64[:plen]]] * b, k64, v64, kv_len,
                       causal=causal)
     check(out, lse, *ref, dtype)
@@ -300,7 +300,7 @@ class TestNativeMosaic:
     """The kernel directly, off its default configuration: key steps that do not divide P (the
     last block read past P, zero-filled by TMA, and masked), key splits, two or three K/V slots,
     the intra-warpgroup overlap, lengths 0, 1, P."""
-    from pallas_kernels.gpu import prefix_attention_mgpu as mg
+    from pallas_kernels.gpu import prefix_mgpu as mg
     cfg = mg.MosaicPrefixConfig(64, block_kv, stages, splits, overlap)
     fn = jax.jit(mg.prefix_attention_rows_mgpu, static_argnames=("scale", "config"))
 
@@ -381,8 +381,8 @@ class TestNativeFusedDecode:
                            rng.integers(0, s + 1, size=max(0, b - 32)).astype(np.int32)])
     ref = oracle_tree(q64, [[pk64[:plen]]] * b, [[pv64[:plen]]] * b, sk64, sv64, lens)
     # The kernel directly (any G), and the public API (the one kernel where G >= 8).
-    from pallas_kernels.gpu import shared_attention_mgpu as fm
-    from pallas_kernels.gpu import shared_attention_plan as fp
+    from pallas_kernels.gpu import shared_mgpu as fm
+    from pallas_kernels.gpu import shared_mgpu_plan as fp
     options = self.options or FusedDecodeOptions()
     direct = config or fp.default_config(b * (hq // hkv), hkv, p, s, hq // hkv, head_dim=d,
                                          options=options)
@@ -399,7 +399,7 @@ class TestNativeFusedDecode:
 
   @pytest.mark.parametrize("case", FUSED_CASES)
   def test_against_oracle(self, case):
-    from pallas_kernels.gpu import shared_attention_plan as fp
+    from pallas_kernels.gpu import shared_mgpu_plan as fp
     b, hq, hkv, d, p, s = case
     assert fp.supported(jnp.bfloat16, d, p, s, hq // hkv, fp.FusedConfig())
     given(data=st.data(), seed=SEEDS)(settings(max_examples=self.examples, deadline=None)(
@@ -448,7 +448,7 @@ class TestNativeFusedDecodeMergeKernel(TestNativeFusedDecode):
       (2, {}), (3, {"spread_suffix": True}), (4, {}), (2, {"max_concurrent_steps": 3}),
       (3, {"tile_max_in_kernel": False}), (4, {"spread_suffix": True, "max_concurrent_steps": 3})])
   def test_configs(self, splits, extra):
-    from pallas_kernels.gpu import shared_attention_plan as fp
+    from pallas_kernels.gpu import shared_mgpu_plan as fp
     case = (100, 16, 2, 128, 1024, 128)  # G = 8, 7 row tiles per KV head (the last partial)
     b, hq, hkv, d, p, s = case
     cfg = dataclasses.replace(fp.default_config(b * hq // hkv, hkv, p, s, hq // hkv, head_dim=d),
@@ -472,19 +472,19 @@ def test_default_configs_fit_the_shared_memory(itemsize, head_dim):
   """Every Triton kernel's default K/V staging fits the budget: the segment kernel's float32
   config of 128 keys x 128 dims x 3 stages (256 KB) failed natively on an H100."""
   import importlib
-  from pallas_kernels.gpu import _common
-  mods = {n: importlib.import_module(f"pallas_kernels.gpu.{n}_attention")
+  from pallas_kernels.gpu import common
+  mods = {n: importlib.import_module(f"pallas_kernels.gpu.{n}")
           for n in ("prefix", "suffix", "segment")}
   for rows in (1, 16, 1024):
     configs = (mods["prefix"].default_config(rows, 1, 4096, head_dim, itemsize=itemsize),
                mods["suffix"].default_config(rows, 8, 512, head_dim, itemsize=itemsize),
                mods["segment"].default_config(rows, 2, head_dim, itemsize))
     for cfg in configs:
-      staged = _common.kv_staging_bytes(cfg.block_n, head_dim, itemsize, cfg.num_stages)
-      assert staged <= _common.KV_STAGING_BYTES, (cfg, staged)
-      assert cfg.block_n >= _common.MIN_DOT
-  failed = _common.kv_staging_bytes(128, 128, 4, 3)
-  assert failed > _common.KV_STAGING_BYTES
+      staged = common.kv_staging_bytes(cfg.block_n, head_dim, itemsize, cfg.num_stages)
+      assert staged <= common.KV_STAGING_BYTES, (cfg, staged)
+      assert cfg.block_n >= common.MIN_DOT
+  failed = common.kv_staging_bytes(128, 128, 4, 3)
+  assert failed > common.KV_STAGING_BYTES
 
 
 def test_mosaic_prefix_step_size():
@@ -492,7 +492,7 @@ def test_mosaic_prefix_step_size():
   wgmma tiles, key splits never outnumber the SMs' worth of tiles nor leave a split under 4
   steps, and steps widen only with the keys per split (never at 2K keys, where wider steps were
   slower); a prefix of any multiple of the alignment is supported."""
-  from pallas_kernels.gpu import prefix_attention_mgpu as mg
+  from pallas_kernels.gpu import prefix_mgpu as mg
   for d in (64, 128, 256):
     for kv_heads in (1, 8):
       last = 0

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import core
 
-from pallas_kernels.gpu import prefix_attention_mgpu as mg
-from pallas_kernels.gpu import shared_attention_mgpu as fm
-from pallas_kernels.gpu import shared_attention_plan as fp
+from pallas_kernels.gpu import prefix_mgpu as mg
+from pallas_kernels.gpu import shared_mgpu as fm
+from pallas_kernels.gpu import shared_mgpu_plan as fp
 from pallas_kernels.gpu.config import FusedDecodeOptions
 
 S = jax.ShapeDtypeStruct

@@ -8,7 +8,7 @@
 ``segment_attention``  a tree level: rows grouped by segment in tiles.
 ``shared_attention``   the whole decomposition in the folded row layout (``shared.py``); on
                        Hopper, decoding with one shared prefix runs prefix and suffixes in ONE
-                       Mosaic GPU kernel (``shared_attention_mgpu``).
+                       Mosaic GPU kernel (``shared_mgpu``).
 ``config.py``          :class:`GpuConfig`, the choices a call passes (static under jit).
 ``dispatch.py``        which kernels run a call: a pure function of shapes and config.
 """
@@ -18,9 +18,9 @@ from __future__ import annotations
 import functools
 
 from pallas_kernels.gpu.config import FusedDecodeOptions, GpuConfig, MosaicPrefixOptions
-from pallas_kernels.gpu.segment_attention import segment_attention
+from pallas_kernels.gpu.segment import segment_attention
 from pallas_kernels.gpu.shared import prefix_attention, shared_attention
-from pallas_kernels.gpu.suffix_attention import suffix_attention
+from pallas_kernels.gpu.suffix import suffix_attention
 from pallas_kernels.interface import AttentionOps
 
 __all__ = ["AttentionOps", "FusedDecodeOptions", "GpuConfig", "MosaicPrefixOptions", "get_ops",

@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu import _common
+from pallas_kernels.gpu import common
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +50,9 @@ class BackwardKernelConfig:
   def __post_init__(self):
     for name in ("block_rows", "block_keys"):
       val = getattr(self, name)
-      if val < _common.MIN_DOT or val & (val - 1):
+      if val < common.MIN_DOT or val & (val - 1):
         raise ValueError(f"BackwardKernelConfig: {name} must be a power of two >= "
-                         f"{_common.MIN_DOT}; got {val}")
+                         f"{common.MIN_DOT}; got {val}")
 
 
 def default_config(head_dim: int) -> BackwardKernelConfig:
@@ -105,7 +105,7 @@ def _dkv_kernel(lens_ref, row_info_ref, key_info_ref, q_ref, do_ref, lse_ref, de
       dk, dv = carry
       q, do = plgpu.load(q_ref.at[sl, :]), plgpu.load(do_ref.at[sl, :])
       p, ds = _tile(q, k, v, do, lse_ref[sl], delta_ref[sl], mask,
-                    qk_scale=scale * _common.LOG2E)
+                    qk_scale=scale * common.LOG2E)
       dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
       dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
       return dk, dv
@@ -142,7 +142,7 @@ def _dq_kernel(lens_ref, row_info_ref, key_info_ref, q_ref, do_ref, lse_ref, del
 
     def work(dq):
       k, v = plgpu.load(k_ref.at[sl, :]), plgpu.load(v_ref.at[sl, :])
-      _, ds = _tile(q, k, v, do, lse2, delta, mask, qk_scale=scale * _common.LOG2E)
+      _, ds = _tile(q, k, v, do, lse2, delta, mask, qk_scale=scale * common.LOG2E)
       return dq + _dot(ds.astype(k.dtype), k)
 
     if not sparse:
@@ -223,13 +223,13 @@ def part_grads(q, do, lse, delta, k, v, *, scale: float, row_seg=None, key_seg=N
     return (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
             jnp.zeros(v.shape, jnp.float32))
   mode = "segments" if row_seg is not None else "suffix"
-  dp = _common.padded_head_dim(d)
+  dp = common.padded_head_dim(d)
   config = default_config(d) if config is None else config
-  br = min(config.block_rows, max(_common.MIN_DOT, _common.next_pow2(r)))
-  bk = min(config.block_keys, max(_common.MIN_DOT, _common.next_pow2(nk)))
+  br = min(config.block_rows, max(common.MIN_DOT, common.next_pow2(r)))
+  bk = min(config.block_keys, max(common.MIN_DOT, common.next_pow2(nk)))
   cfg = dataclasses.replace(config, block_rows=br, block_keys=bk)
   rp, kp = pl.cdiv(r, br) * br, pl.cdiv(nk, bk) * bk
-  lse2 = jnp.where(jnp.isfinite(lse), lse * _common.LOG2E, jnp.inf)
+  lse2 = jnp.where(jnp.isfinite(lse), lse * common.LOG2E, jnp.inf)
   pad_rows = lambda x, value=0: _pad(_pad(x, 2, rp, value), 3, dp) if x.ndim == 4 else _pad(
       x, 2, rp, value)
   q, do = pad_rows(q), pad_rows(do.astype(q.dtype))
@@ -245,6 +245,6 @@ def part_grads(q, do, lse, delta, k, v, *, scale: float, row_seg=None, key_seg=N
     lens = lengths.astype(jnp.int32)
   call = functools.partial(_calls, mode=mode, causal=causal, group=group, tq=tq, scale=scale,
                            cfg=cfg, sparse=sparse)
-  dq, dk, dv = _common.run(call, lens, row_info, key_info, q, do, lse2, delta, k, v,
+  dq, dk, dv = common.run(call, lens, row_info, key_info, q, do, lse2, delta, k, v,
                            interpret=interpret)
   return dq[:, :, :r, :d], dk[:, :nk, :, :d], dv[:, :nk, :, :d]

@@ -18,7 +18,7 @@ def _check(ok: bool, message: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class MosaicPrefixOptions:
-  """How the Hopper (Mosaic GPU) prefix kernel's config is chosen (``prefix_attention_mgpu``).
+  """How the Hopper (Mosaic GPU) prefix kernel's config is chosen (``prefix_mgpu``).
 
   Attributes:
     wide_min_keys: keys per split from which steps take 192 keys instead of 128 (D <= 128);
@@ -42,7 +42,7 @@ class MosaicPrefixOptions:
 
 @dataclasses.dataclass(frozen=True)
 class FusedDecodeOptions:
-  """How the one-kernel decode path's plan is chosen (``shared_attention_plan.default_config``).
+  """How the one-kernel decode path's plan is chosen (``shared_mgpu_plan.default_config``).
 
   Attributes:
     spread_suffix: each key split takes an equal share of prefix blocks and suffix steps (True)

@@ -20,12 +20,12 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from pallas_kernels.gpu import prefix_attention_mgpu as mg
-from pallas_kernels.gpu import shared_attention_plan as fp
+from pallas_kernels.gpu import prefix_mgpu as mg
+from pallas_kernels.gpu import shared_mgpu_plan as fp
 from pallas_kernels.gpu.config import GpuConfig, MosaicPrefixOptions
-from pallas_kernels.gpu.prefix_attention import PrefixConfig
-from pallas_kernels.gpu.prefix_attention import default_config as triton_prefix_config
-from pallas_kernels.gpu.suffix_attention import MAX_ROWS, SuffixConfig, flat_config
+from pallas_kernels.gpu.prefix import PrefixConfig
+from pallas_kernels.gpu.prefix import default_config as triton_prefix_config
+from pallas_kernels.gpu.suffix import MAX_ROWS, SuffixConfig, flat_config
 
 FAMILIES = ("triton", "mosaic_gpu")
 PATHS = ("flat", "fused_decode", "split")

@@ -4,7 +4,7 @@ prefix primitive and the whole decomposition (shared parts + suffix, fused).
 ``shared_attention`` runs the shared parts' partial states (every key split, every tree level)
 straight into the suffix kernel's epilogue, which writes the final output once; or, as the plan
 says, the small-batch flat kernel, or on Hopper the one-kernel decode path
-(:mod:`pallas_kernels.gpu.shared_attention_mgpu`).
+(:mod:`pallas_kernels.gpu.shared_mgpu`).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gpu import _common, dispatch
+from pallas_kernels.gpu import common, dispatch
 from pallas_kernels.gpu.config import GpuConfig
-from pallas_kernels.gpu.merge_kernel import merge_parts
-from pallas_kernels.gpu.prefix_attention import prefix_attention_rows
-from pallas_kernels.gpu.segment_attention import segment_rows
-from pallas_kernels.gpu.suffix_attention import flat_rows, suffix_rows
+from pallas_kernels.gpu.merge import merge_parts
+from pallas_kernels.gpu.prefix import prefix_attention_rows
+from pallas_kernels.gpu.segment import segment_rows
+from pallas_kernels.gpu.suffix import flat_rows, suffix_rows
 
 
 def prefix_attention(
@@ -37,7 +37,7 @@ def prefix_attention(
   config = GpuConfig() if config is None else config
   b, t, _, d = q.shape
   hkv = k.shape[1]
-  q_rows = _common.fold_rows(q, hkv)
+  q_rows = common.fold_rows(q, hkv)
   plan = dispatch.plan_prefix(q_rows.shape[1], hkv, k.shape[0], d, q.dtype,
                               kv_itemsize=k.dtype.itemsize,
                               family="mosaic_gpu" if mosaic else "triton", interpret=interpret,
@@ -46,7 +46,7 @@ def prefix_attention(
                                    interpret=interpret)
   out, lse = merge_parts([(out, lse)], out_dtype=jnp.float32, transposed_next=hkv > 1,
                          interpret=interpret)
-  return _common.unfold_rows(out, b, t), _common.unfold_rows(lse, b, t)
+  return common.unfold_rows(out, b, t), common.unfold_rows(lse, b, t)
 
 
 def shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, mosaic=False,
@@ -73,14 +73,14 @@ def run_plan(plan: dispatch.GpuPlan, q, parts, suffix_k, suffix_v, *, kv_lengths
                             v=suffix_v, lengths=kv_lengths, q_len=tq, causal=causal, scale=scale,
                             out_dtype=q.dtype, config=plan.flat, interpret=interpret)
     if plan.sequence_major:  # in decoding [B, 1, Hq, D] reshaped, in and out
-      out, lse = run(_common.seq_rows(q, hkv), by_sequence=True)
-      return _common.unfold_seq_rows(out, tq), _common.unfold_seq_rows(lse, tq)
+      out, lse = run(common.seq_rows(q, hkv), by_sequence=True)
+      return common.unfold_seq_rows(out, tq), common.unfold_seq_rows(lse, tq)
     m = tq * (hq // hkv)
-    out, lse = run(_common.fold_rows(q, hkv).reshape(hkv, b, m, d))
-    return (_common.unfold_rows(out.reshape(hkv, b * m, -1), b, tq),
-            _common.unfold_rows(lse.reshape(hkv, b * m), b, tq))
+    out, lse = run(common.fold_rows(q, hkv).reshape(hkv, b, m, d))
+    return (common.unfold_rows(out.reshape(hkv, b * m, -1), b, tq),
+            common.unfold_rows(lse.reshape(hkv, b * m), b, tq))
   if plan.path == "fused_decode":
-    from pallas_kernels.gpu import shared_attention_mgpu as fm
+    from pallas_kernels.gpu import shared_mgpu as fm
     _, k, v, length, _ = parts[0]
     # Where the program is not lowered for CUDA: the split path's Triton kernels, interpreted.
     fallback = dispatch.plan_split(q, parts, suffix_k, family="triton", interpret=True,
@@ -105,7 +105,7 @@ def _split(plan, q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, int
   b, tq, hq, d = q.shape
   hkv = suffix_k.shape[2]
   m = tq * (hq // hkv)
-  q_rows = _common.fold_rows(q, hkv)  # [Hkv, B * M, D]; a reshape when Hkv == 1
+  q_rows = common.fold_rows(q, hkv)  # [Hkv, B * M, D]; a reshape when Hkv == 1
   priors = []
   for (kind, k, v, lengths, nodes), prefix_plan in zip(parts, plan.prefixes):
     if kind == "prefix":
@@ -128,4 +128,4 @@ def _split(plan, q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, int
   out, lse = suffix_rows(q_rows.reshape(hkv, b, m, d), suffix_k, suffix_v, kv_lengths, priors,
                          q_len=tq, causal=causal, scale=scale, out_dtype=q.dtype,
                          by_sequence=True, interpret=interpret)
-  return _common.unfold_seq_rows(out, tq), _common.unfold_seq_rows(lse, tq)
+  return common.unfold_seq_rows(out, tq), common.unfold_seq_rows(lse, tq)

@@ -1,6 +1,6 @@
 """The one-kernel decode path's plan: its configuration and dispatch, and which steps each CTA,
 key split and warpgroup runs (pure int32 arithmetic on scalars, shared by the Mosaic GPU kernel
-in :mod:`pallas_kernels.gpu.shared_attention_mgpu` and the CPU emulations of
+in :mod:`pallas_kernels.gpu.shared_mgpu` and the CPU emulations of
 ``tests/test_fused_decode_plan.py``, since the kernel itself has no interpret mode).
 
 - :class:`FusedConfig` and :func:`default_config` (key splits, step plan, K/V slots, the split
@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu.config import FusedDecodeOptions
-from pallas_kernels.gpu.prefix_attention_mgpu import SMEM_LIMIT, SMEM_RESERVE
+from pallas_kernels.gpu.prefix_mgpu import SMEM_LIMIT, SMEM_RESERVE
 
 CTA_ROWS = 128  # two consumer warpgroups of 64 rows
 
@@ -45,7 +45,7 @@ class FusedConfig:
   # reading it from a reduction XLA runs before the kernel.
   tile_max_in_kernel: bool = False
   # The key splits of a row tile run as one cluster and merge in the kernel (see
-  # shared_attention_mgpu); the output has one split. Needs 2 <= splits <= MAX_CLUSTER_SPLITS.
+  # shared_mgpu); the output has one split. Needs 2 <= splits <= MAX_CLUSTER_SPLITS.
   cluster_merge: bool = False
 
 

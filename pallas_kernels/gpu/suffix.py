@@ -12,7 +12,7 @@ split of it, and every tree level) are merged into the result in the
 kernel's epilogue: each is read once and the final output is written once,
 in the query dtype. With several splits (flash-decoding, for small batches)
 the split partials and the priors are merged by LSE afterwards, in one more
-kernel (:mod:`pallas_kernels.gpu.merge_kernel`).
+kernel (:mod:`pallas_kernels.gpu.merge`).
 
 Reference with the same signature: :func:`jax_shared_attn.reference.suffix_attention`.
 LSE is natural log.
@@ -31,8 +31,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_shared_attn.merge import merge_states
 from jax_shared_attn.reference import suffix_attention as suffix_attention_reference  # noqa: F401
-from pallas_kernels.gpu import _common
-from pallas_kernels.gpu.merge_kernel import merge_parts
+from pallas_kernels.gpu import common
+from pallas_kernels.gpu.merge import merge_parts
 
 NUM_SMS_DEFAULT = 132
 MAX_ROWS = 64  # rows of a sequence held by one program (decode: Tq * G is small)
@@ -63,7 +63,7 @@ def default_config(batch: int, kv_heads: int, capacity: int, head_dim: int, rows
   """
   decode = rows <= MAX_ROWS
   block_n = 32 if decode else (64 if head_dim > 128 else 128)
-  block_n = _common.fit_block_n(block_n, head_dim, itemsize, 2)
+  block_n = common.fit_block_n(block_n, head_dim, itemsize, 2)
   programs = batch * kv_heads * (1 if decode else pl.cdiv(rows, PREFILL_ROWS))
   max_splits = max(1, pl.cdiv(capacity, block_n))
   splits = 1 if programs >= num_sms else max(1, min(max_splits, pl.cdiv(2 * num_sms, programs)))
@@ -102,8 +102,8 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
   d_mask = (jnp.arange(dp) < head_dim)[None, :] if dp != head_dim else None
   q_mask = row_ok[:, None] if d_mask is None else row_ok[:, None] & d_mask
   kv_len = len_ref[b]
-  q = _common.load(q_ref, q_mask if rows % mp or d_mask is not None else None)
-  qk_scale = scale * _common.LOG2E
+  q = common.load(q_ref, q_mask if rows % mp or d_mask is not None else None)
+  qk_scale = scale * common.LOG2E
 
   def step(j, carry, masked, kref, vref, lo, hi, limit):
     start = lo + j * block_n
@@ -111,15 +111,15 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
     kv_mask = d_mask
     if masked:
       kv_mask = (keys < hi)[:, None] if d_mask is None else (keys < hi)[:, None] & d_mask
-    k = _common.load(kref.at[pl.ds(start, block_n), :], kv_mask)
-    v = _common.load(vref.at[pl.ds(start, block_n), :], kv_mask)
-    s = _common.dot(q, k, trans_b=True) * qk_scale
+    k = common.load(kref.at[pl.ds(start, block_n), :], kv_mask)
+    v = common.load(vref.at[pl.ds(start, block_n), :], kv_mask)
+    s = common.dot(q, k, trans_b=True) * qk_scale
     if masked:
       visible = (keys < hi)[None, :]
       if limit is not None:
         visible = visible & (keys[None, :] <= limit[:, None])
       s = jnp.where(visible, s, -jnp.inf)
-    return _common.online_softmax_step(carry, s, v, masked_s=masked)
+    return common.online_softmax_step(carry, s, v, masked_s=masked)
 
   def stream(carry, kref, vref, lo, hi, n_full, limit=None):
     """Keys [lo, hi) of one K/V: ``n_full`` unmasked blocks, then the masked rest."""
@@ -149,13 +149,13 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
     visible_to_all = kv_len - q_len + (tile * mp) // group + 1
   n_full = jnp.clip(jnp.minimum(hi, visible_to_all) - lo, 0, None) // block_n
   carry = stream(carry, k_ref, v_ref, lo, hi, n_full, limit if causal else None)
-  out, lse = _common.finalize(*carry)
+  out, lse = common.finalize(*carry)
   # Fused LSE merge with the shared parts (every split of every prior), in registers.
   for i, n in enumerate(prior_splits):
     p_out_ref, p_lse_ref = prior_refs[2 * i], prior_refs[2 * i + 1]
     for j in range(n):
       jj = jnp.int32(j)
-      p_out = _common.load(p_out_ref.at[jj], q_mask).astype(jnp.float32)
+      p_out = common.load(p_out_ref.at[jj], q_mask).astype(jnp.float32)
       p_lse = plgpu.load(p_lse_ref.at[jj], mask=row_ok, other=-jnp.inf)
       out, lse = _merge2(out, lse, p_out, p_lse)
   plgpu.store(o_ref, out.astype(o_ref.dtype), mask=q_mask)
@@ -176,9 +176,9 @@ def _call(lengths, q_rows, k, v, *rest, scale, cfg: SuffixConfig, head_dim: int,
   s = k.shape[1]
   lead_args, priors = (rest[:3], rest[3:]) if lead else ((), rest)
   # Decode (few rows): one tile of all rows. Prefill (Tq * G rows): flash-attention row tiles.
-  mp = max(_common.MIN_DOT, _common.next_pow2(m)) if m <= MAX_ROWS else PREFILL_ROWS
+  mp = max(common.MIN_DOT, common.next_pow2(m)) if m <= MAX_ROWS else PREFILL_ROWS
   tiles = pl.cdiv(m, mp)
-  dp = _common.padded_head_dim(head_dim)
+  dp = common.padded_head_dim(head_dim)
   keys = s + (lead_args[1].shape[0] if lead else 0)
   keys_per_split = pl.cdiv(pl.cdiv(keys, cfg.splits), cfg.block_n) * cfg.block_n
   prior_splits = tuple(x.shape[0] for x in priors[::2])
@@ -261,7 +261,7 @@ def suffix_rows(
   call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, q_len=q_len, group=group,
                            causal=causal, out_dtype=out_dtype if fused else jnp.float32,
                            lead=False, by_sequence=by_sequence and fused)
-  out, lse = _common.run(call, jnp.asarray(lengths, jnp.int32), q_rows, k, v, *flat,
+  out, lse = common.run(call, jnp.asarray(lengths, jnp.int32), q_rows, k, v, *flat,
                          interpret=interpret)
   if fused:  # the kernel wrote the layout asked for
     return out[0], lse[0]
@@ -282,7 +282,7 @@ def flat_config(batch: int, kv_heads: int, keys: int, head_dim: int, num_sms: in
   """Splits of the shared + own keys (``keys`` per sequence) for :func:`flat_rows`: about two
   programs per SM, each at least ``FLAT_MIN_BLOCKS`` key steps; the decode kernel's 32-key
   steps, 2 warps, 2 stages otherwise."""
-  block_n = _common.fit_block_n(FLAT_BLOCK_N, head_dim, itemsize, 2)
+  block_n = common.fit_block_n(FLAT_BLOCK_N, head_dim, itemsize, 2)
   programs = batch * kv_heads
   splits = max(1, min(pl.cdiv(2 * num_sms, programs), pl.cdiv(keys, FLAT_MIN_BLOCKS * block_n)))
   return SuffixConfig(block_n, splits, num_warps=2, num_stages=2)
@@ -332,7 +332,7 @@ def flat_rows(
                            group=m // q_len, causal=causal,
                            out_dtype=out_dtype if fused else jnp.float32, lead=True,
                            by_sequence=by_sequence, q_by_sequence=by_sequence)
-  out, lse = _common.run(call, jnp.asarray(lengths, jnp.int32), q_rows, k, v,
+  out, lse = common.run(call, jnp.asarray(lengths, jnp.int32), q_rows, k, v,
                          jnp.reshape(jnp.asarray(shared_length, jnp.int32), (1,)), shared_k,
                          shared_v, interpret=interpret)
   if fused:
@@ -359,9 +359,9 @@ def suffix_attention(
   m = tq * (hq // hkv)
   priors = []
   if prior is not None:
-    priors.append((_common.fold_rows(prior[0].astype(jnp.float32), hkv).reshape(1, hkv, b, m, d),
-                   _common.fold_rows(prior[1][..., None], hkv).reshape(1, hkv, b, m)))
-  out, lse = suffix_rows(_common.fold_rows(q, hkv).reshape(hkv, b, m, d), k, v, kv_lengths, priors,
+    priors.append((common.fold_rows(prior[0].astype(jnp.float32), hkv).reshape(1, hkv, b, m, d),
+                   common.fold_rows(prior[1][..., None], hkv).reshape(1, hkv, b, m)))
+  out, lse = suffix_rows(common.fold_rows(q, hkv).reshape(hkv, b, m, d), k, v, kv_lengths, priors,
                          q_len=tq, causal=causal, scale=scale, out_dtype=jnp.float32, config=config,
                          by_sequence=True, interpret=interpret)
-  return _common.unfold_seq_rows(out, tq), _common.unfold_seq_rows(lse, tq)
+  return common.unfold_seq_rows(out, tq), common.unfold_seq_rows(lse, tq)

@@ -4,7 +4,7 @@ The split kernels run one after the other: the batched prefix product is
 compute-bound (wgmma at ~90% of the measured matmul rate) and the suffix pass
 is memory-bound (2.0-2.6 TB/s), so neither hides the other and the sum sits
 well above ``max(FLOPs / rate, bytes / bandwidth)``. Here every CTA of
-:mod:`pallas_kernels.gpu.prefix_attention_mgpu`'s design (two consumer
+:mod:`pallas_kernels.gpu.prefix_mgpu`'s design (two consumer
 warpgroups of 64 query rows, one TMA producer warpgroup) continues, after the
 prefix's K/V blocks, with the suffix K/V of the sequences its 128 rows belong
 to, in the same online softmax: the producer streams the suffix bytes while
@@ -50,7 +50,7 @@ last block).
 
 The plan -- :class:`FusedConfig`, :func:`default_config` and the options it reads, the step
 lists (:func:`step_ranges`) and the barrier protocol (:func:`arrivals`, :func:`waits`) -- lives
-in :mod:`pallas_kernels.gpu.shared_attention_plan`, pure scalar arithmetic that the CPU tests
+in :mod:`pallas_kernels.gpu.shared_mgpu_plan`, pure scalar arithmetic that the CPU tests
 emulate; this module holds the kernel and its wrapper.
 
 Reference: :func:`jax_shared_attn.reference.prefix_attention` merged with
@@ -69,10 +69,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gpu import _common
-from pallas_kernels.gpu.merge_kernel import merge_parts
-from pallas_kernels.gpu.prefix_attention_mgpu import empty_state, store_result
-from pallas_kernels.gpu.shared_attention_plan import (
+from pallas_kernels.gpu import common
+from pallas_kernels.gpu.merge import merge_parts
+from pallas_kernels.gpu.prefix_mgpu import empty_state, store_result
+from pallas_kernels.gpu.shared_mgpu_plan import (
     CTA_ROWS, LSE_COLS, MAX_CLUSTER_SPLITS, FusedConfig, cluster_merge_fits, default_config,
     is_suffix, prefix_block, step_ranges, suffix_step, waits)
 
@@ -449,7 +449,7 @@ def fused_decode(q, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, scal
   g = hq // hkv
   r = b * g
   cfg = config or default_config(r, hkv, k.shape[0], suffix_k.shape[1], g, head_dim=d)
-  q_rows = _common.fold_rows(q, hkv)
+  q_rows = common.fold_rows(q, hkv)
   r_pad = pl.cdiv(r, CTA_ROWS) * CTA_ROWS
   if r_pad != r:
     q_rows = jnp.pad(q_rows, ((0, 0), (0, r_pad - r), (0, 0)))
@@ -463,4 +463,4 @@ def fused_decode(q, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, scal
                            interpret=False)
   else:
     out, lse = out[0], lse[0]
-  return _common.unfold_rows(out[:, :r], b, 1), _common.unfold_rows(lse[:, :r], b, 1)
+  return common.unfold_rows(out[:, :r], b, 1), common.unfold_rows(lse[:, :r], b, 1)

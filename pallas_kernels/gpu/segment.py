@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_shared_attn.reference import segment_attention as segment_attention_reference  # noqa: F401
-from pallas_kernels.gpu import _common
+from pallas_kernels.gpu import common
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +39,9 @@ def default_config(rows: int, segments: int, head_dim: int, itemsize: int = 2) -
   """Tiles sized to the average number of rows per segment (16..128); key steps sized to the
   shared memory (``itemsize``: bytes per K/V element)."""
   avg = max(1, rows // max(1, segments))
-  block_m = min(128, max(_common.MIN_DOT, _common.next_pow2(avg)))
+  block_m = min(128, max(common.MIN_DOT, common.next_pow2(avg)))
   stages = 3 if head_dim <= 128 else 2
-  block_n = _common.fit_block_n(64 if head_dim > 128 else 128, head_dim, itemsize, stages)
+  block_n = common.fit_block_n(64 if head_dim > 128 else 128, head_dim, itemsize, stages)
   return SegmentConfig(block_m, block_n, num_warps=8 if block_m >= 128 else 4, num_stages=stages)
 
 
@@ -54,19 +54,19 @@ def _kernel(tile_node_ref, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scal
   d_ok = jnp.arange(dp) < head_dim
   kv_len = jnp.where(node >= 0, len_ref[jnp.maximum(node, 0)], 0)
   seg = jnp.maximum(node, 0)
-  q = _common.load(q_ref, d_ok[None, :])
-  qk_scale = scale * _common.LOG2E
+  q = common.load(q_ref, d_ok[None, :])
+  qk_scale = scale * common.LOG2E
 
   def step(j, carry, masked):
     start = j * block_n
     keys = start + jnp.arange(block_n)
     kv_mask = d_ok[None, :] & (keys < kv_len)[:, None] if masked else d_ok[None, :]
-    k = _common.load(k_ref.at[seg, pl.ds(start, block_n), :], kv_mask)
-    v = _common.load(v_ref.at[seg, pl.ds(start, block_n), :], kv_mask)
-    s = _common.dot(q, k, trans_b=True) * qk_scale
+    k = common.load(k_ref.at[seg, pl.ds(start, block_n), :], kv_mask)
+    v = common.load(v_ref.at[seg, pl.ds(start, block_n), :], kv_mask)
+    s = common.dot(q, k, trans_b=True) * qk_scale
     if masked:
       s = jnp.where((keys < kv_len)[None, :], s, -jnp.inf)
-    return _common.online_softmax_step(carry, s, v, masked_s=False)
+    return common.online_softmax_step(carry, s, v, masked_s=False)
 
   carry = (jnp.zeros((bm, dp), jnp.float32), jnp.full((bm,), -jnp.inf, jnp.float32),
            jnp.zeros((bm,), jnp.float32))
@@ -74,7 +74,7 @@ def _kernel(tile_node_ref, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scal
   carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
   carry = lax.fori_loop(n_full, pl.cdiv(kv_len, block_n), functools.partial(step, masked=True),
                         carry)
-  out, lse = _common.finalize(*carry)
+  out, lse = common.finalize(*carry)
   plgpu.store(o_ref, out.astype(o_ref.dtype), mask=d_ok[None, :])
   lse_ref[...] = lse
 
@@ -171,14 +171,14 @@ def segment_rows(
   if t == 0 or r == 0:
     return jnp.zeros((hkv, r, d), jnp.float32), jnp.full((hkv, r), -jnp.inf, jnp.float32)
   cfg = config or default_config(r, n, d, k.dtype.itemsize)
-  dp = _common.padded_head_dim(d)
+  dp = common.padded_head_dim(d)
   tile_node, gather, slot_of_row = tile_layout(node_of_seq, n, rows_per_seq, cfg.block_m)
   tiles = tile_node.shape[0]
   rows = jnp.pad(q_rows, ((0, 0), (0, 1), (0, dp - d)))  # row R is the zero row for padding
   q_tiles = rows[:, jnp.where(gather >= 0, gather, b * rows_per_seq)]
   q_tiles = q_tiles.reshape(hkv, tiles, cfg.block_m, dp)
   call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d)
-  out, lse = _common.run(call, tile_node, jnp.asarray(lengths, jnp.int32), q_tiles, k, v,
+  out, lse = common.run(call, tile_node, jnp.asarray(lengths, jnp.int32), q_tiles, k, v,
                          interpret=interpret)
   has = slot_of_row >= 0
   idx = jnp.maximum(slot_of_row, 0)
@@ -201,7 +201,7 @@ def segment_attention(
   """Same signature and result as the reference: float32 out, natural-log lse."""
   b, tq, hq, d = q.shape
   hkv = k.shape[2]
-  out, lse = segment_rows(_common.fold_rows(q, hkv), k, v, rows_per_seq=tq * (hq // hkv),
+  out, lse = segment_rows(common.fold_rows(q, hkv), k, v, rows_per_seq=tq * (hq // hkv),
                           lengths=lengths, node_of_seq=node_of_seq, scale=scale, config=config,
                           interpret=interpret)
-  return _common.unfold_rows(out, b, tq), _common.unfold_rows(lse, b, tq)
+  return common.unfold_rows(out, b, tq), common.unfold_rows(lse, b, tq)

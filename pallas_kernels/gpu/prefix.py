@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_shared_attn.reference import prefix_attention as prefix_attention_reference  # noqa: F401
-from pallas_kernels.gpu import _common
+from pallas_kernels.gpu import common
 
 NUM_SMS_DEFAULT = 132  # H100 SXM; only used to size the grid
 
@@ -48,10 +48,10 @@ def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int,
   rows at all. Splits make ``tiles * splits * heads`` at least one wave.
   """
   big = head_dim > 128  # shared memory: halve the tiles for D = 256
-  block_m = min(64 if big else 128, max(_common.MIN_DOT, _common.next_pow2(rows)))
+  block_m = min(64 if big else 128, max(common.MIN_DOT, common.next_pow2(rows)))
   stages = 2 if big else 3
   # 64-key steps were fastest on an H100 (tools/device/tune.py); shorter for float32 D = 256
-  block_n = _common.fit_block_n(32 if big else 64, head_dim, itemsize, stages)
+  block_n = common.fit_block_n(32 if big else 64, head_dim, itemsize, stages)
   tiles = pl.cdiv(rows, block_m) * kv_heads
   max_splits = max(1, pl.cdiv(prefix, 4 * block_n))  # >= 4 key blocks per split
   splits = max(1, min(max_splits, pl.cdiv(num_sms, tiles)))
@@ -69,8 +69,8 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, head_
   lo = split * keys_per_split
   hi = jnp.minimum(lo + keys_per_split, kv_len)
   n_keys = jnp.maximum(hi - lo, 0)
-  q = _common.load(q_ref, d_mask)
-  qk_scale = scale * _common.LOG2E  # scores in base 2 (exp2 is the hardware op)
+  q = common.load(q_ref, d_mask)
+  qk_scale = scale * common.LOG2E  # scores in base 2 (exp2 is the hardware op)
 
   def step(j, carry, masked):
     start = lo + j * block_n
@@ -78,12 +78,12 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, head_
     kv_mask = (keys < hi)[:, None] if masked else None
     if d_mask is not None:
       kv_mask = d_mask if kv_mask is None else kv_mask & d_mask
-    k = _common.load(k_ref.at[pl.ds(start, block_n), :], kv_mask)
-    v = _common.load(v_ref.at[pl.ds(start, block_n), :], kv_mask)
-    s = _common.dot(q, k, trans_b=True) * qk_scale
+    k = common.load(k_ref.at[pl.ds(start, block_n), :], kv_mask)
+    v = common.load(v_ref.at[pl.ds(start, block_n), :], kv_mask)
+    s = common.dot(q, k, trans_b=True) * qk_scale
     if masked:
       s = jnp.where((keys < hi)[None, :], s, -jnp.inf)
-    return _common.online_softmax_step(carry, s, v, masked_s=False)
+    return common.online_softmax_step(carry, s, v, masked_s=False)
 
   bm = q_ref.shape[0]
   carry = (jnp.zeros((bm, dp), jnp.float32), jnp.full((bm,), -jnp.inf, jnp.float32),
@@ -92,7 +92,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, head_
   carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
   carry = lax.fori_loop(n_full, pl.cdiv(n_keys, block_n), functools.partial(step, masked=True),
                         carry)
-  out, lse = _common.finalize(*carry)
+  out, lse = common.finalize(*carry)
   plgpu.store(o_ref, out.astype(o_ref.dtype), mask=d_mask)
   lse_ref[...] = lse
 
@@ -129,7 +129,7 @@ def _call(kv_length, q_rows, k, v, *, scale, cfg: PrefixConfig, head_dim: int, i
 
 def _triton_rows(kv_length, q_rows, k, v, *, scale, cfg: PrefixConfig, interpret: bool):
   hkv, r, d = q_rows.shape
-  dp = _common.padded_head_dim(d)
+  dp = common.padded_head_dim(d)
   if dp != d:  # blocks are powers of two: pad the (small) queries; K/V loads are masked
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, dp - d)))
   out, lse = _call(kv_length, q_rows, k, v, scale=scale, cfg=cfg, head_dim=d,
@@ -143,7 +143,7 @@ def _mosaic_rows(length, q, k, v, *, scale: float, config):
   shapes and config (one per layer of a model) shares one lowering, and one copy of the kernel
   in the compiled module (8 calls exported for CUDA: 4.7 s and 8 copies without, 0.65 s and one
   with; ``test_mosaic_kernel_lowered_once_per_shape``)."""
-  from pallas_kernels.gpu import prefix_attention_mgpu as mg
+  from pallas_kernels.gpu import prefix_mgpu as mg
   return mg.prefix_attention_rows_mgpu(q, k, v, length[0], scale=scale, config=config)
 
 
@@ -162,7 +162,7 @@ def prefix_attention_rows(
 
   Returns ``out [splits, Hkv, R, D]`` (float32 from Triton, q's dtype from
   the Mosaic kernel) and natural-log float32 ``lse [splits, Hkv, R]``; merge
-  the splits with :func:`pallas_kernels.gpu.merge_kernel.merge_parts` (or let the
+  the splits with :func:`pallas_kernels.gpu.merge.merge_parts` (or let the
   suffix kernel do it). A "mosaic" plan lowers the Hopper kernel for CUDA and
   the Triton kernel, interpreted, elsewhere.
   """
@@ -184,7 +184,7 @@ def prefix_attention_rows(
         x.astype(y) for x, y in zip(triton(n, q, k, v, interpret=True), (q.dtype, jnp.float32)))
     out, lse = jax.lax.platform_dependent(length, q_rows, k, v, cuda=native, default=fallback)
   else:
-    out, lse = _common.run(triton, length, q_rows, k, v, interpret=interpret)
+    out, lse = common.run(triton, length, q_rows, k, v, interpret=interpret)
   if r_pad != r:
     out, lse = out[:, :, :r], lse[:, :, :r]
   return out, lse

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_shared_attn.merge import merge_states
-from pallas_kernels.gpu import _common
+from pallas_kernels.gpu import common
 
 # Rows per program and warps, and the partial outputs loaded before any arithmetic while they
 # take at most this many elements per warp (32 lanes x 128 float32 registers). Measured on an
@@ -58,7 +58,7 @@ def _kernel(*refs, counts: tuple[int, ...], rows: int, head_dim: int, num_warps:
           for _, l_ref in parts()]
   # Every load issued up front where the tiles fit the registers: the kernel is latency-bound.
   preload = sum(counts) * tr * dp <= PRELOAD_ELEMENTS_PER_WARP * num_warps
-  outs = [_common.load(o_ref_, mask) for o_ref_, _ in parts()] if preload else None
+  outs = [common.load(o_ref_, mask) for o_ref_, _ in parts()] if preload else None
   m = functools.reduce(jnp.maximum, lses)
   m = jnp.where(m == -jnp.inf, 0.0, m)  # no part: weights exp(-inf) = 0, not NaN
   acc = jnp.zeros((tr, dp), jnp.float32)
@@ -66,7 +66,7 @@ def _kernel(*refs, counts: tuple[int, ...], rows: int, head_dim: int, num_warps:
   for i, ((o_part, _), lse) in enumerate(zip(parts(), lses)):
     w = jnp.exp(lse - m)
     denom += w
-    o = outs[i] if preload else _common.load(o_part, mask)
+    o = outs[i] if preload else common.load(o_part, mask)
     acc += w[:, None] * o.astype(jnp.float32)
   has = denom > 0
   safe = jnp.where(has, denom, 1.0)
@@ -75,7 +75,7 @@ def _kernel(*refs, counts: tuple[int, ...], rows: int, head_dim: int, num_warps:
 
 
 def _call(*flat, counts, rows, head_dim, out_dtype, tr, interpret):
-  dp = _common.padded_head_dim(head_dim)
+  dp = common.padded_head_dim(head_dim)
   in_specs = []
   for n in counts:
     in_specs += [pl.BlockSpec((n, tr, dp), lambda i: (0, i, 0)),
@@ -128,5 +128,5 @@ def merge_parts(stacks, *, out_dtype, transposed_next: bool = False,
     flat += [o.reshape(o.shape[0], rows, d), l.reshape(l.shape[0], rows)]
   call = functools.partial(_call, counts=counts, rows=rows, head_dim=d, out_dtype=out_dtype,
                            tr=TILE_ROWS)
-  out, lse = _common.run(call, *flat, interpret=interpret)
+  out, lse = common.run(call, *flat, interpret=interpret)
   return out.reshape(*lead, d), lse.reshape(lead)

@@ -330,37 +330,47 @@ def _gather_chunks(x: Array, positions: Array, chunk_ids: Array, g: int):
   return vals, jnp.take_along_axis(positions, cols, axis=1)
 
 
-def _top_k_levels(v: int, k: int, g: int) -> list[int]:
-  """The chunk sizes that narrow a row of v to the k chunks holding its top k (empty: none does).
+_TIE_SLACK = 4  # chunks kept beyond k, for maxima that tie with the k-th
 
-  A level keeps k of its chunks, so it pays only while there are at least 4k of them; the
-  first uses ``g``, the next ones the size that leaves 4k chunks.
+
+def _top_k_levels(v: int, k: int, g: int) -> list[int]:
+  """The chunk sizes that narrow a row of v to the chunks holding its top k (empty: none does).
+
+  A level keeps ``k + _TIE_SLACK`` of its chunks, so it pays only while there are at least 4
+  times as many; the first uses ``g``, the next ones the size that leaves that many.
   """
+  keep = k + _TIE_SLACK
   sizes, n = [], v
   while True:
-    size = g if not sizes else max(1, n // (4 * k))
-    if size < 2 or -(-n // size) < 4 * k:
+    size = g if not sizes else max(1, n // (4 * keep))
+    if size < 2 or -(-n // size) < 4 * keep:
       return sizes
     sizes.append(size)
-    n = k * size
+    n = keep * size
 
 
 def _chunked_top_k_draw(x: Array, keys: Array, params: SamplingParams, config: SamplerConfig):
   """(ok, token) of top-k (then top-p) via the k chunks with the largest maxima, level by level.
 
   Every token >= the k-th largest value t lies in a chunk whose maximum is >= the k-th largest
-  chunk maximum M (k chunks have an element >= M, so t >= M); the k chunks of largest maxima
-  hold them all, unless another chunk's maximum equals M (``ok`` False: exact ties).
+  chunk maximum M (k chunks have an element >= M, so t >= M). The k + 4 chunks of largest
+  maxima hold them all, unless more than that many maxima are >= M and t == M (``ok`` False:
+  exact ties).
   """
   b, v = x.shape
   k = params.top_k
   positions = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), x.shape)
-  ok = jnp.ones((b,), bool)
+  kths, ties = [], []
   for g in _top_k_levels(v, k, config.chunk):
     maxima = jnp.max(_chunks(x, g), axis=2)  # [B, nc]
-    kth, chunk_ids = lax.top_k(maxima, k)
-    ok &= jnp.sum(maxima >= kth[:, -1:], axis=1) == k
+    best, chunk_ids = lax.top_k(maxima, k + _TIE_SLACK)
+    kths.append(best[:, k - 1])
+    ties.append(jnp.sum(maxima >= best[:, k - 1:k], axis=1) > k + _TIE_SLACK)
     x, positions = _gather_chunks(x, positions, chunk_ids, g)
+  t = lax.top_k(x, k)[0][:, -1]
+  ok = jnp.ones((b,), bool)
+  for kth, tie in zip(kths, ties):
+    ok &= ~tie | (t > kth)
   sub_ok, token = _candidate_draw(x, keys, params, x.shape[1], positions, vocab=v)
   return ok & sub_ok, token
 

@@ -252,7 +252,7 @@ CHUNKED_CASES = (
     (203, "bfloat16", _chunked(16, f=4), SamplingParams(1.0, top_p=0.999)),
     (517, "float32", _chunked(8), SamplingParams(1e-3, top_p=1e-6)),
     (517, "bfloat16", _chunked(32, f=3), SamplingParams(50.0, top_p=0.5)),
-    (203, "bfloat16", _chunked(8), SamplingParams(0.7, top_k=5, top_p=0.9)),
+    (517, "bfloat16", _chunked(4), SamplingParams(0.7, top_k=5, top_p=0.9)),
     (517, "float32", _chunked(8), SamplingParams(1.0, top_k=3)),
     (517, "bfloat16", _chunked(4), SamplingParams(2.0, top_k=1, top_p=0.3)),
     (203, "float32", _chunked(8), SamplingParams(0.7, top_k=100, top_p=0.9)),  # no level pays
@@ -312,10 +312,10 @@ def test_chunked_paths_decide_without_the_fallback_on_typical_rows():
 def test_top_k_levels_narrow_to_k_chunks_while_that_pays():
   assert _top_k_levels(128256, 50, 128) == [128, 32, 8, 2]
   assert _top_k_levels(128256, 2000, 128) == []  # 1002 chunks < 4k: the candidates path
-  assert _top_k_levels(203, 5, 8) == [8, 2]
+  assert _top_k_levels(517, 3, 8) == [8, 2]
   for v, k, g in ((128256, 50, 128), (49152, 1, 64), (1000, 7, 16)):
     n = v
     for size in _top_k_levels(v, k, g):
-      assert -(-n // size) >= 4 * k
-      n = k * size
+      assert -(-n // size) >= 4 * (k + 4)
+      n = (k + 4) * size
     assert n >= k

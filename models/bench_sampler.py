@@ -51,7 +51,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--configs", default="default,search:15,candidates:64+1024,chunk:128",
                  help="sampler configurations: default (the backend's), search:W (threshold "
                       "search only, W trial thresholds per pass), candidates:K (K candidates, "
-                      "then the search), chunk:G[/F] (the chunked paths, chunks of G, F "
+                      "then the search), chunk:G[/F] (the chunked paths, chunks of G, F (15) "
                       "score candidates)")
   p.add_argument("--no-reference", action="store_true", help="skip the sorting reference")
   p.add_argument("--trials", type=int, default=7)
@@ -73,7 +73,7 @@ def parse_config(text: str):
     if kind == "chunk":
       g, _, f = value.partition("/")
       return SamplerConfig(candidates=0, search_width=15, chunk=int(g),
-                           score_candidates=int(f or 16))
+                           score_candidates=int(f or 15))
   except ValueError as e:
     raise UsageError(f"--configs {text!r}: {e}") from None
   raise UsageError(f"--configs: unknown {text!r}; use default, search:W, candidates:K or "

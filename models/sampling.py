@@ -100,7 +100,8 @@ class SamplerConfig:
       Gumbel score hold the best-scoring tokens; each is tested against p in one
       pass. Top-k: the k chunks with the largest maxima hold every token >= the
       k-th value; the draw runs on them (several levels while that narrows).
-    score_candidates: F, the tokens of best Gumbel score tested against top-p.
+    score_candidates: F, the tokens of best Gumbel score tested against top-p (0: top-p
+      alone takes the ``candidates`` path).
   """
 
   candidates: Union[int, tuple[int, ...]] = (64, 1024)
@@ -120,22 +121,24 @@ class SamplerConfig:
       raise ValueError(f"SamplerConfig: {self.value_passes=} must be an int >= 0")
     if int(self.chunk) != self.chunk or self.chunk < 0:
       raise ValueError(f"SamplerConfig: {self.chunk=} must be an int >= 0")
-    if int(self.score_candidates) != self.score_candidates or self.score_candidates < 1:
-      raise ValueError(f"SamplerConfig: {self.score_candidates=} must be an int >= 1")
+    if int(self.score_candidates) != self.score_candidates or self.score_candidates < 0:
+      raise ValueError(f"SamplerConfig: {self.score_candidates=} must be an int >= 0")
 
 
 def default_sampler_config(platform: str) -> SamplerConfig:
   """The configuration :func:`sample` uses on ``platform`` (``jax.default_backend()``).
 
   CPU: ``lax.top_k`` is a cheap partial sort and one wide pass costs more than
-  several narrow ones. GPU: ``lax.top_k`` of more than 16 elements is a sort; the chunked
-  paths read the row twice (top-p) or once (top-k) and sort only short rows. TPU: the
-  threshold search (a pass is bound by reading the row, so a wide pass is nearly free).
+  several narrow ones; top-k takes the chunk levels, top-p alone the candidates (the
+  Gumbel noise of the whole row costs more there). GPU: ``lax.top_k`` of more than 16
+  elements is a sort; the chunked paths read the row twice (top-p) or once (top-k) and
+  sort only short rows. TPU: the threshold search (a pass is bound by reading the row,
+  so a wide pass is nearly free).
   """
   if platform == "cpu":
-    return SamplerConfig(candidates=(64, 1024), search_width=1)
-  if platform == "gpu":
-    return SamplerConfig(candidates=0, search_width=15, chunk=128, score_candidates=16)
+    return SamplerConfig(candidates=(64, 1024), search_width=1, chunk=128, score_candidates=0)
+  if platform == "gpu":  # 15 + 1 best chunks: XLA's top-k kernel (k <= 16), not a sort
+    return SamplerConfig(candidates=0, search_width=15, chunk=128, score_candidates=15)
   return SamplerConfig(candidates=0, search_width=15)
 
 
@@ -441,7 +444,7 @@ def sample(logits: Array, keys: Array, params: SamplingParams,
     chunked = None
     if top_k and _top_k_levels(v, params.top_k, config.chunk):
       chunked = _chunked_top_k_draw(x, keys, params, config)
-    elif not top_k:
+    elif not top_k and config.score_candidates:
       chunked = _score_draw(x, keys, params, config)
     if chunked is not None:
       ok, token = chunked

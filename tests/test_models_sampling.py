@@ -228,12 +228,12 @@ def test_threshold_search_finds_the_exact_row_value():
 
 def test_default_configs_and_bad_configs():
   assert default_sampler_config("cpu").candidates == (64, 1024)
-  assert default_sampler_config("cpu").chunk == 0
+  assert default_sampler_config("cpu").score_candidates == 0
   assert default_sampler_config("gpu").candidates == () == SamplerConfig(candidates=0).candidates
   assert default_sampler_config("gpu").chunk == 128
   for kwargs, name in ((dict(candidates=-1), "candidates"), (dict(candidates=(64, 8)), "candidates"), (dict(search_width=0), "search_width"),
                        (dict(value_passes=-2), "value_passes"), (dict(chunk=-1), "chunk"),
-                       (dict(chunk=2.5), "chunk"), (dict(score_candidates=0), "score_candidates")):
+                       (dict(chunk=2.5), "chunk"), (dict(score_candidates=-1), "score_candidates")):
     with pytest.raises(ValueError, match=name):
       SamplerConfig(**kwargs)
   with pytest.raises(ValueError, match="temperature"):

@@ -16,6 +16,13 @@ logit ``c`` whose weight ``W(c) = sum of w(x) over x >= c`` reaches a target
 (``w = 1``, target k for top-k; ``w`` = probability, target p for top-p).
 :func:`sample` finds it without sorting the vocabulary:
 
+0. Chunks (``SamplerConfig.chunk``, the GPU default; top-k on the CPU too): each
+   chunk of the row reduced to its maximum. Top-k: the k chunks of largest
+   maxima hold every token >= the k-th value, so a few levels narrow the row to
+   ~2k tokens without a long sort. Top-p alone: the draw is the first kept
+   token in the order of Gumbel scores; the chunks of best score hold the best
+   F tokens, and one pass tests all F against p. Where a row is not decided
+   (ties, none of the F kept), the whole batch takes 2.
 1. Candidates (``SamplerConfig.candidates``, e.g. K = 64 and then 1024):
    ``lax.top_k(x, K)``. Where
    every row's threshold lies strictly above its K-th candidate, every kept

@@ -265,7 +265,7 @@ def _jitted_sample(config, params):
                                        sample_reference(logits, keys, params)))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), case=st.sampled_from(CHUNKED_CASES),
        levels=st.sampled_from([0, 4, 40]), scale=st.sampled_from([0.01, 1.0, 8.0]),
        neg_inf=st.sampled_from([0.0, 0.5]))
@@ -298,10 +298,10 @@ def test_chunked_paths_decide_without_the_fallback_on_typical_rows():
     run = jax.jit(lambda x, path=path, params=params: (
         path(x / params.temperature, keys, params, config), sample_reference(x, keys, params)))
     for scale in (0.01, 1.0, 8.0):
-      (ok, token), expected = run(jnp.asarray(rng.normal(size=(8, 4099)) * scale, jnp.float32))
+      (ok, token), expected = run(jnp.asarray(rng.normal(size=(8, 2053)) * scale, jnp.float32))
       assert bool(jnp.all(ok)), (scale, params)
       np.testing.assert_array_equal(np.asarray(token), np.asarray(expected))
-  tied = jnp.zeros((8, 4099), jnp.float32)  # every chunk maximum ties with the k-th
+  tied = jnp.zeros((8, 2053), jnp.float32)  # every chunk maximum ties with the k-th
   params = SamplingParams(1.0, top_k=7)
   ok, _ = _chunked_top_k_draw(tied, keys, params, config)
   assert not bool(jnp.any(ok))

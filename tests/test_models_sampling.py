@@ -319,3 +319,16 @@ def test_top_k_levels_narrow_to_k_chunks_while_that_pays():
       assert -(-n // size) >= 4 * (k + 4)
       n = (k + 4) * size
     assert n >= k
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.7, top_p=0.9),
+                                    SamplingParams(0.7, top_k=50, top_p=0.9)])
+def test_gpu_default_exports_for_cuda_without_a_sort_of_the_vocabulary(params):
+  """The GPU path's top-k calls and sorts see short rows only (outside the fallback's search)."""
+  b, v = 8, 128256
+  keys = sampling_keys(jnp.uint32(0), jnp.arange(b, dtype=jnp.int32), jnp.int32(0))
+  fn = jax.jit(lambda l, k: sample(l, k, params, default_sampler_config("gpu")))
+  text = jax.export.export(fn, platforms=["cuda"])(
+      jax.ShapeDtypeStruct((b, v), jnp.float32), keys).mlir_module()
+  sorts = [line for line in text.splitlines() if '"stablehlo.sort"' in line or "chlo.top_k" in line]
+  assert sorts and not any(f"tensor<{b}x{v}x" in line for line in sorts)  # candidates=64 has one

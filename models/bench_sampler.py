@@ -9,7 +9,9 @@ a CPU), and checks that every variant draws the reference's tokens.
 
 Distributions: ``flat`` (standard normal logits: the top-p 0.9 nucleus is most
 of the vocabulary, as with random weights) and ``peaked`` (normal x 8: a few
-tokens, as a trained model's usually are). Writes JSON and a Markdown table.
+tokens, as a trained model's usually are). Logits in each of ``--dtypes``
+(the Llama model hands the sampler float32). ``read_us``, the floor: one read of
+the logits (a row maximum). Writes JSON and a Markdown table.
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ def _configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--settings", default=",".join(SETTINGS),
                  help=f"comma-separated, of {', '.join(SETTINGS)}")
   p.add_argument("--distributions", default=",".join(SCALES), help="flat,peaked")
-  p.add_argument("--configs", default="default,search:1,search:15,candidates:64+1024",
+  p.add_argument("--dtypes", default="float32", help="logits dtypes: float32,bfloat16")
+  p.add_argument("--configs", default="default,search:15,candidates:64+1024,chunk:128",
                  help="sampler configurations: default (the backend's), search:W (threshold "
                       "search only, W trial thresholds per pass), candidates:K (K candidates, "
-                      "then the search)")
+                      "then the search), chunk:G[/F] (the chunked paths, chunks of G, F (15) "
+                      "score candidates)")
   p.add_argument("--no-reference", action="store_true", help="skip the sorting reference")
   p.add_argument("--trials", type=int, default=7)
   p.add_argument("--out", default="runs/sampler")
@@ -66,12 +70,18 @@ def parse_config(text: str):
       return SamplerConfig(candidates=0, search_width=int(value))
     if kind == "candidates":
       return SamplerConfig(candidates=tuple(int(k) for k in value.split("+")))
+    if kind == "chunk":
+      g, _, f = value.partition("/")
+      return SamplerConfig(candidates=0, search_width=15, chunk=int(g),
+                           score_candidates=int(f or 15))
   except ValueError as e:
     raise UsageError(f"--configs {text!r}: {e}") from None
-  raise UsageError(f"--configs: unknown {text!r}; use default, search:W or candidates:K")
+  raise UsageError(f"--configs: unknown {text!r}; use default, search:W, candidates:K or "
+                   "chunk:G[/F]")
 
 
-def run_row(shape, distribution: str, setting: str, variants: dict, trials: int) -> dict:
+def run_row(shape, distribution: str, setting: str, variants: dict, trials: int,
+            dtype: str = "float32") -> dict:
   """One (shape, distribution, setting): microseconds per call of each variant, tokens checked."""
   import jax
   import jax.numpy as jnp
@@ -86,9 +96,12 @@ def run_row(shape, distribution: str, setting: str, variants: dict, trials: int)
 
   def make_inputs(i):
     logits = SCALES[distribution] * jax.random.normal(jax.random.key(i), (b, v), jnp.float32)
-    return logits, sampling_keys(jnp.uint32(i), jnp.arange(b, dtype=jnp.int32), jnp.int32(0))
+    return logits.astype(dtype), sampling_keys(jnp.uint32(i), jnp.arange(b, dtype=jnp.int32), jnp.int32(0))
 
-  row = dict(batch=b, vocab=v, distribution=distribution, setting=setting)
+  row = dict(batch=b, vocab=v, dtype=dtype, distribution=distribution, setting=setting)
+  read = timing.measure(lambda l, k: jnp.max(l, axis=-1), make_inputs, n_sets=n_sets,
+                        trials=trials, warmup=1)
+  row["read_us"] = read["seconds"] * 1e6
   logits, keys = make_inputs(0)
   if not params.greedy:
     kept = jnp.isfinite(jax.jit(lambda l: _filter_reference(l, params))(logits))
@@ -119,12 +132,14 @@ def _filter_reference(logits, params):
 
 
 def _markdown(rows, info, names) -> str:
-  cols = ["batch", "vocab", "distribution", "setting", "kept_mean"] + [f"{n}_us" for n in names]
+  cols = ["batch", "vocab", "dtype", "distribution", "setting", "kept_mean", "read_us"]
+  cols += [f"{n}_us" for n in names]
   cols += [f"{n}_speedup" for n in names if n != "reference"]
   cols = [c for c in cols if any(c in r for r in rows)]
   fmt = lambda x: (f"{x:.1f}" if abs(x) >= 10 else f"{x:.3f}") if isinstance(x, float) else str(x)
   lines = [f"Sampler per call (microseconds) on {info['device']}, jax {info['jax']}, {info['date']}; "
-           f"float32 logits; {info['method']}. Configurations: {info['configs']}.", "",
+           f"{info['method']}; read = one read of the logits (the floor). "
+           f"Configurations: {info['configs']}.", "",
            "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
   bad = [r for r in rows if any(k.endswith("_mismatches") for k in r)]
@@ -140,6 +155,10 @@ def _run(args: argparse.Namespace) -> int:
 
   settings = [s for s in args.settings.split(",") if s]
   dists = [d for d in args.distributions.split(",") if d]
+  dtypes = [d for d in args.dtypes.split(",") if d]
+  if sorted(set(dtypes) - {"float32", "bfloat16"}):
+    raise UsageError(f"--dtypes: unknown {sorted(set(dtypes) - {'float32', 'bfloat16'})}; "
+                     "choose from float32, bfloat16")
   for name, chosen, known in (("--settings", settings, SETTINGS), ("--distributions", dists, SCALES)):
     bad = sorted(set(chosen) - set(known))
     if bad:
@@ -160,12 +179,13 @@ def _run(args: argparse.Namespace) -> int:
   rows = []
   stem = os.path.join(args.out, "sampler")
   for shape in args.shapes:
-    for dist in dists:
-      for setting in settings:
-        rows.append(run_row(shape, dist, setting, variants, args.trials))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        with open(stem + ".json", "w") as f:
-          json.dump(dict(info=info, rows=rows), f, indent=1)
+    for dtype in dtypes:
+      for dist in dists:
+        for setting in settings:
+          rows.append(run_row(shape, dist, setting, variants, args.trials, dtype))
+          print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+          with open(stem + ".json", "w") as f:
+            json.dump(dict(info=info, rows=rows), f, indent=1)
   md = _markdown(rows, info, list(variants))
   with open(stem + ".md", "w") as f:
     f.write(md)

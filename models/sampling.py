@@ -16,6 +16,13 @@ logit ``c`` whose weight ``W(c) = sum of w(x) over x >= c`` reaches a target
 (``w = 1``, target k for top-k; ``w`` = probability, target p for top-p).
 :func:`sample` finds it without sorting the vocabulary:
 
+0. Chunks (``SamplerConfig.chunk``, the GPU default; top-k on the CPU too): each
+   chunk of the row reduced to its maximum. Top-k: the k chunks of largest
+   maxima hold every token >= the k-th value, so a few levels narrow the row to
+   ~2k tokens without a long sort. Top-p alone: the draw is the first kept
+   token in the order of Gumbel scores; the chunks of best score hold the best
+   F tokens, and one pass tests all F against p. Where a row is not decided
+   (ties, none of the F kept), the whole batch takes 2.
 1. Candidates (``SamplerConfig.candidates``, e.g. K = 64 and then 1024):
    ``lax.top_k(x, K)``. Where
    every row's threshold lies strictly above its K-th candidate, every kept
@@ -95,11 +102,20 @@ class SamplerConfig:
       times over).
     value_passes: the first passes split the interval by value (fast on
       smooth logits), the rest by bit pattern (exact in a bounded count).
+    chunk: the chunk size G of the chunked paths (0: off, then ``candidates`` and
+      the search as above). Top-p alone: the ``score_candidates`` best chunks by
+      Gumbel score hold the best-scoring tokens; each is tested against p in one
+      pass. Top-k: the k chunks with the largest maxima hold every token >= the
+      k-th value; the draw runs on them (several levels while that narrows).
+    score_candidates: F, the tokens of best Gumbel score tested against top-p (0: top-p
+      alone takes the ``candidates`` path).
   """
 
   candidates: Union[int, tuple[int, ...]] = (64, 1024)
   search_width: int = 1
   value_passes: int = 4
+  chunk: int = 0
+  score_candidates: int = 16
 
   def __post_init__(self):
     sizes = (self.candidates,) if np.ndim(self.candidates) == 0 else tuple(self.candidates)
@@ -110,17 +126,26 @@ class SamplerConfig:
       raise ValueError(f"SamplerConfig: {self.search_width=} must be an int >= 1")
     if int(self.value_passes) != self.value_passes or self.value_passes < 0:
       raise ValueError(f"SamplerConfig: {self.value_passes=} must be an int >= 0")
+    if int(self.chunk) != self.chunk or self.chunk < 0:
+      raise ValueError(f"SamplerConfig: {self.chunk=} must be an int >= 0")
+    if int(self.score_candidates) != self.score_candidates or self.score_candidates < 0:
+      raise ValueError(f"SamplerConfig: {self.score_candidates=} must be an int >= 0")
 
 
 def default_sampler_config(platform: str) -> SamplerConfig:
   """The configuration :func:`sample` uses on ``platform`` (``jax.default_backend()``).
 
   CPU: ``lax.top_k`` is a cheap partial sort and one wide pass costs more than
-  several narrow ones. GPU/TPU: ``lax.top_k`` of more than a few elements is a
-  sort, and a pass is bound by reading the row, so a wide pass is nearly free.
+  several narrow ones; top-k takes the chunk levels, top-p alone the candidates (the
+  Gumbel noise of the whole row costs more there). GPU: ``lax.top_k`` of more than 16
+  elements is a sort; the chunked paths read the row twice (top-p) or once (top-k) and
+  sort only short rows. TPU: the threshold search (a pass is bound by reading the row,
+  so a wide pass is nearly free).
   """
   if platform == "cpu":
-    return SamplerConfig(candidates=(64, 1024), search_width=1)
+    return SamplerConfig(candidates=(64, 1024), search_width=1, chunk=128, score_candidates=0)
+  if platform == "gpu":  # 15 + 1 best chunks: XLA's top-k kernel (k <= 16), not a sort
+    return SamplerConfig(candidates=0, search_width=15, chunk=128, score_candidates=15)
   return SamplerConfig(candidates=0, search_width=15)
 
 
@@ -247,18 +272,27 @@ def _gumbel_at(keys: Array, idx: Array) -> Array:
   return -jnp.log(-jnp.log(u))
 
 
-def _candidate_draw(x: Array, keys: Array, params: SamplingParams, k: int):
-  """(ok bool ``[B]``, token int32 ``[B]``): the draw from the top-k candidates, where they hold the kept set."""
+def _candidate_draw(x: Array, keys: Array, params: SamplingParams, k: int,
+                    positions: Optional[Array] = None, vocab: Optional[int] = None):
+  """(ok bool ``[B]``, token int32 ``[B]``): the draw from the top-k candidates, where they hold the kept set.
+
+  ``positions`` (int32, like ``x``): the vocabulary index of each column of ``x``, a part of
+  the row that holds every token of the kept set and the top-k's tokens (default: ``x`` is
+  the row); ``vocab``: the row's length V then.
+  """
   # The barrier keeps XLA from folding later slices of the result into the top-k, which turns
   # it back into a full sort on the CPU.
   vals, idx = lax.top_k(x, k)  # [B, K], descending
   # One barrier per array: a barrier over the tuple crashes XLA's CPU compiler under SPMD.
   vals, idx = lax.optimization_barrier(vals), lax.optimization_barrier(idx)
+  if positions is not None:
+    idx = jnp.take_along_axis(positions, idx, axis=1)
+  v = x.shape[-1] if vocab is None else vocab
   last = vals[:, -1:]
   keep = jnp.ones(vals.shape, bool)
   ok = jnp.ones(x.shape[:1], bool)
   masked = x
-  if params.top_k is not None and params.top_k < x.shape[-1]:
+  if params.top_k is not None and params.top_k < v:
     if params.top_k > k:  # the k-th value is not among the candidates
       kth, ok = last, jnp.zeros_like(ok)
     else:
@@ -283,8 +317,112 @@ def _candidate_draw(x: Array, keys: Array, params: SamplingParams, k: int):
   score = jnp.where(keep, vals + _gumbel_at(keys, idx), -jnp.inf)
   best = jnp.max(score, axis=1, keepdims=True)
   # argmax's rule: of equal scores the lowest vocabulary index wins.
-  token = jnp.min(jnp.where(score == best, idx, x.shape[-1]), axis=1)
+  token = jnp.min(jnp.where(score == best, idx, v), axis=1)
   return ok, token.astype(jnp.int32)
+
+
+# -- the chunked paths ----------------------------------------------------------------------------
+
+def _chunks(x: Array, g: int) -> Array:
+  """``[B, ceil(n / g), g]``: ``x [B, n]`` in chunks of g, the last one padded with ``-inf``."""
+  b, n = x.shape
+  nc = -(-n // g)
+  return jnp.pad(x, ((0, 0), (0, nc * g - n)), constant_values=-jnp.inf).reshape(b, nc, g)
+
+
+def _gather_chunks(x: Array, positions: Array, chunk_ids: Array, g: int):
+  """(values, positions) ``[B, n * g]`` of chunks ``chunk_ids [B, n]`` of ``x``, in row order."""
+  b, m = x.shape
+  cols = (jnp.sort(chunk_ids, axis=1)[:, :, None] * g + jnp.arange(g)).reshape(b, -1)
+  inside = cols < m  # the last chunk's padding
+  cols = jnp.minimum(cols, m - 1)
+  vals = jnp.where(inside, jnp.take_along_axis(x, cols, axis=1), -jnp.inf)
+  return vals, jnp.take_along_axis(positions, cols, axis=1)
+
+
+_TIE_SLACK = 4  # chunks kept beyond k, for maxima that tie with the k-th
+
+
+def _top_k_levels(v: int, k: int, g: int) -> list[int]:
+  """The chunk sizes that narrow a row of v to the chunks holding its top k (empty: none does).
+
+  A level keeps ``k + _TIE_SLACK`` of its chunks, so it pays only while there are at least 4
+  times as many; the first uses ``g``, the next ones the size that leaves that many.
+  """
+  keep = k + _TIE_SLACK
+  sizes, n = [], v
+  while True:
+    size = g if not sizes else max(1, n // (4 * keep))
+    if size < 2 or -(-n // size) < 4 * keep:
+      return sizes
+    sizes.append(size)
+    n = keep * size
+
+
+def _chunked_top_k_draw(x: Array, keys: Array, params: SamplingParams, config: SamplerConfig):
+  """(ok, token) of top-k (then top-p) via the k chunks with the largest maxima, level by level.
+
+  Every token >= the k-th largest value t lies in a chunk whose maximum is >= the k-th largest
+  chunk maximum M (k chunks have an element >= M, so t >= M). The k + 4 chunks of largest
+  maxima hold them all, unless more than that many maxima are >= M and t == M (``ok`` False:
+  exact ties).
+  """
+  b, v = x.shape
+  k = params.top_k
+  positions = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), x.shape)
+  kths, ties = [], []
+  for g in _top_k_levels(v, k, config.chunk):
+    maxima = jnp.max(_chunks(x, g), axis=2)  # [B, nc]
+    best, chunk_ids = lax.top_k(maxima, k + _TIE_SLACK)
+    kths.append(best[:, k - 1])
+    ties.append(jnp.sum(maxima >= best[:, k - 1:k], axis=1) > k + _TIE_SLACK)
+    x, positions = _gather_chunks(x, positions, chunk_ids, g)
+  t = lax.top_k(x, k)[0][:, -1]
+  ok = jnp.ones((b,), bool)
+  for kth, tie in zip(kths, ties):
+    ok &= ~tie | (t > kth)
+  sub_ok, token = _candidate_draw(x, keys, params, x.shape[1], positions, vocab=v)
+  return ok & sub_ok, token
+
+
+def _sum_above(x: Array, weights: Array, thresholds: Array):
+  """(total ``[B]``, ``[B, F]`` sums of ``weights`` over ``x > thresholds[:, f]``): one reduction."""
+  f = thresholds.shape[1]
+  operands = [weights] + [jnp.where(x > thresholds[:, j:j + 1], weights, 0.0) for j in range(f)]
+  sums = lax.reduce(operands, [jnp.float32(0)] * (f + 1),
+                    lambda a, b: [ai + bi for ai, bi in zip(a, b)], (1,))
+  return sums[0], jnp.stack(sums[1:], axis=1)
+
+
+def _score_draw(x: Array, keys: Array, params: SamplingParams, config: SamplerConfig):
+  """(ok, token) of top-p alone: the first of the best-scoring tokens (Gumbel-max) that is kept.
+
+  ``categorical`` draws the kept token of highest score ``x + gumbel``. Kept sets are
+  ``x >= t``, so in the order of scores, the draw is the first kept token. The F chunks of
+  highest maximum score hold the F best scores of the row (ties aside), their F best are
+  the candidates, and one pass sums, per candidate, the probability strictly above it (kept
+  iff < p). ``ok`` where a kept candidate scores above every other chunk.
+  """
+  b, v = x.shape
+  g = config.chunk
+  noise = jax.vmap(lambda key: jax.random.gumbel(key, (v,), x.dtype))(keys)
+  score_max, x_max = lax.reduce(
+      (_chunks(noise + x, g), _chunks(x, g)), (jnp.float32(-jnp.inf),) * 2,
+      lambda a, c: (lax.max(a[0], c[0]), lax.max(a[1], c[1])), (2,))  # [B, nc] each
+  nc = score_max.shape[1]
+  f = min(config.score_candidates, nc)
+  best, chunk_ids = lax.top_k(score_max, min(f + 1, nc))
+  outside = best[:, f] if f < nc else jnp.full((b,), -jnp.inf)  # the best score elsewhere
+  positions = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), x.shape)
+  xs, pos = _gather_chunks(x, positions, chunk_ids[:, :f], g)
+  scores, col = lax.top_k(_gumbel_at(keys, pos) + xs, f)  # ties: the lower vocabulary index first
+  cand_x = jnp.take_along_axis(xs, col, axis=1)
+  top = jnp.max(x_max, axis=1, keepdims=True)
+  total, above = _sum_above(x, jnp.exp(x - top), cand_x)
+  kept = (above < jnp.float32(params.top_p) * total[:, None]) & (scores > outside[:, None])
+  first = jnp.argmax(kept, axis=1)
+  token = jnp.take_along_axis(jnp.take_along_axis(pos, col, axis=1), first[:, None], axis=1)[:, 0]
+  return jnp.any(kept, axis=1), token.astype(jnp.int32)
 
 
 def sample(logits: Array, keys: Array, params: SamplingParams,
@@ -305,9 +443,19 @@ def sample(logits: Array, keys: Array, params: SamplingParams,
   v = logits.shape[-1]
   sizes = sorted({min(k, v) for k in config.candidates})
   top_k = params.top_k is not None and params.top_k < v
-  if not sizes or not (top_k or params.top_p is not None) or not _partitionable_threefry():
+  if not (sizes or config.chunk) or not (top_k or params.top_p is not None) or (
+      not _partitionable_threefry()):
     return full()
   x = logits.astype(jnp.float32) / params.temperature
+  if config.chunk:
+    chunked = None
+    if top_k and _top_k_levels(v, params.top_k, config.chunk):
+      chunked = _chunked_top_k_draw(x, keys, params, config)
+    elif not top_k and config.score_candidates:
+      chunked = _score_draw(x, keys, params, config)
+    if chunked is not None:
+      ok, token = chunked
+      return lax.cond(jnp.all(ok), lambda: token, full)
 
   def attempt(i):
     if i == len(sizes):

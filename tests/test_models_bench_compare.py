@@ -33,6 +33,7 @@ def test_bench_compare_report(tmp_path, monkeypatch, capsys):
   assert ours[0]["whole_tokens_per_s"] == 2 * 8 / 2.0
   md = open(os.path.join(tmp_path, "compare.md")).read()
   assert "| hydragen | 2 | 8 | 8.00 |" in md and "temperature 0.7, top-p 0.9" in md
+  assert "Load average (1 min) " in md and report["info"]["load_average_end"] is not None
 
 
 def test_bench_compare_rejects_bad_input(capsys):

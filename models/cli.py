@@ -163,8 +163,9 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
   p.add_argument("--no-progress", action="store_true", help="no progress bars")
   p.add_argument("--compile-cache", default=None, metavar="DIR",
                  help="persistent compilation cache: a second run with the same shapes loads "
-                 "its programs instead of compiling them (default: $XDG_CACHE_HOME/hydragen/xla, "
-                 "~/.cache/hydragen/xla without it; '' disables it)")
+                 "its programs (traced, DIR/programs, and compiled) instead of tracing and "
+                 "compiling them (default: $XDG_CACHE_HOME/hydragen/xla, ~/.cache/hydragen/xla "
+                 "without it; '' disables it)")
   p.add_argument("--no-compile-cache", action="store_true",
                  help="compile every program afresh (no persistent cache)")
   from models import distributed
@@ -236,12 +237,16 @@ def check_dtype_runs(dtype: str) -> None:
 
 
 class CompileCache:
-  """The persistent compilation cache of one run, and its hits (JAX's monitoring events)."""
+  """The persistent compilation cache of one run, and its hits (JAX's monitoring events).
+
+  ``programs``: the :class:`models.programs.ProgramStore` in ``<path>/programs`` (traced
+  programs), or None without a cache.
+  """
 
   def __init__(self, path: Optional[str]):
     import jax
 
-    self.path, self.hits, self.requests = None, 0, 0
+    self.path, self.hits, self.requests, self.programs = None, 0, 0, None
     if path:
       try:
         os.makedirs(path, exist_ok=True)
@@ -252,6 +257,9 @@ class CompileCache:
         self.path = path
       except (OSError, AttributeError):  # read-only home, or an option this jax lacks: compile
         pass
+    if self.path:
+      from models.programs import store_or_none
+      self.programs = store_or_none(os.path.join(self.path, "programs"))
 
   def __enter__(self):
     import jax
@@ -269,13 +277,18 @@ class CompileCache:
       self.requests += 1
 
   def summary(self) -> str:
+    """E.g. ``"traced: 2 programs loaded, none traced; compiled: cache hit (5 programs)"``."""
     if self.path is None:
       return "no persistent cache"
     if self.requests == 0:
-      return "nothing compiled"
-    if self.hits == self.requests:
-      return f"cache hit ({self.hits} programs)"
-    return f"{self.hits} of {self.requests} programs from the cache"
+      xla = "nothing compiled"
+    elif self.hits == self.requests:
+      xla = f"cache hit ({self.hits} programs)"
+    else:
+      xla = f"{self.hits} of {self.requests} programs from the cache"
+    if self.programs is None:
+      return xla
+    return f"traced: {self.programs.summary()}; compiled: {xla}"
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -323,13 +336,13 @@ def _generate(args: argparse.Namespace, cache: CompileCache) -> int:
     state = prefill(model, prompts, num_samples=args.num_samples,
                     max_new_tokens=args.max_new_tokens, attention=args.attention,
                     impl=args.impl, seed=args.seed, progress=lambda n: bar.update(n - bar.n),
-                    mesh=mesh)
+                    mesh=mesh, programs=cache.programs)
     jax.block_until_ready(state)
     bar.update(bar.total - bar.n)  # each prompt's last token is fed by decode step 0
   prefill_s = time.perf_counter() - t0
 
   sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                  eos_id=eos_id, impl=args.impl)
+                  eos_id=eos_id, impl=args.impl, programs=cache.programs)
   stream = (_Stream(tokenizer, sys.stdout)
             if args.stream and jax.process_index() == 0 else None)
   with _progress_bar(bars and not args.stream, args.max_new_tokens, "decode", "step") as bar:
@@ -362,7 +375,9 @@ def _generate(args: argparse.Namespace, cache: CompileCache) -> int:
   timing = dict(load_s=load_s, prefill_s=prefill_s, compile_s=compile_s, decode_s=decode_s,
                 decode_steps=steps, sequences=state.batch_size, tokens_per_s=rate,
                 compile_cache=cache.path, cache_hits=cache.hits,
-                cache_requests=cache.requests)
+                cache_requests=cache.requests,
+                programs_loaded=cache.programs.loaded if cache.programs else 0,
+                programs_traced=cache.programs.exported if cache.programs else 0)
   if args.json:
     print(json.dumps(dict(
         model=os.path.abspath(path), config=config.to_dict(), attention=args.attention,

@@ -49,6 +49,7 @@ from models import distributed
 from models import sharding as sharding_lib
 from models.cache import KVCache, SegmentLevel
 from models.llama import Llama
+from models.programs import ProgramStore
 from models.prompt_tree import PromptTree
 from models.sampling import SamplingParams, sample, sampling_keys
 
@@ -105,7 +106,8 @@ def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Seque
              top_p: Optional[float] = None, eos_id: Optional[int] = None, seed: int = 0,
              attention: str = "hydragen", impl: str = "auto", pad_id: int = PAD_ID,
              prefill_chunk: Optional[int] = None,
-             progress: Optional[Callable[[int], None]] = None, mesh=None) -> Array:
+             progress: Optional[Callable[[int], None]] = None, mesh=None,
+             programs: Optional[ProgramStore] = None) -> Array:
   """Samples ``max_new_tokens`` tokens for each of ``num_samples`` samples per prompt.
 
   Args:
@@ -133,6 +135,9 @@ def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Seque
       or a ``jax.sharding.Mesh`` (:func:`models.sharding.make_mesh`; the
       rules: docs/sharding.md). The samples are split over "data" (their
       total must divide by it), heads and MLP over "model". None: one device.
+    programs: a :class:`models.programs.ProgramStore`: the prefill and decode programs are
+      read from it (no tracing) or traced once and written there (one device only, and no
+      ``progress``; otherwise ignored).
 
   Returns:
     int32 ``[total samples, max_new_tokens]``; samples in the caller's order
@@ -145,9 +150,9 @@ def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Seque
     model = sharding_lib.shard_model(model, mesh)
   state = prefill(model, prompt_ids, num_samples=num_samples, max_new_tokens=max_new_tokens,
                   attention=attention, impl=impl, seed=seed, prefill_chunk=prefill_chunk,
-                  mesh=mesh)
+                  mesh=mesh, programs=programs)
   state = decode(model, state, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
-                 pad_id=pad_id, impl=impl, progress=progress, mesh=mesh)
+                 pad_id=pad_id, impl=impl, progress=progress, mesh=mesh, programs=programs)
   tokens = state.completions()
   # Under jax.distributed the rows live on several processes: every process gets all of them.
   return tokens if tokens.is_fully_addressable else distributed.gather(tokens)
@@ -178,7 +183,8 @@ def as_prompt_tree(prompt_ids: Prompts, num_samples=1) -> PromptTree:
 def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens: int,
             attention: str = "hydragen", impl: str = "auto", seed: int = 0,
             own_capacity: Optional[int] = None, prefill_chunk: Optional[int] = None,
-            progress: Optional[Callable[[int], None]] = None, mesh=None) -> DecodeState:
+            progress: Optional[Callable[[int], None]] = None, mesh=None,
+            programs: Optional[ProgramStore] = None) -> DecodeState:
   """Prefills every prompt segment once and returns the state the decode loop starts from.
 
   Args:
@@ -193,6 +199,7 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
     mesh: as in :func:`generate`: the returned state (cache included) is laid
       out on it, each buffer created on its shards; the segments are
       prefilled with their batch replicated over "data" and heads on "model".
+    programs: as in :func:`generate` (used without a mesh).
 
   Raises:
     ValueError: bad arguments, token ids outside the vocabulary, a prompt
@@ -232,7 +239,7 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
     levels = ()
   else:
     stored = _prefill_levels(config, graphdef, params, tree, impl, progress, prefill_chunk,
-                             mesh)
+                             mesh, programs)
     nodes = [np.asarray(tree.node_of_sample(l)[order]) for l in range(len(stored))]
     levels = tuple(SegmentLevel(k, v, jnp.asarray(lens), jnp.asarray(nodes[l]),
                                 all_share=len(lens) == 1 and not nodes[l].any())
@@ -278,7 +285,8 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
            temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
            eos_id: Optional[int] = None, pad_id: int = PAD_ID, impl: str = "auto",
            progress: Optional[Callable[[int], None]] = None,
-           progress_every: int = 8, mesh=None) -> DecodeState:
+           progress_every: int = 8, mesh=None,
+           programs: Optional[ProgramStore] = None) -> DecodeState:
   """Runs ``num_steps`` decode steps (default: all that remain) in one jitted program.
 
   The loop is a ``lax.while_loop`` that also stops once every sample has
@@ -292,6 +300,8 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
     mesh: the mesh to run on (default: the one the state was prefilled on,
       if any); the model is placed on it (:func:`models.sharding.shard_model`;
       a no-op for a model placed already) and the loop runs sharded.
+    programs: as in :func:`generate`: the decode program read from this store or traced
+      once and written there (one device, ``progress=None``; otherwise ignored).
   """
   # Before any check that could fail on one process only (the others would wait for it).
   distributed.check_same(sharding_lib.mesh_of(state) if mesh is None else
@@ -315,9 +325,12 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
   model, state, mesh = _on_mesh(model, state, mesh)
   graphdef, params = nnx.split(model)
   stop = state.step + num_steps
-  return _decode_loop(graphdef, params, state, stop, sampling=sampling, eos_id=eos_id,
-                      pad_id=int(pad_id), impl=impl, progress=progress,
-                      progress_every=int(progress_every), mesh=mesh)
+  static = dict(sampling=sampling, eos_id=eos_id, pad_id=int(pad_id), impl=impl,
+                progress=progress, progress_every=int(progress_every), mesh=mesh)
+  if programs is not None and mesh is None and progress is None:
+    return programs.call("decode", _decode_loop, (graphdef,), (params, state, stop),
+                         static=static, out_like=lambda p, s, t: s, donate=(1,))
+  return _decode_loop(graphdef, params, state, stop, **static)
 
 
 def lower_decode(model: Llama, state: DecodeState, *, temperature: float = 0.0,
@@ -354,7 +367,8 @@ def _check_tokens(tree: PromptTree, vocab_size: int) -> None:
 
 
 def _prefill_levels(config, graphdef, params, tree: PromptTree, impl: str, progress,
-                    chunk: Optional[int] = None, mesh=None):
+                    chunk: Optional[int] = None, mesh=None,
+                    programs: Optional[ProgramStore] = None):
   """K/V of every segment, level by level, each causally over its ancestors.
 
   Level l's N segments run as one batch ``[N, T_l]`` (right-padded): the
@@ -394,8 +408,14 @@ def _prefill_levels(config, graphdef, params, tree: PromptTree, impl: str, progr
       sharding = sharding_lib.attention_sharding(mesh, batch_sharded=False)
     k, v = own.k, own.v
     for start in range(0, width, step):
-      k, v = _prefill_chunk(graphdef, params, jnp.asarray(tokens[:, start:start + step]),
-                            ancestors, k, v, jnp.int32(start), impl=impl, sharding=sharding)
+      args = (params, jnp.asarray(tokens[:, start:start + step]), ancestors, k, v,
+              jnp.int32(start))
+      if programs is not None and mesh is None:
+        k, v = programs.call("prefill", _prefill_chunk, (graphdef,), args,
+                             static=dict(impl=impl, sharding=None),
+                             out_like=lambda p, t, a, k, v, s: (k, v), donate=(3, 4))
+      else:
+        k, v = _prefill_chunk(graphdef, *args, impl=impl, sharding=sharding)
       if progress is not None:
         done += int(np.clip(lengths - start, 0, step).sum())
         progress(done)

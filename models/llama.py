@@ -48,6 +48,26 @@ def _einsum(spec: str, x: Array, w: nnx.Param) -> Array:
   return jnp.einsum(spec, x, w, precision=_precision(w.dtype))
 
 
+# The head projections multiply by their weights seen as one matrix, ``[Hq * D, hidden]`` and
+# ``[hidden, Hq * D]`` (a reshape: no data moves). With the 3-D weights, XLA's CPU backend
+# transposed each one into a new buffer on every decode step (3.5 MB per layer and step for
+# SmolLM2-135M; the batch-8 step ran 1.6x slower: docs/sampling-and-cli.md).
+def _heads_in(x: Array, w: nnx.Param) -> Array:
+  """``x [B, T, hidden]`` times ``w [H, D, hidden]`` -> ``[B, T, H, D]``."""
+  w = w[...]
+  h, d, hidden = w.shape
+  y = jnp.einsum("btc,nc->btn", x, w.reshape(h * d, hidden), precision=_precision(w.dtype))
+  return y.reshape(x.shape[:2] + (h, d))
+
+
+def _heads_out(x: Array, w: nnx.Param) -> Array:
+  """``x [B, T, H, D]`` times ``w [hidden, H, D]`` -> ``[B, T, hidden]``."""
+  w = w[...]
+  hidden, h, d = w.shape
+  return jnp.einsum("btn,cn->btc", x.reshape(x.shape[:2] + (h * d,)), w.reshape(hidden, h * d),
+                    precision=_precision(w.dtype))
+
+
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02) -> nnx.Param:
   return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
 
@@ -95,11 +115,11 @@ class Attention(nnx.Module):
   def __call__(self, x: Array, positions: Array, cache: Optional[KVCache], *,
                skip_attention: bool, impl: str,
                sharding: Optional[AttentionSharding] = None) -> tuple[Array, Optional[KVCache]]:
-    xq = _einsum("btd,hkd->bthk", x, self.q_proj)  # (bs, seqlen, n_heads, head_dim)
+    xq = _heads_in(x, self.q_proj)  # (bs, seqlen, n_heads, head_dim)
     rows = x.shape[0] * x.shape[1]
     x_k, x_v = _unshared(x, 2) if rows >= SEPARATE_PROJECTIONS_MIN_ROWS else (x, x)
-    keys = _einsum("btd,hkd->bthk", x_k, self.k_proj)  # (bs, seqlen, n_kv_heads, head_dim)
-    values = _einsum("btd,hkd->bthk", x_v, self.v_proj)
+    keys = _heads_in(x_k, self.k_proj)  # (bs, seqlen, n_kv_heads, head_dim)
+    values = _heads_in(x_v, self.v_proj)
     inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
     xq, keys = apply_rope(xq, positions, inv_freq), apply_rope(keys, positions, inv_freq)
     if skip_attention:
@@ -114,7 +134,7 @@ class Attention(nnx.Module):
       cache = (cache.write(self.layer, keys, values) if sharding is None
                else write_per_shard(cache, self.layer, keys, values, sharding))
       out = _cached_attention(xq, cache, self.layer, x.shape[1], impl, sharding)
-    return _einsum("bthk,dhk->btd", out, self.o_proj), cache
+    return _heads_out(out, self.o_proj), cache
 
 
 def _no_attention(xq: Array, keys: Array, values: Array) -> Array:

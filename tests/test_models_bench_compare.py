@@ -14,7 +14,7 @@ def test_bench_compare_report(tmp_path, monkeypatch, capsys):
   calls = []
 
   def fake(impl, whole):
-    def run(path, ids, samples, new_tokens, args):
+    def run(path, ids, samples, new_tokens, args, programs=None):
       calls.append((impl, samples, new_tokens, args.temperature, args.top_p, len(ids)))
       row = dict(whole_s=whole * samples, decode_tokens_per_s=1.0)
       return dict(row, compile_s=0.5) if impl == "hydragen" else dict(row, first_token_s=0.1)
@@ -33,6 +33,7 @@ def test_bench_compare_report(tmp_path, monkeypatch, capsys):
   assert ours[0]["whole_tokens_per_s"] == 2 * 8 / 2.0
   md = open(os.path.join(tmp_path, "compare.md")).read()
   assert "| hydragen | 2 | 8 | 8.00 |" in md and "temperature 0.7, top-p 0.9" in md
+  assert "Load average (1 min) " in md and report["info"]["load_average_end"] is not None
 
 
 def test_bench_compare_rejects_bad_input(capsys):

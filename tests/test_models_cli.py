@@ -54,6 +54,32 @@ def test_generate_text_output_and_standard_attention(tiny_dir, capsys):
     assert f"[sample {i}] {tokenizer.decode(row).strip()}\n" in out, (i, out)
 
 
+def test_second_run_loads_its_traced_programs(tiny_dir, tmp_path, capsys):
+  """A warm start reads the prefill and decode programs from DIR/programs (no tracing), gives
+  the same tokens, and the timing line says so."""
+  import jax
+  from jax._src import compilation_cache
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_min_entry_size_bytes")
+  saved = {k: jax.config.values[k] for k in names}
+  argv = ["generate", "--model", tiny_dir, "--prompt", "hello", "--num-samples", "2",
+          "--max-new-tokens", "5", "--seed", "4", "--no-progress", "--compile-cache", str(tmp_path)]
+  try:
+    assert cli.main(argv + ["--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert (first["timing"]["programs_loaded"], first["timing"]["programs_traced"]) == (0, 2)
+    assert cli.main(argv + ["--json"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert (second["timing"]["programs_loaded"], second["timing"]["programs_traced"]) == (2, 0)
+    assert second["completions"] == first["completions"]
+    assert cli.main(argv) == 0
+    assert "(traced: 2 programs loaded, none traced; compiled: " in capsys.readouterr().out
+  finally:  # later tests in this process compile without the (deleted) directory
+    for k, v in saved.items():
+      jax.config.update(k, v)
+    compilation_cache.reset_cache()
+
+
 def test_missing_default_model_says_how_to_install_it(monkeypatch, capsys):
   def missing(name):
     raise importlib.metadata.PackageNotFoundError(name)

@@ -1,0 +1,109 @@
+"""Stored programs (models.programs): the same tokens, loaded without tracing, never stale."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from models import programs as programs_lib
+from models.config import preset
+from models.generate import decode, generate, prefill
+from models.llama import random_init
+from models.programs import ProgramStore
+
+SAMPLED = dict(temperature=0.8, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return random_init(preset("tiny").replace(num_heads=6, num_kv_heads=2, head_dim=16), seed=3,
+                     std=0.12)
+
+
+def prompt():
+  return [int(t) for t in np.random.default_rng(0).integers(0, 256, 21)]
+
+
+def stored_tokens(model, store, steps=(3, None), **kw):
+  """prefill + decode in ``steps`` calls through ``store``."""
+  sampling = dict(SAMPLED, **kw)
+  state = prefill(model, prompt(), num_samples=3, max_new_tokens=8, seed=1, programs=store)
+  for n in steps:
+    state = decode(model, state, n, programs=store, **sampling)
+  return np.asarray(state.completions())
+
+
+def test_stored_programs_give_the_tokens_of_the_plain_path_and_load_in_a_new_process(tiny,
+                                                                                     tmp_path):
+  plain = np.asarray(generate(tiny, prompt(), num_samples=3, max_new_tokens=8, seed=1, **SAMPLED))
+  store = ProgramStore(str(tmp_path))
+  np.testing.assert_array_equal(stored_tokens(tiny, store), plain)
+  assert (store.loaded, store.exported) == (0, 2)  # prefill and decode, each traced once
+  assert sorted(f.split("-")[0] for f in os.listdir(tmp_path)) == ["decode", "prefill"]
+  again = ProgramStore(str(tmp_path))  # what a second process sees
+  np.testing.assert_array_equal(stored_tokens(tiny, again, steps=(None,)), plain)
+  assert (again.loaded, again.exported) == (2, 0)
+  assert again.summary() == "2 programs loaded, none traced"
+
+
+def test_the_stored_decode_program_donates_the_state(tiny, tmp_path):
+  store = ProgramStore(str(tmp_path))
+  state = prefill(tiny, prompt(), num_samples=3, max_new_tokens=8, programs=store)
+  state = jax.device_put(state, jax.devices()[0])
+  cache_k = state.cache.k[0]
+  out = decode(tiny, state, 2, programs=store, **SAMPLED)
+  assert cache_k.is_deleted()  # updated in place, as without the store
+  assert int(out.step) == 2
+
+
+def test_a_changed_model_sampler_setting_code_or_flag_is_another_program(tiny, tmp_path, monkeypatch):
+  store = ProgramStore(str(tmp_path))
+  stored_tokens(tiny, store)
+  assert store.exported == 2
+  # Same shapes, another config value: new programs, and that model's own tokens.
+  other = random_init(tiny.config.replace(rope_theta=500.0), seed=3, std=0.12)
+  plain = np.asarray(generate(other, prompt(), num_samples=3, max_new_tokens=8, seed=1,
+                              **SAMPLED))
+  np.testing.assert_array_equal(stored_tokens(other, store), plain)
+  assert store.exported == 4
+  # Another static sampler setting: a new decode program (the prefill one is reused).
+  stored_tokens(tiny, store, top_p=0.5)
+  assert store.exported == 5
+  assert len(os.listdir(tmp_path)) == 5 and store.loaded == 0
+  # Changed code, a changed jax flag, another shape: other keys (so other files).
+  args = [np.zeros(2, np.float32)]
+  key = store.key("decode", (), args)
+  assert key != store.key("decode", (), [np.zeros(3, np.float32)])
+  with jax.numpy_rank_promotion("warn"):
+    assert key != store.key("decode", (), args)
+  monkeypatch.setattr(programs_lib, "code_fingerprint", lambda: "edited")
+  assert key != store.key("decode", (), args)
+
+
+def test_a_damaged_program_file_is_traced_again(tiny, tmp_path):
+  stored_tokens(tiny, ProgramStore(str(tmp_path)))
+  for name in os.listdir(tmp_path):
+    with open(tmp_path / name, "wb") as f:
+      f.write(b"not a program")
+  store = ProgramStore(str(tmp_path))
+  plain = np.asarray(generate(tiny, prompt(), num_samples=3, max_new_tokens=8, seed=1, **SAMPLED))
+  np.testing.assert_array_equal(stored_tokens(tiny, store), plain)
+  assert (store.loaded, store.exported) == (0, 2)
+
+
+def test_programs_with_custom_kernels_run_without_the_store(tiny, tmp_path, monkeypatch):
+  """jax.export refuses custom calls (the GPU kernels): such a program runs as before."""
+  def refuse(*a, **k):
+    raise ValueError("Cannot serialize code with custom calls whose targets have no guarantees")
+  monkeypatch.setattr(jax.export, "export", lambda fn, **k: refuse)
+  store = ProgramStore(str(tmp_path))
+  plain = np.asarray(generate(tiny, prompt(), num_samples=3, max_new_tokens=8, seed=1, **SAMPLED))
+  np.testing.assert_array_equal(stored_tokens(tiny, store), plain)
+  assert (store.loaded, store.exported, store.unstorable) == (0, 0, 2)
+  assert "2 not storable" in store.summary() and not os.listdir(tmp_path)
+
+
+def test_store_path_errors_name_the_argument():
+  with pytest.raises(ValueError, match="path"):
+    ProgramStore("")

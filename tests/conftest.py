@@ -78,10 +78,13 @@ def impl(request):
 
 def pytest_collection_modifyitems(config, items):
   """Marks 'device' the tests that run the configured attention path: those taking the ``impl``
-  fixture, and the model tests (they use impl="auto", the kernels on a GPU or TPU)."""
+  fixture, and the model tests (they use impl="auto", the kernels on a GPU or TPU). Runs the
+  tests marked 'slow' (minutes each: subprocesses, notebooks) first, in their order, so that
+  pytest-xdist's workers do not end on one of them while the other worker idles."""
   for item in items:
     if "impl" in getattr(item, "fixturenames", ()) or item.path.name.startswith("test_models_"):
       item.add_marker(pytest.mark.device)
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,41 @@
 """Shared test settings: hypothesis profiles, the attention path the oracle tests run
 (``--impl``), and a count of generated cases."""
 
+import importlib.util
 import os
 
-import pytest
-from hypothesis import HealthCheck, settings
+# CPU-only runs (CI): LLVM -O1 and no expensive LLVM passes. The programs the tests compile are
+# tiny (interpreted Pallas kernels, tiny models) and compiling dominates: ~30% less time for
+# compile-bound tests. -O0 saved as much there but made the SmolLM2 tests (runtime-bound) 2-3x
+# slower; -O1 keeps their time. XLA's HLO passes and float semantics (no fast math) are the
+# same; only the machine code is less optimized. XLA reads the flags once, when the backend starts, so they are
+# set here, before anything imports JAX; subprocesses (CLI, notebooks, the 8-device suites)
+# inherit them. A process that may see a GPU or TPU keeps XLA's defaults;
+# HYDRAGEN_TEST_FAST_COMPILE=0 keeps them on a CPU too.
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=1",
+                      "--xla_llvm_disable_expensive_passes=true")
+_ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
+                        "jax_rocm7_plugin", "libtpu")
 
-from jax_shared_attn.ops import IMPLS
-from strategies import CASES
+
+def _cpu_only() -> bool:
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if platforms:
+    return platforms.split(",") == ["cpu"]
+  return not any(importlib.util.find_spec(m) for m in _ACCELERATOR_PLUGINS)
+
+
+if os.environ.get("HYDRAGEN_TEST_FAST_COMPILE", "1") != "0" and _cpu_only():
+  _flags = os.environ.get("XLA_FLAGS", "").split()
+  _names = {f.split("=")[0] for f in _flags}
+  os.environ["XLA_FLAGS"] = " ".join(
+      _flags + [f for f in FAST_COMPILE_FLAGS if f.split("=")[0] not in _names])
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from jax_shared_attn.ops import IMPLS  # noqa: E402
+from strategies import CASES  # noqa: E402
 
 # Interpret-mode kernels and CPU compiles are slow per example; no deadline.
 settings.register_profile(
@@ -51,10 +79,13 @@ def impl(request):
 
 def pytest_collection_modifyitems(config, items):
   """Marks 'device' the tests that run the configured attention path: those taking the ``impl``
-  fixture, and the model tests (they use impl="auto", the kernels on a GPU or TPU)."""
+  fixture, and the model tests (they use impl="auto", the kernels on a GPU or TPU). Runs the
+  tests marked 'slow' (minutes each: subprocesses, notebooks) first, in their order, so that
+  pytest-xdist's workers do not end on one of them while the other worker idles."""
   for item in items:
     if "impl" in getattr(item, "fixturenames", ()) or item.path.name.startswith("test_models_"):
       item.add_marker(pytest.mark.device)
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
 
 
 @pytest.fixture(scope="module")

@@ -86,6 +86,7 @@ def test_summary_compares_two_level_with_single_level():
   assert "20.0% more time" in bench_tree.summarize(rows)[0]
 
 
+@pytest.mark.slow
 def test_bench_tree_tiny_end_to_end(tmp_path):
   config = preset("tiny").replace(dtype="bfloat16")  # the command's model: bf16, this shape
   need = lambda mode, b: memory_needed(config, mode, b, SAMPLES, SHOTS, 9, NEW)

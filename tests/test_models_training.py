@@ -239,6 +239,7 @@ def test_grpo_loop_raises_the_reward_of_a_tiny_model(tiny):
   assert np.mean(means[-2:]) > means[0] + 0.2, means
 
 
+@pytest.mark.slow
 def test_sharded_step_in_a_subprocess():
   """tests/test_models_training_mesh.py on 8 CPU devices (the flag must precede JAX's start)."""
   from test_sharding import DEVICE_FLAGS

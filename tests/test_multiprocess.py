@@ -82,6 +82,7 @@ def runs(tmp_path_factory):
   return [json.loads(p.read_text()) for p in outs], [out for _, out, _ in results]
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_tokens_of_one_process_and_of_no_mesh(runs):
   p0, p1, ref = runs[0]
   assert (p0["process"], p1["process"], p0["processes"], p0["devices"]) == (0, 1, 2, 4)
@@ -100,6 +101,7 @@ def test_two_processes_give_the_tokens_of_one_process_and_of_no_mesh(runs):
       "hydragen-one-prompt (2, 2)"]
 
 
+@pytest.mark.slow
 def test_the_command_line_prints_on_process_0_only(runs):
   # gloo's C++ library prints its connection log lines to stdout itself (NCCL does not).
   out0, out1, ref = ("".join(l for l in out.splitlines(keepends=True) if not l.startswith("[Gloo]"))
@@ -115,6 +117,7 @@ def _json_in(out: str) -> dict:
   return json.JSONDecoder().raw_decode(out, out.index("{\n"))[0]
 
 
+@pytest.mark.slow
 def test_bad_mesh_and_disagreeing_prompts_raise_on_every_process(runs):
   p0, p1, _ = runs[0]
   for p in (p0, p1):
@@ -123,6 +126,7 @@ def test_bad_mesh_and_disagreeing_prompts_raise_on_every_process(runs):
         p["errors"]["different prompts"])
 
 
+@pytest.mark.slow
 def test_processes_with_different_device_counts_fail_on_every_process():
   port = free_port()
   results = launch([["devices", port, 2, 0], ["devices", port, 2, 1]], [2, 1], timeout=90)

@@ -28,6 +28,7 @@ DEVICE_FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimiza
                 "--xla_llvm_disable_expensive_passes=true")
 
 
+@pytest.mark.slow
 def test_eight_device_suite_in_a_subprocess():
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + DEVICE_FLAGS).strip())

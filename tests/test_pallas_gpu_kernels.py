@@ -50,9 +50,7 @@ def f64(x):
 
 class TestInterpret:
   interpret = True
-  # Nearly every example compiles a program of its own (tiles, splits, causal, layout are
-  # static): 12 per case, 84 per kernel per run, on fresh seeds each run.
-  examples = 12
+  examples = 20
 
   def setup_method(self):
     if not self.interpret and not HAS_GPU:

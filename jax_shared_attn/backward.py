@@ -44,8 +44,10 @@ class BackwardConfig:
   ``block_rows x block_keys``: the XLA path's tile per KV head. ``kernels``:
   ``"xla"`` (chunked ``lax.scan``), ``"triton"`` / ``"tpu"`` (the Pallas kernels
   of :mod:`pallas_kernels.gpu.backward` / :mod:`pallas_kernels.tpu.backward`,
-  interpreted off their platform), or None: the family's own (Triton for the
-  GPU families, Mosaic TPU for ``pallas:tpu``, XLA for ``xla``).
+  interpreted off their platform), ``"cudnn"`` (cuDNN's attention backward,
+  :mod:`pallas_kernels.gpu.cudnn`, for the parts it supports when the returned LSE
+  gets no cotangent; the Triton kernels for the rest), or None: the family's own
+  (Triton for the GPU families, Mosaic TPU for ``pallas:tpu``, XLA for ``xla``).
   """
 
   block_rows: int = 256
@@ -57,9 +59,9 @@ class BackwardConfig:
       val = getattr(self, name)
       if not isinstance(val, int) or isinstance(val, bool) or val < 1:
         raise ValueError(f"BackwardConfig: {name} must be a positive int; got {val!r}")
-    if self.kernels not in (None, "xla", "triton", "tpu"):
-      raise ValueError(f"BackwardConfig: kernels must be None, 'xla', 'triton' or 'tpu'; got "
-                       f"{self.kernels!r}")
+    if self.kernels not in (None, "xla", "triton", "tpu", "cudnn"):
+      raise ValueError(f"BackwardConfig: kernels must be None, 'xla', 'triton', 'tpu' or "
+                       f"'cudnn'; got {self.kernels!r}")
 
 
 def _pad_to(x: Array, axis: int, size: int) -> Array:
@@ -216,11 +218,21 @@ def decomposition_grads(q: Array, parts: Sequence[tuple], suffix_k: Optional[Arr
   ``parts`` as in :func:`jax_shared_attn.ops.reference_shared_attention`
   (``("prefix", k [P,Hkv,D], v, length, None)`` /
   ``("segments", k [N,T,Hkv,D], v, lengths [N], node_of_seq [B])``);
-  ``suffix_k = None`` means no suffix part. Returns float32
-  ``(dq, [(dk, dv) per part], (dsuffix_k, dsuffix_v) or None)``.
+  ``suffix_k = None`` means no suffix part; ``dlse = None``: the LSE gets no cotangent.
+  Returns float32 ``(dq, [(dk, dv) per part], (dsuffix_k, dsuffix_v) or None)``.
+
+  With ``config.kernels == "cudnn"`` and no LSE cotangent (cuDNN computes
+  ``rowsum(dO * O)`` itself), the parts :func:`pallas_kernels.gpu.cudnn.supports` runs on
+  cuDNN; the others, and every part when ``dlse`` is given, on the Triton kernels.
   """
   b, tq, hq, _ = q.shape
   dout = dout.astype(q.dtype)  # the products run in the input dtype; half the bytes for 16-bit
+  cudnn = None
+  if config.kernels == "cudnn":
+    from pallas_kernels.gpu import cudnn  # deferred: kernels are optional
+    config = dataclasses.replace(config, kernels="triton")  # the parts cuDNN does not take
+    cudnn = cudnn if dlse is None else None
+    out16 = out.astype(q.dtype)
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   if dlse is not None:
     delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
@@ -230,6 +242,17 @@ def decomposition_grads(q: Array, parts: Sequence[tuple], suffix_k: Optional[Arr
   for kind, k, v, lengths, nodes in parts:
     hkv = k.shape[-2]
     g = hq // hkv
+    one = kind == "prefix" or k.shape[0] == 1  # one segment: a single cuDNN call over its rows
+    if cudnn is not None and one and cudnn.supports(q, k, v):
+      if kind == "prefix":
+        dq_p, dk, dv = cudnn.shared_grads(q, out16, dout, lse, k, v, lengths, scale=scale)
+      else:
+        dq_p, dk, dv = cudnn.shared_grads(q, out16, dout, lse, k[0], v[0], lengths[0],
+                                          scale=scale, rows=nodes == 0)
+        dk, dv = dk[None], dv[None]
+      dq = dq + dq_p
+      part_out.append((dk, dv))
+      continue
     rows = [_shared_rows(x, hkv) for x in (q, dout, lse, delta)]
     if kind == "prefix":
       row_seg = jnp.zeros((b * tq * g,), jnp.int32)
@@ -247,6 +270,11 @@ def decomposition_grads(q: Array, parts: Sequence[tuple], suffix_k: Optional[Arr
     dq = dq + _unshared_rows(dq_p, b, tq)
     part_out.append((dk.reshape(k.shape), dv.reshape(v.shape)))
   suffix = None
+  if suffix_k is not None and cudnn is not None and cudnn.supports(
+      q, suffix_k, suffix_v, causal=causal, suffix_len=tq):
+    dq_s, dk, dv = cudnn.suffix_grads(q, out16, dout, lse, suffix_k, suffix_v, kv_lengths,
+                                      causal=causal, scale=scale)
+    return dq + dq_s, part_out, (dk, dv)
   if suffix_k is not None:
     hkv = suffix_k.shape[2]
     rows = [_seq_rows(x, hkv) for x in (q, dout, lse, delta)]
@@ -278,16 +306,18 @@ def with_chunked_backward(forward: Callable, config: BackwardConfig = BackwardCo
 
     f = jax.custom_vjp(run)
 
-    def fwd(q, arrs, sk, sv, lens):
+    def fwd(*args):
+      q, arrs, sk, sv, lens = _primal_values(args)
       out, lse = run(q, arrs, sk, sv, lens)
       # O is kept in the input dtype (as FlashAttention keeps it): it only enters rowsum(dO * O)
       return (out, lse), (q, arrs, sk, sv, lens, out.astype(q.dtype), lse)
 
     def bwd(res, ct):
       q, arrs, sk, sv, lens, out, lse = res
+      dout, dlse = _cotangents(ct, out.shape)
       dq, dparts, dsuffix = decomposition_grads(
           q, rebuild(arrs), sk, sv, kv_lengths=lens, causal=causal, scale=scale, out=out,
-          lse=lse, dout=ct[0], dlse=ct[1], config=config)
+          lse=lse, dout=dout, dlse=dlse, config=config)
       darrs = [(dk.astype(a[0].dtype), dv.astype(a[1].dtype), None, None)
                for (dk, dv), a in zip(dparts, arrs)]
       dsk = dsv = None
@@ -295,10 +325,28 @@ def with_chunked_backward(forward: Callable, config: BackwardConfig = BackwardCo
         dsk, dsv = dsuffix[0].astype(sk.dtype), dsuffix[1].astype(sv.dtype)
       return dq.astype(q.dtype), darrs, dsk, dsv, None
 
-    f.defvjp(fwd, bwd)
+    # Symbolic zeros: the backward knows (statically) when the LSE output is not used.
+    f.defvjp(fwd, bwd, symbolic_zeros=True)
     return f(q, arrays, suffix_k, suffix_v, kv_lengths)
 
   return call
+
+
+def _primal_values(args):
+  """The values of ``custom_vjp``'s fwd arguments under ``symbolic_zeros=True``."""
+  from jax.custom_derivatives import CustomVJPPrimal
+  return jax.tree.map(lambda x: x.value if isinstance(x, CustomVJPPrimal) else x, args,
+                      is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+
+
+def _cotangents(ct, out_shape):
+  """``(dout, dlse)`` of the ``(out, lse)`` outputs: a zero ``dout`` as zeros, a zero ``dlse``
+  as None (the LSE is not used: cuDNN's backward applies)."""
+  from jax.custom_derivatives import SymbolicZero
+  dout, dlse = ct
+  if isinstance(dout, SymbolicZero):
+    dout = jnp.zeros(out_shape, jnp.float32)
+  return dout, None if isinstance(dlse, SymbolicZero) else dlse
 
 
 def _suffix_with_prior(suffix_attention: Callable, config: BackwardConfig):
@@ -313,16 +361,18 @@ def _suffix_with_prior(suffix_attention: Callable, config: BackwardConfig):
                                   prior=prior)
       return out.astype(jnp.float32), lse.astype(jnp.float32)
 
-    def fwd(q, k, v, lens, prior):
+    def fwd(*args):
+      q, k, v, lens, prior = _primal_values(args)
       out, lse = f(q, k, v, lens, prior)
       return (out, lse), (q, k, v, lens, prior, out, lse)
 
     def bwd(res, ct):
       q, k, v, lens, (po, pl), out, lse = res
-      dout, dlse = ct
+      dout, dlse = _cotangents(ct, out.shape)
       dq, _, (dk, dv) = decomposition_grads(q, [], k, v, kv_lengths=lens, causal=causal,
                                             scale=scale, out=out, lse=lse, dout=dout, dlse=dlse,
                                             config=config)
+      dlse = 0.0 if dlse is None else dlse
       pl32 = pl.astype(jnp.float32)
       w = jnp.where(jnp.isfinite(pl32), jnp.exp(pl32 - jnp.where(jnp.isfinite(lse), lse, 0.0)),
                     0.0)
@@ -331,7 +381,7 @@ def _suffix_with_prior(suffix_attention: Callable, config: BackwardConfig):
       return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
               (dpo.astype(po.dtype), dpl.astype(pl.dtype)))
 
-    f.defvjp(fwd, bwd)
+    f.defvjp(fwd, bwd, symbolic_zeros=True)
     return f(q, k, v, kv_lengths, prior)
 
   return call

@@ -91,4 +91,19 @@ def resolve(impl: str, fn: str, config=None) -> AttentionOps:
   import pallas_kernels  # deferred: the core does not need the kernels for impl="xla"
 
   # Interpret mode vs native kernel is decided when lowering (platform_dependent).
-  return differentiable(pallas_kernels.get_ops(family, config=config))
+  return differentiable(pallas_kernels.get_ops(family, config=config),
+                        backward_config(family, config))
+
+
+def backward_config(family: str, config=None):
+  """The :class:`~jax_shared_attn.backward.BackwardConfig` a family's ``config`` asks for: the GPU
+  families' ``GpuConfig.backward`` ("cudnn" where :func:`pallas_kernels.gpu.cudnn.available`,
+  else "triton"); None (the family's own kernels) for the others."""
+  if family not in ("triton", "mosaic_gpu"):
+    return None
+  from jax_shared_attn import backward
+  from pallas_kernels.config import GpuConfig
+  from pallas_kernels.gpu import cudnn
+  engine = (config or GpuConfig()).backward
+  return backward.BackwardConfig(
+      kernels="cudnn" if engine == "cudnn" and cudnn.available() else "triton")

@@ -37,7 +37,7 @@ SHAPES = (
 SMALL = bw.BackwardConfig(block_rows=6, block_keys=4)  # many partial tiles at these sizes
 
 
-def oracle_grads(q, do, dl, sources, contexts, causal, scale, eps=0.0):
+def oracle_grads(q, do, dl, sources, contexts, causal, scale, eps=0.0, part_rounding=False):
   """Float64 gradient of attention over explicit contexts.
 
   ``sources``: name -> (k, v) float64 ``[n, Hkv, D]`` (flattened buffers);
@@ -50,6 +50,8 @@ def oracle_grads(q, do, dl, sources, contexts, causal, scale, eps=0.0):
   is an independent error, uniform over plus or minus half an ulp of the value (variance
   ulp^2 / 12), carried to the gradients to first order: what the dtype allows, sums of terms
   of both signs included (where one rounding of the result would understate it).
+  ``part_rounding``: each part's share of dQ is rounded as well before the parts are summed
+  (a backward that returns every part's gradients in the input dtype, as cuDNN's does).
   """
   b, tq, hq, _ = q.shape
   grads = {n: (np.zeros_like(k), np.zeros_like(v)) for n, (k, v) in sources.items()}
@@ -86,6 +88,10 @@ def oracle_grads(q, do, dl, sources, contexts, causal, scale, eps=0.0):
         delta_var = (do[i, t, h] ** 2) @ rvar(o) + rvar(p) @ (dp ** 2)
         # dS: its own rounding (per key), and P times the row's error of rowsum(dO * O).
         dq_var[i, t, h] = scale ** 2 * (rvar(ds) @ (kk ** 2) + (p @ kk) ** 2 * delta_var)
+        if part_rounding:
+          vis_names = np.array(names, object)[vis]
+          for name in set(vis_names.tolist()):
+            dq_var[i, t, h] += rvar(scale * ds[vis_names == name] @ kk[vis_names == name])
         ds_var, p_var = rvar(ds), rvar(p)
         for c, j in enumerate(np.flatnonzero(vis)):
           grads[names[j]][0][idx[j], h // g] += scale * ds[c] * q[i, t, h]

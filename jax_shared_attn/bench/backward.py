@@ -12,8 +12,11 @@ Three ways to compute the attention of every token and its gradient
 * ``ours``: the prompt's causal self-attention once (the same per-sequence
   kernel, batch 1), then ``shared_prefix_attention(impl="auto")`` of the G*C
   completion queries over the shared prompt K/V and their own causal K/V:
-  backward from the chunked backward (Pallas kernels on a GPU);
-  ``ours_completions_us`` is the shared-prefix call alone;
+  backward from the merged residuals (on a GPU cuDNN's flash-attention backward per part,
+  ``GpuConfig.backward = "cudnn"``); ``ours_completions_us`` is the shared-prefix call alone,
+  ``ours_fwd_us`` ours' forward alone;
+* ``ours_triton_bwd``: ours with the Triton backward kernels (``GpuConfig(backward="triton")``;
+  GPU only);
 * ``xla``: the same decomposition on ``impl="xla"``;
 * ``ours_xla_bwd``: ours with the chunked XLA backward instead of the Pallas
   backward kernels (the forward kernels unchanged; GPU only).
@@ -37,13 +40,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_shared_attn import shared_prefix_attention
+from jax_shared_attn import GpuConfig, shared_prefix_attention
 from jax_shared_attn.bench import timing
 from jax_shared_attn.testing import rel_err
 
 HEADS = (32, 8, 128)  # Llama-3-8B: Hq, Hkv, D
 DEFAULT_CONFIGS = "16:2048:512,8:1024:256,64:1024:256,32:2048:1024,16:4096:512"
-IMPLS = ("ours", "per_seq", "xla", "ours_xla_bwd")
+IMPLS = ("ours", "per_seq", "xla", "ours_xla_bwd", "ours_triton_bwd")
 BWD_FACTOR = 3.5  # forward 2 products, backward 5 (S recomputed, dV, dP, dQ, dK)
 
 
@@ -103,16 +106,19 @@ def _xla_backward(qc, kp, vp, kc, vc, causal, impl):
   return out.astype(qc.dtype)
 
 
-def ours_op(impl, prompt_impl, xla_backward=False):
-  """Gradients (dq, dk, dv of the prompt, then of the completions) of the decomposition."""
+def ours_op(impl, prompt_impl, xla_backward=False, config=None, forward_only=False):
+  """Gradients (dq, dk, dv of the prompt, then of the completions) of the decomposition (or,
+  ``forward_only``, its outputs)."""
   attend = _self_attention(prompt_impl)
   shared = functools.partial(_xla_backward, impl=impl) if xla_backward else functools.partial(
-      shared_prefix_attention, impl=impl)
+      shared_prefix_attention, impl=impl, config=config)
 
   def fwd(qp, kp, vp, qc, kc, vc):
     return attend(qp, kp, vp), shared(qc, kp[0], vp[0], kc, vc, causal=True)
 
   def op(qp, kp, vp, qc, kc, vc, dop, doc):
+    if forward_only:
+      return fwd(qp, kp, vp, qc, kc, vc)
     return jax.vjp(fwd, qp, kp, vp, qc, kc, vc)[1]((dop, doc))
 
   return op
@@ -166,12 +172,16 @@ def run_config(g, p, c, heads, dtype, impls, ceilings, trials, per_seq_impl) -> 
   if "ours" in impls:
     ops["ours"] = (ours_op("auto", per_seq_impl), make)
     ops["ours_completions"] = (completions_op("auto"), make)
+    ops["ours_fwd"] = (ours_op("auto", per_seq_impl, forward_only=True), make)
   if "per_seq" in impls:
     ops["per_seq"] = (per_seq_op(per_seq_impl), make_dup)
   if "xla" in impls:
     ops["xla"] = (ours_op("xla", "xla"), make)
   if "ours_xla_bwd" in impls and jax.default_backend() != "cpu":
     ops["ours_xla_bwd"] = (ours_op("auto", per_seq_impl, xla_backward=True), make)
+  if "ours_triton_bwd" in impls and jax.default_backend() == "gpu":
+    ops["ours_triton_bwd"] = (ours_op("auto", per_seq_impl, config=GpuConfig(backward="triton")),
+                              make)
   grads = {}
   for name, (op, mk) in ops.items():
     try:
@@ -179,7 +189,7 @@ def run_config(g, p, c, heads, dtype, impls, ceilings, trials, per_seq_impl) -> 
       row[f"{name}_us"] = m["seconds"] * 1e6
       row["timing"] = m["method"]
       exe, row[f"{name}_bytes"] = compiled(op, mk(0))
-      if name != "ours_completions":
+      if name not in ("ours_completions", "ours_fwd"):
         grads[name] = exe(*mk(0))
     except Exception as e:  # noqa: BLE001 -- a path that cannot run this shape is reported
       oom = "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
@@ -192,6 +202,9 @@ def run_config(g, p, c, heads, dtype, impls, ceilings, trials, per_seq_impl) -> 
       row["err_per_seq"] = max(rel_err(sq[:, p:], dqc), rel_err(sk[:, p:], dkc),
                                rel_err(sv[:, p:], dvc), rel_err(sq[:, :p].sum(0), dqp[0]),
                                rel_err(sk[:, :p].sum(0), dkp[0]), rel_err(sv[:, :p].sum(0), dvp[0]))
+    if "ours_triton_bwd" in grads:
+      row["err_triton_bwd"] = max(rel_err(np.asarray(x, np.float32), y) for x, y in
+                                  zip(grads["ours_triton_bwd"], (dqp, dkp, dvp, dqc, dkc, dvc)))
     if "xla" in grads:
       row["err_xla"] = max(rel_err(np.asarray(x, np.float32), y) for x, y in
                            zip(grads["xla"], (dqp, dkp, dvp, dqc, dkc, dvc)))
@@ -215,9 +228,10 @@ def _fmt(x, digits=1):
 
 
 COLUMNS = [("G", 0), ("P", 0), ("C", 0), ("floor_us", 1), ("ours_us", 1), ("roofline", 2),
-           ("ours_completions_us", 1), ("per_seq_us", 1), ("per_seq_floor_us", 1), ("xla_us", 1),
-           ("ours_xla_bwd_us", 1), ("speedup_vs_per_seq", 2), ("floor_ratio", 2), ("ours_bytes", 0), ("per_seq_bytes", 0),
-           ("memory_ratio", 3), ("err_per_seq", 4)]
+           ("ours_fwd_us", 1), ("ours_completions_us", 1), ("ours_triton_bwd_us", 1),
+           ("per_seq_us", 1), ("per_seq_floor_us", 1), ("xla_us", 1), ("ours_xla_bwd_us", 1),
+           ("speedup_vs_per_seq", 2), ("floor_ratio", 2), ("ours_bytes", 0),
+           ("per_seq_bytes", 0), ("memory_ratio", 3), ("err_per_seq", 4)]
 
 
 def to_markdown(rows, info) -> str:

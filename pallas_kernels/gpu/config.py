@@ -87,6 +87,10 @@ class GpuConfig:
       merge kernel before the suffix kernel (whose epilogue merges priors one by one).
     prefix: :class:`MosaicPrefixOptions`.
     fused: :class:`FusedDecodeOptions`.
+    backward: what ``jax.grad`` runs for each part: ``"cudnn"`` (cuDNN's flash-attention
+      backward from the merged output and LSE, :mod:`pallas_kernels.gpu.cudnn`, on a CUDA GPU
+      of compute capability >= 8.0 for the parts it supports; the Triton kernels elsewhere and
+      for the rest) or ``"triton"`` (the Triton kernels, :mod:`pallas_kernels.gpu.backward`).
   """
 
   fused_decode: bool = True
@@ -96,6 +100,7 @@ class GpuConfig:
   max_fused_prior_splits: int = 4
   prefix: MosaicPrefixOptions = MosaicPrefixOptions()
   fused: FusedDecodeOptions = FusedDecodeOptions()
+  backward: str = "cudnn"
 
   def __post_init__(self):
     for name in ("fused_decode", "flat_sequence_major"):
@@ -111,3 +116,5 @@ class GpuConfig:
            f"GpuConfig: {self.prefix=} must be a MosaicPrefixOptions")
     _check(isinstance(self.fused, FusedDecodeOptions),
            f"GpuConfig: {self.fused=} must be a FusedDecodeOptions")
+    _check(self.backward in ("cudnn", "triton"),
+           f"GpuConfig: {self.backward=} must be 'cudnn' or 'triton'")

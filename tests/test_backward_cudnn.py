@@ -1,0 +1,214 @@
+"""The cuDNN backward engine (``pallas_kernels.gpu.cudnn``) against the float64 oracle.
+
+cuDNN runs only on a CUDA GPU, so on a CPU the wrapper (rows folded for a shared segment, rows
+shifted for a causal suffix shorter than its buffer, rows of sequences without a segment,
+rows without any key) runs around an emulation of cuDNN's backward with the contract it is
+called with (top-left causal mask, padding by lengths, ``rowsum(dO * O)`` from the O it is given,
+16-bit P and dS before their products, gradients returned in the input dtype). The native class
+runs cuDNN itself through the public API (``-m gpu``, docs/gpu-tests.md) and checks that the
+compiled gradient calls it.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jax_shared_attn import GpuConfig, SharedLevel, hierarchical_attention
+from jax_shared_attn import backward as bw
+from jax_shared_attn import ops as ops_lib
+from jax_shared_attn.testing import tolerance
+from pallas_kernels.gpu import cudnn
+from strategies import SEEDS, count_case
+from test_backward import draw_case, oracle_grads, per_seq_err
+
+# ((B, Tq, Hq, Hkv, D, S), levels, causal, scale): a causal suffix as long as its queries
+# (teacher forcing), GQA and MQA, a prefix (all_share), a level of one segment that some
+# sequences lack, a non-causal suffix, and a level of three segments (the Triton kernels').
+SHAPES = (
+    ((4, 6, 4, 2, 16, 6), ((1, 13, True),), True, None),
+    ((3, 5, 8, 1, 32, 5), ((1, 9, False), (1, 4, True)), True, 0.3),
+    ((5, 3, 4, 4, 16, 7), ((1, 11, True),), False, None),
+    ((4, 4, 6, 3, 16, 4), ((1, 6, True), (3, 5, False)), True, None),
+)
+
+
+def emulated_bwd(q, k, v, o, do, stats, q_seqlen, kv_seqlen, *, causal, scale):
+  """cuDNN's backward as ``cudnn.attention_bwd`` calls it, in float32 with 16-bit P and dS."""
+  b, t, hq, d = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  g = hq // hkv
+  f = lambda x: x.astype(jnp.float32)
+  kx, vx = (jnp.repeat(f(x), g, axis=2) for x in (k, v))
+  hi = jax.lax.Precision.HIGHEST
+  sc = jnp.einsum("bthd,bshd->bhts", f(q), kx, precision=hi) * scale
+  rows, keys = jnp.arange(t)[None, :, None], jnp.arange(s)[None, None, :]
+  mask = (rows < q_seqlen[:, None, None]) & (keys < kv_seqlen[:, None, None])
+  if causal:
+    mask = mask & (keys <= rows)
+  mask = mask[:, None]
+  p = jnp.where(mask, jnp.exp(jnp.where(mask, sc, 0.0) - stats[..., None]), 0.0)
+  r16 = lambda x: x.astype(q.dtype).astype(jnp.float32)
+  dv = jnp.einsum("bhts,bthd->bshd", r16(p), f(do), precision=hi)
+  dp = jnp.einsum("bthd,bshd->bhts", f(do), vx, precision=hi)
+  delta = jnp.moveaxis(jnp.sum(f(do) * f(o), -1), -1, 1)
+  ds = r16(p * (dp - delta[..., None]))
+  dq = jnp.einsum("bhts,bshd->bthd", ds, kx, precision=hi) * scale
+  dk = jnp.einsum("bhts,bthd->bshd", ds, f(q), precision=hi) * scale
+  group = lambda x: x.reshape(b, s, hkv, g, d).sum(3)
+  return dq.astype(q.dtype), group(dk).astype(q.dtype), group(dv).astype(q.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def grad_fn(causal, scale, config, with_lse):
+  """Gradients through the decomposition with ``config``; the LSE's cotangent given
+  (``with_lse``) or the LSE unused (a symbolic zero: cuDNN applies)."""
+  shared = ops_lib.differentiable(ops_lib.XLA_OPS, config).shared_attention
+
+  def run(q, levels, sk, sv, lens, do, dl):
+    def f(q, ks, vs, sk, sv):
+      parts = [("prefix", k[0], v[0], l.lengths[0], None) if l.all_share else
+               ("segments", k, v, l.lengths, l.node_of_seq)
+               for k, v, l in zip(ks, vs, levels)]
+      out, lse = shared(q, parts, sk, sv, kv_lengths=lens, causal=causal, scale=scale)
+      return (out.astype(q.dtype), lse) if with_lse else out.astype(q.dtype)
+
+    _, pull = jax.vjp(f, q, [l.k for l in levels], [l.v for l in levels], sk, sv)
+    return pull((do, dl) if with_lse else do)
+
+  return jax.jit(run)
+
+
+def check(grads, c, shape, dtype, with_lse):
+  dq, dks, dvs, dsk, dsv = grads
+  tol = tolerance(dtype)
+  dl64 = c["dl64"] if with_lse else np.zeros_like(c["dl64"])
+  want_dq, want, dq_var, var = oracle_grads(
+      c["q64"], c["do64"], dl64, c["sources"], c["contexts"],
+      list(c["lens64"]) if shape[2] else None, c["scale"], tol, part_rounding=True)
+  b, s = c["sk"].shape[:2]
+  got = {"suffix": (dsk, dsv), **{i: (dk, dv) for i, (dk, dv) in enumerate(zip(dks, dvs))}}
+  errs = {"dq": per_seq_err(dq, want_dq, tol=tol, var=dq_var)}
+  for name, (gk, gv) in got.items():
+    shp = (b, s) if name == "suffix" else gk.shape[:2]
+    for i, (tag, g) in enumerate((("dk", gk), ("dv", gv))):
+      w, v = (a[name][i].reshape(shp + a[name][i].shape[1:]) for a in (want, var))
+      errs[f"{tag}[{name}]"] = per_seq_err(g, w, tol=tol, var=v)
+  bad = {k: e for k, e in errs.items() if not e <= 1}
+  assert not bad, (bad, tol)
+
+
+CUDNN = bw.BackwardConfig(kernels="cudnn")
+
+
+@settings(max_examples=24, deadline=None)
+@given(data=st.data(), shape=st.sampled_from(SHAPES),
+       dtype=st.sampled_from(["bfloat16", "float16"]), seed=SEEDS)
+def test_wrapper_around_emulated_cudnn_matches_oracle(data, shape, dtype, seed):
+  c = draw_case(data.draw, np.random.default_rng(seed), shape, dtype)
+  if data.draw(st.booleans()):  # every suffix full: the unshifted branch
+    s = c["sk"].shape[1]
+    c["lens"], c["lens64"] = jnp.full_like(c["lens"], s), np.full_like(c["lens64"], s)
+    c["contexts"] = [[x for x in ctx if x[0] != "suffix"] + [("suffix", i * s + j)
+                                                            for j in range(s)]
+                     for i, ctx in enumerate(c["contexts"])]
+  with pytest.MonkeyPatch.context() as mp:  # traced once per shape: the emulation stays in
+    mp.setattr(cudnn, "attention_bwd", emulated_bwd)
+    grads = grad_fn(shape[2], c["scale"], CUDNN, False)(
+        c["q"], c["levels"], c["sk"], c["sv"], c["lens"], c["do"], c["dl"])
+  check(grads, c, shape, dtype, with_lse=False)
+  count_case("backward cudnn wrapper (emulated cuDNN)")
+
+
+@settings(max_examples=3, deadline=None)
+@given(data=st.data(), seed=SEEDS)
+def test_engine_runs_only_where_the_lse_is_unused(data, seed):
+  """With the LSE's cotangent given (cuDNN cannot take it) no part runs on cuDNN, and the
+  gradients are still right; with the LSE unused the supported parts do."""
+  calls = []
+
+  def counted(*a, **kw):
+    calls.append(kw["causal"])
+    return emulated_bwd(*a, **kw)
+
+  shape = SHAPES[0]
+  c = draw_case(data.draw, np.random.default_rng(seed), shape, "bfloat16")
+  args = (c["q"], c["levels"], c["sk"], c["sv"], c["lens"], c["do"], c["dl"])
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(cudnn, "attention_bwd", counted)
+    with_lse = grad_fn.__wrapped__(True, c["scale"], CUDNN, True)(*args)  # traced here
+    assert calls == []
+    without = grad_fn.__wrapped__(True, c["scale"], CUDNN, False)(*args)
+    assert sorted(set(calls)) == [False, True]  # the prefix (non-causal), the causal suffix
+  check(with_lse, c, shape, "bfloat16", with_lse=True)
+  check(without, c, shape, "bfloat16", with_lse=False)
+
+
+def test_supports_states_what_cudnn_takes():
+  x = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+  q, k = x(2, 8, 4, 64), x(2, 8, 2, 64)
+  assert cudnn.supports(q, k, k, causal=True, suffix_len=8)
+  assert not cudnn.supports(q, k, k, causal=True, suffix_len=3)  # causal, Tq != S
+  assert cudnn.supports(q, k, k, causal=False, suffix_len=3)
+  assert not cudnn.supports(x(2, 8, 4, 64, dt=jnp.float32), x(2, 8, 2, 64, dt=jnp.float32),
+                            x(2, 8, 2, 64, dt=jnp.float32))  # float32
+  assert not cudnn.supports(x(2, 8, 4, 60), x(2, 8, 2, 60), x(2, 8, 2, 60))  # D % 8
+  assert not cudnn.supports(x(2, 8, 4, 256), x(2, 8, 2, 256), x(2, 8, 2, 256), head_dim_max=128)
+
+
+def test_config_chooses_the_engine():
+  assert ops_lib.backward_config("xla") is None
+  assert ops_lib.backward_config("tpu") is None
+  want = "cudnn" if cudnn.available() else "triton"
+  assert ops_lib.backward_config("mosaic_gpu", GpuConfig()).kernels == want
+  assert ops_lib.backward_config("triton", GpuConfig(backward="triton")).kernels == "triton"
+  with pytest.raises(ValueError, match="backward"):
+    GpuConfig(backward="flash")
+  with pytest.raises(ValueError, match="kernels"):
+    bw.BackwardConfig(kernels="cuDNN")
+
+
+HAS_CUDNN = cudnn.available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDNN, reason="needs a CUDA GPU (compute capability >= 8.0)")
+class TestNativeCudnn:
+  """cuDNN itself, through the public API on the default GPU path (``impl="auto"``)."""
+
+  @staticmethod
+  @functools.lru_cache(maxsize=None)
+  def api_grad(causal, scale, config):
+    def run(q, levels, sk, sv, lens, do):
+      def f(q, ks, vs, sk, sv):
+        lv = [SharedLevel(k, v, l.lengths, l.node_of_seq, l.all_share)
+              for k, v, l in zip(ks, vs, levels)]
+        return hierarchical_attention(q, lv, sk, sv, suffix_lengths=lens, causal=causal,
+                                      scale=scale, impl="auto", config=config)
+
+      _, pull = jax.vjp(f, q, [l.k for l in levels], [l.v for l in levels], sk, sv)
+      return pull(do)
+
+    return jax.jit(run)
+
+  @settings(max_examples=40, deadline=None)
+  @given(data=st.data(), shape=st.sampled_from(SHAPES),
+         dtype=st.sampled_from(["bfloat16", "float16"]), seed=SEEDS)
+  def test_matches_oracle(self, data, shape, dtype, seed):
+    c = draw_case(data.draw, np.random.default_rng(seed), shape, dtype)
+    grads = self.api_grad(shape[2], c["scale"], None)(
+        c["q"], c["levels"], c["sk"], c["sv"], c["lens"], c["do"])
+    check(grads, c, shape, dtype, with_lse=False)
+    count_case("backward cudnn (native)")
+
+  @pytest.mark.parametrize("engine,calls", [("cudnn", True), ("triton", False)])
+  def test_compiled_gradient_calls_cudnn(self, engine, calls):
+    shape = SHAPES[0]
+    c = draw_case(lambda strategy: 3, np.random.default_rng(0), shape, "bfloat16")  # lengths 3
+    hlo = self.api_grad(True, c["scale"], GpuConfig(backward=engine)).lower(
+        c["q"], c["levels"], c["sk"], c["sv"], c["lens"], c["do"]).as_text()
+    assert ("cudnn" in hlo.lower()) == calls

@@ -95,6 +95,10 @@ def run_mode(config, mode: str, *, prompt: int, completion: int, group: int, ste
     start = time.perf_counter()
     compiled = training._train_step.lower(state, batch, None, **kwargs).compile()
     row["compile_s"] = round(time.perf_counter() - start, 2)
+    try:  # which attention backward the step runs (cuDNN's custom call, counted in the HLO)
+      row["cudnn_backward_calls"] = compiled.as_text().count("fmhaSoftmaxBackward")
+    except Exception:  # noqa: BLE001 -- a backend without the text
+      pass
     memory = compiled.memory_analysis()
     if memory is not None:
       row["temp_gb"] = round(memory.temp_size_in_bytes / 2**30, 3)
@@ -129,13 +133,13 @@ def markdown(rows, info) -> str:
            f"{info['prompt']} tokens, {info['group']} completions of {info['completion']} "
            "tokens; log-probs, GRPO loss, backward and AdamW update in one jitted step.", "",
            "| mode | attention | tokens run | step (s) | compiled temporaries (GB) | "
-           "arguments (GB) | device peak so far (GB) | compile (s) |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
+           "arguments (GB) | device peak so far (GB) | compile (s) | cuDNN backward calls |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     cell = lambda k: "OOM" if "error" in r else str(r.get(k, "-"))
     lines.append(f"| {r['mode']} | {r['impl']} | {r['tokens']} | {cell('step_s')} | "
                  f"{cell('temp_gb')} | {cell('argument_gb')} | {cell('peak_gb_so_far')} | "
-                 f"{cell('compile_s')} |")
+                 f"{cell('compile_s')} | {cell('cudnn_backward_calls')} |")
   done = {r["mode"]: r for r in rows if "step_s" in r}
   if len(done) == 2:
     h, s = done["hydragen"], done["standard"]

@@ -96,6 +96,13 @@ def attention_bwd(q, k, v, o, do, stats, q_seqlen, kv_seqlen, *, causal: bool, s
   return dq, dk, dv
 
 
+def _keys_only(x: Array, lengths: Array) -> Array:
+  """``x [B, S, ...]`` with the rows of padding keys (``>= lengths[b]``) zeroed: cuDNN leaves
+  them unwritten."""
+  keep = jnp.arange(x.shape[1], dtype=jnp.int32)[None, :] < lengths[:, None]
+  return jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - 2)), x, 0)
+
+
 def _stats(lse: Array) -> Array:
   """``[B, T, Hq]`` merged LSE -> cuDNN's ``[B, Hq, T]``; rows without a key get ``_BIG``."""
   lse = jnp.where(jnp.isfinite(lse), lse, _BIG)
@@ -124,6 +131,7 @@ def shared_grads(q, out, dout, lse, k, v, length, *, scale: float, rows: Optiona
   def run(_):
     dq, dk, dv = bwd(fold(q), k[None], v[None], fold(out), fold(dout), stats,
                      jnp.full((1,), b * tq, jnp.int32), n, causal=False, scale=scale)
+    dk, dv = _keys_only(dk, n), _keys_only(dv, n)
     return (dq.reshape(q.shape).astype(jnp.float32), dk[0].astype(jnp.float32),
             dv[0].astype(jnp.float32))
 
@@ -144,7 +152,11 @@ def suffix_grads(q, out, dout, lse, k, v, lengths, *, causal: bool, scale: float
   s = k.shape[1]
   lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, s)
   stats = _stats(lse)
-  f32 = lambda xs: tuple(x.astype(jnp.float32) for x in xs)
+  def f32(grads):  # padding keys' rows zeroed (cuDNN leaves them unwritten), float32
+    dq, dk, dv = grads
+    return (dq.astype(jnp.float32), _keys_only(dk, lengths).astype(jnp.float32),
+            _keys_only(dv, lengths).astype(jnp.float32))
+
   if not causal:
     return f32(bwd(q, k, v, out, dout, stats, jnp.full((b,), tq, jnp.int32), lengths,
                    causal=False, scale=scale))

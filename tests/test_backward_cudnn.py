@@ -199,7 +199,7 @@ class TestNativeCudnn:
 
     return jax.jit(run)
 
-  @settings(max_examples=40, deadline=None)
+  @settings(max_examples=300, deadline=None)
   @given(data=st.data(), shape=st.sampled_from(SHAPES),
          dtype=st.sampled_from(["bfloat16", "float16"]), seed=SEEDS)
   def test_matches_oracle(self, data, shape, dtype, seed):

@@ -44,8 +44,8 @@ def configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--impl", default="auto", help="hydragen's attention implementation")
   p.add_argument("--standard-impl", default=None,
-                 help="the standard mode's attention: cudnn (default on GPUs) or a "
-                      "jax_shared_attn impl (default elsewhere: --impl)")
+                 help="the standard mode's attention: cudnn (default on GPUs for 16-bit "
+                      "dtypes) or a jax_shared_attn impl (default elsewhere: --impl)")
   p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True,
                  help="recompute each layer in the backward pass (jax.checkpoint)")
   p.add_argument("--out", default="runs/train")
@@ -162,8 +162,9 @@ def main_args(args: argparse.Namespace) -> int:
   if args.prompt + 1 + args.completion > config.max_position_embeddings:
     raise SystemExit(f"bench train: --prompt {args.prompt} + --completion {args.completion} "
                      f"exceeds the model's context ({config.max_position_embeddings})")
-  gpu = jax.default_backend() == "gpu"
-  standard_impl = args.standard_impl or ("cudnn" if gpu else args.impl)
+  # cuDNN's flash attention takes 16-bit inputs only
+  cudnn_ok = jax.default_backend() == "gpu" and args.dtype in ("bfloat16", "float16")
+  standard_impl = args.standard_impl or ("cudnn" if cudnn_ok else args.impl)
   info = dict(model=args.model, layers=args.layers, dtype=args.dtype, remat=args.remat,
               prompt=args.prompt, completion=args.completion, group=args.group,
               device=jax.devices()[0].device_kind, jax=jax.__version__,

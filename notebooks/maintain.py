@@ -156,6 +156,9 @@ def main(argv: list[str]) -> int:
         values[key] = _value(text)
       elif arg == "--out":
         out = Path(next(rest))
+      elif arg.startswith("-"):
+        print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
+        return 2
       else:
         names.append(arg)
     for name in names:

@@ -144,6 +144,7 @@ def write_gguf(path, hf, rope):
 
 
 def test_gguf_written_like_llama_cpp_matches_transformers(tmp_path):
+  pytest.importorskip("gguf", reason="the gguf package (llama.cpp's writer) is a test dependency")
   rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
               high_freq_factor=4.0, original_max_position_embeddings=16)
   hf = make_hf_llama(tmp_path / "hf", vocab_size=256, num_attention_heads=4, num_key_value_heads=2,

@@ -13,6 +13,9 @@ from models.llama import random_init
 from models.programs import ProgramStore
 
 SAMPLED = dict(temperature=0.8, top_p=0.9)
+# The store's mechanics on the portable path: on a GPU or TPU impl="auto" runs Pallas kernels,
+# whose custom calls jax.export refuses (test_programs_with_custom_kernels_run_without_the_store).
+IMPL = "xla"
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +31,16 @@ def prompt():
 def stored_tokens(model, store, steps=(3, None), **kw):
   """prefill + decode in ``steps`` calls through ``store``."""
   sampling = dict(SAMPLED, **kw)
-  state = prefill(model, prompt(), num_samples=3, max_new_tokens=8, seed=1, programs=store)
+  state = prefill(model, prompt(), num_samples=3, max_new_tokens=8, seed=1, programs=store, impl=IMPL)
   for n in steps:
-    state = decode(model, state, n, programs=store, **sampling)
+    state = decode(model, state, n, programs=store, impl=IMPL, **sampling)
   return np.asarray(state.completions())
 
 
 def test_stored_programs_give_the_tokens_of_the_plain_path_and_load_in_a_new_process(tiny,
                                                                                      tmp_path):
-  plain = np.asarray(generate(tiny, prompt(), num_samples=3, max_new_tokens=8, seed=1, **SAMPLED))
+  plain = np.asarray(generate(tiny, prompt(), num_samples=3, max_new_tokens=8, seed=1, impl=IMPL,
+                            **SAMPLED))
   store = ProgramStore(str(tmp_path))
   np.testing.assert_array_equal(stored_tokens(tiny, store), plain)
   assert (store.loaded, store.exported) == (0, 2)  # prefill and decode, each traced once
@@ -49,10 +53,10 @@ def test_stored_programs_give_the_tokens_of_the_plain_path_and_load_in_a_new_pro
 
 def test_the_stored_decode_program_donates_the_state(tiny, tmp_path):
   store = ProgramStore(str(tmp_path))
-  state = prefill(tiny, prompt(), num_samples=3, max_new_tokens=8, programs=store)
+  state = prefill(tiny, prompt(), num_samples=3, max_new_tokens=8, programs=store, impl=IMPL)
   state = jax.device_put(state, jax.devices()[0])
   cache_k = state.cache.k[0]
-  out = decode(tiny, state, 2, programs=store, **SAMPLED)
+  out = decode(tiny, state, 2, programs=store, impl=IMPL, **SAMPLED)
   assert cache_k.is_deleted()  # updated in place, as without the store
   assert int(out.step) == 2
 
@@ -64,7 +68,7 @@ def test_a_changed_model_sampler_setting_code_or_flag_is_another_program(tiny, t
   # Same shapes, another config value: new programs, and that model's own tokens.
   other = random_init(tiny.config.replace(rope_theta=500.0), seed=3, std=0.12)
   plain = np.asarray(generate(other, prompt(), num_samples=3, max_new_tokens=8, seed=1,
-                              **SAMPLED))
+                              impl=IMPL, **SAMPLED))
   np.testing.assert_array_equal(stored_tokens(other, store), plain)
   assert store.exported == 4
   # Another static sampler setting: a new decode program (the prefill one is reused).
@@ -87,7 +91,8 @@ def test_a_damaged_program_file_is_traced_again(tiny, tmp_path):
     with open(tmp_path / name, "wb") as f:
       f.write(b"not a program")
   store = ProgramStore(str(tmp_path))
-  plain = np.asarray(generate(tiny, prompt(), num_samples=3, max_new_tokens=8, seed=1, **SAMPLED))
+  plain = np.asarray(generate(tiny, prompt(), num_samples=3, max_new_tokens=8, seed=1, impl=IMPL,
+                            **SAMPLED))
   np.testing.assert_array_equal(stored_tokens(tiny, store), plain)
   assert (store.loaded, store.exported) == (0, 2)
 
@@ -98,7 +103,8 @@ def test_programs_with_custom_kernels_run_without_the_store(tiny, tmp_path, monk
     raise ValueError("Cannot serialize code with custom calls whose targets have no guarantees")
   monkeypatch.setattr(jax.export, "export", lambda fn, **k: refuse)
   store = ProgramStore(str(tmp_path))
-  plain = np.asarray(generate(tiny, prompt(), num_samples=3, max_new_tokens=8, seed=1, **SAMPLED))
+  plain = np.asarray(generate(tiny, prompt(), num_samples=3, max_new_tokens=8, seed=1, impl=IMPL,
+                            **SAMPLED))
   np.testing.assert_array_equal(stored_tokens(tiny, store), plain)
   assert (store.loaded, store.exported, store.unstorable) == (0, 0, 2)
   assert "2 not storable" in store.summary() and not os.listdir(tmp_path)

@@ -290,31 +290,36 @@ def with_chunked_backward(forward: Callable, config: BackwardConfig = BackwardCo
   scale) -> (out, lse)``) with the chunked backward as its VJP.
 
   ``suffix_k = suffix_v = kv_lengths = None`` means no suffix part (then
-  ``forward`` is called with them as None). Integer inputs get no cotangent.
+  ``forward`` is called with them as None). Integer inputs get no cotangent. The returned
+  function takes ``need_lse`` (static, default True): False returns ``(out, None)``, and the
+  backward then knows the LSE gets no cotangent (what lets cuDNN's backward apply).
   """
 
-  def call(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale):
+  def call(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, need_lse=True):
     kinds = tuple(p[0] for p in parts)
     arrays = [tuple(p[1:]) for p in parts]
 
     def rebuild(arrs):
       return [(kind,) + tuple(a) for kind, a in zip(kinds, arrs)]
 
-    def run(q, arrs, sk, sv, lens):
+    def both(q, arrs, sk, sv, lens):
       out, lse = forward(q, rebuild(arrs), sk, sv, kv_lengths=lens, causal=causal, scale=scale)
       return out.astype(jnp.float32), lse.astype(jnp.float32)
 
+    def run(q, arrs, sk, sv, lens):
+      out, lse = both(q, arrs, sk, sv, lens)
+      return (out, lse) if need_lse else out
+
     f = jax.custom_vjp(run)
 
-    def fwd(*args):
-      q, arrs, sk, sv, lens = _primal_values(args)
-      out, lse = run(q, arrs, sk, sv, lens)
+    def fwd(q, arrs, sk, sv, lens):
+      out, lse = both(q, arrs, sk, sv, lens)
       # O is kept in the input dtype (as FlashAttention keeps it): it only enters rowsum(dO * O)
-      return (out, lse), (q, arrs, sk, sv, lens, out.astype(q.dtype), lse)
+      return ((out, lse) if need_lse else out), (q, arrs, sk, sv, lens, out.astype(q.dtype), lse)
 
     def bwd(res, ct):
       q, arrs, sk, sv, lens, out, lse = res
-      dout, dlse = _cotangents(ct, out.shape)
+      dout, dlse = ct if need_lse else (ct, None)
       dq, dparts, dsuffix = decomposition_grads(
           q, rebuild(arrs), sk, sv, kv_lengths=lens, causal=causal, scale=scale, out=out,
           lse=lse, dout=dout, dlse=dlse, config=config)
@@ -325,28 +330,11 @@ def with_chunked_backward(forward: Callable, config: BackwardConfig = BackwardCo
         dsk, dsv = dsuffix[0].astype(sk.dtype), dsuffix[1].astype(sv.dtype)
       return dq.astype(q.dtype), darrs, dsk, dsv, None
 
-    # Symbolic zeros: the backward knows (statically) when the LSE output is not used.
-    f.defvjp(fwd, bwd, symbolic_zeros=True)
-    return f(q, arrays, suffix_k, suffix_v, kv_lengths)
+    f.defvjp(fwd, bwd)
+    result = f(q, arrays, suffix_k, suffix_v, kv_lengths)
+    return result if need_lse else (result, None)
 
   return call
-
-
-def _primal_values(args):
-  """The values of ``custom_vjp``'s fwd arguments under ``symbolic_zeros=True``."""
-  from jax.custom_derivatives import CustomVJPPrimal
-  return jax.tree.map(lambda x: x.value if isinstance(x, CustomVJPPrimal) else x, args,
-                      is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
-
-
-def _cotangents(ct, out_shape):
-  """``(dout, dlse)`` of the ``(out, lse)`` outputs: a zero ``dout`` as zeros, a zero ``dlse``
-  as None (the LSE is not used: cuDNN's backward applies)."""
-  from jax.custom_derivatives import SymbolicZero
-  dout, dlse = ct
-  if isinstance(dout, SymbolicZero):
-    dout = jnp.zeros(out_shape, jnp.float32)
-  return dout, None if isinstance(dlse, SymbolicZero) else dlse
 
 
 def _suffix_with_prior(suffix_attention: Callable, config: BackwardConfig):
@@ -361,18 +349,16 @@ def _suffix_with_prior(suffix_attention: Callable, config: BackwardConfig):
                                   prior=prior)
       return out.astype(jnp.float32), lse.astype(jnp.float32)
 
-    def fwd(*args):
-      q, k, v, lens, prior = _primal_values(args)
+    def fwd(q, k, v, lens, prior):
       out, lse = f(q, k, v, lens, prior)
       return (out, lse), (q, k, v, lens, prior, out, lse)
 
     def bwd(res, ct):
       q, k, v, lens, (po, pl), out, lse = res
-      dout, dlse = _cotangents(ct, out.shape)
+      dout, dlse = ct
       dq, _, (dk, dv) = decomposition_grads(q, [], k, v, kv_lengths=lens, causal=causal,
                                             scale=scale, out=out, lse=lse, dout=dout, dlse=dlse,
                                             config=config)
-      dlse = 0.0 if dlse is None else dlse
       pl32 = pl.astype(jnp.float32)
       w = jnp.where(jnp.isfinite(pl32), jnp.exp(pl32 - jnp.where(jnp.isfinite(lse), lse, 0.0)),
                     0.0)
@@ -381,7 +367,7 @@ def _suffix_with_prior(suffix_attention: Callable, config: BackwardConfig):
       return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
               (dpo.astype(po.dtype), dpl.astype(pl.dtype)))
 
-    f.defvjp(fwd, bwd, symbolic_zeros=True)
+    f.defvjp(fwd, bwd)
     return f(q, k, v, kv_lengths, prior)
 
   return call
@@ -420,13 +406,13 @@ def differentiable(ops, reference_shared: Callable, config: BackwardConfig = Bac
   def segment_attention(q, k, v, *, lengths, node_of_seq, scale):
     return one_part("segments", q, k, v, lengths, node_of_seq, scale)
 
-  def suffix_attention(q, k, v, *, kv_lengths, causal, scale, prior=None):
+  def suffix_attention(q, k, v, *, kv_lengths, causal, scale, prior=None, need_lse=True):
     if prior is not None:
       return with_prior(q, k, v, kv_lengths=kv_lengths, causal=causal, scale=scale, prior=prior)
     fwd = lambda q, parts, sk, sv, *, kv_lengths, causal, scale: ops.suffix_attention(
         q, sk, sv, kv_lengths=kv_lengths, causal=causal, scale=scale)
     return with_chunked_backward(fwd, config)(q, [], k, v, kv_lengths=kv_lengths, causal=causal,
-                                              scale=scale)
+                                              scale=scale, need_lse=need_lse)
 
   return type(ops)(ops.name, prefix_attention, segment_attention, suffix_attention,
                    with_chunked_backward(shared_fwd, config))

@@ -14,6 +14,8 @@ class AttentionOps(NamedTuple):
   kv_lengths, causal, scale) -> (out, lse)`` with ``parts`` a list of
   ``("prefix", k, v, length, None)`` / ``("segments", k, v, lengths,
   node_of_seq)``, to keep intermediates in its own layout and fuse merges.
+  The differentiable ops (``jax_shared_attn.ops.resolve``) also take ``need_lse`` (static) on
+  ``shared_attention`` and ``suffix_attention``: False returns ``(out, None)``.
   """
 
   name: str

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from jax_shared_attn import GpuConfig, SharedLevel, hierarchical_attention
 from jax_shared_attn import backward as bw
 from jax_shared_attn import ops as ops_lib
-from jax_shared_attn.testing import tolerance
+from jax_shared_attn.testing import rel_err, tolerance
 from pallas_kernels.gpu import cudnn
 from strategies import SEEDS, count_case
 from test_backward import draw_case, oracle_grads, per_seq_err
@@ -70,7 +70,7 @@ def emulated_bwd(q, k, v, o, do, stats, q_seqlen, kv_seqlen, *, causal, scale):
 @functools.lru_cache(maxsize=None)
 def grad_fn(causal, scale, config, with_lse):
   """Gradients through the decomposition with ``config``; the LSE's cotangent given
-  (``with_lse``) or the LSE unused (a symbolic zero: cuDNN applies)."""
+  (``with_lse``) or the LSE not asked for (``need_lse=False``: cuDNN applies)."""
   shared = ops_lib.differentiable(ops_lib.XLA_OPS, config).shared_attention
 
   def run(q, levels, sk, sv, lens, do, dl):
@@ -78,7 +78,8 @@ def grad_fn(causal, scale, config, with_lse):
       parts = [("prefix", k[0], v[0], l.lengths[0], None) if l.all_share else
                ("segments", k, v, l.lengths, l.node_of_seq)
                for k, v, l in zip(ks, vs, levels)]
-      out, lse = shared(q, parts, sk, sv, kv_lengths=lens, causal=causal, scale=scale)
+      out, lse = shared(q, parts, sk, sv, kv_lengths=lens, causal=causal, scale=scale,
+                        need_lse=with_lse)
       return (out.astype(q.dtype), lse) if with_lse else out.astype(q.dtype)
 
     _, pull = jax.vjp(f, q, [l.k for l in levels], [l.v for l in levels], sk, sv)
@@ -150,6 +151,43 @@ def test_engine_runs_only_where_the_lse_is_unused(data, seed):
     assert sorted(set(calls)) == [False, True]  # the prefix (non-causal), the causal suffix
   check(with_lse, c, shape, "bfloat16", with_lse=True)
   check(without, c, shape, "bfloat16", with_lse=False)
+
+
+def test_public_api_hands_cudnn_the_parts_when_the_lse_is_not_returned(monkeypatch):
+  """Through ``shared_prefix_attention`` on the GPU family (Triton, interpreted here) with cuDNN
+  said to be available: ``return_lse=False`` runs the prefix and the causal suffix on cuDNN
+  (emulated), ``return_lse=True`` with the LSE in the loss on the Triton kernels; both give
+  the XLA path's gradients."""
+  from jax_shared_attn import shared_prefix_attention
+  calls = []
+
+  def counted(*a, **kw):
+    calls.append(kw["causal"])
+    return emulated_bwd(*a, **kw)
+
+  monkeypatch.setattr(cudnn, "available", lambda: True)
+  monkeypatch.setattr(cudnn, "attention_bwd", counted)
+  rng = np.random.default_rng(0)
+  x = lambda *s: jnp.asarray(rng.normal(size=s), jnp.bfloat16)
+  q, pk, pv, sk, sv = x(3, 5, 4, 16), x(11, 2, 16), x(11, 2, 16), x(3, 5, 2, 16), x(3, 5, 2, 16)
+  lens = jnp.array([5, 2, 4], jnp.int32)
+
+  def loss(impl, with_lse):
+    def f(q, pk, pv, sk, sv):
+      res = shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=lens, causal=True,
+                                    impl=impl, return_lse=with_lse)
+      out, lse = res if with_lse else (res, None)
+      total = jnp.sum(out.astype(jnp.float32) ** 2)
+      return total + (jnp.sum(jnp.sin(lse)) if with_lse else 0.0)
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))
+
+  for with_lse, want_calls in ((False, [False, True]), (True, [])):
+    calls.clear()
+    got = loss("pallas:triton", with_lse)(q, pk, pv, sk, sv)
+    want = loss("xla", with_lse)(q, pk, pv, sk, sv)
+    assert sorted(set(calls)) == want_calls
+    for g, w in zip(got, want):
+      assert rel_err(np.asarray(g, np.float32), np.asarray(w, np.float32)) < 2e-2
 
 
 def test_supports_states_what_cudnn_takes():

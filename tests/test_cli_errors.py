@@ -138,8 +138,11 @@ def test_stream_and_json_do_not_mix(capsys, tiny_dir):
 
 def test_ctrl_c_exits_130_without_a_traceback(tiny_dir):
   """SIGINT once the first sample streams: status 130, one line, no traceback."""
+  # --ignore-eos and 16 samples: the run lasts long after the first token (a random model can
+  # draw its EOS early and finish before the signal arrives)
   cmd = [sys.executable, "-m", "models.cli", "generate", "--prompt", "hi", "--model", tiny_dir,
-         "--max-new-tokens", "1000", "--stream", "--no-progress", "--compile-cache", ""]
+         "--max-new-tokens", "1000", "--num-samples", "16", "--ignore-eos", "--stream",
+         "--no-progress", "--compile-cache", ""]
   env = dict(os.environ, PYTHONPATH=ROOT)
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
   seen = b""

@@ -491,7 +491,14 @@ def _decode_loop(graphdef, params, state: DecodeState, stop, *, sampling: Sampli
   layout = (lambda s: s) if mesh is None else (  # the loop carry keeps the state's layout
       lambda s: lax.with_sharding_constraint(s, sharding_lib.state_shardings(s, mesh)))
 
+  # Without an EOS no row finishes inside the loop: whether all had finished is read once,
+  # here, so the loop's condition needs no collective per step on a mesh (an all-reduce of
+  # `finished` over the data axis would make every device wait for the slowest each step).
+  all_done = jnp.all(state.finished) if eos_id is None else None
+
   def running(s: DecodeState):
+    if all_done is not None:
+      return (s.step < stop) & ~all_done
     return (s.step < stop) & ~jnp.all(s.finished)
 
   def step(s: DecodeState) -> DecodeState:

@@ -4,8 +4,9 @@
     >>> parse_collectives(text)   # [{"op": "all-reduce", "type": "bf16[512,1,4096]", ...}, ...]
 
 Counting the ops of a program compiled with 1 and with 2 layers and subtracting
-(:func:`subtract`) gives what each layer adds. :func:`time_all_reduce` measures one
-all-reduce of a given type over the mesh's model axis.
+(:func:`subtract`) gives what each layer adds; :func:`loop_text` restricts the text to what a
+while loop runs per iteration. :func:`time_all_reduce` measures one all-reduce of a given type
+over the mesh's model axis.
 """
 
 from __future__ import annotations
@@ -17,6 +18,29 @@ COLLECTIVE = re.compile(r"=\s*(.+?)\s+(all-reduce|all-gather|reduce-scatter|all-
                         r"collective-permute)(-start)?\(")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4,
                "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def loop_text(hlo: str, *, condition: bool = True) -> str:
+  """The text of the entry computation's (first) while loop: its body, its condition (unless
+  ``condition=False``) and every computation they call (fusions, reductions, conditionals),
+  transitively: what runs once per iteration, e.g. per decode step."""
+  blocks = dict(re.findall(r"^(?:ENTRY )?%?([\w.-]+) [^\n]*\{\n(.*?)^\}", hlo, re.M | re.S))
+  (entry,) = re.findall(r"^ENTRY %?([\w.-]+)", hlo, re.M)
+  loop = re.search(r" while\([^\n]*", blocks[entry])
+  if loop is None:
+    raise ValueError("loop_text: the entry computation has no while loop")
+  keys = ("body", "condition") if condition else ("body",)
+  todo = [re.search(rf"{k}=%?([\w.-]+)", loop.group(0)).group(1) for k in keys]
+  seen = set()
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in blocks:
+      continue
+    seen.add(name)
+    for ref in re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([^}\n]*)",
+                          blocks[name]):
+      todo += re.findall(r"%?([\w.-]+)", ref)
+  return "\n".join(blocks[n] for n in sorted(seen))
 
 
 def parse_collectives(hlo: str) -> list[dict]:

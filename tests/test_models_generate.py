@@ -255,21 +255,9 @@ def producers(hlo: str, shape: str) -> set[tuple[str, str]]:
 
 
 def loop_body(hlo: str) -> str:
-  """The text of the compiled while loop's body and of every computation it calls (fusions,
-  reductions, conditionals), transitively: what runs once per decode step."""
-  blocks = dict(re.findall(r"^(?:ENTRY )?%?([\w.-]+) [^\n]*\{\n(.*?)^\}", hlo, re.M | re.S))
-  (entry,) = re.findall(r"^ENTRY %?([\w.-]+)", hlo, re.M)
-  (first,) = re.findall(r" while\([^\n]*body=%?([\w.-]+)", blocks[entry])  # the decode loop
-  seen, todo = set(), [first]
-  while todo:
-    name = todo.pop()
-    if name in seen or name not in blocks:
-      continue
-    seen.add(name)
-    for ref in re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([^}\n]*)",
-                          blocks[name]):
-      todo += re.findall(r"%?([\w.-]+)", ref)
-  return "\n".join(blocks[n] for n in seen)
+  """What the compiled decode loop runs per step (its body and the computations it calls)."""
+  from models.hlo_collectives import loop_text
+  return loop_text(hlo, condition=False)
 
 
 def only_scattered_into(instructions) -> bool:

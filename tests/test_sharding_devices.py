@@ -184,6 +184,21 @@ def test_decode_program_never_gathers_the_shared_cache(model, compiled_tree_deco
                            or (op == "fusion" and "scatter" in name) for name, op in local_own)
 
 
+def test_data_parallel_decode_loop_runs_without_collectives(model):
+  """On a data-only mesh each device decodes its own samples: without an EOS the loop (body
+  and condition) has no collective, so no device waits for the others each step; with an EOS
+  the one per step is the all-finished check (a 1-byte all-reduce)."""
+  from models.hlo_collectives import loop_text, parse_collectives
+  mesh = S.make_mesh((8, 1))
+  state = prefill(model, prompt_of(19, 0), num_samples=8, max_new_tokens=NEW, mesh=mesh)
+  free = lower_decode(model, state, eos_id=None).compile().as_text()
+  assert parse_collectives(loop_text(free)) == []
+  assert parse_collectives(free)  # the one check before the loop: the parser sees it
+  with_eos = lower_decode(model, state, eos_id=3).compile().as_text()
+  assert [(c["op"], c["type"]) for c in parse_collectives(loop_text(with_eos))] == [
+      ("all-reduce", "pred[]")]
+
+
 def test_the_gather_check_can_fail():
   """A shared segment split over "data" must be gathered for attention: the check sees it."""
   mesh = S.make_mesh((2, 4))

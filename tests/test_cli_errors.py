@@ -144,7 +144,16 @@ def test_ctrl_c_exits_130_without_a_traceback(tiny_dir):
          "--max-new-tokens", "1000", "--num-samples", "16", "--ignore-eos", "--stream",
          "--no-progress", "--compile-cache", ""]
   env = dict(os.environ, PYTHONPATH=ROOT)
-  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+  # A terminal's Ctrl-C needs SIGINT at its default disposition in the child. An ignored signal
+  # stays ignored across exec (pytest-xdist workers can ignore SIGINT), and then Python would
+  # not install its KeyboardInterrupt handler and the run would end with status 0; a handled
+  # one is reset to the default by exec. So the parent handles it while it starts the child.
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env)
+  finally:
+    signal.signal(signal.SIGINT, previous)
   seen = b""
   while b"[sample 0]" not in seen:
     chunk = os.read(proc.stdout.fileno(), 256)

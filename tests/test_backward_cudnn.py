@@ -129,7 +129,7 @@ def test_wrapper_around_emulated_cudnn_matches_oracle(data, shape, dtype, seed):
   count_case("backward cudnn wrapper (emulated cuDNN)")
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=1, deadline=None)  # routing, traced afresh per example: one suffices
 @given(data=st.data(), seed=SEEDS)
 def test_engine_runs_only_where_the_lse_is_unused(data, seed):
   """With the LSE's cotangent given (cuDNN cannot take it) no part runs on cuDNN, and the

@@ -233,10 +233,17 @@ def decomposition_grads(q: Array, parts: Sequence[tuple], suffix_k: Optional[Arr
     config = dataclasses.replace(config, kernels="triton")  # the parts cuDNN does not take
     cudnn = cudnn if dlse is None else None
     out16 = out.astype(q.dtype)
-  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  if dlse is not None:
-    delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
   lse = lse.astype(jnp.float32)
+  delta = None  # rowsum(dO * O) - dL: only the parts cuDNN does not take read it
+
+  def get_delta():
+    nonlocal delta
+    if delta is None:
+      delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+      if dlse is not None:
+        delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
+    return delta
+
   dq = jnp.zeros(q.shape, jnp.float32)
   part_out = []
   for kind, k, v, lengths, nodes in parts:
@@ -253,7 +260,7 @@ def decomposition_grads(q: Array, parts: Sequence[tuple], suffix_k: Optional[Arr
       dq = dq + dq_p
       part_out.append((dk, dv))
       continue
-    rows = [_shared_rows(x, hkv) for x in (q, dout, lse, delta)]
+    rows = [_shared_rows(x, hkv) for x in (q, dout, lse, get_delta())]
     if kind == "prefix":
       row_seg = jnp.zeros((b * tq * g,), jnp.int32)
       key_seg = jnp.where(jnp.arange(k.shape[0]) < lengths, 0, -2)
@@ -277,7 +284,7 @@ def decomposition_grads(q: Array, parts: Sequence[tuple], suffix_k: Optional[Arr
     return dq + dq_s, part_out, (dk, dv)
   if suffix_k is not None:
     hkv = suffix_k.shape[2]
-    rows = [_seq_rows(x, hkv) for x in (q, dout, lse, delta)]
+    rows = [_seq_rows(x, hkv) for x in (q, dout, lse, get_delta())]
     dq_s, dk, dv = part_grads(*rows, suffix_k, suffix_v, scale=scale, lengths=kv_lengths,
                               causal=causal, group=hq // hkv, tq=tq, config=config)
     dq = dq + _unseq_rows(dq_s, tq)

@@ -16,10 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_attention
+from jax_shared_attn import SharedLevel, hierarchical_attention
 from jax_shared_attn import backward as bw
 from jax_shared_attn import ops as ops_lib
-from jax_shared_attn import reference
 from jax_shared_attn.testing import rel_err, tolerance
 from strategies import SEEDS, count_case, lengths, rand
 
@@ -135,36 +134,43 @@ def draw_case(draw, rng, shape, dtype):
               contexts=contexts, scale=scale, lens64=lens)
 
 
-def tree_fn(impl, causal, scale, config=None):
-  """(q, levels, sk, sv, lens) -> (out, lse) through the public API or, with ``config``,
-  through ``ops.differentiable(XLA_OPS, config)``."""
+def tree_fn(impl, causal, scale, config=None, with_lse=True, api_config=None):
+  """(q, levels, sk, sv, lens) -> (out, lse), or out alone without ``with_lse`` (then the LSE
+  is not asked for: its cotangent is statically zero), through the public API (with
+  ``api_config`` as its ``config=``) or, with ``config`` (a BackwardConfig), through
+  ``ops.differentiable(XLA_OPS, config)``."""
   if config is None:
     return lambda q, levels, sk, sv, lens: hierarchical_attention(
         q, levels, sk, sv, suffix_lengths=lens, causal=causal, scale=scale, impl=impl,
-        return_lse=True)
+        return_lse=with_lse, config=api_config)
   shared = ops_lib.differentiable(ops_lib.XLA_OPS, config).shared_attention
 
   def f(q, levels, sk, sv, lens):
     parts = [("prefix", l.k[0], l.v[0], l.lengths[0], None) if l.all_share else
              ("segments", l.k, l.v, l.lengths, l.node_of_seq) for l in levels]
-    out, lse = shared(q, parts, sk, sv, kv_lengths=lens, causal=causal, scale=scale)
-    return out.astype(q.dtype), lse
+    out, lse = shared(q, parts, sk, sv, kv_lengths=lens, causal=causal, scale=scale,
+                      need_lse=with_lse)
+    return (out.astype(q.dtype), lse) if with_lse else out.astype(q.dtype)
 
   return f
 
 
-@functools.lru_cache(maxsize=None)
-def vjp_fn(impl, causal, scale, config):
-  f = tree_fn(impl, causal, scale, config)
+def make_vjp(impl, causal, scale, config=None, with_lse=True, api_config=None):
+  """Jitted ``(q, levels, sk, sv, lens, do, dl) -> (dq, dks, dvs, dsk, dsv)`` of
+  :func:`tree_fn` (``dl`` unused without ``with_lse``); :func:`vjp_fn` caches it."""
+  f = tree_fn(impl, causal, scale, config, with_lse, api_config)
 
   def run(q, levels, sk, sv, lens, do, dl):
     _, pull = jax.vjp(lambda q, ks, vs, sk, sv: f(
         q, [SharedLevel(k, v, l.lengths, l.node_of_seq, l.all_share)
             for k, v, l in zip(ks, vs, levels)],
         sk, sv, lens), q, [l.k for l in levels], [l.v for l in levels], sk, sv)
-    return pull((do, dl))
+    return pull((do, dl) if with_lse else do)
 
   return jax.jit(run)
+
+
+vjp_fn = functools.lru_cache(maxsize=None)(make_vjp)
 
 
 def per_seq_err(x, ref, axis_b=0, tol=None, var=None):
@@ -196,26 +202,34 @@ def per_seq_err(x, ref, axis_b=0, tol=None, var=None):
 SIGMAS = 3
 
 
-def check_case(impl, c, shape, dtype, config=None, tag=None):
-  causal = shape[2]
-  dq, dks, dvs, dsk, dsv = vjp_fn(impl, causal, c["scale"], config)(
-      c["q"], c["levels"], c["sk"], c["sv"], c["lens"], c["do"], c["dl"])
+def assert_matches_oracle(grads, c, causal, dtype, *, with_lse=True, part_rounding=False):
+  """Every gradient of ``grads = (dq, dks, dvs, dsk, dsv)`` of case ``c`` against the float64
+  oracle, per sequence (``with_lse=False``: the LSE's cotangent is zero)."""
+  dq, dks, dvs, dsk, dsv = grads
   tol = tolerance(dtype)
   # A 16-bit dtype's rounding (float32: tol covers the accumulation order).
   eps = tol if np.dtype(dtype).itemsize == 2 else 0.0
+  dl64 = c["dl64"] if with_lse else np.zeros_like(c["dl64"])
   want_dq, want, dq_var, var = oracle_grads(
-      c["q64"], c["do64"], c["dl64"], c["sources"], c["contexts"],
-      list(c["lens64"]) if causal else None, c["scale"], eps)
+      c["q64"], c["do64"], dl64, c["sources"], c["contexts"],
+      list(c["lens64"]) if causal else None, c["scale"], eps, part_rounding)
   b, s = c["sk"].shape[:2]
   got = {"suffix": (dsk, dsv), **{i: (dk, dv) for i, (dk, dv) in enumerate(zip(dks, dvs))}}
   errs = {"dq": per_seq_err(dq, want_dq, tol=tol, var=dq_var)}
   for name, (gk, gv) in got.items():
     shape = (b, s) if name == "suffix" else gk.shape[:2]
-    for i, (tag_, g_) in enumerate((("dk", gk), ("dv", gv))):
-      w_, v_ = (a[name][i].reshape(shape + a[name][i].shape[1:]) for a in (want, var))
-      errs[f"{tag_}[{name}]"] = per_seq_err(g_, w_, tol=tol, var=v_)
+    for i, (tag, g) in enumerate((("dk", gk), ("dv", gv))):
+      w, v = (a[name][i].reshape(shape + a[name][i].shape[1:]) for a in (want, var))
+      errs[f"{tag}[{name}]"] = per_seq_err(g, w, tol=tol, var=v)
   bad = {k: e for k, e in errs.items() if not e <= 1}
   assert not bad, (bad, tol)
+
+
+def check_case(impl, c, shape, dtype, config=None, tag=None):
+  causal = shape[2]
+  grads = vjp_fn(impl, causal, c["scale"], config)(
+      c["q"], c["levels"], c["sk"], c["sv"], c["lens"], c["do"], c["dl"])
+  assert_matches_oracle(grads, c, causal, dtype)
   count_case(tag or f"backward {impl}")
 
 

@@ -10,8 +10,6 @@ runs cuDNN itself through the public API (``-m gpu``, docs/gpu-tests.md) and che
 compiled gradient calls it.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,13 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_shared_attn import GpuConfig, SharedLevel, hierarchical_attention
+from jax_shared_attn import GpuConfig
 from jax_shared_attn import backward as bw
 from jax_shared_attn import ops as ops_lib
-from jax_shared_attn.testing import rel_err, tolerance
+from jax_shared_attn.testing import rel_err
 from pallas_kernels.gpu import cudnn
 from strategies import SEEDS, count_case
-from test_backward import draw_case, oracle_grads, per_seq_err
+from test_backward import assert_matches_oracle, draw_case, make_vjp, vjp_fn
 
 # ((B, Tq, Hq, Hkv, D, S), levels, causal, scale): a causal suffix as long as its queries
 # (teacher forcing), GQA and MQA, a prefix (all_share), a level of one segment that some
@@ -67,44 +65,9 @@ def emulated_bwd(q, k, v, o, do, stats, q_seqlen, kv_seqlen, *, causal, scale):
   return dq.astype(q.dtype), dk.astype(q.dtype), dv.astype(q.dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def grad_fn(causal, scale, config, with_lse):
-  """Gradients through the decomposition with ``config``; the LSE's cotangent given
-  (``with_lse``) or the LSE not asked for (``need_lse=False``: cuDNN applies)."""
-  shared = ops_lib.differentiable(ops_lib.XLA_OPS, config).shared_attention
-
-  def run(q, levels, sk, sv, lens, do, dl):
-    def f(q, ks, vs, sk, sv):
-      parts = [("prefix", k[0], v[0], l.lengths[0], None) if l.all_share else
-               ("segments", k, v, l.lengths, l.node_of_seq)
-               for k, v, l in zip(ks, vs, levels)]
-      out, lse = shared(q, parts, sk, sv, kv_lengths=lens, causal=causal, scale=scale,
-                        need_lse=with_lse)
-      return (out.astype(q.dtype), lse) if with_lse else out.astype(q.dtype)
-
-    _, pull = jax.vjp(f, q, [l.k for l in levels], [l.v for l in levels], sk, sv)
-    return pull((do, dl) if with_lse else do)
-
-  return jax.jit(run)
-
-
 def check(grads, c, shape, dtype, with_lse):
-  dq, dks, dvs, dsk, dsv = grads
-  tol = tolerance(dtype)
-  dl64 = c["dl64"] if with_lse else np.zeros_like(c["dl64"])
-  want_dq, want, dq_var, var = oracle_grads(
-      c["q64"], c["do64"], dl64, c["sources"], c["contexts"],
-      list(c["lens64"]) if shape[2] else None, c["scale"], tol, part_rounding=True)
-  b, s = c["sk"].shape[:2]
-  got = {"suffix": (dsk, dsv), **{i: (dk, dv) for i, (dk, dv) in enumerate(zip(dks, dvs))}}
-  errs = {"dq": per_seq_err(dq, want_dq, tol=tol, var=dq_var)}
-  for name, (gk, gv) in got.items():
-    shp = (b, s) if name == "suffix" else gk.shape[:2]
-    for i, (tag, g) in enumerate((("dk", gk), ("dv", gv))):
-      w, v = (a[name][i].reshape(shp + a[name][i].shape[1:]) for a in (want, var))
-      errs[f"{tag}[{name}]"] = per_seq_err(g, w, tol=tol, var=v)
-  bad = {k: e for k, e in errs.items() if not e <= 1}
-  assert not bad, (bad, tol)
+  """The oracle check, with cuDNN's rounding of each part's dQ before the parts are summed."""
+  assert_matches_oracle(grads, c, shape[2], dtype, with_lse=with_lse, part_rounding=True)
 
 
 CUDNN = bw.BackwardConfig(kernels="cudnn")
@@ -123,7 +86,7 @@ def test_wrapper_around_emulated_cudnn_matches_oracle(data, shape, dtype, seed):
                      for i, ctx in enumerate(c["contexts"])]
   with pytest.MonkeyPatch.context() as mp:  # traced once per shape: the emulation stays in
     mp.setattr(cudnn, "attention_bwd", emulated_bwd)
-    grads = grad_fn(shape[2], c["scale"], CUDNN, False)(
+    grads = vjp_fn("xla", shape[2], c["scale"], CUDNN, False)(
         c["q"], c["levels"], c["sk"], c["sv"], c["lens"], c["do"], c["dl"])
   check(grads, c, shape, dtype, with_lse=False)
   count_case("backward cudnn wrapper (emulated cuDNN)")
@@ -145,9 +108,9 @@ def test_engine_runs_only_where_the_lse_is_unused(data, seed):
   args = (c["q"], c["levels"], c["sk"], c["sv"], c["lens"], c["do"], c["dl"])
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(cudnn, "attention_bwd", counted)
-    with_lse = grad_fn.__wrapped__(True, c["scale"], CUDNN, True)(*args)  # traced here
+    with_lse = make_vjp("xla", True, c["scale"], CUDNN, True)(*args)  # traced here
     assert calls == []
-    without = grad_fn.__wrapped__(True, c["scale"], CUDNN, False)(*args)
+    without = make_vjp("xla", True, c["scale"], CUDNN, False)(*args)
     assert sorted(set(calls)) == [False, True]  # the prefix (non-causal), the causal suffix
   check(with_lse, c, shape, "bfloat16", with_lse=True)
   check(without, c, shape, "bfloat16", with_lse=False)
@@ -223,19 +186,9 @@ class TestNativeCudnn:
   """cuDNN itself, through the public API on the default GPU path (``impl="auto"``)."""
 
   @staticmethod
-  @functools.lru_cache(maxsize=None)
   def api_grad(causal, scale, config):
-    def run(q, levels, sk, sv, lens, do):
-      def f(q, ks, vs, sk, sv):
-        lv = [SharedLevel(k, v, l.lengths, l.node_of_seq, l.all_share)
-              for k, v, l in zip(ks, vs, levels)]
-        return hierarchical_attention(q, lv, sk, sv, suffix_lengths=lens, causal=causal,
-                                      scale=scale, impl="auto", config=config)
-
-      _, pull = jax.vjp(f, q, [l.k for l in levels], [l.v for l in levels], sk, sv)
-      return pull(do)
-
-    return jax.jit(run)
+    """Gradients through ``hierarchical_attention(impl="auto", config=config)``, LSE unused."""
+    return vjp_fn("auto", causal, scale, None, False, config)
 
   @settings(max_examples=300, deadline=None)
   @given(data=st.data(), shape=st.sampled_from(SHAPES),
@@ -243,7 +196,7 @@ class TestNativeCudnn:
   def test_matches_oracle(self, data, shape, dtype, seed):
     c = draw_case(data.draw, np.random.default_rng(seed), shape, dtype)
     grads = self.api_grad(shape[2], c["scale"], None)(
-        c["q"], c["levels"], c["sk"], c["sv"], c["lens"], c["do"])
+        c["q"], c["levels"], c["sk"], c["sv"], c["lens"], c["do"], c["dl"])
     check(grads, c, shape, dtype, with_lse=False)
     count_case("backward cudnn (native)")
 
@@ -252,5 +205,5 @@ class TestNativeCudnn:
     shape = SHAPES[0]
     c = draw_case(lambda strategy: 3, np.random.default_rng(0), shape, "bfloat16")  # lengths 3
     hlo = self.api_grad(True, c["scale"], GpuConfig(backward=engine)).lower(
-        c["q"], c["levels"], c["sk"], c["sv"], c["lens"], c["do"]).as_text()
+        c["q"], c["levels"], c["sk"], c["sv"], c["lens"], c["do"], c["dl"]).as_text()
     assert ("fmhaSoftmaxBackward" in hlo) == calls  # cuDNN's backward custom call

@@ -37,6 +37,15 @@ Array = jax.Array
 _BIG = 1e30  # the LSE given to rows with no visible key: exp(s - _BIG) = 0
 
 
+def _cc_major() -> int:
+  """The default device's compute capability major (0 where it has none)."""
+  cc = str(getattr(jax.devices()[0], "compute_capability", "") or "0")
+  try:
+    return int(cc.split(".")[0])
+  except ValueError:
+    return 0
+
+
 def available() -> bool:
   """True on a CUDA GPU of compute capability >= 8.0 with cuDNN and the backward primitive."""
   if jax.default_backend() != "gpu":
@@ -48,21 +57,7 @@ def available() -> bool:
     return False
   if cuda_versions is None or not hasattr(fa, "_dot_product_attention_bwd_p_wrapper"):
     return False
-  cc = str(getattr(jax.devices()[0], "compute_capability", "") or "0")
-  try:
-    major = int(cc.split(".")[0])
-  except ValueError:
-    return False
-  return major >= 8
-
-
-def _max_head_dim() -> int:
-  """cuDNN's head-dim limit on the default device: 256 on Hopper and later, else 128."""
-  cc = str(getattr(jax.devices()[0], "compute_capability", "") or "0")
-  try:
-    return 256 if int(cc.split(".")[0]) >= 9 else 128
-  except ValueError:
-    return 128
+  return _cc_major() >= 8
 
 
 def supports(q: Array, k: Array, v: Array, *, causal: bool = False,
@@ -73,8 +68,9 @@ def supports(q: Array, k: Array, v: Array, *, causal: bool = False,
   if q.dtype not in (jnp.bfloat16, jnp.float16) or not q.dtype == k.dtype == v.dtype:
     return False
   d = q.shape[-1]
-  limit = _max_head_dim() if head_dim_max is None else head_dim_max
-  if d % 8 or d > limit or k.shape[-1] != d or v.shape[-1] != d:
+  if head_dim_max is None:  # cuDNN's limit: 256 on Hopper and later, else 128
+    head_dim_max = 256 if _cc_major() >= 9 else 128
+  if d % 8 or d > head_dim_max or k.shape[-1] != d or v.shape[-1] != d:
     return False
   if causal and suffix_len != k.shape[-3]:
     return False

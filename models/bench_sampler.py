@@ -73,7 +73,7 @@ def parse_config(text: str):
     if kind == "chunk":
       g, _, f = value.partition("/")
       return SamplerConfig(candidates=0, search_width=15, chunk=int(g),
-                           score_candidates=int(f or 15))
+                           score_candidates=tuple(int(n) for n in (f or "6+15").split("+")))
   except ValueError as e:
     raise UsageError(f"--configs {text!r}: {e}") from None
   raise UsageError(f"--configs: unknown {text!r}; use default, search:W, candidates:K or "

@@ -24,6 +24,12 @@ def loop_text(hlo: str, *, condition: bool = True) -> str:
   """The text of the entry computation's (first) while loop: its body, its condition (unless
   ``condition=False``) and every computation they call (fusions, reductions, conditionals),
   transitively: what runs once per iteration, e.g. per decode step."""
+  blocks = loop_computations(hlo, condition=condition)
+  return "\n".join(blocks[n] for n in sorted(blocks))
+
+
+def loop_computations(hlo: str, *, condition: bool = True) -> dict[str, str]:
+  """:func:`loop_text`, one entry per computation: name -> its instructions' text."""
   blocks = dict(re.findall(r"^(?:ENTRY )?%?([\w.-]+) [^\n]*\{\n(.*?)^\}", hlo, re.M | re.S))
   (entry,) = re.findall(r"^ENTRY %?([\w.-]+)", hlo, re.M)
   loop = re.search(r" while\([^\n]*", blocks[entry])
@@ -40,7 +46,7 @@ def loop_text(hlo: str, *, condition: bool = True) -> str:
     for ref in re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([^}\n]*)",
                           blocks[name]):
       todo += re.findall(r"%?([\w.-]+)", ref)
-  return "\n".join(blocks[n] for n in sorted(seen))
+  return {n: blocks[n] for n in seen}
 
 
 def parse_collectives(hlo: str) -> list[dict]:

@@ -21,8 +21,9 @@ logit ``c`` whose weight ``W(c) = sum of w(x) over x >= c`` reaches a target
    maxima hold every token >= the k-th value, so a few levels narrow the row to
    ~2k tokens without a long sort. Top-p alone: the draw is the first kept
    token in the order of Gumbel scores; the chunks of best score hold the best
-   F tokens, and one pass tests all F against p. Where a row is not decided
-   (ties, none of the F kept), the whole batch takes 2.
+   F tokens, and one pass tests all F against p (F = 6, then 15 where some row
+   kept none of its 6: each best-scoring token is kept with probability >= p).
+   Where a row is not decided (ties, none of the F kept), the whole batch takes 2.
 1. Candidates (``SamplerConfig.candidates``, e.g. K = 64 and then 1024):
    ``lax.top_k(x, K)``. Where
    every row's threshold lies strictly above its K-th candidate, every kept
@@ -107,15 +108,17 @@ class SamplerConfig:
       Gumbel score hold the best-scoring tokens; each is tested against p in one
       pass. Top-k: the k chunks with the largest maxima hold every token >= the
       k-th value; the draw runs on them (several levels while that narrows).
-    score_candidates: F, the tokens of best Gumbel score tested against top-p (0: top-p
-      alone takes the ``candidates`` path).
+    score_candidates: F, the tokens of best Gumbel score tested against top-p, or several,
+      tried in turn (e.g. ``(6, 15)``: 15 only where none of some row's best 6 was kept; the
+      pass that tests them costs about one read of the row plus a compare per token and
+      candidate); 0 or ``()``: top-p alone takes the ``candidates`` path.
   """
 
   candidates: Union[int, tuple[int, ...]] = (64, 1024)
   search_width: int = 1
   value_passes: int = 4
   chunk: int = 0
-  score_candidates: int = 16
+  score_candidates: Union[int, tuple[int, ...]] = 16
 
   def __post_init__(self):
     sizes = (self.candidates,) if np.ndim(self.candidates) == 0 else tuple(self.candidates)
@@ -128,8 +131,11 @@ class SamplerConfig:
       raise ValueError(f"SamplerConfig: {self.value_passes=} must be an int >= 0")
     if int(self.chunk) != self.chunk or self.chunk < 0:
       raise ValueError(f"SamplerConfig: {self.chunk=} must be an int >= 0")
-    if int(self.score_candidates) != self.score_candidates or self.score_candidates < 0:
-      raise ValueError(f"SamplerConfig: {self.score_candidates=} must be an int >= 0")
+    fs = (self.score_candidates,) if np.ndim(self.score_candidates) == 0 else tuple(
+        self.score_candidates)
+    if any(int(f) != f or f < 0 for f in fs) or list(fs) != sorted(fs):
+      raise ValueError(f"SamplerConfig: {self.score_candidates=} must be ints >= 0, increasing")
+    object.__setattr__(self, "score_candidates", tuple(int(f) for f in fs if f > 0))
 
 
 def default_sampler_config(platform: str) -> SamplerConfig:
@@ -143,9 +149,9 @@ def default_sampler_config(platform: str) -> SamplerConfig:
   so a wide pass is nearly free).
   """
   if platform == "cpu":
-    return SamplerConfig(candidates=(64, 1024), search_width=1, chunk=128, score_candidates=0)
-  if platform == "gpu":  # 15 + 1 best chunks: XLA's top-k kernel (k <= 16), not a sort
-    return SamplerConfig(candidates=0, search_width=15, chunk=128, score_candidates=15)
+    return SamplerConfig(candidates=(64, 1024), search_width=1, chunk=128, score_candidates=())
+  if platform == "gpu":  # the best 6 scores decide a row but with probability ~0.1^6
+    return SamplerConfig(candidates=0, search_width=15, chunk=128, score_candidates=(6, 15))
   return SamplerConfig(candidates=0, search_width=15)
 
 
@@ -394,8 +400,18 @@ def _sum_above(x: Array, weights: Array, thresholds: Array):
   return sums[0], jnp.stack(sums[1:], axis=1)
 
 
-def _score_draw(x: Array, keys: Array, params: SamplingParams, config: SamplerConfig):
-  """(ok, token) of top-p alone: the first of the best-scoring tokens (Gumbel-max) that is kept.
+def _score_noise(x: Array, keys: Array, g: int):
+  """Chunk maxima ``[B, nc]`` of the Gumbel scores ``x + noise`` and of ``x``, in one pass."""
+  v = x.shape[1]
+  noise = jax.vmap(lambda key: jax.random.gumbel(key, (v,), x.dtype))(keys)
+  score_max, x_max = lax.reduce(
+      (_chunks(noise + x, g), _chunks(x, g)), (jnp.float32(-jnp.inf),) * 2,
+      lambda a, c: (lax.max(a[0], c[0]), lax.max(a[1], c[1])), (2,))
+  return score_max, x_max
+
+
+def _score_draw(x: Array, keys: Array, params: SamplingParams, g: int, f: int, chunk_maxima):
+  """(ok, token) of top-p alone: the first of the f best-scoring tokens (Gumbel-max) that is kept.
 
   ``categorical`` draws the kept token of highest score ``x + gumbel``. Kept sets are
   ``x >= t``, so in the order of scores, the draw is the first kept token. The F chunks of
@@ -404,13 +420,9 @@ def _score_draw(x: Array, keys: Array, params: SamplingParams, config: SamplerCo
   iff < p). ``ok`` where a kept candidate scores above every other chunk.
   """
   b, v = x.shape
-  g = config.chunk
-  noise = jax.vmap(lambda key: jax.random.gumbel(key, (v,), x.dtype))(keys)
-  score_max, x_max = lax.reduce(
-      (_chunks(noise + x, g), _chunks(x, g)), (jnp.float32(-jnp.inf),) * 2,
-      lambda a, c: (lax.max(a[0], c[0]), lax.max(a[1], c[1])), (2,))  # [B, nc] each
+  score_max, x_max = chunk_maxima
   nc = score_max.shape[1]
-  f = min(config.score_candidates, nc)
+  f = min(f, nc)
   best, chunk_ids = lax.top_k(score_max, min(f + 1, nc))
   outside = best[:, f] if f < nc else jnp.full((b,), -jnp.inf)  # the best score elsewhere
   positions = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), x.shape)
@@ -452,7 +464,15 @@ def sample(logits: Array, keys: Array, params: SamplingParams,
     if top_k and _top_k_levels(v, params.top_k, config.chunk):
       chunked = _chunked_top_k_draw(x, keys, params, config)
     elif not top_k and config.score_candidates:
-      chunked = _score_draw(x, keys, params, config)
+      maxima = _score_noise(x, keys, config.chunk)
+
+      def scored(i):  # F = score_candidates[i], then the next F where some row is undecided
+        if i == len(config.score_candidates):
+          return full()
+        ok, token = _score_draw(x, keys, params, config.chunk, config.score_candidates[i], maxima)
+        return lax.cond(jnp.all(ok), lambda: token, lambda: scored(i + 1))
+
+      return scored(0)
     if chunked is not None:
       ok, token = chunked
       return lax.cond(jnp.all(ok), lambda: token, full)

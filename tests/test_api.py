@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from jax_shared_attn import (SharedLevel, attention_with_lse, hierarchical_attention,
                              shared_prefix_attention)
+from jax_shared_attn.dispatch import choose_family
 from jax_shared_attn.testing import check_rows, lse_err, oracle_full, oracle_tree, tolerance
 from strategies import (DTYPES, FULL_SHAPES, PREFIX_SHAPES, SEEDS, TREE_SHAPES, assert_close,
                         count_case, lengths, rand, random_tree)
@@ -87,7 +88,10 @@ def test_large_logits(impl, data, seed, dtype, scale, b):
   the one rounding the API's contract implies: each part's LSE is a float32 number (half an
   ulp, ~5e-4 at 1e4), and the merge weights exp(lse_i - lse) inherit it. Against the plain
   float64 oracle of full attention that rounding alone bounds the error by 2 * eps32 * max|lse|
-  (~2e-3 here; a fresh CI run measured 4e-5), which is checked too. 16-bit inputs: the
+  (~2e-3 here; a fresh CI run measured 4e-5), which is checked too. The GPU kernels score in
+  base 2 (``q.k * scale * log2(e)``, rounded to float32: half an ulp of ~1.4e4, ~5e-4, per
+  score, the same size as the LSE's rounding but per key), so for them only the second bound
+  applies (H200, 2026-11-28: 5.6e-5 where the first check allows 1e-5). 16-bit inputs: the
   dtype's tolerances. Every sequence is checked on its own.
   """
   count_case("large_logits")
@@ -128,7 +132,8 @@ def test_large_logits(impl, data, seed, dtype, scale, b):
     w = [np.where(np.isneginf(l), 0.0, np.exp(l - np.where(np.isneginf(total), 0.0, total)))
          for l in lses]
   ref_rounded = sum(wi[..., None] * o for wi, (o, _) in zip(w, parts))
-  check_rows(out, ref_rounded, tolerance(dtype))
+  if choose_family(impl, "shared_prefix_attention") not in ("triton", "mosaic_gpu"):
+    check_rows(out, ref_rounded, tolerance(dtype))
   bound = 2 * float(np.finfo(np.float32).eps) * float(np.abs(finite).max()) if finite.size else 0
   check_rows(out, ref_out, max(tolerance(dtype), bound))
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_attention
 from jax_shared_attn import backward as bw
 from jax_shared_attn.testing import rel_err, tolerance
+from pallas_kernels.config import GpuConfig
 from pallas_kernels.gpu import backward as gb
 from pallas_kernels.tpu import backward as tb
 from strategies import SEEDS, count_case
@@ -121,6 +122,7 @@ def test_backward_kernels_lower_for_tpu(dtype, tree):
 
 S = jax.ShapeDtypeStruct
 CALLS = ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")
+TRITON_BACKWARD = GpuConfig(backward="triton")
 
 
 def _export_cuda(fn, *args):
@@ -132,7 +134,10 @@ def _export_cuda(fn, *args):
 @pytest.mark.parametrize("dtype,d,tq,tree", [("bfloat16", 128, 8, False), ("float32", 80, 1, True),
                                              ("bfloat16", 64, 3, True)])
 def test_backward_kernels_lower_for_cuda(dtype, d, tq, tree):
-  """jax.grad on the GPU family exports with the backward kernels (dK/dV and dQ per part)."""
+  """jax.grad on the GPU family exports with the backward kernels (dK/dV and dQ per part).
+
+  ``backward="triton"``: on a GPU the default is cuDNN where it applies, whose calls
+  ``jax.export`` refuses to store (no compatibility guarantee)."""
   b, hq, hkv, p, s = 4, 8, 2, 300, 40
   dt = jnp.dtype(dtype)
 
@@ -140,9 +145,11 @@ def test_backward_kernels_lower_for_cuda(dtype, d, tq, tree):
     if tree:
       level = SharedLevel(pk.reshape(3, p // 3, hkv, d), pv.reshape(3, p // 3, hkv, d),
                           jnp.array([100, 7, 0], jnp.int32), jnp.array([0, 2, -1, 0], jnp.int32))
-      out = hierarchical_attention(q, [level], sk, sv, suffix_lengths=n, impl="pallas:triton")
+      out = hierarchical_attention(q, [level], sk, sv, suffix_lengths=n, impl="pallas:triton",
+                                   config=TRITON_BACKWARD)
     else:
-      out = shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n, impl="pallas:triton")
+      out = shared_prefix_attention(q, pk, pv, sk, sv, suffix_lengths=n, impl="pallas:triton",
+                                    config=TRITON_BACKWARD)
     return out.astype(jnp.float32).sum()
 
   text = _export_cuda(jax.grad(loss, argnums=range(5)), S((b, tq, hq, d), dt), S((p, hkv, d), dt),

@@ -90,6 +90,9 @@ def test_missing_default_model_says_how_to_install_it(monkeypatch, capsys):
 
 
 def test_subcommands_register_themselves(monkeypatch, capsys):
+  # Import every command module first: one first imported under the patch would register into
+  # the copy only and be missing from the registry afterwards (its import is not repeated).
+  cli.build_parser()
   monkeypatch.setattr(cli, "_COMMANDS", dict(cli._COMMANDS))
 
   @cli.register("hello", help="say hello")

@@ -228,12 +228,15 @@ def test_threshold_search_finds_the_exact_row_value():
 
 def test_default_configs_and_bad_configs():
   assert default_sampler_config("cpu").candidates == (64, 1024)
-  assert default_sampler_config("cpu").score_candidates == 0
+  assert default_sampler_config("cpu").score_candidates == () == SamplerConfig(
+      score_candidates=0).score_candidates
+  assert default_sampler_config("gpu").score_candidates == (6, 15)
   assert default_sampler_config("gpu").candidates == () == SamplerConfig(candidates=0).candidates
   assert default_sampler_config("gpu").chunk == 128
   for kwargs, name in ((dict(candidates=-1), "candidates"), (dict(candidates=(64, 8)), "candidates"), (dict(search_width=0), "search_width"),
                        (dict(value_passes=-2), "value_passes"), (dict(chunk=-1), "chunk"),
-                       (dict(chunk=2.5), "chunk"), (dict(score_candidates=-1), "score_candidates")):
+                       (dict(chunk=2.5), "chunk"), (dict(score_candidates=-1), "score_candidates"),
+                       (dict(score_candidates=(15, 6)), "score_candidates")):
     with pytest.raises(ValueError, match=name):
       SamplerConfig(**kwargs)
   with pytest.raises(ValueError, match="temperature"):
@@ -242,7 +245,7 @@ def test_default_configs_and_bad_configs():
 
 # -- the chunked paths (GPU default) equal the sort-based reference ------------------------------
 
-from models.sampling import _chunked_top_k_draw, _score_draw, _top_k_levels
+from models.sampling import _chunked_top_k_draw, _score_draw, _score_noise, _top_k_levels
 
 _chunked = lambda g, f=16: SamplerConfig(candidates=0, search_width=7, chunk=g, score_candidates=f)
 # (vocab, config, params): top-p alone (the score path), top-k with and without top-p (the
@@ -250,6 +253,7 @@ _chunked = lambda g, f=16: SamplerConfig(candidates=0, search_width=7, chunk=g, 
 CHUNKED_CASES = (
     (203, "float32", _chunked(8), SamplingParams(0.7, top_p=0.9)),
     (203, "bfloat16", _chunked(16, f=4), SamplingParams(1.0, top_p=0.999)),
+    (203, "float32", _chunked(8, f=(1, 3)), SamplingParams(1.0, top_p=0.6)),  # stage 2 often
     (517, "float32", _chunked(8), SamplingParams(1e-3, top_p=1e-6)),
     (517, "bfloat16", _chunked(32, f=3), SamplingParams(50.0, top_p=0.5)),
     (517, "bfloat16", _chunked(4), SamplingParams(0.7, top_k=5, top_p=0.9)),
@@ -293,7 +297,9 @@ def test_chunked_paths_decide_without_the_fallback_on_typical_rows():
   rng = np.random.default_rng(4)
   keys = sampling_keys(jnp.uint32(9), jnp.arange(8, dtype=jnp.int32), jnp.int32(0))
   config = _chunked(16)
-  for params, path in ((SamplingParams(0.7, top_p=0.9), _score_draw),
+  score = lambda x, keys, params, config: _score_draw(x, keys, params, config.chunk, 16,
+                                                      _score_noise(x, keys, config.chunk))
+  for params, path in ((SamplingParams(0.7, top_p=0.9), score),
                        (SamplingParams(0.7, top_k=50, top_p=0.9), _chunked_top_k_draw)):
     run = jax.jit(lambda x, path=path, params=params: (
         path(x / params.temperature, keys, params, config), sample_reference(x, keys, params)))

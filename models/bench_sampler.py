@@ -51,8 +51,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--configs", default="default,search:15,candidates:64+1024,chunk:128",
                  help="sampler configurations: default (the backend's), search:W (threshold "
                       "search only, W trial thresholds per pass), candidates:K (K candidates, "
-                      "then the search), chunk:G[/F] (the chunked paths, chunks of G, F (15) "
-                      "score candidates)")
+                      "then the search), chunk:G[/F] (the chunked paths, chunks of G, F score "
+                      "candidates, e.g. 15 or 6+15, the default)")
   p.add_argument("--no-reference", action="store_true", help="skip the sorting reference")
   p.add_argument("--trials", type=int, default=7)
   p.add_argument("--out", default="runs/sampler")

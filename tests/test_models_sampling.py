@@ -1,5 +1,6 @@
 """Sampling follows the definitions of greedy, temperature, top-k and top-p on fixed logits."""
 
+import dataclasses
 import functools
 
 import jax
@@ -236,7 +237,8 @@ def test_default_configs_and_bad_configs():
   for kwargs, name in ((dict(candidates=-1), "candidates"), (dict(candidates=(64, 8)), "candidates"), (dict(search_width=0), "search_width"),
                        (dict(value_passes=-2), "value_passes"), (dict(chunk=-1), "chunk"),
                        (dict(chunk=2.5), "chunk"), (dict(score_candidates=-1), "score_candidates"),
-                       (dict(score_candidates=(15, 6)), "score_candidates")):
+                       (dict(score_candidates=(15, 6)), "score_candidates"),
+                       (dict(tie_slack=-1), "tie_slack")):
     with pytest.raises(ValueError, match=name):
       SamplerConfig(**kwargs)
   with pytest.raises(ValueError, match="temperature"):
@@ -247,7 +249,9 @@ def test_default_configs_and_bad_configs():
 
 from models.sampling import _chunked_top_k_draw, _score_draw, _score_noise, _top_k_levels
 
-_chunked = lambda g, f=16: SamplerConfig(candidates=0, search_width=7, chunk=g, score_candidates=f)
+# tie_slack 4: small vocabularies still take the chunk levels (16, the default, needs more chunks).
+_chunked = lambda g, f=16: SamplerConfig(candidates=0, search_width=7, chunk=g, score_candidates=f,
+                                         tie_slack=4)
 # (vocab, config, params): top-p alone (the score path), top-k with and without top-p (the
 # chunk levels), p near 0 and 1, extreme temperatures; vocab sizes no chunk size divides.
 CHUNKED_CASES = (
@@ -316,15 +320,29 @@ def test_chunked_paths_decide_without_the_fallback_on_typical_rows():
 
 
 def test_top_k_levels_narrow_to_k_chunks_while_that_pays():
-  assert _top_k_levels(128256, 50, 128) == [128, 32, 8, 2]
-  assert _top_k_levels(128256, 2000, 128) == []  # 1002 chunks < 4k: the candidates path
-  assert _top_k_levels(517, 3, 8) == [8, 2]
-  for v, k, g in ((128256, 50, 128), (49152, 1, 64), (1000, 7, 16)):
+  assert _top_k_levels(128256, 50, 128, 16) == [128, 32, 8, 2]
+  assert _top_k_levels(128256, 2000, 128, 16) == []  # 1002 chunks < 4k: the candidates path
+  assert _top_k_levels(517, 3, 8, 4) == [8, 2]
+  for v, k, g, slack in ((128256, 50, 128, 16), (49152, 1, 64, 16), (1000, 7, 16, 4)):
     n = v
-    for size in _top_k_levels(v, k, g):
-      assert -(-n // size) >= 4 * (k + 4)
-      n = (k + 4) * size
+    for size in _top_k_levels(v, k, g, slack):
+      assert -(-n // size) >= 4 * (k + slack)
+      n = (k + slack) * size
     assert n >= k
+
+
+def test_bf16_ties_do_not_send_top_k_rows_to_the_search():
+  """bf16 logits tie often: with 4 chunks of slack 3 of these 64 rows took the search (the
+  whole batch with them); the default keeps 16 and decides every row."""
+  logits = jax.random.normal(jax.random.key(1), (64, 128256)).astype(jnp.bfloat16)
+  keys = sampling_keys(jnp.uint32(0), jnp.arange(64, dtype=jnp.int32), jnp.int32(0))
+  params = SamplingParams(0.7, top_k=50, top_p=0.9)
+  x = logits.astype(jnp.float32) / params.temperature
+  for slack, decided in ((4, 61), (16, 64)):
+    config = dataclasses.replace(default_sampler_config("gpu"), tie_slack=slack)
+    ok, token = jax.jit(lambda x: _chunked_top_k_draw(x, keys, params, config))(x)
+    assert int(jnp.sum(ok)) == decided, slack
+  np.testing.assert_array_equal(np.asarray(token), np.asarray(sample_reference(logits, keys, params)))
 
 
 @pytest.mark.parametrize("params", [SamplingParams(0.7, top_p=0.9),

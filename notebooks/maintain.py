@@ -30,6 +30,7 @@ REPO = "hydragen-jax/hydragen-jax"  # placeholder owner until the project has it
 # The install cells refuse to pip-install from this value with a one-line message.
 PLACEHOLDER = "hydragen-jax/hydragen-jax"
 
+NOTE_ID = "stored-outputs-note"  # the markdown cell naming the values of the stored run
 HERE = Path(__file__).resolve().parent
 DOCS = HERE.parent / "docs" / "notebooks.md"
 
@@ -109,13 +110,15 @@ def store_executed(nb, values: dict, dest: Path) -> None:
   """Writes an executed notebook, its injected cell replaced by a note naming the values."""
   import nbformat
 
+  # The note of an earlier run names that run's values: it goes (a run of the defaults has none).
+  nb.cells = [c for c in nb.cells if c.get("id") != NOTE_ID]
   (i,) = [i for i, c in enumerate(nb.cells) if "injected-parameters" in c.metadata.get("tags", [])]
   if values:
     shown = ", ".join(f"`{k} = {v!r}`" for k, v in values.items())
     nb.cells[i] = nbformat.v4.new_markdown_cell(
         f"*The stored outputs below come from a run with {shown} in place of the defaults above "
         "(`notebooks/maintain.py execute`); run all cells for your own.*")
-    nb.cells[i].id = "stored-outputs-note"  # a fixed id: small diffs between runs
+    nb.cells[i].id = NOTE_ID  # a fixed id: small diffs between runs
   else:
     del nb.cells[i]
   for cell in nb.cells:

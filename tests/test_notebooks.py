@@ -94,6 +94,20 @@ def test_stored_outputs_hold_no_errors(path):
       assert "Traceback" not in "".join(out.get("text", [])), f"{path.name}: cell {i}"
 
 
+def test_a_run_of_the_defaults_drops_the_note_of_an_earlier_run(tmp_path):
+  """A stored notebook that was run with --set carries a note naming those values; running it
+  again with its defaults must not keep that note (it would misdescribe the new outputs)."""
+  nbformat = pytest.importorskip("nbformat")
+  maintain = _maintain()
+  nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("A = 1", metadata={"tags": ["parameters"]})])
+  maintain.store_executed(maintain.inject_parameters(nb, {"A": 2}), {"A": 2}, tmp_path / "a.ipynb")
+  stored = nbformat.read(tmp_path / "a.ipynb", as_version=4)
+  assert [c.get("id") for c in stored.cells].count(maintain.NOTE_ID) == 1
+  maintain.store_executed(maintain.inject_parameters(stored, {}), {}, tmp_path / "b.ipynb")
+  again = nbformat.read(tmp_path / "b.ipynb", as_version=4)
+  assert [c.source for c in again.cells] == ["A = 1"]
+
+
 def _maintain():
   spec = importlib.util.spec_from_file_location("maintain", NOTEBOOK_DIR / "maintain.py")
   module = importlib.util.module_from_spec(spec)

@@ -282,15 +282,21 @@ def test_decode_loop_is_one_program_updating_the_cache_in_place(odd_model):
 
 def materialized(blocks: dict[str, str], shape: str) -> set[tuple[str, str]]:
   """:func:`producers` of ``shape`` whose result is a buffer: instructions of an unfused
-  computation, and the roots of fusions (inside a fusion, e.g. a concatenate of two weights
-  that one matrix-product kernel reads, a value is never written to memory)."""
+  computation, and the results of fusions (their root, or the elements of a root tuple); inside
+  a fusion, e.g. a concatenate of two weights that one matrix-product kernel reads, a value is
+  never written to memory."""
   fused = {name for text in blocks.values()
            for name in re.findall(r" fusion\([^\n]*calls=%?([\w.-]+)", text)}
   made = set()
   for name, text in blocks.items():
+    root = re.search(r"ROOT %([\w.-]+) = [^\n]*? (\w+)\(([^\n]*)", text)
+    results = set()
+    if root is not None:
+      results.add(root.group(1))
+      if root.group(2) == "tuple":
+        results.update(re.findall(r"%([\w.-]+)", root.group(3)))
     for op, inst in producers(text, shape):
-      root = re.search(rf"ROOT %{re.escape(inst)} = ", text) is not None
-      if name not in fused or root:
+      if name not in fused or inst in results:
         made.add((op, inst))
   return made
 

@@ -317,12 +317,15 @@ def explain(fn: Callable, *args, platform: Optional[str] = None,
     raise ValueError(f"explain: fn must be attention_with_lse, shared_prefix_attention or "
                      f"hierarchical_attention; got {getattr(fn, '__name__', fn)!r}")
   found = []
+  # Array keywords (the lengths) are traced like the positional arguments: shapes only.
+  arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape") and hasattr(v, "dtype")}
+  static = {k: v for k, v in kwargs.items() if k not in arrays}
 
-  def trace(*xs):
-    call = _PREPARE[fn](*xs, **kwargs)
+  def trace(xs, kw):
+    call = _PREPARE[fn](*xs, **kw, **static)
     found.append(dispatch.plan(call.fn, call.q, call.parts, call.suffix_k, impl=call.impl,
                                config=call.config, platform=platform, device_kind=device_kind))
     return 0
 
-  jax.eval_shape(trace, *args)  # shapes only: nothing runs
+  jax.eval_shape(trace, args, arrays)  # shapes only: nothing runs
   return found[0]

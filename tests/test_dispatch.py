@@ -161,6 +161,15 @@ def test_explain_for_every_target_on_a_cpu():
   assert tree.backend.path == "split" and tree.backend.prefixes == (None,)
 
 
+def test_explain_takes_the_lengths_as_shapes_too():
+  args = shapes(16, 9, 3, 64, 1024, 64)
+  kw = dict(platform="gpu", device_kind=H100)
+  lengths = dict(prefix_length=S((), jnp.int32), suffix_lengths=S((16,), jnp.int32))
+  plan = explain(shared_prefix_attention, *args, **lengths, **kw)
+  assert str(plan) == str(explain(shared_prefix_attention, *args, **kw,
+                                  suffix_lengths=jnp.full((16,), 3, jnp.int32)))
+
+
 def test_explain_checks_its_arguments():
   args = shapes(8, 8, 1, 128, 256, 64)
   with pytest.raises(ValueError, match="fn must be"):

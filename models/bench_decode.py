@@ -210,7 +210,10 @@ def add_ratios(rows) -> None:
 
   ``sampler_share``: the part of a sampled step that greedy decoding does not
   spend, ``1 - step_ms(greedy) / step_ms(sampled)`` (``sampler_share_profiled``:
-  the same from the profiler's device time per step).
+  the same from the profiler's device time per step). ``sampler_kernels_share``: the device
+  time the "other" kernels (where the sampler's reductions, sorts and fusions fall) take in a
+  sampled step beyond a greedy one, over the sampled step: the sampler's own kernels, without
+  the run-to-run variation of the matrix products that the two shares above count in.
   """
   by = {(r["mode"], r.get("sampling", "greedy"), r["batch"], r["prefix"]): r for r in rows}
   for r in rows:
@@ -226,7 +229,10 @@ def add_ratios(rows) -> None:
       r["vs_greedy"] = r["tokens_per_s"] / greedy["tokens_per_s"]
       r["sampler_share"] = 1 - greedy["step_ms"] / r["step_ms"]
     if "profile" in r and "profile" in greedy:
-      r["sampler_share_profiled"] = 1 - greedy["profile"]["busy_us"] / r["profile"]["busy_us"]
+      busy = r["profile"]["busy_us"]
+      r["sampler_share_profiled"] = 1 - greedy["profile"]["busy_us"] / busy
+      other = [p["profile"]["by_category_us"].get("other", 0.0) for p in (r, greedy)]
+      r["sampler_kernels_share"] = (other[0] - other[1]) / busy
 
 
 def _plot(rows, sweep: str, path: str, title: str) -> None:
@@ -277,14 +283,14 @@ def _markdown(rows, info) -> str:
   if profiled:  # device time per step by kernel category (the profiler's, --profile-steps)
     cats = sorted({c for r in profiled for c in r["profile"]["by_category_us"]})
     pcols = ["mode", "sampling", "batch", "prefix", "device_ms_per_step"] + [
-        f"{c}_ms" for c in cats] + ["sampler_share_profiled"]
+        f"{c}_ms" for c in cats] + ["sampler_share_profiled", "sampler_kernels_share"]
     lines += ["", "Device time per decode step by kernel category (profiler, ms):", "",
               "| " + " | ".join(pcols) + " |", "|" + "---|" * len(pcols)]
     for r in profiled:
       p = r["profile"]
       vals = [r["mode"], r.get("sampling", "greedy"), r["batch"], r["prefix"], p["busy_us"] / 1e3]
       vals += [p["by_category_us"].get(c, 0.0) / 1e3 for c in cats]
-      vals += [r.get("sampler_share_profiled", "")]
+      vals += [r.get("sampler_share_profiled", ""), r.get("sampler_kernels_share", "")]
       lines.append("| " + " | ".join(fmt(v) for v in vals) + " |")
   return "\n".join(lines) + "\n"
 

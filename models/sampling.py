@@ -54,7 +54,8 @@ attention path or how many steps run per call.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+import functools
+from typing import Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -122,7 +123,7 @@ class SamplerConfig:
   search_width: int = 1
   value_passes: int = 4
   chunk: int = 0
-  score_candidates: Union[int, tuple[int, ...]] = 16
+  score_candidates: Union[int, tuple[int, ...]] = (6, 15)
   tie_slack: int = 16
 
   def __post_init__(self):
@@ -464,31 +465,26 @@ def sample(logits: Array, keys: Array, params: SamplingParams,
       not _partitionable_threefry()):
     return full()
   x = logits.astype(jnp.float32) / params.temperature
-  if config.chunk:
-    chunked = None
-    if top_k and _top_k_levels(v, params.top_k, config.chunk, config.tie_slack):
-      chunked = _chunked_top_k_draw(x, keys, params, config)
-    elif not top_k and config.score_candidates:
-      maxima = _score_noise(x, keys, config.chunk)
+  if config.chunk and top_k and _top_k_levels(v, params.top_k, config.chunk, config.tie_slack):
+    return _first_decided([lambda: _chunked_top_k_draw(x, keys, params, config)], full)
+  if config.chunk and not top_k and config.score_candidates:
+    maxima = _score_noise(x, keys, config.chunk)  # one pass, shared by every F tried
+    return _first_decided([functools.partial(_score_draw, x, keys, params, config.chunk, f, maxima)
+                           for f in config.score_candidates], full)
+  return _first_decided([functools.partial(_candidate_draw, x, keys, params, k) for k in sizes],
+                        full)
 
-      def scored(i):  # F = score_candidates[i], then the next F where some row is undecided
-        if i == len(config.score_candidates):
-          return full()
-        ok, token = _score_draw(x, keys, params, config.chunk, config.score_candidates[i], maxima)
-        return lax.cond(jnp.all(ok), lambda: token, lambda: scored(i + 1))
 
-      return scored(0)
-    if chunked is not None:
-      ok, token = chunked
-      return lax.cond(jnp.all(ok), lambda: token, full)
-
-  def attempt(i):
-    if i == len(sizes):
-      return full()
-    ok, token = _candidate_draw(x, keys, params, sizes[i])
-    return lax.cond(jnp.all(ok), lambda: token, lambda: attempt(i + 1))
-
-  return attempt(0)
+def _first_decided(attempts: Sequence[Callable], fallback: Callable) -> Array:
+  """The token of the first attempt (``() -> (ok [B], token [B])``) that decides every row,
+  else ``fallback()``; each later attempt runs only where the ones before it did not
+  (``lax.cond`` for the whole batch)."""
+  def go(i):
+    if i == len(attempts):
+      return fallback()
+    ok, token = attempts[i]()
+    return lax.cond(jnp.all(ok), lambda: token, lambda: go(i + 1))
+  return go(0)
 
 
 def sampling_keys(seed: Array, sample_ids: Array, step: Array) -> Array:

@@ -319,6 +319,22 @@ def test_chunked_paths_decide_without_the_fallback_on_typical_rows():
                                 np.asarray(sample_reference(tied, keys, params)))
 
 
+def test_score_candidates_are_tried_in_turn_then_the_search():
+  """Top-p 0.3 on flat rows: the best score is often not kept, so F = 1 leaves rows undecided,
+  F = 2 too; each stage must be checked before its token is used, the search taking the rest."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(16, 203)), jnp.float32)
+  keys = sampling_keys(jnp.uint32(1), jnp.arange(16, dtype=jnp.int32), jnp.int32(0))
+  params = SamplingParams(1.0, top_p=0.3)
+  config = _chunked(8, f=(1, 2))
+  maxima = _score_noise(x, keys, 8)
+  for f in (1, 2):
+    ok, _ = _score_draw(x, keys, params, 8, f, maxima)
+    assert not bool(jnp.all(ok)), f  # this stage alone does not decide every row
+  np.testing.assert_array_equal(np.asarray(sample(x, keys, params, config)),
+                                np.asarray(sample_reference(x, keys, params)))
+
+
 def test_top_k_levels_narrow_to_k_chunks_while_that_pays():
   assert _top_k_levels(128256, 50, 128, 16) == [128, 32, 8, 2]
   assert _top_k_levels(128256, 2000, 128, 16) == []  # 1002 chunks < 4k: the candidates path

@@ -34,7 +34,7 @@ def device_init(config, mesh, seed: int = 0, std: float = 0.02):
       else:
         x = (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
       if sharding is not None and kind == "kv":
-        x = jnp.repeat(x, S.kv_replication(shape[0], mesh.shape[S.MODEL]), axis=0)
+        x = jnp.repeat(x, S.kv_replication(shape[1], mesh.shape[S.MODEL]), axis=1)
       return x
     return jax.jit(draw, out_shardings=sharding)
 

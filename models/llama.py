@@ -4,9 +4,14 @@ Covers Llama 2, Llama 3.x, CodeLlama and SmolLM2 (see :mod:`models.config`).
 Layout ``[batch, seq, heads, head_dim]``; parameters and activations in
 ``config.dtype``; RMSNorm statistics, RoPE angles and the logits in float32.
 
-Weights keep PyTorch's ``[out, in]`` orientation (q_proj ``[Hq, D, hidden]``,
-gate ``[F, hidden]``, ...), so loading a checkpoint is a reshape, never a
-transpose of a multi-GB tensor.
+Projection weights are ``[in, out]`` (q_proj ``[hidden, Hq, D]``, o_proj ``[Hq, D, hidden]``,
+gate ``[hidden, F]``, ...), as in Flax's ``Linear``: a product reads its weight as it lies.
+Checkpoints store PyTorch's ``[out, in]``; :mod:`models.loading` transposes each tensor (or
+each block a device holds) once, as it is read. On a CPU this matters: XLA's YNNPACK matrix
+products repack an ``[out, in]`` weight into a new buffer the first time a program runs
+(SmolLM2-135M, 8 samples x 32 tokens: 1.0 s more for the first prefill and decode calls)
+and decode ~35% slower with it; GPUs and TPUs read either orientation. The embedding stays
+``[V, hidden]`` (a lookup reads its rows; the tied output projection reads it in place).
 
     >>> model = random_init(preset("tiny"), seed=0)           # random weights
     >>> logits = model(tokens)                               # [B, T] -> float32 [B, T, vocab]
@@ -37,6 +42,15 @@ from models.rope import apply_rope, inverse_frequencies
 Array = jax.Array
 
 
+# Our layout of each projection = the checkpoint's ``[out, in]`` tensor, heads split out
+# (q_proj ``[Hq, D, hidden]``, o_proj ``[hidden, Hq, D]``), transposed by this permutation.
+CHECKPOINT_PERMS = {
+    "self_attn.q_proj": (2, 0, 1), "self_attn.k_proj": (2, 0, 1), "self_attn.v_proj": (2, 0, 1),
+    "self_attn.o_proj": (1, 2, 0),
+    "mlp.gate_proj": (1, 0), "mlp.up_proj": (1, 0), "mlp.down_proj": (1, 0),
+}
+
+
 def _precision(dtype) -> lax.Precision:
   # float32 weights get true float32 products (TF32 on GPUs costs ~1e-3
   # relative error and would break the float32 parity checks).
@@ -48,23 +62,23 @@ def _einsum(spec: str, x: Array, w: nnx.Param) -> Array:
   return jnp.einsum(spec, x, w, precision=_precision(w.dtype))
 
 
-# The head projections multiply by their weights seen as one matrix, ``[Hq * D, hidden]`` and
-# ``[hidden, Hq * D]`` (a reshape: no data moves). With the 3-D weights, XLA's CPU backend
+# The head projections multiply by their weights seen as one matrix, ``[hidden, Hq * D]`` and
+# ``[Hq * D, hidden]`` (a reshape: no data moves). With the 3-D weights, XLA's CPU backend
 # transposed each one into a new buffer on every decode step (3.5 MB per layer and step for
 # SmolLM2-135M; the batch-8 step ran 1.6x slower: docs/sampling-and-cli.md).
 def _heads_in(x: Array, w: nnx.Param) -> Array:
-  """``x [B, T, hidden]`` times ``w [H, D, hidden]`` -> ``[B, T, H, D]``."""
+  """``x [B, T, hidden]`` times ``w [hidden, H, D]`` -> ``[B, T, H, D]``."""
   w = w[...]
-  h, d, hidden = w.shape
-  y = jnp.einsum("btc,nc->btn", x, w.reshape(h * d, hidden), precision=_precision(w.dtype))
+  hidden, h, d = w.shape
+  y = jnp.einsum("btc,cn->btn", x, w.reshape(hidden, h * d), precision=_precision(w.dtype))
   return y.reshape(x.shape[:2] + (h, d))
 
 
 def _heads_out(x: Array, w: nnx.Param) -> Array:
-  """``x [B, T, H, D]`` times ``w [hidden, H, D]`` -> ``[B, T, hidden]``."""
+  """``x [B, T, H, D]`` times ``w [H, D, hidden]`` -> ``[B, T, hidden]``."""
   w = w[...]
-  hidden, h, d = w.shape
-  return jnp.einsum("btn,cn->btc", x.reshape(x.shape[:2] + (h * d,)), w.reshape(hidden, h * d),
+  h, d, hidden = w.shape
+  return jnp.einsum("btn,nc->btc", x.reshape(x.shape[:2] + (h * d,)), w.reshape(h * d, hidden),
                     precision=_precision(w.dtype))
 
 
@@ -105,10 +119,10 @@ class Attention(nnx.Module):
 
   def __init__(self, config: LlamaConfig, layer: int, *, rngs: nnx.Rngs):
     c, dt = config, config.param_dtype
-    self.q_proj = _normal(rngs, (c.num_heads, c.head_dim, c.hidden_size), dt)
-    self.k_proj = _normal(rngs, (c.num_kv_heads, c.head_dim, c.hidden_size), dt)
-    self.v_proj = _normal(rngs, (c.num_kv_heads, c.head_dim, c.hidden_size), dt)
-    self.o_proj = _normal(rngs, (c.hidden_size, c.num_heads, c.head_dim), dt)
+    self.q_proj = _normal(rngs, (c.hidden_size, c.num_heads, c.head_dim), dt)
+    self.k_proj = _normal(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), dt)
+    self.v_proj = _normal(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), dt)
+    self.o_proj = _normal(rngs, (c.num_heads, c.head_dim, c.hidden_size), dt)
     self.layer = layer
     self.inv_freq = tuple(float(f) for f in inverse_frequencies(config))
 
@@ -172,14 +186,14 @@ class MLP(nnx.Module):
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     c, dt = config, config.param_dtype
-    self.gate_proj = _normal(rngs, (c.intermediate_size, c.hidden_size), dt)
-    self.up_proj = _normal(rngs, (c.intermediate_size, c.hidden_size), dt)
-    self.down_proj = _normal(rngs, (c.hidden_size, c.intermediate_size), dt)
+    self.gate_proj = _normal(rngs, (c.hidden_size, c.intermediate_size), dt)
+    self.up_proj = _normal(rngs, (c.hidden_size, c.intermediate_size), dt)
+    self.down_proj = _normal(rngs, (c.intermediate_size, c.hidden_size), dt)
 
   def __call__(self, x: Array) -> Array:
-    hidden = jax.nn.silu(_einsum("btd,fd->btf", x, self.gate_proj))
-    hidden = hidden * _einsum("btd,fd->btf", x, self.up_proj)
-    return _einsum("btf,df->btd", hidden, self.down_proj)
+    hidden = jax.nn.silu(_einsum("btd,df->btf", x, self.gate_proj))
+    hidden = hidden * _einsum("btd,df->btf", x, self.up_proj)
+    return _einsum("btf,fd->btd", hidden, self.down_proj)
 
 
 class DecoderLayer(nnx.Module):
@@ -327,8 +341,12 @@ def random_init(config: LlamaConfig, seed: int = 0, *, std: float = 0.02, mesh=N
     if path.endswith("norm.weight"):
       params[path] = place(path, np.ones(spec.shape, np.float32))
     else:
-      params[path] = place(path, (std * rng.standard_normal(spec.shape, np.float32))
-                           .astype(np.float32))
+      # Drawn in the checkpoints' [out, in] order, then transposed: a seed gives the same
+      # model whatever our layout.
+      perm = CHECKPOINT_PERMS.get(path.split(".", 2)[-1], tuple(range(len(spec.shape))))
+      view = tuple(spec.shape[perm.index(i)] for i in range(len(perm)))
+      params[path] = place(path, np.ascontiguousarray(
+          (std * rng.standard_normal(view, np.float32)).transpose(perm)))
   return build(config if mesh is None else sharding.sharded_config(config, mesh), params)
 
 

@@ -8,7 +8,8 @@
 Every format is first turned into a dict of NumPy arrays under transformers'
 parameter names (``model.layers.3.self_attn.q_proj.weight``, ``[out, in]``),
 then :func:`model_from_tensors` places them into the NNX model, checking
-every name and shape. Nothing is ever downloaded. With ``mesh=`` every tensor
+every name and shape, each projection transposed to our ``[in, out]``
+(:mod:`models.llama`); :func:`hf_tensors` is the way back. Nothing is ever downloaded. With ``mesh=`` every tensor
 goes to its shards (:mod:`models.sharding`) as it is read: ``jax.device_put``
 of the host array with its ``NamedSharding`` sends each device its block
 only, so no device ever holds a whole copy it does not need.
@@ -29,7 +30,7 @@ from flax import nnx
 
 from models import sharding as sharding_lib
 from models.config import LlamaConfig
-from models.llama import Llama, build, flat_params
+from models.llama import CHECKPOINT_PERMS, Llama, build, flat_params
 from models.tokenizer import Tokenizer
 
 HYDRAGEN_CONFIG = "hydragen_config.json"
@@ -161,33 +162,62 @@ def _from_pretrained(path: str, *, dtype, progress, mesh) -> Pretrained:
 
 # -- placing tensors into the model -------------------------------------------------------------
 
-def _layer_shapes(c: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-  """HF suffix -> (module path inside a layer, our shape)."""
+class Slot(NamedTuple):
+  """Where a checkpoint tensor goes: our ``path``; ``view``, the file's ``[out, in]`` tensor
+  with its heads split out (a reshape); our layout is ``view.transpose(perm)``."""
+
+  path: str
+  view: tuple[int, ...]
+  perm: tuple[int, ...]
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """Our parameter's shape."""
+    return tuple(self.view[i] for i in self.perm)
+
+
+def _layer_slots(c: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]]:
+  """HF suffix -> (module path inside a layer, the file's view, the permutation to ours)."""
   h, d = c.hidden_size, c.head_dim
-  return {
-      "self_attn.q_proj.weight": ("self_attn.q_proj", (c.num_heads, d, h)),
-      "self_attn.k_proj.weight": ("self_attn.k_proj", (c.num_kv_heads, d, h)),
-      "self_attn.v_proj.weight": ("self_attn.v_proj", (c.num_kv_heads, d, h)),
-      "self_attn.o_proj.weight": ("self_attn.o_proj", (h, c.num_heads, d)),
-      "mlp.gate_proj.weight": ("mlp.gate_proj", (c.intermediate_size, h)),
-      "mlp.up_proj.weight": ("mlp.up_proj", (c.intermediate_size, h)),
-      "mlp.down_proj.weight": ("mlp.down_proj", (h, c.intermediate_size)),
-      "input_layernorm.weight": ("input_layernorm.weight", (h,)),
-      "post_attention_layernorm.weight": ("post_attention_layernorm.weight", (h,)),
-  }
+  views = {"self_attn.q_proj": (c.num_heads, d, h), "self_attn.k_proj": (c.num_kv_heads, d, h),
+           "self_attn.v_proj": (c.num_kv_heads, d, h), "self_attn.o_proj": (h, c.num_heads, d),
+           "mlp.gate_proj": (c.intermediate_size, h), "mlp.up_proj": (c.intermediate_size, h),
+           "mlp.down_proj": (h, c.intermediate_size)}
+  slots = {f"{path}.weight": (path, view, CHECKPOINT_PERMS[path]) for path, view in views.items()}
+  for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+    slots[norm] = (norm, (h,), (0,))
+  return slots
 
 
-def hf_name_map(config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-  """transformers' tensor names -> (our parameter path, our shape)."""
+def hf_name_map(config: LlamaConfig) -> dict[str, Slot]:
+  """transformers' tensor names -> :class:`Slot` (our parameter path, the file's view, the
+  permutation from it to our layout)."""
   v, h = config.vocab_size, config.hidden_size
-  names = {"model.embed_tokens.weight": ("embed_tokens", (v, h)),
-           "model.norm.weight": ("norm.weight", (h,))}
+  names = {"model.embed_tokens.weight": Slot("embed_tokens", (v, h), (0, 1)),
+           "model.norm.weight": Slot("norm.weight", (h,), (0,))}
   if not config.tie_word_embeddings:
-    names["lm_head.weight"] = ("lm_head", (v, h))
+    names["lm_head.weight"] = Slot("lm_head", (v, h), (0, 1))
   for i in range(config.num_layers):
-    for suffix, (path, shape) in _layer_shapes(config).items():
-      names[f"model.layers.{i}.{suffix}"] = (f"layers.{i}.{path}", shape)
+    for suffix, (path, view, perm) in _layer_slots(config).items():
+      names[f"model.layers.{i}.{suffix}"] = Slot(f"layers.{i}.{path}", view, perm)
   return names
+
+
+def hf_tensors(params: Mapping[str, Any], config: LlamaConfig) -> dict[str, np.ndarray]:
+  """transformers-named ``[out, in]`` NumPy tensors of ``params`` (:func:`models.llama.flat_params`):
+  what :func:`model_from_tensors` reads back into the same model."""
+  out = {}
+  for name, slot in hf_name_map(config).items():
+    x = np.asarray(params[slot.path]).transpose(np.argsort(slot.perm))  # the file's view
+    rows = x.shape[0] * x.shape[1] if slot.perm == (2, 0, 1) else x.shape[0]
+    out[name] = np.ascontiguousarray(x.reshape(rows, -1) if x.ndim > 1 else x)
+  return out
+
+
+def _our_block(read: Callable[[tuple], np.ndarray], perm: tuple[int, ...]):
+  """``read`` of blocks of the file's view -> ``read`` of blocks of our layout."""
+  inverse = tuple(int(i) for i in np.argsort(perm))
+  return lambda index: np.asarray(read(tuple(index[j] for j in inverse))).transpose(perm)
 
 
 def model_from_tensors(config: LlamaConfig,
@@ -214,14 +244,15 @@ def model_from_tensors(config: LlamaConfig,
       if name != "lm_head.weight" and not name.endswith("rotary_emb.inv_freq"):
         extra.append(name)
       continue
-    path, shape = names[name]
-    if int(np.prod(t.shape)) != int(np.prod(shape)):
+    path, view, perm = slot = names[name]
+    if int(np.prod(t.shape)) != int(np.prod(view)):
       raise ValueError(f"model_from_tensors: {name} has shape {tuple(t.shape)}; the config needs "
-                       f"{int(np.prod(shape))} values, as {shape}")
+                       f"{int(np.prod(view))} values, as {view}")
     if mesh is not None and isinstance(t, LazyTensor):  # each process reads only its blocks
-      values[path] = sharding_lib.place_param_from(path, shape, t.reader(shape), config, mesh)
-    else:
-      value = np.asarray(t).reshape(shape)
+      values[path] = sharding_lib.place_param_from(
+          path, slot.shape, _our_block(t.reader(view), perm), config, mesh)
+    else:  # a strided view: the copy that converts or places it also transposes it
+      value = np.asarray(t).reshape(view).transpose(perm)
       values[path] = value if mesh is None else sharding_lib.place_param(path, value, config, mesh)
     seen.add(name)
   missing, extra = sorted(set(names) - seen), sorted(extra)
@@ -484,7 +515,7 @@ def _sharded_target(target, config: LlamaConfig, mesh):
         continue
       spec = sharding_lib.param_spec(path, config, mesh)
       if (path.endswith(("k_proj", "v_proj"))
-          and sharding_lib.kv_replication(value.shape[0], mesh.shape[sharding_lib.MODEL]) > 1):
+          and sharding_lib.kv_replication(value.shape[1], mesh.shape[sharding_lib.MODEL]) > 1):
         spec = sharding_lib.P()
       node[key] = jax.ShapeDtypeStruct(value.shape, value.dtype,
                                        sharding=sharding_lib.NamedSharding(mesh, spec))

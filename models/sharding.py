@@ -11,16 +11,16 @@ the dense layers from these shardings, and attention (Pallas kernels, which
 XLA cannot partition) runs per shard under ``shard_map``
 (:mod:`jax_shared_attn.sharding`).
 
-Rules (our layouts: weights keep PyTorch's ``[out, in]``; ``m`` = model-axis size):
+Rules (our layouts: projection weights are ``[in, out]`` (:mod:`models.llama`); ``m`` = model-axis size):
 
 =============================  ====================  ==========================
 parameter / array              shape                 PartitionSpec
 =============================  ====================  ==========================
-``q_proj``                     ``[Hq, D, hidden]``   ``("model", None, None)``
-``k_proj``, ``v_proj``         ``[Hkv', D, hidden]`` ``("model", None, None)``
-``o_proj``                     ``[hidden, Hq, D]``   ``(None, "model", None)``
-``gate_proj``, ``up_proj``     ``[F, hidden]``       ``("model", None)``
-``down_proj``                  ``[hidden, F]``       ``(None, "model")``
+``q_proj``                     ``[hidden, Hq, D]``   ``(None, "model", None)``
+``k_proj``, ``v_proj``         ``[hidden, Hkv', D]`` ``(None, "model", None)``
+``o_proj``                     ``[Hq, D, hidden]``   ``("model", None, None)``
+``gate_proj``, ``up_proj``     ``[hidden, F]``       ``(None, "model")``
+``down_proj``                  ``[F, hidden]``       ``("model", None)``
 ``embed_tokens``, ``lm_head``  ``[V, hidden]``       ``("model", None)`` (vocab-parallel; replicated if ``V % m``)
 norms                          ``[hidden]``          replicated
 own K/V (per layer)            ``[B, S, Hkv', D]``   ``("data", None, "model", None)``
@@ -51,7 +51,7 @@ KV heads: shard ``i`` of the model axis holds query heads ``[i Hq/m, (i+1)
 Hq/m)``; for GQA (query head h reads KV head ``h // G``) it needs their KV
 heads. When ``Hkv`` is not a multiple of ``m`` (fewer KV heads than shards),
 every KV head is repeated ``r = lcm(Hkv, m) / Hkv`` times (``k_proj``/
-``v_proj`` rows, hence the cache): the model becomes the same function with
+``v_proj`` heads, hence the cache): the model becomes the same function with
 ``Hkv' = r Hkv`` KV heads, replicated head ``j`` being original head ``j //
 r``, so query head h reads ``h // (Hq / Hkv') `` = original ``h // G``.
 Each device then stores ``Hkv' / m`` KV heads (e.g. one), the cache's
@@ -84,13 +84,13 @@ log = logging.getLogger(__name__)
 
 # Parameter path suffix -> PartitionSpec (vocab tables: see vocab_spec).
 PARAM_RULES = (
-    ("self_attn.q_proj", P(MODEL, None, None)),
-    ("self_attn.k_proj", P(MODEL, None, None)),
-    ("self_attn.v_proj", P(MODEL, None, None)),
-    ("self_attn.o_proj", P(None, MODEL, None)),
-    ("mlp.gate_proj", P(MODEL, None)),
-    ("mlp.up_proj", P(MODEL, None)),
-    ("mlp.down_proj", P(None, MODEL)),
+    ("self_attn.q_proj", P(None, MODEL, None)),
+    ("self_attn.k_proj", P(None, MODEL, None)),
+    ("self_attn.v_proj", P(None, MODEL, None)),
+    ("self_attn.o_proj", P(MODEL, None, None)),
+    ("mlp.gate_proj", P(None, MODEL)),
+    ("mlp.up_proj", P(None, MODEL)),
+    ("mlp.down_proj", P(MODEL, None)),
     ("norm.weight", P()),  # input_layernorm, post_attention_layernorm, the final norm
 )
 VOCAB_PARAMS = ("embed_tokens", "lm_head")
@@ -272,10 +272,10 @@ def place_param(path: str, value: Any, config: LlamaConfig, mesh: Mesh, dtype=No
     value, xp = np.asarray(value), np
   if value.dtype != dtype:
     value = value.astype(dtype)
-  if path.endswith(("self_attn.k_proj", "self_attn.v_proj")):
-    r = kv_replication(value.shape[0], mesh.shape[MODEL])
+  if path.endswith(("self_attn.k_proj", "self_attn.v_proj")):  # [hidden, Hkv, D]
+    r = kv_replication(value.shape[1], mesh.shape[MODEL])
     if r > 1:
-      value = xp.repeat(value, r, axis=0)  # head j of the result is original head j // r
+      value = xp.repeat(value, r, axis=1)  # head j of the result is original head j // r
   return jax.device_put(value, NamedSharding(mesh, param_spec(path, config, mesh)))
 
 
@@ -292,9 +292,9 @@ def place_param_from(path: str, shape: Sequence[int], read, config: LlamaConfig,
   """
   dtype = jnp.dtype(config.param_dtype if dtype is None else dtype)
   shape = tuple(int(n) for n in shape)
-  r = (kv_replication(shape[0], mesh.shape[MODEL])
+  r = (kv_replication(shape[1], mesh.shape[MODEL])  # [hidden, Hkv, D]
        if path.endswith(("self_attn.k_proj", "self_attn.v_proj")) else 1)
-  global_shape = (shape[0] * r,) + shape[1:]
+  global_shape = shape if r == 1 else (shape[0], shape[1] * r) + shape[2:]
 
   blocks = {}  # devices holding the same block (replicas over "data") read it once
 
@@ -305,10 +305,11 @@ def place_param_from(path: str, shape: Sequence[int], read, config: LlamaConfig,
       if r == 1:
         x = np.asarray(read(index))
       else:  # replicated head j is original head j // r
-        lo, hi = index[0].start, index[0].stop
+        lo, hi = index[1].start, index[1].stop
         first = lo // r
-        x = np.repeat(np.asarray(read((slice(first, -(-hi // r)),) + index[1:])), r, axis=0)
-        x = x[lo - first * r:hi - first * r]
+        x = np.repeat(np.asarray(read((index[0], slice(first, -(-hi // r))) + index[2:])), r,
+                      axis=1)
+        x = x[:, lo - first * r:hi - first * r]
       blocks[key] = x.astype(dtype, copy=False)
     return blocks[key]
 

@@ -47,15 +47,10 @@ def write(ckpt):
 
   from models.config import LlamaConfig
   from models.llama import flat_params, random_init
-  from models.loading import hf_name_map
+  from models.loading import hf_tensors
 
   config = LlamaConfig.from_hf(CONFIG)
-  params = flat_params(random_init(config, seed=3, std=0.12))
-  tensors = {}
-  for name, (path, _) in hf_name_map(config).items():
-    x = np.asarray(params[path])
-    rows = x.shape[0] if x.ndim < 3 or path.endswith("o_proj") else x.shape[0] * x.shape[1]
-    tensors[name] = np.ascontiguousarray(x.reshape(rows, -1) if x.ndim > 1 else x)
+  tensors = hf_tensors(flat_params(random_init(config, seed=3, std=0.12)), config)
   os.makedirs(ckpt, exist_ok=True)
   save_file(tensors, os.path.join(ckpt, "model.safetensors"))
   with open(os.path.join(ckpt, "config.json"), "w") as f:

@@ -11,7 +11,7 @@ import pytest
 
 from models.config import preset
 from models.llama import flat_params, random_init
-from models.loading import (from_pretrained, hf_name_map, model_from_tensors, save_pretrained,
+from models.loading import (from_pretrained, hf_name_map, hf_tensors, model_from_tensors, save_pretrained,
                             unpermute_rope_rows)
 from models.tokenizer import Tokenizer, _bytes_to_unicode
 from test_models_llama import hf_logits, make_hf_llama, rel_err, run, token_ids
@@ -186,7 +186,7 @@ def test_loading_errors_name_the_problem(tmp_path):
     from_pretrained(str(tmp_path))
   config = preset("tiny")
   ours = flat_params(random_init(config))
-  tensors = {name: np.asarray(ours[path]) for name, (path, _) in hf_name_map(config).items()}
+  tensors = hf_tensors(ours, config)
   model_from_tensors(config, tensors)  # complete: fine
   with pytest.raises(ValueError, match="missing \\['model.norm.weight'\\]"):
     model_from_tensors(config, {k: v for k, v in tensors.items() if k != "model.norm.weight"})
@@ -210,10 +210,47 @@ def test_gguf_blocks_equal_the_whole_tensor_dequantized():
     r1, c1 = rng.integers(r0 + 1, whole.shape[0] + 1), rng.integers(c0 + 1, whole.shape[1] + 1)
     np.testing.assert_array_equal(_dequantize_block(t, slice(r0, r1), slice(c0, c1)),
                                   whole[r0:r1, c0:c1])
-  # A block of our layout [hidden, F] -> a view [hidden, 2, F / 2]: whole units of its first dim.
+  # A block of a view [hidden, 2, F / 2] of the file's [hidden, F]: whole units of its first dim.
   lazy = LazyTensor(whole.shape, lambda *r: _dequantize_block(t, *r))
   view = whole.reshape(whole.shape[0], 2, -1)
   index = (slice(3, 70), slice(1, 2), slice(5, 40))
   np.testing.assert_array_equal(lazy.reader(view.shape)(index), view[index])
   with pytest.raises(ValueError, match="is not a view"):
     lazy.reader((whole.shape[0] + 1, whole.shape[1]))
+
+
+def test_checkpoint_tensors_round_trip_and_blocks_come_in_our_layout():
+  """hf_tensors gives transformers' [out, in]; model_from_tensors transposes back to our
+  [in, out]; a block of our layout read from the file is that block of the whole."""
+  from models.loading import LazyTensor, _our_block
+
+  config = preset("tiny")
+  params = flat_params(random_init(config, seed=1))
+  tensors = hf_tensors(params, config)
+  c = config
+  assert tensors["model.layers.0.self_attn.q_proj.weight"].shape == (c.num_heads * c.head_dim,
+                                                                      c.hidden_size)
+  assert tensors["model.layers.0.self_attn.o_proj.weight"].shape == (c.hidden_size,
+                                                                      c.num_heads * c.head_dim)
+  assert tensors["model.layers.0.mlp.down_proj.weight"].shape == (c.hidden_size,
+                                                                   c.intermediate_size)
+  # transformers' q_proj row h * D + d, column c is our q_proj[c, h, d].
+  q = params["layers.0.self_attn.q_proj"]
+  np.testing.assert_array_equal(tensors["model.layers.0.self_attn.q_proj.weight"][2 * c.head_dim + 3],
+                                np.asarray(q)[:, 2, 3])
+  back = flat_params(model_from_tensors(config, tensors))
+  for path, value in params.items():
+    np.testing.assert_array_equal(np.asarray(back[path]), np.asarray(value), err_msg=path)
+  rng = np.random.default_rng(0)
+  for name, slot in hf_name_map(config).items():
+    if not name.startswith(("model.layers.1.", "model.embed")):
+      continue
+    t = tensors[name]
+    read = _our_block(LazyTensor(t.shape, lambda *r, t=t: t[r]).reader(slot.view), slot.perm)
+    for _ in range(3):
+      index = []
+      for n in slot.shape:
+        lo = int(rng.integers(0, n))
+        index.append(slice(lo, int(rng.integers(lo + 1, n + 1))))
+      index = tuple(index)
+      np.testing.assert_array_equal(read(index), np.asarray(params[slot.path])[index], err_msg=name)

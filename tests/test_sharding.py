@@ -107,11 +107,11 @@ def test_rules_table():
   config = preset("llama-3-8b")  # 32 query heads, 8 KV heads, vocab 128256
   mesh = abstract(2, 4)
   rule = lambda path: S.param_spec(path, config, mesh)
-  assert rule("layers.0.self_attn.q_proj") == P("model", None, None)
-  assert rule("layers.7.self_attn.k_proj") == P("model", None, None)
-  assert rule("layers.0.self_attn.o_proj") == P(None, "model", None)
-  assert rule("layers.0.mlp.gate_proj") == P("model", None)
-  assert rule("layers.0.mlp.down_proj") == P(None, "model")
+  assert rule("layers.0.self_attn.q_proj") == P(None, "model", None)  # [hidden, H, D]
+  assert rule("layers.7.self_attn.k_proj") == P(None, "model", None)
+  assert rule("layers.0.self_attn.o_proj") == P("model", None, None)  # [H, D, hidden]
+  assert rule("layers.0.mlp.gate_proj") == P(None, "model")  # [hidden, F]
+  assert rule("layers.0.mlp.down_proj") == P("model", None)  # [F, hidden]
   assert rule("embed_tokens") == rule("lm_head") == P("model", None)  # vocab-parallel
   assert rule("layers.0.input_layernorm.weight") == rule("norm.weight") == P()
   odd = config.replace(vocab_size=32001)

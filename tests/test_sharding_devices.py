@@ -226,7 +226,7 @@ def test_kv_heads_are_replicated_consistently_and_said(model, caplog):
   assert "replicated 4 times" in caplog.text
   k = np.asarray(placed.layers[0].self_attn.k_proj[...])
   orig = np.asarray(model.layers[0].self_attn.k_proj[...])
-  np.testing.assert_array_equal(k, np.repeat(orig, 4, axis=0))  # head j = original j // 4
+  np.testing.assert_array_equal(k, np.repeat(orig, 4, axis=1))  # head j = original j // 4
   # GQA stays exact: query head h reads replicated head h // 1 = original h // 4.
   ids = jnp.asarray(np.array([prompt_of(11, 5)] * 8, np.int32))
   ref = model(ids)
@@ -248,13 +248,9 @@ def write_hf_dir(path, model):
   """A transformers-style checkpoint (config.json + model.safetensors) of ``model``."""
   from safetensors.numpy import save_file
 
-  from models.loading import hf_name_map
+  from models.loading import hf_tensors
   c = model.config
-  params = flat_params(model)
-  tensors = {}
-  for name, (p, _) in hf_name_map(c).items():
-    x = np.asarray(params[p])
-    tensors[name] = x.reshape(x.shape[0], -1) if x.ndim > 2 else x
+  tensors = hf_tensors(flat_params(model), c)
   path.mkdir()
   save_file(tensors, str(path / "model.safetensors"))
   (path / "config.json").write_text(json.dumps(dict(

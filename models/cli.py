@@ -277,7 +277,7 @@ class CompileCache:
       self.requests += 1
 
   def summary(self) -> str:
-    """E.g. ``"traced: 2 programs loaded, none traced; compiled: cache hit (5 programs)"``."""
+    """E.g. ``"traced: 2 programs loaded (1 read ahead), none traced; compiled: cache hit (5 programs)"``."""
     if self.path is None:
       return "no persistent cache"
     if self.requests == 0:
@@ -377,6 +377,7 @@ def _generate(args: argparse.Namespace, cache: CompileCache) -> int:
                 compile_cache=cache.path, cache_hits=cache.hits,
                 cache_requests=cache.requests,
                 programs_loaded=cache.programs.loaded if cache.programs else 0,
+                programs_read_ahead=cache.programs.preloaded if cache.programs else 0,
                 programs_traced=cache.programs.exported if cache.programs else 0)
   if args.json:
     print(json.dumps(dict(

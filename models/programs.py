@@ -16,12 +16,22 @@ structure, shapes and dtypes, the source of the project's packages (``models``,
 ``jax_shared_attn``, ``pallas_kernels``: a code change is a new program), the jax and jaxlib
 versions, the platform and device kind, every ``jax.config`` value but the cache settings, and
 ``XLA_FLAGS``. Any difference is another file; nothing stale is ever called.
+
+Reading a compiled program back is not free on a CPU (SmolLM2-135M's decode program: ~0.6 s
+to deserialize its executable, while the prefill before it runs for ~0.7 s). The store
+remembers which program followed which in a process (``<dir>/next.json``: a program's key ->
+the next program's key and donated inputs) and, when it loads a program, reads the program
+that followed it last time in a background thread, while the first one runs (counted in
+``preloaded``). The next call finds it ready; a call that does not come, or a preload that
+fails, costs nothing but the thread's work.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
+import json
 import os
 from typing import Any, Callable, Optional, Sequence
 
@@ -29,6 +39,7 @@ import jax
 
 PACKAGES = ("models", "jax_shared_attn", "pallas_kernels")
 SUFFIX = ".jaxexport"
+NEXT_INDEX = "next.json"
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,6 +77,8 @@ class ProgramStore:
     exported: programs traced and lowered here (and written, if ``path`` is writable).
     unstorable: programs run without the store: they call custom kernels (Pallas, Mosaic),
       which ``jax.export`` refuses to serialize.
+    preloaded: of ``loaded``, those read and compiled in the background while the program
+      before them ran.
   """
 
   def __init__(self, path: str):
@@ -73,8 +86,11 @@ class ProgramStore:
       raise ValueError("ProgramStore: path must be a directory name; got an empty string")
     self.path = os.path.expanduser(path)
     os.makedirs(self.path, exist_ok=True)
-    self.loaded = self.exported = self.unstorable = 0
+    self.loaded = self.exported = self.unstorable = self.preloaded = 0
     self._calls: dict[tuple, Callable] = {}
+    self._previous: Optional[str] = None  # the key of the last program this store set up
+    self._pending: dict[str, concurrent.futures.Future] = {}
+    self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
   def key(self, name: str, static: Any, args: Sequence[Any]) -> str:
     leaves, tree = jax.tree.flatten(args)
@@ -110,16 +126,32 @@ class ProgramStore:
   def _load_or_export(self, key, fn, args, static, out_like, donate):
     tree = jax.tree.structure(args)
     out_tree = jax.tree.structure(out_like(*args))
+    counts = [len(jax.tree.leaves(a)) for a in args]
+    starts = [sum(counts[:i]) for i in range(len(args))]
+    donated = tuple(j for i in donate for j in range(starts[i], starts[i] + counts[i]))
+    pending = self._pending.pop(key, None)
+    if pending is not None:
+      try:
+        run = pending.result()
+      except Exception:  # noqa: BLE001 -- the preload failed: load it here instead
+        run = None
+      if run is not None:
+        self.loaded += 1
+        self.preloaded += 1
+        self._follows(key, donated)
+        self._preload_next(key)
+        return lambda *a: jax.tree.unflatten(out_tree, run(*jax.tree.leaves(a)))
     file = os.path.join(self.path, key + SUFFIX)
     exported = None
     if os.path.exists(file):
       try:
-        with open(file, "rb") as f:
-          exported = jax.export.deserialize(bytearray(f.read()))
+        exported = _read(file)
         self.loaded += 1
       except Exception:  # noqa: BLE001 -- a damaged or foreign file: export afresh
         exported = None
-    if exported is None:
+    if exported is not None:
+      self._preload_next(key)
+    else:
       def flat(*leaves):
         return jax.tree.leaves(fn(*jax.tree.unflatten(tree, leaves), **static))
       specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(args)]
@@ -138,21 +170,68 @@ class ProgramStore:
         os.replace(tmp, file)
       except OSError:
         pass
-    counts = [len(jax.tree.leaves(a)) for a in args]
-    starts = [sum(counts[:i]) for i in range(len(args))]
-    donated = tuple(j for i in donate for j in range(starts[i], starts[i] + counts[i]))
-    run = jax.jit(exported.call, donate_argnums=donated)
+    self._follows(key, donated)
+    # Compiled for the exported avals, as a preload compiles it: one persistent-cache entry.
+    run = _compile(exported, donated)
 
     def call(*a):
       return jax.tree.unflatten(out_tree, run(*jax.tree.leaves(a)))
     return call
 
+  # -- what follows what ---------------------------------------------------------------------
+
+  def _index(self) -> dict:
+    try:
+      with open(os.path.join(self.path, NEXT_INDEX)) as f:
+        index = json.load(f)
+      return index if isinstance(index, dict) else {}
+    except (OSError, ValueError):
+      return {}
+
+  def _follows(self, key: str, donated: tuple[int, ...]) -> None:
+    """Notes that the stored program ``key`` is set up now, after the one before it."""
+    if self._previous is not None and self._previous != key:
+      self._note_next(self._previous, key, donated)
+    self._previous = key
+
+  def _note_next(self, previous: str, key: str, donated: tuple[int, ...]) -> None:
+    """Records that ``key`` (donating ``donated``) followed ``previous`` (best effort)."""
+    entry = {"key": key, "donated": list(donated)}
+    index = self._index()
+    if index.get(previous) == entry:
+      return
+    index[previous] = entry
+    file = os.path.join(self.path, NEXT_INDEX)
+    tmp = f"{file}.{os.getpid()}.tmp"
+    try:
+      with open(tmp, "w") as f:
+        json.dump(index, f)
+      os.replace(tmp, file)
+    except OSError:
+      pass
+
+  def _preload_next(self, key: str) -> None:
+    """Starts reading and compiling the program that followed ``key`` last time, if stored."""
+    entry = self._index().get(key)
+    if not isinstance(entry, dict) or entry.get("key") in self._pending:
+      return
+    following = entry.get("key")
+    file = os.path.join(self.path, f"{following}{SUFFIX}")
+    if not isinstance(following, str) or not os.path.exists(file):
+      return
+    donated = tuple(int(i) for i in entry.get("donated", ()))
+    if self._pool is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="programs")
+    self._pending[following] = self._pool.submit(_compile_stored, file, donated)
+
+
   def summary(self) -> str:
-    """E.g. ``"2 programs loaded"`` or ``"1 loaded, 1 traced"``."""
+    """E.g. ``"2 programs loaded (1 read ahead), none traced"`` or ``"1 loaded, 1 traced"``."""
+    ahead = f" ({self.preloaded} read ahead)" if self.preloaded else ""
     if not self.exported:
-      text = f"{self.loaded} program{'s' * (self.loaded != 1)} loaded, none traced"
+      text = f"{self.loaded} program{'s' * (self.loaded != 1)} loaded{ahead}, none traced"
     else:
-      text = f"{self.loaded} loaded, {self.exported} traced"
+      text = f"{self.loaded} loaded{ahead}, {self.exported} traced"
     return text + (f", {self.unstorable} not storable (custom kernels)" if self.unstorable else "")
 
 
@@ -164,3 +243,18 @@ def store_or_none(path: Optional[str]) -> Optional[ProgramStore]:
     return ProgramStore(path)
   except OSError:
     return None
+
+
+def _read(file: str) -> "jax.export.Exported":
+  with open(file, "rb") as f:
+    return jax.export.deserialize(bytearray(f.read()))
+
+
+def _compile(exported: "jax.export.Exported", donated: tuple[int, ...]):
+  """``exported`` compiled (or read from XLA's persistent cache) for its own input avals."""
+  return jax.jit(exported.call, donate_argnums=donated).lower(*exported.in_avals).compile()
+
+
+def _compile_stored(file: str, donated: tuple[int, ...]):
+  """The stored program in ``file``, compiled."""
+  return _compile(_read(file), donated)

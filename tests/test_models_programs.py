@@ -44,11 +44,35 @@ def test_stored_programs_give_the_tokens_of_the_plain_path_and_load_in_a_new_pro
   store = ProgramStore(str(tmp_path))
   np.testing.assert_array_equal(stored_tokens(tiny, store), plain)
   assert (store.loaded, store.exported) == (0, 2)  # prefill and decode, each traced once
-  assert sorted(f.split("-")[0] for f in os.listdir(tmp_path)) == ["decode", "prefill"]
+  assert sorted(f.split("-")[0] for f in os.listdir(tmp_path) if f.endswith(".jaxexport")) == [
+      "decode", "prefill"]
   again = ProgramStore(str(tmp_path))  # what a second process sees
   np.testing.assert_array_equal(stored_tokens(tiny, again, steps=(None,)), plain)
-  assert (again.loaded, again.exported) == (2, 0)
-  assert again.summary() == "2 programs loaded, none traced"
+  # The decode program followed the prefill: it was read while the prefill ran.
+  assert (again.loaded, again.exported, again.preloaded) == (2, 0, 1)
+  assert again.summary() == "2 programs loaded (1 read ahead), none traced"
+
+
+def test_a_missing_damaged_or_stale_read_ahead_costs_nothing_but_the_read(tiny, tmp_path):
+  plain = stored_tokens(tiny, ProgramStore(str(tmp_path)))
+  index = tmp_path / programs_lib.NEXT_INDEX
+  decode_file = next(f for f in tmp_path.iterdir() if f.name.startswith("decode-"))
+  good = decode_file.read_bytes()
+  cases = {"index damaged": lambda: index.write_text("{not json"),
+           "index empty": lambda: index.write_text("{}"),
+           "program file damaged": lambda: decode_file.write_bytes(b"not a program"),
+           "program file gone": decode_file.unlink}
+  for case, spoil in cases.items():
+    if not decode_file.exists():
+      decode_file.write_bytes(good)
+    spoil()
+    store = ProgramStore(str(tmp_path))
+    np.testing.assert_array_equal(stored_tokens(tiny, store), plain, err_msg=case)
+    assert store.preloaded == 0, case
+    assert store.loaded + store.exported == 2, case
+    # Whatever happened, the store knows again what follows the prefill.
+    assert list(programs_lib.ProgramStore(str(tmp_path))._index().values())[0]["key"].startswith(
+        "decode-"), case
 
 
 def test_the_stored_decode_program_donates_the_state(tiny, tmp_path):
@@ -74,7 +98,8 @@ def test_a_changed_model_sampler_setting_code_or_flag_is_another_program(tiny, t
   # Another static sampler setting: a new decode program (the prefill one is reused).
   stored_tokens(tiny, store, top_p=0.5)
   assert store.exported == 5
-  assert len(os.listdir(tmp_path)) == 5 and store.loaded == 0
+  assert len([f for f in os.listdir(tmp_path) if f.endswith(".jaxexport")]) == 5
+  assert store.loaded == 0
   # Changed code, a changed jax flag, another shape: other keys (so other files).
   args = [np.zeros(2, np.float32)]
   key = store.key("decode", (), args)

@@ -20,10 +20,11 @@ versions, the platform and device kind, every ``jax.config`` value but the cache
 Reading a compiled program back is not free on a CPU (SmolLM2-135M's decode program: ~0.6 s
 to deserialize its executable, while the prefill before it runs for ~0.7 s). The store
 remembers which program followed which in a process (``<dir>/next.json``: a program's key ->
-the next program's key and donated inputs) and, when it loads a program, reads the program
-that followed it last time in a background thread, while the first one runs (counted in
-``preloaded``). The next call finds it ready; a call that does not come, or a preload that
-fails, costs nothing but the thread's work.
+the next program's key and donated inputs) and, when it loads a program from disk, reads the
+program that followed it last time in a background thread, while the first one runs (counted
+in ``preloaded``). The next call finds it ready; a call that does not come, or a preload that
+fails, costs nothing but the thread's work. One step only: a program that was read ahead
+starts no read of its own (the decode loop would share the cores with it).
 """
 
 from __future__ import annotations
@@ -138,8 +139,9 @@ class ProgramStore:
       if run is not None:
         self.loaded += 1
         self.preloaded += 1
+        # No read-ahead from here: it would share the cores with this program (the decode
+        # loop), not with a prefill.
         self._follows(key, donated)
-        self._preload_next(key)
         return lambda *a: jax.tree.unflatten(out_tree, run(*jax.tree.leaves(a)))
     file = os.path.join(self.path, key + SUFFIX)
     exported = None

@@ -24,9 +24,12 @@ def test_bench_compare_report(tmp_path, monkeypatch, capsys):
   assert main(["bench", "compare", "--samples", "2,4", "--new-tokens", "8", "--out", str(tmp_path),
                "--compile-cache", ""]) == 0
   report = json.load(open(os.path.join(tmp_path, "compare.json")))
+  # Every row of ours before torch is imported, then transformers'; the table pairs them.
   assert [(c[0], c[1], c[3], c[4]) for c in calls] == [
-      ("hydragen", 2, 0.7, 0.9), ("transformers", 2, 0.7, 0.9),
-      ("hydragen", 4, 0.7, 0.9), ("transformers", 4, 0.7, 0.9)]
+      ("hydragen", 2, 0.7, 0.9), ("hydragen", 4, 0.7, 0.9),
+      ("transformers", 2, 0.7, 0.9), ("transformers", 4, 0.7, 0.9)]
+  assert [(r["impl"], r["samples"]) for r in report["rows"]] == [
+      ("hydragen", 2), ("transformers", 2), ("hydragen", 4), ("transformers", 4)]
   assert calls[0][5] == report["info"]["prompt_tokens"] > 10  # the chat-rendered prompt
   ours = [r for r in report["rows"] if r["impl"] == "hydragen"]
   assert all(r["vs_transformers"] == 2.0 for r in ours)

@@ -491,7 +491,19 @@ def restore(path: str, *, dtype: Optional[str] = None, mesh=None) -> Pretrained:
   if mesh is not None:  # orbax reads each parameter straight into its shards
     mesh = sharding_lib.make_mesh(mesh)
     target = _sharded_target(target, config, mesh)
-  state = ocp.StandardCheckpointer().restore(os.path.join(path, ORBAX_PARAMS), target)
+  checkpointer = ocp.StandardCheckpointer()
+  # orbax fills a target of another shape with the file's values in their own order: a
+  # checkpoint of the earlier [out, in] weights would load as garbage. Compare first.
+  want = _shapes(nnx.to_pure_dict(target))
+  stored = _shapes(getattr(checkpointer.metadata(os.path.join(path, ORBAX_PARAMS)),
+                           "item_metadata", {}))
+  for name, shape in stored.items():
+    if name in want and shape != want[name]:
+      raise CheckpointError(
+          f"{path}: parameter {name} has shape {shape}; the model needs {want[name]} "
+          f"(checkpoints saved before the projection weights became [in, out] on 2026-11-28 "
+          f"hold [out, in]: convert the original checkpoint again)")
+  state = checkpointer.restore(os.path.join(path, ORBAX_PARAMS), target)
   model = nnx.merge(graphdef, state)
   if dtype is not None and jnp.dtype(dtype) != config.param_dtype:
     model = cast(model, dtype)
@@ -500,6 +512,18 @@ def restore(path: str, *, dtype: Optional[str] = None, mesh=None) -> Pretrained:
   tokenizer = (Tokenizer.from_dir(path)
                if os.path.exists(os.path.join(path, "tokenizer.json")) else None)
   return Pretrained(model, tokenizer, model.config)
+
+
+def _shapes(tree) -> dict[str, tuple[int, ...]]:
+  """Dotted path (``layers.0.self_attn.q_proj``) -> shape, of arrays or orbax's metadata."""
+  out = {}
+  for keys, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    names = [str(getattr(k, "key", k)) for k in keys]
+    if names and names[-1] == "value":  # orbax's metadata names an nnx.Param's array "value"
+      names = names[:-1]
+    if hasattr(leaf, "shape"):
+      out[".".join(names)] = tuple(int(n) for n in leaf.shape)
+  return out
 
 
 def _sharded_target(target, config: LlamaConfig, mesh):

@@ -254,3 +254,25 @@ def test_checkpoint_tensors_round_trip_and_blocks_come_in_our_layout():
         index.append(slice(lo, int(rng.integers(lo + 1, n + 1))))
       index = tuple(index)
       np.testing.assert_array_equal(read(index), np.asarray(params[slot.path])[index], err_msg=name)
+
+
+def test_an_orbax_checkpoint_of_other_shapes_is_refused(tmp_path):
+  """orbax fills the model's shapes with a file's values in their own order: a checkpoint of
+  the earlier [out, in] projections would load as garbage, so it is refused."""
+  import orbax.checkpoint as ocp
+  from flax import nnx
+
+  from models.loading import CheckpointError
+
+  model = random_init(preset("tiny"), seed=1)
+  save_pretrained(str(tmp_path), model)
+  np.testing.assert_array_equal(
+      np.asarray(from_pretrained(str(tmp_path)).model.layers[0].mlp.down_proj[...]),
+      np.asarray(model.layers[0].mlp.down_proj[...]))
+  tree = nnx.to_pure_dict(nnx.state(model))
+  tree["layers"][0]["mlp"]["down_proj"] = np.asarray(tree["layers"][0]["mlp"]["down_proj"]).T
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(str(tmp_path / "params"), tree, force=True)
+  checkpointer.wait_until_finished()
+  with pytest.raises(CheckpointError, match="layers.0.mlp.down_proj has shape \\(64, 128\\)"):
+    from_pretrained(str(tmp_path))

@@ -247,7 +247,8 @@ def test_default_configs_and_bad_configs():
 
 # -- the chunked paths (GPU default) equal the sort-based reference ------------------------------
 
-from models.sampling import _chunked_top_k_draw, _score_draw, _score_noise, _top_k_levels
+from models.sampling import (_chunked_top_k_draw, _score_draw, _score_noise, _top_few,
+                             _top_k_levels)
 
 # tie_slack 4: small vocabularies still take the chunk levels (16, the default, needs more chunks).
 _chunked = lambda g, f=16: SamplerConfig(candidates=0, search_width=7, chunk=g, score_candidates=f,
@@ -276,9 +277,10 @@ def _jitted_sample(config, params):
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), case=st.sampled_from(CHUNKED_CASES),
        levels=st.sampled_from([0, 4, 40]), scale=st.sampled_from([0.01, 1.0, 8.0]),
-       neg_inf=st.sampled_from([0.0, 0.5]))
+       neg_inf=st.sampled_from([0.0, 0.5, 0.99]))
 def test_chunked_paths_draw_the_reference_tokens(seed, case, levels, scale, neg_inf):
-  """Ties (``levels``), ``-inf`` entries, bf16 logits: the same tokens as the sorting reference."""
+  """Ties (``levels``), ``-inf`` entries (0.99: rows with fewer finite chunks than candidates),
+  bf16 logits: the same tokens as the sorting reference."""
   count_case("sampler-chunked-vs-sort")
   v, dtype, config, params = case
   rng = np.random.default_rng(seed)
@@ -372,3 +374,22 @@ def test_gpu_default_exports_for_cuda_without_a_sort_of_the_vocabulary(params):
       jax.ShapeDtypeStruct((b, v), jnp.float32), keys).mlir_module()
   sorts = [line for line in text.splitlines() if '"stablehlo.sort"' in line or "chlo.top_k" in line]
   assert sorts and not any(f"tensor<{b}x{v}x" in line for line in sorts)  # candidates=64 has one
+
+
+@pytest.mark.parametrize("levels", [0, 3])
+def test_top_few_is_lax_top_k(levels):
+  """Values, indices and the order of ties; rows with ``-inf`` entries (at least k finite)."""
+  rng = np.random.default_rng(levels)
+  x = rng.normal(size=(64, 37))
+  if levels:
+    # Many ties; + 0.0 turns -0.0 into 0.0: lax.top_k sorts -0.0 below 0.0, arg-max (as
+    # jax.random.categorical's) takes them as equal.
+    x = np.round(x * levels) / levels + 0.0
+  x[rng.random(size=x.shape) < 0.5] = -np.inf
+  x[:, :7] = np.where(np.isinf(x[:, :7]), 0.0, x[:, :7])  # >= 7 finite per row
+  x = jnp.asarray(x, jnp.float32)
+  for k in (1, 2, 7):
+    vals, idx = _top_few(x, k)
+    want_vals, want_idx = jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_vals))
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx))

@@ -215,17 +215,19 @@ class ProgramStore:
   def _preload_next(self, key: str) -> None:
     """Starts reading and compiling the program that followed ``key`` last time, if stored."""
     entry = self._index().get(key)
-    if not isinstance(entry, dict) or entry.get("key") in self._pending:
+    following = entry.get("key") if isinstance(entry, dict) else None
+    if not isinstance(following, str) or following in self._pending:
       return
-    following = entry.get("key")
     file = os.path.join(self.path, f"{following}{SUFFIX}")
-    if not isinstance(following, str) or not os.path.exists(file):
+    try:
+      donated = tuple(int(i) for i in entry.get("donated", ()))
+    except (TypeError, ValueError):  # a damaged entry: read nothing ahead
       return
-    donated = tuple(int(i) for i in entry.get("donated", ()))
+    if not os.path.exists(file):
+      return
     if self._pool is None:
       self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="programs")
     self._pending[following] = self._pool.submit(_compile_stored, file, donated)
-
 
   def summary(self) -> str:
     """E.g. ``"2 programs loaded (1 read ahead), none traced"`` or ``"1 loaded, 1 traced"``."""

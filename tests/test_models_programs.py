@@ -1,5 +1,6 @@
 """Stored programs (models.programs): the same tokens, loaded without tracing, never stale."""
 
+import json
 import os
 
 import jax
@@ -60,6 +61,8 @@ def test_a_missing_damaged_or_stale_read_ahead_costs_nothing_but_the_read(tiny, 
   good = decode_file.read_bytes()
   cases = {"index damaged": lambda: index.write_text("{not json"),
            "index empty": lambda: index.write_text("{}"),
+           "index of other types": lambda: index.write_text(json.dumps(
+               {k: {"key": [1], "donated": ["a"]} for k in json.loads(index.read_text())})),
            "program file damaged": lambda: decode_file.write_bytes(b"not a program"),
            "program file gone": decode_file.unlink}
   for case, spoil in cases.items():

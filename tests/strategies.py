@@ -8,7 +8,9 @@ non-multiples of any block size, while everything that is a runtime array
 """
 
 import collections
+import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
@@ -20,6 +22,22 @@ DTYPES = ("float32", "bfloat16", "float16")
 SEEDS = st.integers(0, 2**31 - 1)
 
 CASES = collections.Counter()
+
+# Programs of interpreted Pallas kernels compile slowly and run briefly (one program per drawn
+# shape or static choice): LLVM -O0 for them, unless HYDRAGEN_TEST_FAST_COMPILE=0 (conftest.py
+# keeps -O1 for the rest, where the SmolLM2 tests run 2-3x slower at -O0). The flat Triton
+# kernel's cases 1 and 3: 18.3 -> 15.0 s on the 2-core CPU (2026-11-28).
+INTERPRETED_COMPILER_OPTIONS = (
+    {"xla_backend_optimization_level": 0}
+    if os.environ.get("HYDRAGEN_TEST_FAST_COMPILE", "1") != "0" else None)
+
+
+def kernel_jit(fun, interpret: bool = True, **jit_kwargs):
+  """``jax.jit(fun, **jit_kwargs)``, with :data:`INTERPRETED_COMPILER_OPTIONS` where the
+  program runs kernels interpreted (native kernels keep XLA's defaults)."""
+  if interpret and INTERPRETED_COMPILER_OPTIONS:
+    jit_kwargs["compiler_options"] = INTERPRETED_COMPILER_OPTIONS
+  return jax.jit(fun, **jit_kwargs)
 
 
 def count_case(name: str) -> None:

@@ -22,7 +22,7 @@ from pallas_kernels.gpu import common
 from pallas_kernels.gpu.config import FusedDecodeOptions, GpuConfig, MosaicPrefixOptions
 from pallas_kernels.gpu.merge import merge_parts
 from pallas_kernels.gpu.suffix import SuffixConfig, flat_rows
-from strategies import SEEDS, count_case, lengths, rand
+from strategies import SEEDS, count_case, kernel_jit, lengths, rand
 
 HAS_GPU = jax.default_backend() == "gpu"
 
@@ -55,17 +55,18 @@ class TestInterpret:
   def setup_method(self):
     if not self.interpret and not HAS_GPU:
       pytest.skip("needs a CUDA GPU")
-    self.prefix = jax.jit(functools.partial(prefix_attention, interpret=self.interpret),
-                          static_argnames=("scale",))
-    self.suffix = jax.jit(functools.partial(suffix_attention, interpret=self.interpret),
-                          static_argnames=("scale", "causal", "config"))
-    self.segment = jax.jit(functools.partial(segment_attention, interpret=self.interpret),
-                           static_argnames=("scale",))
-    self.flat = jax.jit(functools.partial(flat_rows, interpret=self.interpret),
-                        static_argnames=("q_len", "causal", "scale", "out_dtype", "config",
-                                         "by_sequence"))
-    self.merge = jax.jit(functools.partial(merge_parts, interpret=self.interpret),
-                         static_argnames=("out_dtype",))
+    jit = functools.partial(kernel_jit, interpret=self.interpret)
+    self.prefix = jit(functools.partial(prefix_attention, interpret=self.interpret),
+                      static_argnames=("scale",))
+    self.suffix = jit(functools.partial(suffix_attention, interpret=self.interpret),
+                      static_argnames=("scale", "causal", "config"))
+    self.segment = jit(functools.partial(segment_attention, interpret=self.interpret),
+                       static_argnames=("scale",))
+    self.flat = jit(functools.partial(flat_rows, interpret=self.interpret),
+                    static_argnames=("q_len", "causal", "scale", "out_dtype", "config",
+                                     "by_sequence"))
+    self.merge = jit(functools.partial(merge_parts, interpret=self.interpret),
+                     static_argnames=("out_dtype",))
 
   def run_prefix(self, data, seed, case):
     count_case("triton_prefix")

@@ -23,20 +23,21 @@ SEEDS = st.integers(0, 2**31 - 1)
 
 CASES = collections.Counter()
 
-# Programs of interpreted Pallas kernels compile slowly and run briefly (one program per drawn
-# shape or static choice): LLVM -O0 for them, unless HYDRAGEN_TEST_FAST_COMPILE=0 (conftest.py
-# keeps -O1 for the rest, where the SmolLM2 tests run 2-3x slower at -O0). The flat Triton
-# kernel's cases 1 and 3: 18.3 -> 15.0 s on the 2-core CPU (2026-11-28).
-INTERPRETED_COMPILER_OPTIONS = (
+# The tests' small programs (interpreted Pallas kernels, the attention API at test sizes) are
+# compiled once per drawn shape or static choice and run briefly: on the CPU, LLVM -O0 for them,
+# unless HYDRAGEN_TEST_FAST_COMPILE=0 (conftest.py keeps -O1 for the rest, where the SmolLM2
+# tests run 2-3x slower at -O0). The flat Triton kernel's cases 1 and 3: 18.3 -> 15.0 s on the
+# 2-core CPU (2026-11-28).
+SMALL_PROGRAM_OPTIONS = (
     {"xla_backend_optimization_level": 0}
     if os.environ.get("HYDRAGEN_TEST_FAST_COMPILE", "1") != "0" else None)
 
 
-def kernel_jit(fun, interpret: bool = True, **jit_kwargs):
-  """``jax.jit(fun, **jit_kwargs)``, with :data:`INTERPRETED_COMPILER_OPTIONS` where the
-  program runs kernels interpreted (native kernels keep XLA's defaults)."""
-  if interpret and INTERPRETED_COMPILER_OPTIONS:
-    jit_kwargs["compiler_options"] = INTERPRETED_COMPILER_OPTIONS
+def small_jit(fun, small: bool = True, **jit_kwargs):
+  """``jax.jit(fun, **jit_kwargs)``, compiled with :data:`SMALL_PROGRAM_OPTIONS` on the CPU where
+  ``small`` (native kernels and other backends keep XLA's defaults)."""
+  if small and SMALL_PROGRAM_OPTIONS and jax.default_backend() == "cpu":
+    jit_kwargs["compiler_options"] = SMALL_PROGRAM_OPTIONS
   return jax.jit(fun, **jit_kwargs)
 
 

@@ -12,12 +12,12 @@ from jax_shared_attn import (SharedLevel, attention_with_lse, hierarchical_atten
 from jax_shared_attn.dispatch import choose_family
 from jax_shared_attn.testing import check_rows, lse_err, oracle_full, oracle_tree, tolerance
 from strategies import (DTYPES, FULL_SHAPES, PREFIX_SHAPES, SEEDS, TREE_SHAPES, assert_close,
-                        count_case, lengths, rand, random_tree)
+                        count_case, lengths, rand, random_tree, small_jit)
 
 STATIC = ("causal", "impl", "return_lse", "scale")
-full_jit = jax.jit(attention_with_lse, static_argnames=("causal", "impl", "scale"))
-prefix_jit = jax.jit(shared_prefix_attention, static_argnames=STATIC)
-tree_jit = jax.jit(hierarchical_attention, static_argnames=STATIC)
+full_jit = small_jit(attention_with_lse, static_argnames=("causal", "impl", "scale"))
+prefix_jit = small_jit(shared_prefix_attention, static_argnames=STATIC)
+tree_jit = small_jit(hierarchical_attention, static_argnames=STATIC)
 
 
 @settings(max_examples=250)

@@ -20,7 +20,7 @@ from jax_shared_attn import SharedLevel, hierarchical_attention
 from jax_shared_attn import backward as bw
 from jax_shared_attn import ops as ops_lib
 from jax_shared_attn.testing import rel_err, tolerance
-from strategies import SEEDS, count_case, lengths, rand
+from strategies import SEEDS, count_case, lengths, rand, small_jit
 
 # ((B, Tq, Hq, Hkv, D, S), levels as ((N, T, all_share), ...), causal, scale): MHA to MQA,
 # Tq > 1, empty buffers, a shared prefix (all_share), several segments per level, sequences
@@ -167,7 +167,7 @@ def make_vjp(impl, causal, scale, config=None, with_lse=True, api_config=None):
         sk, sv, lens), q, [l.k for l in levels], [l.v for l in levels], sk, sv)
     return pull((do, dl) if with_lse else do)
 
-  return jax.jit(run)
+  return small_jit(run)
 
 
 vjp_fn = functools.lru_cache(maxsize=None)(make_vjp)

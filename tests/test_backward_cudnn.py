@@ -22,7 +22,7 @@ from jax_shared_attn import backward as bw
 from jax_shared_attn import ops as ops_lib
 from jax_shared_attn.testing import rel_err
 from pallas_kernels.gpu import cudnn
-from strategies import SEEDS, count_case
+from strategies import SEEDS, count_case, small_jit
 from test_backward import assert_matches_oracle, draw_case, make_vjp, vjp_fn
 
 # ((B, Tq, Hq, Hkv, D, S), levels, causal, scale): a causal suffix as long as its queries
@@ -142,7 +142,7 @@ def test_public_api_hands_cudnn_the_parts_when_the_lse_is_not_returned(monkeypat
       out, lse = res if with_lse else (res, None)
       total = jnp.sum(out.astype(jnp.float32) ** 2)
       return total + (jnp.sum(jnp.sin(lse)) if with_lse else 0.0)
-    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))
+    return small_jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))
 
   for with_lse, want_calls in ((False, [False, True]), (True, [])):
     calls.clear()

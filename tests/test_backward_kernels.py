@@ -15,15 +15,15 @@ from jax_shared_attn.testing import rel_err, tolerance
 from pallas_kernels.config import GpuConfig
 from pallas_kernels.gpu import backward as gb
 from pallas_kernels.tpu import backward as tb
-from strategies import SEEDS, count_case, kernel_jit
+from strategies import SEEDS, count_case, small_jit
 
 XLA = bw.BackwardConfig(block_rows=5, block_keys=7, kernels="xla")
 TILES = gb.BackwardKernelConfig(block_rows=16, block_keys=16)
 # Jitted, the interpreted kernels compile once per shape instead of running op by op.
 KERNELS = {
-    "triton": kernel_jit(lambda *a, **kw: gb.part_grads(*a, config=TILES, interpret=True, **kw),
+    "triton": small_jit(lambda *a, **kw: gb.part_grads(*a, config=TILES, interpret=True, **kw),
                          static_argnames=("scale", "causal", "group", "tq", "sparse")),
-    "tpu": kernel_jit(lambda *a, sparse=False, **kw: tb.part_grads(*a, block_rows=16,
+    "tpu": small_jit(lambda *a, sparse=False, **kw: tb.part_grads(*a, block_rows=16,
                                                                   interpret=True, **kw),
                       static_argnames=("scale", "causal", "group", "tq", "sparse")),
 }

@@ -9,7 +9,7 @@ from jax_shared_attn import (SharedLevel, attention_with_lse, hierarchical_atten
                              shared_prefix_attention)
 from jax_shared_attn.ops import resolve
 from jax_shared_attn.testing import check_attention, oracle_full, oracle_tree
-from strategies import rand
+from strategies import rand, small_jit
 
 B, TQ, HQ, HKV, D, P, S = 2, 1, 4, 2, 64, 8, 5
 q = jnp.ones((B, TQ, HQ, D))
@@ -51,7 +51,7 @@ def test_shared_prefix_attention_errors(kw, exc, match):
 
 
 def test_errors_are_raised_at_trace_time_under_jit():
-  f = jax.jit(lambda q: spa(q=q))
+  f = small_jit(lambda q: spa(q=q))
   with pytest.raises(ValueError, match="query heads of q"):
     f(jnp.ones((B, TQ, 3, D)))
 
@@ -75,10 +75,10 @@ def test_traced_lengths_are_clamped_into_the_capacity(impl):
   lk, lk64 = rand(rng, (n, t, hkv, d), "float32")
   lv, lv64 = rand(rng, (n, t, hkv, d), "float32")
   nodes = np.array([1, -1, 0], np.int32)
-  prefix = jax.jit(lambda n, lens: shared_prefix_attention(
+  prefix = small_jit(lambda n, lens: shared_prefix_attention(
       q, pk, pv, sk, sv, prefix_length=n, suffix_lengths=lens, impl=impl, return_lse=True))
-  full = jax.jit(lambda lens: attention_with_lse(q, sk, sv, kv_lengths=lens, impl=impl))
-  tree = jax.jit(lambda seg, lens: hierarchical_attention(
+  full = small_jit(lambda lens: attention_with_lse(q, sk, sv, kv_lengths=lens, impl=impl))
+  tree = small_jit(lambda seg, lens: hierarchical_attention(
       q, [SharedLevel(lk, lv, seg, jnp.asarray(nodes))], sk, sv, suffix_lengths=lens, impl=impl,
       return_lse=True))
   for plen, slen, seg in [(100, [s + 3, 2, -4], [-2, t + 1]), (-5, [1, 2**30, s], [t, 2**31 - 1]),

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from jax_shared_attn import attention_with_lse, merge_attention_states
 from jax_shared_attn.testing import check_attention, lse_err, oracle_full, rel_err
-from strategies import DTYPES, SEEDS, count_case, rand
+from strategies import DTYPES, SEEDS, count_case, rand, small_jit
 
-part_jit = jax.jit(attention_with_lse, static_argnames=("causal", "impl", "scale"))
+part_jit = small_jit(attention_with_lse, static_argnames=("causal", "impl", "scale"))
 
 
 @settings(max_examples=200)

@@ -12,7 +12,7 @@ from jax_shared_attn.testing import check_rows, tolerance
 from models.config import preset
 from models.generate import PAD_ID, decode, generate, prefill
 from models.llama import random_init
-from strategies import count_case
+from strategies import count_case, small_jit
 
 NEW = 8
 
@@ -89,7 +89,7 @@ def step_logits(model, prompts, counts, feed, attention, impl):
                   attention=attention, impl=impl)
   order = np.asarray(state.sample_ids)  # decode order -> caller's row
   cache, toks, out = state.cache, state.tokens, []
-  step = jax.jit(lambda m, t, c: m(t[:, None], cache=c, impl=impl))
+  step = small_jit(lambda m, t, c: m(t[:, None], cache=c, impl=impl))
   for i in range(feed.shape[1]):
     logits, cache = step(model, toks, cache)
     out.append(np.asarray(logits[:, 0], np.float32)[np.argsort(order)])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from models.sampling import SamplingParams, filter_logits, sample, sampling_keys
+from strategies import small_jit
 
 # Probabilities 0.4, 0.25, 0.15, 0.1, 0.06, 0.04 (sorted order scrambled on purpose).
 PROBS = np.array([0.1, 0.4, 0.04, 0.25, 0.06, 0.15])
@@ -23,7 +24,7 @@ def kept(params: SamplingParams) -> set[int]:
 def draw(params: SamplingParams, logits=LOGITS, n=DRAWS, seed=0) -> np.ndarray:
   """n draws from one row of logits, each with its own key."""
   keys = sampling_keys(jnp.uint32(seed), jnp.arange(n, dtype=jnp.int32), jnp.int32(0))
-  return np.asarray(jax.jit(sample, static_argnums=2)(jnp.repeat(logits, n, axis=0), keys, params))
+  return np.asarray(small_jit(sample, static_argnums=2)(jnp.repeat(logits, n, axis=0), keys, params))
 
 
 def test_greedy_is_argmax_whatever_top_k_and_top_p():
@@ -163,7 +164,7 @@ def _jitted(config, params):
     return (jnp.isfinite(filter_logits(logits, params, config)), sample(logits, keys, params, config),
             jnp.isfinite(filter_logits_reference(logits, params)),
             sample_reference(logits, keys, params))
-  return jax.jit(both)
+  return small_jit(both)
 
 
 @settings(max_examples=40)
@@ -270,7 +271,7 @@ CHUNKED_CASES = (
 
 @functools.lru_cache(maxsize=None)
 def _jitted_sample(config, params):
-  return jax.jit(lambda logits, keys: (sample(logits, keys, params, config),
+  return small_jit(lambda logits, keys: (sample(logits, keys, params, config),
                                        sample_reference(logits, keys, params)))
 
 
@@ -307,7 +308,7 @@ def test_chunked_paths_decide_without_the_fallback_on_typical_rows():
                                                       _score_noise(x, keys, config.chunk))
   for params, path in ((SamplingParams(0.7, top_p=0.9), score),
                        (SamplingParams(0.7, top_k=50, top_p=0.9), _chunked_top_k_draw)):
-    run = jax.jit(lambda x, path=path, params=params: (
+    run = small_jit(lambda x, path=path, params=params: (
         path(x / params.temperature, keys, params, config), sample_reference(x, keys, params)))
     for scale in (0.01, 1.0, 8.0):
       (ok, token), expected = run(jnp.asarray(rng.normal(size=(8, 2053)) * scale, jnp.float32))
@@ -358,7 +359,7 @@ def test_bf16_ties_do_not_send_top_k_rows_to_the_search():
   x = logits.astype(jnp.float32) / params.temperature
   for slack, decided in ((4, 61), (16, 64)):
     config = dataclasses.replace(default_sampler_config("gpu"), tie_slack=slack)
-    ok, token = jax.jit(lambda x: _chunked_top_k_draw(x, keys, params, config))(x)
+    ok, token = small_jit(lambda x: _chunked_top_k_draw(x, keys, params, config))(x)
     assert int(jnp.sum(ok)) == decided, slack
   np.testing.assert_array_equal(np.asarray(token), np.asarray(sample_reference(logits, keys, params)))
 
@@ -369,7 +370,7 @@ def test_gpu_default_exports_for_cuda_without_a_sort_of_the_vocabulary(params):
   """The GPU path's top-k calls and sorts see short rows only (outside the fallback's search)."""
   b, v = 8, 128256
   keys = sampling_keys(jnp.uint32(0), jnp.arange(b, dtype=jnp.int32), jnp.int32(0))
-  fn = jax.jit(lambda l, k: sample(l, k, params, default_sampler_config("gpu")))
+  fn = small_jit(lambda l, k: sample(l, k, params, default_sampler_config("gpu")))
   text = jax.export.export(fn, platforms=["cuda"])(
       jax.ShapeDtypeStruct((b, v), jnp.float32), keys).mlir_module()
   sorts = [line for line in text.splitlines() if '"stablehlo.sort"' in line or "chlo.top_k" in line]

@@ -24,6 +24,7 @@ from models.llama import random_init
 from models.logprobs import completion_logprobs, prompt_arrays
 from models.prompt_tree import PromptTree
 from models.training import init_train_state, make_batch, train_step
+from strategies import small_jit
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = preset("tiny").replace(num_heads=4, num_kv_heads=2, head_dim=16)
@@ -116,7 +117,7 @@ def test_logprob_gradients_equal_the_per_sequence_model(tiny):
   pa, c = prompt_arrays(tree), jnp.asarray(comp)
   graphdef, params = nnx.split(tiny)
   # The arrays enter as arguments (closed-over constants would meet concrete-value checks).
-  grad = lambda f: jax.jit(jax.grad(lambda p, pa, c: jnp.sum(
+  grad = lambda f: small_jit(jax.grad(lambda p, pa, c: jnp.sum(
       weights * f(nnx.merge(graphdef, p), pa, c))))(params, pa, c)
   ours = grad(completion_logprobs)
   oracle = grad(lambda m, pa, c: per_sequence_logprobs(m, tree, comp))

@@ -22,7 +22,7 @@ from pallas_kernels.gpu import common
 from pallas_kernels.gpu.config import FusedDecodeOptions, GpuConfig, MosaicPrefixOptions
 from pallas_kernels.gpu.merge import merge_parts
 from pallas_kernels.gpu.suffix import SuffixConfig, flat_rows
-from strategies import SEEDS, count_case, kernel_jit, lengths, rand
+from strategies import SEEDS, count_case, small_jit, lengths, rand
 
 HAS_GPU = jax.default_backend() == "gpu"
 
@@ -55,7 +55,7 @@ class TestInterpret:
   def setup_method(self):
     if not self.interpret and not HAS_GPU:
       pytest.skip("needs a CUDA GPU")
-    jit = functools.partial(kernel_jit, interpret=self.interpret)
+    jit = functools.partial(small_jit, small=self.interpret)
     self.prefix = jit(functools.partial(prefix_attention, interpret=self.interpret),
                       static_argnames=("scale",))
     self.suffix = jit(functools.partial(suffix_attention, interpret=self.interpret),

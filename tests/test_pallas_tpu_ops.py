@@ -19,13 +19,13 @@ from jax_shared_attn import attention_with_lse, hierarchical_attention, shared_p
 from jax_shared_attn import ops as ops_lib
 from jax_shared_attn.testing import oracle_full, oracle_tree, rel_err
 from pallas_kernels import tpu
-from strategies import SEEDS, assert_close, count_case, kernel_jit, lengths, rand, random_tree
+from strategies import SEEDS, assert_close, count_case, small_jit, lengths, rand, random_tree
 
 STATIC = ("causal", "impl", "return_lse", "scale")
 INTERPRETED = jax.default_backend() != "tpu"
-prefix_jit = kernel_jit(shared_prefix_attention, INTERPRETED, static_argnames=STATIC)
-tree_jit = kernel_jit(hierarchical_attention, INTERPRETED, static_argnames=STATIC)
-full_jit = kernel_jit(attention_with_lse, INTERPRETED, static_argnames=("causal", "impl", "scale"))
+prefix_jit = small_jit(shared_prefix_attention, INTERPRETED, static_argnames=STATIC)
+tree_jit = small_jit(hierarchical_attention, INTERPRETED, static_argnames=STATIC)
+full_jit = small_jit(attention_with_lse, INTERPRETED, static_argnames=("causal", "impl", "scale"))
 
 # ((B, Tq, Hq, Hkv, D, P, S), dtype, causal): G 8/2/3/1/8, D 64/80/128/256, empty prefix,
 # empty suffix, Tq > suffix length; the last one crosses 512-key blocks (v5e sizes).

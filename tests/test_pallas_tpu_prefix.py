@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from jax_shared_attn.testing import check_attention, oracle_tree
 from pallas_kernels.tpu import BlockSizes, prefix
-from strategies import SEEDS, count_case, kernel_jit, rand
+from strategies import SEEDS, count_case, small_jit, rand
 
 # (B, Tq, Hq, Hkv, D, P, dtype): G = 8, 3, 2, 1, 8, 3, 7; D 64/80/128/256; P off the
 # 16-key blocks, 1 and 0; rows B*Tq*G off the 16-row blocks.
@@ -46,9 +46,9 @@ class TestInterpret:
   def setup_method(self):
     if not self.interpret and jax.default_backend() != "tpu":
       pytest.skip("needs a TPU")
-    self.prefix = kernel_jit(functools.partial(prefix.prefix_attention, block_sizes=SMALL,
+    self.prefix = small_jit(functools.partial(prefix.prefix_attention, block_sizes=SMALL,
                                                interpret=self.interpret),
-                             interpret=self.interpret, static_argnames=("scale",))
+                             small=self.interpret, static_argnames=("scale",))
 
   @settings(max_examples=24)
   @given(data=st.data(), seed=SEEDS, case=st.sampled_from(CASES))

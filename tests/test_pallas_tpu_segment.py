@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from jax_shared_attn.testing import check_attention, oracle_tree
 from pallas_kernels.tpu import BlockSizes, segment
-from strategies import SEEDS, count_case, kernel_jit, lengths, rand
+from strategies import SEEDS, count_case, small_jit, lengths, rand
 
 # (B, Tq, Hq, Hkv, D, N, T, dtype): G = 8, 3, 2, 1, 6, 3; N 1..5; T off the blocks and 0.
 CASES = (
@@ -50,9 +50,9 @@ class TestInterpret:
   def setup_method(self):
     if not self.interpret and jax.default_backend() != "tpu":
       pytest.skip("needs a TPU")
-    self.segment = kernel_jit(functools.partial(segment.segment_attention, block_sizes=SMALL,
+    self.segment = small_jit(functools.partial(segment.segment_attention, block_sizes=SMALL,
                                                 interpret=self.interpret),
-                              interpret=self.interpret, static_argnames=("scale",))
+                              small=self.interpret, static_argnames=("scale",))
 
   @settings(max_examples=20)
   @given(data=st.data(), seed=SEEDS, case=st.sampled_from(CASES))

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from jax_shared_attn import reference
 from jax_shared_attn.testing import check_attention, oracle_tree
 from pallas_kernels.tpu import BlockSizes, suffix
-from strategies import SEEDS, count_case, kernel_jit, lengths, rand
+from strategies import SEEDS, count_case, small_jit, lengths, rand
 
 # (B, Tq, Hq, Hkv, D, S, dtype, with_prior): G = 8, 3, 2, 1, 8, 3, 5; Tq up to 5 (> some
 # lengths); S off the 16-key blocks, 1 and 0; D 64/80/128/256; the fused merge on 5 of 8.
@@ -50,9 +50,9 @@ class TestInterpret:
   def setup_method(self):
     if not self.interpret and jax.default_backend() != "tpu":
       pytest.skip("needs a TPU")
-    self.suffix = kernel_jit(functools.partial(suffix.suffix_attention, block_sizes=SMALL,
+    self.suffix = small_jit(functools.partial(suffix.suffix_attention, block_sizes=SMALL,
                                                interpret=self.interpret),
-                             interpret=self.interpret, static_argnames=("scale", "causal"))
+                             small=self.interpret, static_argnames=("scale", "causal"))
 
   @settings(max_examples=30)
   @given(data=st.data(), seed=SEEDS, case=st.sampled_from(CASES), causal=st.booleans())

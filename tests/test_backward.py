@@ -306,9 +306,11 @@ def test_oracle_agrees_with_autodiff_of_float64_reference(data, shape, seed):
     levels = c["levels"]
     ref = lambda q, ks, vs, sk, sv: dense_float64(q, ks, vs, sk, sv, levels, c["lens"], causal,
                                                   c["scale"])
-    _, pull = jax.vjp(ref, f64(c["q"]), [f64(l.k) for l in levels], [f64(l.v) for l in levels],
-                      f64(c["sk"]), f64(c["sv"]))
-    dq, dks, dvs, dsk, dsv = pull((jnp.asarray(c["do64"]), jnp.asarray(c["dl64"])))
+    # One program per example (eagerly, each operation compiled on its own for each shape).
+    grads = small_jit(lambda q, ks, vs, sk, sv, do, dl: jax.vjp(ref, q, ks, vs, sk, sv)[1]((do, dl)))
+    dq, dks, dvs, dsk, dsv = grads(f64(c["q"]), [f64(l.k) for l in levels],
+                                   [f64(l.v) for l in levels], f64(c["sk"]), f64(c["sv"]),
+                                   jnp.asarray(c["do64"]), jnp.asarray(c["dl64"]))
     assert dq.dtype == jnp.float64
   want_dq, want, _, _ = oracle_grads(c["q64"], c["do64"], c["dl64"], c["sources"],
                                      c["contexts"], list(c["lens64"]) if causal else None,
@@ -358,8 +360,9 @@ def test_primitives_and_prior_vjp_equal_autodiff_of_the_reference():
   }
   dout, dl = x(b, tq, hq, d), x(b, tq, hq)
   for name, (f, args) in calls.items():
-    pulls = [jax.vjp(functools.partial(f, o), *args)[1] for o in (ours, ops_lib.XLA_OPS)]
-    got, want = (jax.tree.leaves(pull((dout, dl))) for pull in pulls)
+    # One program each (eagerly, every operation would compile on its own).
+    got, want = (jax.tree.leaves(small_jit(lambda *a, o=o: jax.vjp(functools.partial(f, o), *a)[1](
+        (dout, dl)))(*args)) for o in (ours, ops_lib.XLA_OPS))
     for g, w in zip(got, want):
       assert np.isfinite(np.asarray(g)).all(), name
       assert rel_err(g, w) <= 1e-5, name

@@ -209,7 +209,9 @@ def test_steps_decrease_the_loss_of_a_fixed_batch(tiny):
   comp = completions_for(tree, 5, 3)
   rewards = np.random.default_rng(4).standard_normal(tree.num_samples)
   config = GRPOConfig(group_size=2, kl_coef=0.02)
-  old = completion_logprobs(tiny, prompt_arrays(tree), jnp.asarray(comp))
+  graphdef, params = nnx.split(tiny)  # one program (eagerly, each operation compiles alone)
+  old = small_jit(lambda p, pa, c: completion_logprobs(nnx.merge(graphdef, p), pa, c))(
+      params, prompt_arrays(tree), jnp.asarray(comp))
   batch = make_batch(tree, comp, rewards, config, CONFIG, old_logprobs=old)
   opt = optax.adamw(3e-3)
   state = init_train_state(tiny, opt)

@@ -82,8 +82,10 @@ TREE_SHAPES = (
 
 def rand(rng, shape, dtype, scale=1.0):
   """Normal random array in ``dtype`` (as a jnp array) and its exact float64 value."""
-  x = jnp.asarray(rng.normal(size=shape) * scale, jnp.float32).astype(dtype)
-  return x, np.asarray(x.astype(jnp.float32), np.float64)
+  # Rounded in NumPy (ml_dtypes: round to nearest even, as XLA's convert): a jnp conversion
+  # would compile a program for every new shape.
+  x = np.asarray(rng.normal(size=shape) * scale, np.float32).astype(jnp.dtype(dtype))
+  return jnp.asarray(x), x.astype(np.float64)
 
 
 def lengths(draw, b, cap):

@@ -307,7 +307,8 @@ def test_oracle_agrees_with_autodiff_of_float64_reference(data, shape, seed):
     ref = lambda q, ks, vs, sk, sv: dense_float64(q, ks, vs, sk, sv, levels, c["lens"], causal,
                                                   c["scale"])
     # One program per example (eagerly, each operation compiled on its own for each shape).
-    grads = small_jit(lambda q, ks, vs, sk, sv, do, dl: jax.vjp(ref, q, ks, vs, sk, sv)[1]((do, dl)))
+    grads = small_jit(
+        lambda q, ks, vs, sk, sv, do, dl: jax.vjp(ref, q, ks, vs, sk, sv)[1]((do, dl)))
     dq, dks, dvs, dsk, dsv = grads(f64(c["q"]), [f64(l.k) for l in levels],
                                    [f64(l.v) for l in levels], f64(c["sk"]), f64(c["sv"]),
                                    jnp.asarray(c["do64"]), jnp.asarray(c["dl64"]))

@@ -31,11 +31,11 @@ def test_merge_of_any_split_is_full_attention(data, seed, dtype, n_parts):
                                    max_size=n_parts - 1)))
   bounds = [0] + cuts + [tk]
   outs, lses = [], []
+  k_np, v_np = np.asarray(k), np.asarray(v)  # (slices in NumPy: eager ones compile per size)
   for lo, hi in zip(bounds[:-1], bounds[1:]):
     # Each part is a fixed-capacity buffer holding keys [lo, hi): the rest is masked.
-    # (built in NumPy: eager slices of each size would compile one by one)
-    kp, vp = np.zeros_like(np.asarray(k)), np.zeros_like(np.asarray(v))
-    kp[:, :hi - lo], vp[:, :hi - lo] = np.asarray(k)[:, lo:hi], np.asarray(v)[:, lo:hi]
+    kp, vp = np.zeros_like(k_np), np.zeros_like(v_np)
+    kp[:, :hi - lo], vp[:, :hi - lo] = k_np[:, lo:hi], v_np[:, lo:hi]
     o, l = part_jit(q, kp, vp, kv_lengths=jnp.full((b,), hi - lo, jnp.int32), impl="xla")
     outs.append(o)
     lses.append(l)

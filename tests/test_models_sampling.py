@@ -272,7 +272,7 @@ CHUNKED_CASES = (
 @functools.lru_cache(maxsize=None)
 def _jitted_sample(config, params):
   return small_jit(lambda logits, keys: (sample(logits, keys, params, config),
-                                       sample_reference(logits, keys, params)))
+                                         sample_reference(logits, keys, params)))
 
 
 @settings(max_examples=30, deadline=None)

@@ -22,7 +22,7 @@ from pallas_kernels.gpu import common
 from pallas_kernels.gpu.config import FusedDecodeOptions, GpuConfig, MosaicPrefixOptions
 from pallas_kernels.gpu.merge import merge_parts
 from pallas_kernels.gpu.suffix import SuffixConfig, flat_rows
-from strategies import SEEDS, count_case, small_jit, lengths, rand
+from strategies import SEEDS, count_case, lengths, rand, small_jit
 
 HAS_GPU = jax.default_backend() == "gpu"
 

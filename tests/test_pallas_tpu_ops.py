@@ -19,7 +19,8 @@ from jax_shared_attn import attention_with_lse, hierarchical_attention, shared_p
 from jax_shared_attn import ops as ops_lib
 from jax_shared_attn.testing import oracle_full, oracle_tree, rel_err
 from pallas_kernels import tpu
-from strategies import SEEDS, assert_close, count_case, small_jit, lengths, rand, random_tree
+from strategies import (SEEDS, assert_close, count_case, lengths, rand, random_tree,
+                        small_jit)
 
 STATIC = ("causal", "impl", "return_lse", "scale")
 INTERPRETED = jax.default_backend() != "tpu"

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from jax_shared_attn.testing import check_attention, oracle_tree
 from pallas_kernels.tpu import BlockSizes, prefix
-from strategies import SEEDS, count_case, small_jit, rand
+from strategies import SEEDS, count_case, rand, small_jit
 
 # (B, Tq, Hq, Hkv, D, P, dtype): G = 8, 3, 2, 1, 8, 3, 7; D 64/80/128/256; P off the
 # 16-key blocks, 1 and 0; rows B*Tq*G off the 16-row blocks.

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from jax_shared_attn.testing import check_attention, oracle_tree
 from pallas_kernels.tpu import BlockSizes, segment
-from strategies import SEEDS, count_case, small_jit, lengths, rand
+from strategies import SEEDS, count_case, lengths, rand, small_jit
 
 # (B, Tq, Hq, Hkv, D, N, T, dtype): G = 8, 3, 2, 1, 6, 3; N 1..5; T off the blocks and 0.
 CASES = (

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from jax_shared_attn.testing import check_attention, lse_err, oracle_tree, rel_err
 from pallas_kernels.tpu import BlockSizes, shared
-from strategies import SEEDS, count_case, small_jit, lengths, rand
+from strategies import SEEDS, count_case, lengths, rand, small_jit
 
 SMALL = BlockSizes(prefix_rows=16, prefix_keys=16, suffix_keys=16, suffix_step_bytes=16 << 10)
 # ((B, Tq, Hq, Hkv, D, S), prefix P or None, levels ((N, T), ...), dtype, causal)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from jax_shared_attn import reference
 from jax_shared_attn.testing import check_attention, oracle_tree
 from pallas_kernels.tpu import BlockSizes, suffix
-from strategies import SEEDS, count_case, small_jit, lengths, rand
+from strategies import SEEDS, count_case, lengths, rand, small_jit
 
 # (B, Tq, Hq, Hkv, D, S, dtype, with_prior): G = 8, 3, 2, 1, 8, 3, 5; Tq up to 5 (> some
 # lengths); S off the 16-key blocks, 1 and 0; D 64/80/128/256; the fused merge on 5 of 8.

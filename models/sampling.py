@@ -117,6 +117,14 @@ class SamplerConfig:
       tried in turn (e.g. ``(6, 15)``: 15 only where none of some row's best 6 was kept; the
       pass that tests them costs about one read of the row plus a compare per token and
       candidate); 0 or ``()``: top-p alone takes the ``candidates`` path.
+    kernel: top-p alone, the first F (``score_candidates[0]``) through one Pallas (Triton)
+      kernel, :mod:`pallas_kernels.gpu.sampler` (a row per program: its noise by
+      approximate logarithms, its candidates, its sums; the tokens stay exact), instead of
+      XLA's passes. Interpreted off CUDA.
+    kernel_min_batch: the kernel runs only for batches of at least this many rows (one row
+      per program: fewer would leave most of the GPU idle); smaller ones take the XLA passes.
+    kernel_tile: the tokens a program takes per step (a power of two); its "lanes" (the tokens
+      ``j + t * kernel_tile``) play the chunks' part.
   """
 
   candidates: Union[int, tuple[int, ...]] = (64, 1024)
@@ -125,6 +133,9 @@ class SamplerConfig:
   chunk: int = 0
   score_candidates: Union[int, tuple[int, ...]] = (6, 15)
   tie_slack: int = 16
+  kernel: bool = False
+  kernel_min_batch: int = 128
+  kernel_tile: int = 2048
 
   def __post_init__(self):
     sizes = (self.candidates,) if np.ndim(self.candidates) == 0 else tuple(self.candidates)
@@ -144,6 +155,17 @@ class SamplerConfig:
     object.__setattr__(self, "score_candidates", tuple(int(f) for f in fs if f > 0))
     if int(self.tie_slack) != self.tie_slack or self.tie_slack < 0:
       raise ValueError(f"SamplerConfig: {self.tie_slack=} must be an int >= 0")
+    if not isinstance(self.kernel, bool):
+      raise ValueError(f"SamplerConfig: {self.kernel=} must be a bool")
+    if int(self.kernel_min_batch) != self.kernel_min_batch or self.kernel_min_batch < 1:
+      raise ValueError(f"SamplerConfig: {self.kernel_min_batch=} must be an int >= 1")
+    if self.kernel and not (self.chunk and 1 <= (self.score_candidates or (0,))[0] <= 7):
+      raise ValueError(f"SamplerConfig: kernel needs chunk (the XLA passes after it) and "
+                       f"score_candidates whose first F is 1..7 (it runs that F); got "
+                       f"{self.chunk=}, {self.score_candidates=}")
+    tile = self.kernel_tile
+    if int(tile) != tile or tile < 1 or int(tile) & (int(tile) - 1):
+      raise ValueError(f"SamplerConfig: {self.kernel_tile=} must be a power of two")
 
 
 def default_sampler_config(platform: str) -> SamplerConfig:
@@ -159,7 +181,8 @@ def default_sampler_config(platform: str) -> SamplerConfig:
   if platform == "cpu":
     return SamplerConfig(candidates=(64, 1024), search_width=1, chunk=128, score_candidates=())
   if platform == "gpu":  # the best 6 scores decide a row but with probability ~0.1^6
-    return SamplerConfig(candidates=0, search_width=15, chunk=128, score_candidates=(6, 15))
+    return SamplerConfig(candidates=0, search_width=15, chunk=128, score_candidates=(6, 15),
+                         kernel=True)
   return SamplerConfig(candidates=0, search_width=15)
 
 
@@ -461,6 +484,38 @@ def _score_draw(x: Array, keys: Array, params: SamplingParams, g: int, f: int, c
   return jnp.any(kept, axis=1), token.astype(jnp.int32)
 
 
+def _kernel_score_draw(logits: Array, keys: Array, params: SamplingParams, config: SamplerConfig):
+  """(ok, token) of top-p alone as :func:`_score_draw`, with the passes over the row in one kernel.
+
+  The kernel picks F candidates and sums by its own noise; here their scores are recomputed
+  with ``jax.random.gumbel``'s bits (:func:`_gumbel_at`) and a row is decided only where its
+  best kept candidate beats every other token's score (``bound``, the kernel's) by a margin
+  far above the kernel's rounding, so the token is ``categorical``'s whatever that rounding.
+  """
+  from pallas_kernels.gpu import sampler as kernel
+
+  v = logits.shape[1]
+  pos, above, total, bound = kernel.score_candidates(
+      logits, jax.random.key_data(keys), temperature=params.temperature,
+      f=config.score_candidates[0], tile=config.kernel_tile)
+  # Positions past the row's end (rows shorter than F chunks) are never kept.
+  x = jnp.take_along_axis(logits, jnp.minimum(pos, v - 1), axis=1).astype(jnp.float32)
+  x = x / params.temperature
+  score = jnp.where(above < jnp.float32(params.top_p) * total[:, None], x + _gumbel_at(keys, pos),
+                    -jnp.inf)
+  best = jnp.max(score, axis=1)
+  token = jnp.min(jnp.where(score == best[:, None], pos, v), axis=1)  # argmax's tie rule
+  # The kernel's scores are within NOISE_ERROR of the exact ones, plus float32 rounding of
+  # x = l * (1 / T) and of the sum (a few ulps).
+  finite = jnp.where(jnp.isfinite(bound), jnp.abs(bound), 0.0)
+  margin = 2 * kernel.NOISE_ERROR + 2.0 ** -18 * (jnp.abs(best) + finite)
+  return (best > -jnp.inf) & (best > bound + margin), token.astype(jnp.int32)
+
+
+def _use_kernel(config: SamplerConfig, batch: int) -> bool:
+  return config.kernel and batch >= config.kernel_min_batch
+
+
 def sample(logits: Array, keys: Array, params: SamplingParams,
            config: Optional[SamplerConfig] = None) -> Array:
   """int32 ``[B]``: the next token of each sequence from float ``logits [B, V]``.
@@ -482,13 +537,23 @@ def sample(logits: Array, keys: Array, params: SamplingParams,
   if not (sizes or config.chunk) or not (top_k or params.top_p is not None) or (
       not _partitionable_threefry()):
     return full()
-  x = logits.astype(jnp.float32) / params.temperature
   if config.chunk and top_k and _top_k_levels(v, params.top_k, config.chunk, config.tie_slack):
+    x = logits.astype(jnp.float32) / params.temperature
     return _first_decided([lambda: _chunked_top_k_draw(x, keys, params, config)], full)
   if config.chunk and not top_k and config.score_candidates:
-    maxima = _score_noise(x, keys, config.chunk)  # one pass, shared by every F tried
-    return _first_decided([functools.partial(_score_draw, x, keys, params, config.chunk, f, maxima)
-                           for f in config.score_candidates], full)
+    def score_path(fs):
+      if not fs:
+        return full()
+      x = logits.astype(jnp.float32) / params.temperature
+      maxima = _score_noise(x, keys, config.chunk)  # one pass, shared by every F tried
+      return _first_decided([functools.partial(_score_draw, x, keys, params, config.chunk, f,
+                                               maxima) for f in fs], full)
+
+    if _use_kernel(config, logits.shape[0]):  # its F first; the XLA passes for the next F
+      return _first_decided([lambda: _kernel_score_draw(logits, keys, params, config)],
+                            lambda: score_path(config.score_candidates[1:]))
+    return score_path(config.score_candidates)
+  x = logits.astype(jnp.float32) / params.temperature
   return _first_decided([functools.partial(_candidate_draw, x, keys, params, k) for k in sizes],
                         full)
 

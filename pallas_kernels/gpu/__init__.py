@@ -9,6 +9,8 @@
 ``shared_attention``   the whole decomposition in the folded row layout (``shared.py``); on
                        Hopper, decoding with one shared prefix runs prefix and suffixes in ONE
                        Mosaic GPU kernel (``shared_mgpu``).
+``sampler.py``         not attention: the top-p draw's passes over the logits in one kernel
+                       (noise, candidates, sums; used by ``models.sampling``).
 ``config.py``          :class:`GpuConfig`, the choices a call passes (static under jit).
 ``dispatch.py``        which kernels run a call: a pure function of shapes and config.
 """

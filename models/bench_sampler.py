@@ -52,7 +52,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
                  help="sampler configurations: default (the backend's), search:W (threshold "
                       "search only, W trial thresholds per pass), candidates:K (K candidates, "
                       "then the search), chunk:G[/F] (the chunked paths, chunks of G, F score "
-                      "candidates, e.g. 15 or 6+15, the default)")
+                      "candidates, e.g. 15 or 6+15, the default), kernel:T (chunk:128 with "
+                      "top-p alone's first F through the Pallas kernel, T tokens per step, "
+                      "whatever the batch)")
   p.add_argument("--no-reference", action="store_true", help="skip the sorting reference")
   p.add_argument("--trials", type=int, default=7)
   p.add_argument("--out", default="runs/sampler")
@@ -74,10 +76,13 @@ def parse_config(text: str):
       g, _, f = value.partition("/")
       return SamplerConfig(candidates=0, search_width=15, chunk=int(g),
                            score_candidates=tuple(int(n) for n in (f or "6+15").split("+")))
+    if kind == "kernel":
+      return SamplerConfig(candidates=0, search_width=15, chunk=128, score_candidates=(6, 15),
+                           kernel=True, kernel_min_batch=1, kernel_tile=int(value or 2048))
   except ValueError as e:
     raise UsageError(f"--configs {text!r}: {e}") from None
-  raise UsageError(f"--configs: unknown {text!r}; use default, search:W, candidates:K or "
-                   "chunk:G[/F]")
+  raise UsageError(f"--configs: unknown {text!r}; use default, search:W, candidates:K, "
+                   "chunk:G[/F] or kernel:T")
 
 
 def run_row(shape, distribution: str, setting: str, variants: dict, trials: int,

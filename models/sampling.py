@@ -23,7 +23,10 @@ logit ``c`` whose weight ``W(c) = sum of w(x) over x >= c`` reaches a target
    token in the order of Gumbel scores; the chunks of best score hold the best
    F tokens, and one pass tests all F against p (F = 6, then 15 where some row
    kept none of its 6: each best-scoring token is kept with probability >= p).
-   Where a row is not decided (ties, none of the F kept), the whole batch takes 2.
+   Where a row is not decided (ties, none of the F kept), the whole batch takes 2. On the
+   GPU (``SamplerConfig.kernel``, from ``kernel_min_batch`` rows) the first F runs in one
+   Pallas kernel (:mod:`pallas_kernels.gpu.sampler`: approximate noise, exact candidate
+   scores recomputed here, a row decided only with a margin over the kernel's error).
 1. Candidates (``SamplerConfig.candidates``, e.g. K = 64 and then 1024):
    ``lax.top_k(x, K)``. Where
    every row's threshold lies strictly above its K-th candidate, every kept

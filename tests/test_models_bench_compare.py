@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 from models import bench_compare
 from models.cli import main
 from test_models_loading import smollm2_gguf
@@ -57,3 +59,13 @@ def test_bench_sampler_tiny(tmp_path):
       assert isinstance(r[f"{name}_us"], float) and r[f"{name}_us"] > 0
     assert not any(k.endswith("_mismatches") for k in r)
   assert "Every variant drew the reference's tokens." in open(os.path.join(tmp_path, "sampler.md")).read()
+
+
+def test_bench_sampler_parses_the_kernel_config():
+  from models.bench_sampler import parse_config
+  from models.cli import UsageError
+  config = parse_config("kernel:64")
+  assert config.kernel and config.kernel_tile == 64 and config.kernel_min_batch == 1
+  assert parse_config("kernel").kernel_tile == 2048
+  with pytest.raises(UsageError, match="kernel:1000"):
+    parse_config("kernel:1000")

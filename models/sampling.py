@@ -299,17 +299,13 @@ def _gumbel_at(keys: Array, idx: Array) -> Array:
   """float32 ``[B, K]``: ``jax.random.gumbel(keys[b], (V,))[idx[b]]`` without the other V - K draws."""
   from jax.extend.random import threefry2x32_p
 
+  from pallas_kernels.gpu.sampler import gumbel_from_bits
+
   data = jax.random.key_data(keys)  # uint32 [B, 2]
   k1 = jnp.broadcast_to(data[:, :1], idx.shape)
   k2 = jnp.broadcast_to(data[:, 1:], idx.shape)
   b1, b2 = threefry2x32_p.bind(k1, k2, jnp.zeros(idx.shape, jnp.uint32), idx.astype(jnp.uint32))
-  bits = b1 ^ b2
-  # jax.random.uniform(minval=tiny, maxval=1), then -log(-log(u)), step for step.
-  one = np.array(1.0, np.float32).view(np.uint32)
-  floats = lax.bitcast_convert_type((bits >> np.uint32(9)) | one, jnp.float32) - 1.0
-  tiny = jnp.float32(np.finfo(np.float32).tiny)
-  u = lax.max(tiny, floats * (jnp.float32(1.0) - tiny) + tiny)
-  return -jnp.log(-jnp.log(u))
+  return gumbel_from_bits(b1 ^ b2)
 
 
 def _candidate_draw(x: Array, keys: Array, params: SamplingParams, k: int,

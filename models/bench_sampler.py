@@ -17,6 +17,7 @@ the logits (a row maximum). Writes JSON and a Markdown table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -76,9 +77,10 @@ def parse_config(text: str):
       g, _, f = value.partition("/")
       return SamplerConfig(candidates=0, search_width=15, chunk=int(g),
                            score_candidates=tuple(int(n) for n in (f or "6+15").split("+")))
-    if kind == "kernel":
-      return SamplerConfig(candidates=0, search_width=15, chunk=128, score_candidates=(6, 15),
-                           kernel=True, kernel_min_batch=1, kernel_tile=int(value or 2048))
+    if kind == "kernel":  # the GPU default, whatever the batch
+      gpu = default_sampler_config("gpu")
+      return dataclasses.replace(gpu, kernel=True, kernel_min_batch=1,
+                                 kernel_tile=int(value or gpu.kernel_tile))
   except ValueError as e:
     raise UsageError(f"--configs {text!r}: {e}") from None
   raise UsageError(f"--configs: unknown {text!r}; use default, search:W, candidates:K, "

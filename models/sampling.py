@@ -511,10 +511,6 @@ def _kernel_score_draw(logits: Array, keys: Array, params: SamplingParams, confi
   return (best > -jnp.inf) & (best > bound + margin), token.astype(jnp.int32)
 
 
-def _use_kernel(config: SamplerConfig, batch: int) -> bool:
-  return config.kernel and batch >= config.kernel_min_batch
-
-
 def sample(logits: Array, keys: Array, params: SamplingParams,
            config: Optional[SamplerConfig] = None) -> Array:
   """int32 ``[B]``: the next token of each sequence from float ``logits [B, V]``.
@@ -548,7 +544,8 @@ def sample(logits: Array, keys: Array, params: SamplingParams,
       return _first_decided([functools.partial(_score_draw, x, keys, params, config.chunk, f,
                                                maxima) for f in fs], full)
 
-    if _use_kernel(config, logits.shape[0]):  # its F first; the XLA passes for the next F
+    if config.kernel and logits.shape[0] >= config.kernel_min_batch:
+      # The kernel's F first; the XLA passes for the next F.
       return _first_decided([lambda: _kernel_score_draw(logits, keys, params, config)],
                             lambda: score_path(config.score_candidates[1:]))
     return score_path(config.score_candidates)

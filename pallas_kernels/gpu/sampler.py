@@ -63,13 +63,18 @@ def threefry_bits(k0, k1, counter):
   return x0 ^ x1
 
 
-def gumbel_from_bits(bits):
-  """float32 Gumbel noise from 32 random bits, step for step as ``jax.random.gumbel``."""
+def _uniform(bits):
+  """float32 ``u`` in [tiny, 1) from 32 random bits, as ``jax.random.uniform(minval=tiny)``
+  (``floats * (1 - tiny) + tiny``, where ``1 - tiny`` rounds to 1)."""
   one = np.uint32(np.array(1.0, np.float32).view(np.uint32))
   floats = lax.bitcast_convert_type((bits >> np.uint32(9)) | one, jnp.float32) - np.float32(1.0)
   tiny = np.float32(np.finfo(np.float32).tiny)
-  u = jnp.maximum(tiny, floats * np.float32(1.0 - tiny) + tiny)
-  return -jnp.log(-jnp.log(u))
+  return jnp.maximum(tiny, floats * np.float32(1.0 - tiny) + tiny)
+
+
+def gumbel_from_bits(bits):
+  """float32 Gumbel noise from 32 random bits, step for step as ``jax.random.gumbel``."""
+  return -jnp.log(-jnp.log(_uniform(bits)))
 
 
 def _asm(instruction: str, x):
@@ -95,10 +100,7 @@ def gumbel_approx(bits, fast: bool):
   """Gumbel noise of the same 32 random bits as :func:`gumbel_from_bits` to within
   :data:`NOISE_ERROR` (absolute): ``-log(-log(u))`` with ``lg2.approx``, and ``-log(u)`` by its
   series ``d + d^2/2 + d^3/3`` (``d = 1 - u``, exact) where ``d < 2^-7``."""
-  one = np.uint32(np.array(1.0, np.float32).view(np.uint32))
-  floats = lax.bitcast_convert_type((bits >> np.uint32(9)) | one, jnp.float32) - np.float32(1.0)
-  tiny = np.float32(np.finfo(np.float32).tiny)
-  u = jnp.maximum(tiny, floats + tiny)
+  u = _uniform(bits)
   d = np.float32(1.0) - u
   ln2 = np.float32(np.log(2.0))
   series = d * (np.float32(1.0) + d * (np.float32(0.5) + d * np.float32(1.0 / 3.0)))

@@ -4,33 +4,34 @@
     >>> model, tokenizer, config = models.from_pretrained("SmolLM2-135M-Instruct.Q4_1.gguf")
     >>> tokens = models.generate(model, tokenizer.encode("Hi"), num_samples=8, max_new_tokens=32)
 
-Modules (one job each): ``config`` (LlamaConfig, presets), ``rope``, ``llama`` (the NNX
-decoder), ``cache`` (shared segments stored once + per-sequence K/V), ``prompt_tree`` (where
-sharing occurs), ``sharing`` (automatic detection: a radix tree over the prompts), ``sampling``, ``generate`` (prefill + one jitted decode loop), ``loading``
-(HF safetensors, GGUF, orbax), ``tokenizer``, ``cli`` (the ``hydragen`` command).
-See docs/models.md. Names are imported on first use, except ``generate``: the function
-shares its name with its module, so it is bound here, at import, to win over the submodule
-attribute that importing ``models.generate`` sets.
+Subpackages, one concern each: ``model`` (LlamaConfig and presets, RoPE, the NNX decoder),
+``checkpoints`` (HF safetensors, GGUF, orbax; the tokenizer), ``generation`` (KV cache, prompt
+tree, prefill + decode, sampling, the settings value), ``parallel`` (meshes, partition rules,
+multi-process runs), ``training`` (GRPO), ``cli`` (the ``hydragen`` command) and ``bench``
+(benchmarks; nothing in the library imports them). See docs/models.md.
+
+The public names below are imported on first use, except ``generate``, bound at import.
 """
 
 import importlib
+import types
 
-from models.generate import generate  # noqa: E402  (the function, not the module)
+from models import _deprecated
+from models.generation.loop import generate
 
 _EXPORTS = {
-    "LlamaConfig": "models.config", "RopeScaling": "models.config", "PRESETS": "models.config",
-    "preset": "models.config",
-    "Llama": "models.llama", "random_init": "models.llama", "build": "models.llama",
-    "flat_params": "models.llama",
-    "KVCache": "models.cache", "SegmentLevel": "models.cache",
-    "PromptTree": "models.prompt_tree", "detect_sharing": "models.sharing",
-    "SamplingParams": "models.sampling",
-    **{name: "models.generate" for name in ("prefill", "decode", "lower_decode", "DecodeState",
-                                            "PAD_ID", "ATTENTION_MODES")},
-    "make_mesh": "models.sharding", "shard_model": "models.sharding",
-    "from_pretrained": "models.loading", "save_pretrained": "models.loading",
-    "model_from_tensors": "models.loading", "Pretrained": "models.loading",
-    "Tokenizer": "models.tokenizer",
+    **{name: "models.model.config" for name in ("LlamaConfig", "RopeScaling", "PRESETS",
+                                                 "preset")},
+    **{name: "models.model.llama" for name in ("Llama", "random_init", "build", "flat_params")},
+    "KVCache": "models.generation.cache", "SegmentLevel": "models.generation.cache",
+    "PromptTree": "models.generation.prompt_tree", "detect_sharing": "models.generation.sharing",
+    "SamplingParams": "models.generation.sampling",
+    **{name: "models.generation.loop" for name in ("prefill", "decode", "lower_decode",
+                                                   "DecodeState", "PAD_ID", "ATTENTION_MODES")},
+    "make_mesh": "models.parallel.sharding", "shard_model": "models.parallel.sharding",
+    **{name: "models.checkpoints.loading" for name in ("from_pretrained", "save_pretrained",
+                                                       "model_from_tensors", "Pretrained")},
+    "Tokenizer": "models.checkpoints.tokenizer",
 }
 
 __all__ = sorted([*_EXPORTS, "generate"])
@@ -44,3 +45,17 @@ def __getattr__(name):
 
 def __dir__():
   return __all__
+
+
+class _Package(types.ModuleType):
+  """``models`` itself: importing the old module ``models.generate`` (an alias) makes the
+  import system bind it here, which would hide the function; that binding is ignored."""
+
+  def __setattr__(self, name, value):
+    if name == "generate" and isinstance(value, types.ModuleType):
+      return
+    super().__setattr__(name, value)
+
+
+_deprecated.install()
+importlib.import_module(__name__).__class__ = _Package

@@ -97,13 +97,17 @@ def impl(request):
   return request.config.getoption("--impl")
 
 
+# The folders of the model-side tests (tests/<subpackage of models>/).
+MODEL_TEST_DIRS = ("model", "checkpoints", "generation", "training")
+
+
 def pytest_collection_modifyitems(config, items):
   """Marks 'device' the tests that run the configured attention path: those taking the ``impl``
   fixture, and the model tests (they use impl="auto", the kernels on a GPU or TPU). Runs the
   tests marked 'slow' (minutes each: subprocesses, notebooks) first, in their order, so that
   pytest-xdist's workers do not end on one of them while the other worker idles."""
   for item in items:
-    if "impl" in getattr(item, "fixturenames", ()) or item.path.name.startswith("test_models_"):
+    if "impl" in getattr(item, "fixturenames", ()) or item.path.parent.name in MODEL_TEST_DIRS:
       item.add_marker(pytest.mark.device)
   items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
 
@@ -112,10 +116,10 @@ def pytest_collection_modifyitems(config, items):
 def tiny_dir(tmp_path_factory):
   """A saved tiny model (context 1024) with a byte-level tokenizer (one token per byte), for the
   command-line tests."""
-  from models.config import preset
-  from models.llama import random_init
-  from models.loading import save_pretrained
-  from models.tokenizer import Tokenizer, _bytes_to_unicode
+  from models.model.config import preset
+  from models.model.llama import random_init
+  from models.checkpoints.loading import save_pretrained
+  from models.checkpoints.tokenizer import Tokenizer, _bytes_to_unicode
 
   path = str(tmp_path_factory.mktemp("tiny"))
   spelling = _bytes_to_unicode()

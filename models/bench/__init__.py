@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m models.bench attention`` (see attention.py)."""

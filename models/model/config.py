@@ -1,0 +1,235 @@
+"""The Llama architecture's hyperparameters, and named presets.
+
+One frozen (hashable) dataclass covers Llama 2, Llama 3.x, CodeLlama and
+SmolLM2: they differ only in sizes, RoPE base and scaling, the GQA ratio and
+whether the output projection is tied to the embedding. ``LlamaConfig`` is
+hashable so that it can be a static argument of ``jax.jit``.
+
+    >>> cfg = preset("llama-3-8b")                    # the shape only; weights come from loading
+    >>> cfg = cfg.replace(dtype="bfloat16", max_position_embeddings=32768)
+    >>> cfg = LlamaConfig.from_hf(json.load(open("config.json")))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping, Optional
+
+import jax.numpy as jnp
+
+DTYPES = ("float32", "bfloat16", "float16")
+ROPE_KINDS = ("linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """RoPE frequency scaling for long contexts.
+
+  ``kind="linear"``: every frequency divided by ``factor`` (positions
+  interpolated). ``kind="llama3"``: Llama 3.1's piecewise rule: wavelengths
+  longer than ``original_max_position_embeddings / low_freq_factor`` are
+  divided by ``factor``, shorter than ``... / high_freq_factor`` kept, and
+  interpolated smoothly in between (see :func:`models.model.rope.inverse_frequencies`).
+  """
+
+  kind: str
+  factor: float
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if self.kind not in ROPE_KINDS:
+      raise ValueError(f"RopeScaling: kind must be one of {ROPE_KINDS}; got {self.kind!r}")
+    if not self.factor > 0:
+      raise ValueError(f"RopeScaling: factor must be > 0; got {self.factor}")
+    if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+      raise ValueError("RopeScaling: llama3 scaling needs high_freq_factor > low_freq_factor; got "
+                       f"{self.high_freq_factor} <= {self.low_freq_factor}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Hyperparameters of a Llama-family decoder.
+
+  Attributes:
+    vocab_size, hidden_size, num_layers, intermediate_size: the model sizes.
+    num_heads: query heads Hq; num_kv_heads: key/value heads Hkv
+      (``Hq % Hkv == 0``: MHA ``Hkv = Hq``, GQA, MQA ``Hkv = 1``).
+    head_dim: per-head size D (default ``hidden_size // num_heads``).
+    rms_norm_eps: RMSNorm epsilon.
+    rope_theta: RoPE base; rope_scaling: optional :class:`RopeScaling`.
+    rope_freq_factors: optional per-frequency divisors (``head_dim // 2``
+      floats), as llama.cpp stores Llama 3.1 scaling (``rope_freqs.weight``).
+    max_position_embeddings: the context length; generation refuses to go
+      beyond it (raise it with :meth:`replace` for benchmarks on random weights).
+    tie_word_embeddings: the output projection is the embedding (SmolLM2).
+    dtype: parameter and activation dtype, one of ``DTYPES``; logits are
+      always float32.
+    bos_token_id, eos_token_id: informational (the tokenizer is authoritative).
+    name: a label for printing.
+  """
+
+  vocab_size: int
+  hidden_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  intermediate_size: int
+  head_dim: Optional[int] = None
+  rms_norm_eps: float = 1e-5
+  rope_theta: float = 10000.0
+  rope_scaling: Optional[RopeScaling] = None
+  rope_freq_factors: Optional[tuple[float, ...]] = None
+  max_position_embeddings: int = 4096
+  tie_word_embeddings: bool = False
+  dtype: str = "float32"
+  bos_token_id: Optional[int] = None
+  eos_token_id: Optional[int] = None
+  name: str = ""
+
+  def __post_init__(self):
+    if self.head_dim is None:
+      object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_heads, 1))
+    if isinstance(self.rope_scaling, Mapping):
+      object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+    if self.rope_freq_factors is not None:
+      object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in self.rope_freq_factors))
+    for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                  "intermediate_size", "head_dim", "max_position_embeddings"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"LlamaConfig: {field} must be a positive int; got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"LlamaConfig: num_heads ({self.num_heads}) must be a multiple of "
+                       f"num_kv_heads ({self.num_kv_heads})")
+    if self.head_dim % 2:
+      raise ValueError(f"LlamaConfig: head_dim must be even for RoPE; got {self.head_dim}")
+    if self.dtype not in DTYPES:
+      raise ValueError(f"LlamaConfig: dtype must be one of {DTYPES}; got {self.dtype!r}")
+    if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+      raise ValueError(f"LlamaConfig: rope_freq_factors must hold head_dim // 2 = "
+                       f"{self.head_dim // 2} values; got {len(self.rope_freq_factors)}")
+
+  @property
+  def param_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.dtype)
+
+  @property
+  def num_params(self) -> int:
+    """Parameter count (the tied output projection counted once)."""
+    d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+    attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    per_layer = attn + 3 * d * f + 2 * d
+    return self.num_layers * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
+
+  def replace(self, **changes: Any) -> "LlamaConfig":
+    return dataclasses.replace(self, **changes)
+
+  # -- serialisation ------------------------------------------------------------------------------
+
+  def to_dict(self) -> dict:
+    out = dataclasses.asdict(self)
+    if self.rope_freq_factors is not None:
+      out["rope_freq_factors"] = list(self.rope_freq_factors)
+    return out
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "LlamaConfig":
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in known})
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+  @classmethod
+  def from_hf(cls, hf: Mapping[str, Any], **overrides: Any) -> "LlamaConfig":
+    """From a Hugging Face ``config.json`` dict (transformers 4.x or 5.x spelling).
+
+    transformers 5 writes ``rope_parameters = {"rope_type", "rope_theta", ...}``;
+    older files write ``rope_theta`` and ``rope_scaling = {"type"|"rope_type", ...}``.
+    """
+    if hf.get("model_type", "llama") not in ("llama", "mistral"):
+      raise ValueError(f"LlamaConfig.from_hf: model_type must be 'llama'; got {hf['model_type']!r}")
+    for flag in ("attention_bias", "mlp_bias"):
+      if hf.get(flag):
+        raise ValueError(f"LlamaConfig.from_hf: {flag}=true is not supported (Llama has no biases)")
+    if hf.get("hidden_act", "silu") != "silu":
+      raise ValueError(f"LlamaConfig.from_hf: hidden_act must be 'silu'; got {hf['hidden_act']!r}")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+      scaling = None
+    elif kind in ROPE_KINDS:
+      scaling = RopeScaling(
+          kind=kind, factor=float(rope["factor"]),
+          low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+          high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+          original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)))
+    else:
+      raise ValueError(f"LlamaConfig.from_hf: rope type {kind!r} is not supported "
+                       f"(supported: default, {', '.join(ROPE_KINDS)})")
+    heads = int(hf["num_attention_heads"])
+    eos = hf.get("eos_token_id")
+    torch_dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    fields = dict(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        intermediate_size=int(hf["intermediate_size"]),
+        head_dim=hf.get("head_dim") or int(hf["hidden_size"]) // heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype=torch_dtype if torch_dtype in DTYPES else "float32",
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        name=str(hf.get("_name_or_path", "")),
+    )
+    fields.update(overrides)
+    return cls(**fields)
+
+
+# -- presets: the shapes of published checkpoints (weights come from loading or random init) ------
+
+_LLAMA_7B = dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+                 intermediate_size=11008, rms_norm_eps=1e-5)
+_LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+                  num_kv_heads=8, intermediate_size=14336, rms_norm_eps=1e-5, rope_theta=500000.0,
+                  bos_token_id=128000, eos_token_id=128001)
+
+PRESETS: dict[str, LlamaConfig] = {
+    # Tiny: CI and tests (GQA 2:1, every code path, compiles in seconds on a CPU).
+    "tiny": LlamaConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                        intermediate_size=128, max_position_embeddings=1024, name="tiny"),
+    "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
+                                num_kv_heads=3, intermediate_size=1536, rope_theta=100000.0,
+                                max_position_embeddings=8192, tie_word_embeddings=True,
+                                bos_token_id=1, eos_token_id=2, name="smollm2-135m"),
+    "llama-2-7b": LlamaConfig(vocab_size=32000, **_LLAMA_7B, max_position_embeddings=4096,
+                              bos_token_id=1, eos_token_id=2, name="llama-2-7b"),
+    "llama-3-8b": LlamaConfig(**_LLAMA3_8B, max_position_embeddings=8192, name="llama-3-8b"),
+    "llama-3.1-8b": LlamaConfig(**_LLAMA3_8B, max_position_embeddings=131072,
+                                rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
+                                name="llama-3.1-8b"),
+    "codellama-7b": LlamaConfig(vocab_size=32016, **_LLAMA_7B, rope_theta=1e6,
+                                max_position_embeddings=16384, bos_token_id=1, eos_token_id=2,
+                                name="codellama-7b"),
+    "codellama-13b": LlamaConfig(vocab_size=32016, hidden_size=5120, num_layers=40, num_heads=40,
+                                 num_kv_heads=40, intermediate_size=13824, rms_norm_eps=1e-5,
+                                 rope_theta=1e6, max_position_embeddings=16384, bos_token_id=1,
+                                 eos_token_id=2, name="codellama-13b"),
+}
+
+
+def preset(name: str, **changes: Any) -> LlamaConfig:
+  """The named preset (see ``PRESETS``), with optional field changes."""
+  if name not in PRESETS:
+    raise ValueError(f"preset: name must be one of {', '.join(sorted(PRESETS))}; got {name!r}")
+  return PRESETS[name].replace(**changes) if changes else PRESETS[name]

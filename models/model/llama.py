@@ -1,0 +1,361 @@
+"""The Llama decoder in Flax NNX: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+
+Covers Llama 2, Llama 3.x, CodeLlama and SmolLM2 (see :mod:`models.model.config`).
+Layout ``[batch, seq, heads, head_dim]``; parameters and activations in
+``config.dtype``; RMSNorm statistics, RoPE angles and the logits in float32.
+
+Projection weights are ``[in, out]`` (q_proj ``[hidden, Hq, D]``, o_proj ``[Hq, D, hidden]``,
+gate ``[hidden, F]``, ...), as in Flax's ``Linear``: a product reads its weight as it lies.
+Checkpoints store PyTorch's ``[out, in]``; :mod:`models.checkpoints.loading` transposes each tensor (or
+each block a device holds) once, as it is read. On a CPU this matters: XLA's YNNPACK matrix
+products repack an ``[out, in]`` weight into a new buffer the first time a program runs
+(SmolLM2-135M, 8 samples x 32 tokens: 1.0 s more for the first prefill and decode calls)
+and decode ~35% slower with it; GPUs and TPUs read either orientation. The embedding stays
+``[V, hidden]`` (a lookup reads its rows; the tied output projection reads it in place).
+
+    >>> model = random_init(preset("tiny"), seed=0)           # random weights
+    >>> logits = model(tokens)                               # [B, T] -> float32 [B, T, vocab]
+    >>> logits, cache = model(tokens, cache=cache)           # with a KV cache (models.generation.cache)
+
+With a cache, attention goes through :mod:`jax_shared_attn`: shared levels
+(the Hydragen tree) with :func:`hierarchical_attention`, or only own K/V
+(the standard baseline) with :func:`attention_with_lse`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jax_shared_attn import attention_with_lse, hierarchical_attention
+from jax_shared_attn.sharding import AttentionSharding, sharded
+from models.generation.cache import KVCache
+from models.model.config import LlamaConfig
+from models.parallel.sharding import write_per_shard
+from models.model.rope import apply_rope, inverse_frequencies
+
+Array = jax.Array
+
+
+# Our layout of each projection = the checkpoint's ``[out, in]`` tensor, heads split out
+# (q_proj ``[Hq, D, hidden]``, o_proj ``[hidden, Hq, D]``), transposed by this permutation.
+CHECKPOINT_PERMS = {
+    "self_attn.q_proj": (2, 0, 1), "self_attn.k_proj": (2, 0, 1), "self_attn.v_proj": (2, 0, 1),
+    "self_attn.o_proj": (1, 2, 0),
+    "mlp.gate_proj": (1, 0), "mlp.up_proj": (1, 0), "mlp.down_proj": (1, 0),
+}
+
+
+def _precision(dtype) -> lax.Precision:
+  # float32 weights get true float32 products (TF32 on GPUs costs ~1e-3
+  # relative error and would break the float32 parity checks).
+  return lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else lax.Precision.DEFAULT
+
+
+def _einsum(spec: str, x: Array, w: nnx.Param) -> Array:
+  w = w[...]
+  return jnp.einsum(spec, x, w, precision=_precision(w.dtype))
+
+
+# The head projections multiply by their weights seen as one matrix, ``[hidden, Hq * D]`` and
+# ``[Hq * D, hidden]`` (a reshape: no data moves). With the 3-D weights, XLA's CPU backend
+# transposed each one into a new buffer on every decode step (3.5 MB per layer and step for
+# SmolLM2-135M; the batch-8 step ran 1.6x slower: docs/sampling-and-cli.md).
+def _heads_in(x: Array, w: nnx.Param) -> Array:
+  """``x [B, T, hidden]`` times ``w [hidden, H, D]`` -> ``[B, T, H, D]``."""
+  w = w[...]
+  hidden, h, d = w.shape
+  y = jnp.einsum("btc,cn->btn", x, w.reshape(hidden, h * d), precision=_precision(w.dtype))
+  return y.reshape(x.shape[:2] + (h, d))
+
+
+def _heads_out(x: Array, w: nnx.Param) -> Array:
+  """``x [B, T, H, D]`` times ``w [H, D, hidden]`` -> ``[B, T, hidden]``."""
+  w = w[...]
+  h, d, hidden = w.shape
+  return jnp.einsum("btn,nc->btc", x.reshape(x.shape[:2] + (h * d,)), w.reshape(h * d, hidden),
+                    precision=_precision(w.dtype))
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02) -> nnx.Param:
+  return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+
+# XLA's GPU dot merger turns the q, k and v projections (three products of one operand) into
+# one product over the concatenated weights, and inside the decode loop it concatenates the
+# weights again at every step (they are loop-invariant, but the concatenation is not hoisted):
+# 100 MB of copies per layer and step at Llama-3-8B, 35 us on an H100, 1.1 ms per step at
+# batch 512-1024 (docs/results/2026-11-23-h100-projections/). Giving the k and v products their
+# own copies of the operand (an optimization barrier: no data moves) keeps three products. From
+# this many rows (batch x tokens) on; below, XLA merged them without the copies (measured).
+SEPARATE_PROJECTIONS_MIN_ROWS = 512
+
+
+def _unshared(x: Array, n: int) -> tuple[Array, ...]:
+  """``n`` values equal to ``x`` that XLA cannot see as one operand (no copy is made)."""
+  return lax.optimization_barrier((x,) * n)
+
+
+class RMSNorm(nnx.Module):
+  """``weight * x / sqrt(mean(x^2) + eps)``, statistics in float32 (as transformers)."""
+
+  def __init__(self, dim: int, eps: float, dtype):
+    self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    self.eps = eps
+
+  def __call__(self, x: Array) -> Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.weight[...] * normed.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with RoPE over a (shared-segment) KV cache."""
+
+  def __init__(self, config: LlamaConfig, layer: int, *, rngs: nnx.Rngs):
+    c, dt = config, config.param_dtype
+    self.q_proj = _normal(rngs, (c.hidden_size, c.num_heads, c.head_dim), dt)
+    self.k_proj = _normal(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), dt)
+    self.v_proj = _normal(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), dt)
+    self.o_proj = _normal(rngs, (c.num_heads, c.head_dim, c.hidden_size), dt)
+    self.layer = layer
+    self.inv_freq = tuple(float(f) for f in inverse_frequencies(config))
+
+  def __call__(self, x: Array, positions: Array, cache: Optional[KVCache], *,
+               skip_attention: bool, impl: str,
+               sharding: Optional[AttentionSharding] = None) -> tuple[Array, Optional[KVCache]]:
+    xq = _heads_in(x, self.q_proj)  # (bs, seqlen, n_heads, head_dim)
+    rows = x.shape[0] * x.shape[1]
+    x_k, x_v = _unshared(x, 2) if rows >= SEPARATE_PROJECTIONS_MIN_ROWS else (x, x)
+    keys = _heads_in(x_k, self.k_proj)  # (bs, seqlen, n_kv_heads, head_dim)
+    values = _heads_in(x_v, self.v_proj)
+    inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
+    xq, keys = apply_rope(xq, positions, inv_freq), apply_rope(keys, positions, inv_freq)
+    if skip_attention:
+      out = _no_attention(xq, keys, values)
+    elif cache is None and impl == "cudnn":  # the per-sequence flash baseline of benchmarks
+      if sharding is not None:
+        raise ValueError("impl='cudnn' (jax.nn.dot_product_attention) runs without a mesh only")
+      out = jax.nn.dot_product_attention(xq, keys, values, is_causal=True, implementation="cudnn")
+    elif cache is None:
+      out, _ = _per_shard(attention_with_lse, sharding)(xq, keys, values, causal=True, impl=impl)
+    else:
+      cache = (cache.write(self.layer, keys, values) if sharding is None
+               else write_per_shard(cache, self.layer, keys, values, sharding))
+      out = _cached_attention(xq, cache, self.layer, x.shape[1], impl, sharding)
+    return _heads_out(out, self.o_proj), cache
+
+
+def _no_attention(xq: Array, keys: Array, values: Array) -> Array:
+  """The "no attention" ceiling (paper Sec. 4.1): no scores, no cache.
+
+  Returns something cheap that depends on q, k and v, so that XLA keeps the
+  q/k/v projections (and RoPE) the paper keeps in this baseline.
+  """
+  group = xq.shape[2] // keys.shape[2]
+  return xq + jnp.repeat(keys + values, group, axis=2)
+
+
+def _per_shard(fn, sharding: Optional[AttentionSharding]):
+  """``fn`` itself, or on a mesh ``fn`` under shard_map: each device runs it (kernels
+  included) on its sequences x heads block, with no communication (models.parallel.sharding)."""
+  return fn if sharding is None else sharded(fn, *sharding)
+
+
+def _cached_attention(xq: Array, cache: KVCache, layer: int, t: int, impl: str,
+                      sharding: Optional[AttentionSharding] = None) -> Array:
+  """Causal attention of the T new queries over shared levels + own K/V (just written)."""
+  own_k, own_v = cache.k[layer], cache.v[layer]  # [B, S, Hkv, D], this layer's own buffers
+  own_lengths = cache.lengths + t
+  if cache.levels:  # Hydragen: each shared segment attended once by all its sequences' queries
+    return _per_shard(hierarchical_attention, sharding)(
+        xq, cache.shared_levels(layer), own_k, own_v, suffix_lengths=own_lengths, causal=True,
+        impl=impl)
+  out, _ = _per_shard(attention_with_lse, sharding)(xq, own_k, own_v, kv_lengths=own_lengths,
+                                                    causal=True, impl=impl)
+  return out
+
+
+class MLP(nnx.Module):
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    c, dt = config, config.param_dtype
+    self.gate_proj = _normal(rngs, (c.hidden_size, c.intermediate_size), dt)
+    self.up_proj = _normal(rngs, (c.hidden_size, c.intermediate_size), dt)
+    self.down_proj = _normal(rngs, (c.intermediate_size, c.hidden_size), dt)
+
+  def __call__(self, x: Array) -> Array:
+    hidden = jax.nn.silu(_einsum("btd,df->btf", x, self.gate_proj))
+    hidden = hidden * _einsum("btd,df->btf", x, self.up_proj)
+    return _einsum("btf,fd->btd", hidden, self.down_proj)
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+
+  def __init__(self, config: LlamaConfig, layer: int, *, rngs: nnx.Rngs):
+    dt = config.param_dtype
+    self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+    self.self_attn = Attention(config, layer, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+    self.mlp = MLP(config, rngs=rngs)
+
+  def __call__(self, x, positions, cache, *, skip_attention, impl, sharding=None):
+    attn_out, cache = self.self_attn(self.input_layernorm(x), positions, cache,
+                                     skip_attention=skip_attention, impl=impl, sharding=sharding)
+    h = x + attn_out
+    return h + self.mlp(self.post_attention_layernorm(h)), cache
+
+
+class Llama(nnx.Module):
+  """The decoder: embedding, ``num_layers`` blocks, final norm, output projection.
+
+  Parameter names follow transformers' (``embed_tokens``, ``layers[i].self_attn.q_proj``,
+  ...) so that checkpoints map one to one.
+  """
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    dt = config.param_dtype
+    self.config = config
+    self.embed_tokens = _normal(rngs, (config.vocab_size, config.hidden_size), dt)
+    self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)])
+    self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+    self.lm_head = (None if config.tie_word_embeddings
+                    else _normal(rngs, (config.vocab_size, config.hidden_size), dt))
+
+  def __call__(self, tokens: Array, *, positions: Optional[Array] = None,
+               cache: Optional[KVCache] = None, skip_attention: bool = False,
+               impl: str = "auto", sharding: Optional[AttentionSharding] = None):
+    """Runs the decoder on int ``tokens [B, T]``.
+
+    Args:
+      tokens: int32 ``[B, T]``.
+      positions: int32 ``[B, T]`` absolute positions; default ``arange(T)``
+        without a cache, and each sequence's context length onward with one.
+      cache: a :class:`models.generation.cache.KVCache`; the T new tokens' K/V are written
+        at each sequence's own length and attend causally over its shared
+        levels and own tokens. ``None``: plain causal attention over ``tokens``.
+      skip_attention: the "no attention" throughput ceiling (wrong outputs;
+        benchmarks only): no K/V is written or read, only the lengths (and so
+        the positions) advance.
+      impl: attention implementation passed to :mod:`jax_shared_attn`.
+      sharding: on a device mesh, where the batch and heads live
+        (:func:`models.parallel.sharding.attention_sharding`); attention then runs
+        per shard under ``shard_map``. The parameters, tokens and cache must
+        be laid out by the rules of :mod:`models.parallel.sharding`. None: no mesh.
+
+    Returns:
+      float32 logits ``[B, T, vocab]``; with a cache, ``(logits, new_cache)``
+      with the cache's lengths advanced by T.
+    """
+    b, t = tokens.shape
+    if positions is None:
+      start = cache.context_lengths() if cache is not None else jnp.zeros((b,), jnp.int32)
+      positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    x = self.embed_tokens[...][tokens]  # [B, T, hidden]
+    for layer in self.layers:
+      x, cache = layer(x, positions, cache, skip_attention=skip_attention, impl=impl,
+                       sharding=sharding)
+    logits = self.logits(self.norm(x))
+    if cache is None:
+      return logits
+    return logits, cache.advance(t)
+
+  def logits(self, h: Array) -> Array:
+    """float32 ``[B, T, vocab]`` from final hidden states ``[B, T, hidden]``."""
+    w = self.embed_tokens if self.lm_head is None else self.lm_head
+    w = w[...]
+    return jnp.einsum("btd,vd->btv", h, w, precision=_precision(w.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+
+# -- building models from arrays ---------------------------------------------------------------
+
+def param_shapes(config: LlamaConfig) -> dict[str, jax.ShapeDtypeStruct]:
+  """Dotted parameter path (``layers.0.self_attn.q_proj``) -> shape and dtype."""
+  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  return _flatten(nnx.to_pure_dict(nnx.state(abstract)))
+
+
+def flat_params(model: Llama) -> dict[str, jax.Array]:
+  """The model's parameters as dotted path -> array (what :func:`build` takes)."""
+  return _flatten(nnx.to_pure_dict(nnx.state(model)))
+
+
+def build(config: LlamaConfig, params: Mapping[str, Any]) -> Llama:
+  """A :class:`Llama` holding ``params`` (dotted path -> array, every parameter).
+
+  Raises ValueError naming a missing, unexpected or mis-shaped parameter.
+  Arrays are converted to ``config.dtype``.
+  """
+  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  tree = nnx.to_pure_dict(state)
+  expected = _flatten(tree)
+  missing, extra = sorted(set(expected) - set(params)), sorted(set(params) - set(expected))
+  if missing or extra:
+    raise ValueError(f"build: parameters do not match the config: missing {missing[:4]}, "
+                     f"unexpected {extra[:4]}")
+  for path, value in params.items():
+    if tuple(value.shape) != tuple(expected[path].shape):
+      raise ValueError(f"build: {path} has shape {tuple(value.shape)}; the config needs "
+                       f"{tuple(expected[path].shape)}")
+    node, keys = tree, [int(k) if k.isdigit() else k for k in path.split(".")]
+    for key in keys[:-1]:
+      node = node[key]
+    node[keys[-1]] = jnp.asarray(value, config.param_dtype)
+  nnx.replace_by_pure_dict(state, tree)
+  return nnx.merge(graphdef, state)
+
+
+def random_init(config: LlamaConfig, seed: int = 0, *, std: float = 0.02, mesh=None) -> Llama:
+  """Random weights drawn on the host with NumPy (normal(0, std); norms at 1).
+
+  Nothing is compiled, so small models (tests, CI) appear instantly. For
+  large shapes on one accelerator, draw on the device instead with
+  :func:`models.bench.decode.device_random_init` ``(config, seed=0, std=0.02)``:
+  one small jitted ``jax.random`` draw per parameter shape, in
+  ``config.param_dtype`` (a single jitted program initialising a whole 8B
+  model took XLA minutes to compile on an H100). Its values differ from
+  these and it takes no ``mesh``; a model too large for one device is drawn
+  here with ``mesh`` instead. With ``mesh`` (see
+  :func:`models.parallel.sharding.make_mesh`) each tensor goes straight to its shards
+  as it is drawn, so no device receives more than its block (the same values
+  as without a mesh).
+  """
+  rng = np.random.default_rng(seed)
+  place = lambda path, x: x
+  if mesh is not None:
+    from models.parallel import sharding
+    mesh = sharding.make_mesh(mesh)
+    place = lambda path, x: sharding.place_param(path, x, config, mesh)
+  params = {}
+  for path, spec in param_shapes(config).items():
+    if path.endswith("norm.weight"):
+      params[path] = place(path, np.ones(spec.shape, np.float32))
+    else:
+      # Drawn in the checkpoints' [out, in] order, then transposed: a seed gives the same
+      # model whatever our layout.
+      perm = CHECKPOINT_PERMS.get(path.split(".", 2)[-1], tuple(range(len(spec.shape))))
+      view = tuple(spec.shape[perm.index(i)] for i in range(len(perm)))
+      params[path] = place(path, np.ascontiguousarray(
+          (std * rng.standard_normal(view, np.float32)).transpose(perm)))
+  return build(config if mesh is None else sharding.sharded_config(config, mesh), params)
+
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, Mapping):
+      out.update(_flatten(value, name + "."))
+    else:
+      out[name] = value
+  return out

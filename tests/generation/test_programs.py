@@ -1,0 +1,143 @@
+"""Stored programs (models.generation.programs): the same tokens, loaded without tracing, never stale."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from models.generation import programs as programs_lib
+from models.model.config import preset
+from models.generation.loop import decode, generate, prefill
+from models.model.llama import random_init
+from models.generation.programs import ProgramStore
+
+SAMPLED = dict(temperature=0.8, top_p=0.9)
+# The store's mechanics on the portable path: on a GPU or TPU impl="auto" runs Pallas kernels,
+# whose custom calls jax.export refuses (test_programs_with_custom_kernels_run_without_the_store).
+IMPL = "xla"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return random_init(preset("tiny").replace(num_heads=6, num_kv_heads=2, head_dim=16), seed=3,
+                     std=0.12)
+
+
+def prompt():
+  return [int(t) for t in np.random.default_rng(0).integers(0, 256, 21)]
+
+
+def stored_tokens(model, store, steps=(3, None), **kw):
+  """prefill + decode in ``steps`` calls through ``store``."""
+  sampling = dict(SAMPLED, **kw)
+  state = prefill(model, prompt(), num_samples=3, max_new_tokens=8, seed=1, programs=store, impl=IMPL)
+  for n in steps:
+    state = decode(model, state, n, programs=store, impl=IMPL, **sampling)
+  return np.asarray(state.completions())
+
+
+def test_stored_programs_give_the_tokens_of_the_plain_path_and_load_in_a_new_process(tiny,
+                                                                                     tmp_path):
+  plain = np.asarray(generate(tiny, prompt(), num_samples=3, max_new_tokens=8, seed=1, impl=IMPL,
+                            **SAMPLED))
+  store = ProgramStore(str(tmp_path))
+  np.testing.assert_array_equal(stored_tokens(tiny, store), plain)
+  assert (store.loaded, store.exported) == (0, 2)  # prefill and decode, each traced once
+  assert sorted(f.split("-")[0] for f in os.listdir(tmp_path) if f.endswith(".jaxexport")) == [
+      "decode", "prefill"]
+  again = ProgramStore(str(tmp_path))  # what a second process sees
+  np.testing.assert_array_equal(stored_tokens(tiny, again, steps=(None,)), plain)
+  # The decode program followed the prefill: it was read while the prefill ran.
+  assert (again.loaded, again.exported, again.preloaded) == (2, 0, 1)
+  assert again.summary() == "2 programs loaded (1 read ahead), none traced"
+
+
+def test_a_missing_damaged_or_stale_read_ahead_costs_nothing_but_the_read(tiny, tmp_path):
+  plain = stored_tokens(tiny, ProgramStore(str(tmp_path)))
+  index = tmp_path / programs_lib.NEXT_INDEX
+  decode_file = next(f for f in tmp_path.iterdir() if f.name.startswith("decode-"))
+  good = decode_file.read_bytes()
+  cases = {"index damaged": lambda: index.write_text("{not json"),
+           "index empty": lambda: index.write_text("{}"),
+           "index of other types": lambda: index.write_text(json.dumps(
+               {k: {"key": [1], "donated": ["a"]} for k in json.loads(index.read_text())})),
+           "program file damaged": lambda: decode_file.write_bytes(b"not a program"),
+           "program file gone": decode_file.unlink}
+  for case, spoil in cases.items():
+    if not decode_file.exists():
+      decode_file.write_bytes(good)
+    spoil()
+    store = ProgramStore(str(tmp_path))
+    np.testing.assert_array_equal(stored_tokens(tiny, store), plain, err_msg=case)
+    assert store.preloaded == 0, case
+    assert store.loaded + store.exported == 2, case
+    # Whatever happened, the store knows again what follows the prefill.
+    assert list(programs_lib.ProgramStore(str(tmp_path))._index().values())[0]["key"].startswith(
+        "decode-"), case
+
+
+def test_the_stored_decode_program_donates_the_state(tiny, tmp_path):
+  store = ProgramStore(str(tmp_path))
+  state = prefill(tiny, prompt(), num_samples=3, max_new_tokens=8, programs=store, impl=IMPL)
+  state = jax.device_put(state, jax.devices()[0])
+  cache_k = state.cache.k[0]
+  out = decode(tiny, state, 2, programs=store, impl=IMPL, **SAMPLED)
+  assert cache_k.is_deleted()  # updated in place, as without the store
+  assert int(out.step) == 2
+
+
+def test_a_changed_model_sampler_setting_code_or_flag_is_another_program(tiny, tmp_path, monkeypatch):
+  store = ProgramStore(str(tmp_path))
+  stored_tokens(tiny, store)
+  assert store.exported == 2
+  # Same shapes, another config value: new programs, and that model's own tokens.
+  other = random_init(tiny.config.replace(rope_theta=500.0), seed=3, std=0.12)
+  plain = np.asarray(generate(other, prompt(), num_samples=3, max_new_tokens=8, seed=1,
+                              impl=IMPL, **SAMPLED))
+  np.testing.assert_array_equal(stored_tokens(other, store), plain)
+  assert store.exported == 4
+  # Another static sampler setting: a new decode program (the prefill one is reused).
+  stored_tokens(tiny, store, top_p=0.5)
+  assert store.exported == 5
+  assert len([f for f in os.listdir(tmp_path) if f.endswith(".jaxexport")]) == 5
+  assert store.loaded == 0
+  # Changed code, a changed jax flag, another shape: other keys (so other files).
+  args = [np.zeros(2, np.float32)]
+  key = store.key("decode", (), args)
+  assert key != store.key("decode", (), [np.zeros(3, np.float32)])
+  with jax.numpy_rank_promotion("warn"):
+    assert key != store.key("decode", (), args)
+  monkeypatch.setattr(programs_lib, "code_fingerprint", lambda: "edited")
+  assert key != store.key("decode", (), args)
+
+
+def test_a_damaged_program_file_is_traced_again(tiny, tmp_path):
+  stored_tokens(tiny, ProgramStore(str(tmp_path)))
+  for name in os.listdir(tmp_path):
+    with open(tmp_path / name, "wb") as f:
+      f.write(b"not a program")
+  store = ProgramStore(str(tmp_path))
+  plain = np.asarray(generate(tiny, prompt(), num_samples=3, max_new_tokens=8, seed=1, impl=IMPL,
+                            **SAMPLED))
+  np.testing.assert_array_equal(stored_tokens(tiny, store), plain)
+  assert (store.loaded, store.exported) == (0, 2)
+
+
+def test_programs_with_custom_kernels_run_without_the_store(tiny, tmp_path, monkeypatch):
+  """jax.export refuses custom calls (the GPU kernels): such a program runs as before."""
+  def refuse(*a, **k):
+    raise ValueError("Cannot serialize code with custom calls whose targets have no guarantees")
+  monkeypatch.setattr(jax.export, "export", lambda fn, **k: refuse)
+  store = ProgramStore(str(tmp_path))
+  plain = np.asarray(generate(tiny, prompt(), num_samples=3, max_new_tokens=8, seed=1, impl=IMPL,
+                            **SAMPLED))
+  np.testing.assert_array_equal(stored_tokens(tiny, store), plain)
+  assert (store.loaded, store.exported, store.unstorable) == (0, 0, 2)
+  assert "2 not storable" in store.summary() and not os.listdir(tmp_path)
+
+
+def test_store_path_errors_name_the_argument():
+  with pytest.raises(ValueError, match="path"):
+    ProgramStore("")

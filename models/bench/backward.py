@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_shared_attn import GpuConfig, shared_prefix_attention
-from models.bench import timing
+from models.bench import common, timing
 from jax_shared_attn.testing import rel_err
 
 HEADS = (32, 8, 128)  # Llama-3-8B: Hq, Hkv, D
@@ -275,7 +275,7 @@ def main(argv=None):
   dtype = jnp.dtype(args.dtype)
   per_seq_impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
   os.makedirs(args.out, exist_ok=True)
-  info = timing.device_info()
+  info = common.stamp()
   bw = timing.copy_bandwidth(args.ceiling_bytes)
   rate = timing.matmul_rate(args.matmul_n, dtype)
   info.update(bandwidth_GBps=bw / 1e9, matmul_TFLOPs=rate / 1e12, dtype=dtype.name,

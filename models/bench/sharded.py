@@ -45,7 +45,7 @@ import sys
 import time
 from typing import Optional
 
-from models.cli.app import register
+from models.bench import common
 
 HERE = "models.bench.sharded"
 OPTIONS = (  # (flag, argparse keywords): shared by the command and its worker processes
@@ -65,9 +65,11 @@ OPTIONS = (  # (flag, argparse keywords): shared by the command and its worker p
 )
 
 
-@register("bench sharded", help="Sharded decoding: meshes of one process, jax.distributed "
-          "processes, the same tokens, throughput, model-axis collectives.")
-def _configure(p: argparse.ArgumentParser) -> None:
+HELP = ("Sharded decoding: meshes of one process, jax.distributed processes, the same tokens, "
+        "throughput, model-axis collectives.")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
   for flag, kw in OPTIONS:
     p.add_argument(flag, **kw)
   p.add_argument("--processes", type=int, default=None,
@@ -121,8 +123,7 @@ def _run(args: argparse.Namespace) -> int:
   with open(os.path.join(args.out, "sharded.json"), "w") as f:
     json.dump(result, f, indent=1)
   md = markdown(result)
-  with open(os.path.join(args.out, "sharded.md"), "w") as f:
-    f.write(md)
+  common.write_text(os.path.join(args.out, "sharded.md"), md)
   print(md)
   bad = [c for c in result["comparison"] if c.get("same_tokens") is False]
   return 1 if (bad or "processes_error" in result

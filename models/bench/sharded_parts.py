@@ -9,6 +9,9 @@ import functools
 import gc
 import time
 
+from models.bench import common
+
+
 def device_init(config, mesh, seed: int = 0, std: float = 0.02):
   """Random weights drawn on the devices, each parameter directly on its shards.
 
@@ -95,11 +98,6 @@ def token_cases(meshes, impl: str, say, which=("one", "tree", "standard")) -> di
   return tokens
 
 
-def _is_oom(e: Exception) -> bool:
-  text = str(e)
-  return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-
-
 def largest_batch(config, mesh, args) -> int:
   """The most sequences that fit, from the device memory: (free / bytes per sequence) x 0.6.
 
@@ -168,7 +166,7 @@ def throughput(config, mesh, batch, args, say) -> dict:
       row.update(steps=steps, step_ms=dt / steps * 1e3, tokens_per_s=b * steps / dt)
       break
     except Exception as e:  # noqa: BLE001 -- an out-of-memory point is reported, not fatal
-      if not _is_oom(e):
+      if not common.is_oom(e):
         raise
       row["tokens_per_s"] = "oom"
     finally:

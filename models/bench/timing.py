@@ -159,9 +159,3 @@ def matmul_rate(n: int = 8192, dtype=jnp.bfloat16, trials: int = 7) -> float:
     return jax.lax.fori_loop(0, iters, lambda i, x: (x @ w).astype(dtype), a)
 
   return 2 * n**3 * iters / _seconds_per_run(loop, a, trials)
-
-
-def device_info() -> dict:
-  d = jax.devices()[0]
-  return {"backend": jax.default_backend(), "device": d.device_kind, "count": jax.device_count(),
-          "jax": jax.__version__, "date": time.strftime("%Y-%m-%d")}

@@ -28,9 +28,12 @@ import statistics
 import sys
 import time
 
-from models.cli.app import register
+from models.bench import common
 
 MODES = ("hydragen", "standard")
+
+
+HELP = "A whole GRPO training step: hydragen vs standard attention."
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -50,15 +53,6 @@ def configure(p: argparse.ArgumentParser) -> None:
                  help="recompute each layer in the backward pass (jax.checkpoint)")
   p.add_argument("--out", default="runs/train")
   p.set_defaults(handler=main_args)
-
-
-register("bench train", help="A whole GRPO training step: hydragen vs standard attention.")(
-    configure)
-
-
-def _is_oom(e: Exception) -> bool:
-  text = str(e)
-  return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
 def run_mode(config, mode: str, *, prompt: int, completion: int, group: int, steps: int,
@@ -117,7 +111,7 @@ def run_mode(config, mode: str, *, prompt: int, completion: int, group: int, ste
     if "peak_bytes_in_use" in stats:
       row["peak_gb_so_far"] = round(stats["peak_bytes_in_use"] / 2**30, 3)
   except Exception as e:  # noqa: BLE001 (an OOM is a result; anything else is re-raised)
-    if not _is_oom(e):
+    if not common.is_oom(e):
       raise
     row["error"] = "OOM"
   finally:
@@ -165,10 +159,8 @@ def main_args(args: argparse.Namespace) -> int:
   # cuDNN's flash attention takes 16-bit inputs only
   cudnn_ok = jax.default_backend() == "gpu" and args.dtype in ("bfloat16", "float16")
   standard_impl = args.standard_impl or ("cudnn" if cudnn_ok else args.impl)
-  info = dict(model=args.model, layers=args.layers, dtype=args.dtype, remat=args.remat,
-              prompt=args.prompt, completion=args.completion, group=args.group,
-              device=jax.devices()[0].device_kind, jax=jax.__version__,
-              date=time.strftime("%Y-%m-%d", time.gmtime()))
+  info = common.stamp(model=args.model, layers=args.layers, dtype=args.dtype, remat=args.remat,
+                      prompt=args.prompt, completion=args.completion, group=args.group)
   rows = []
   for mode in modes:
     impl = args.impl if mode == "hydragen" else standard_impl
@@ -176,11 +168,9 @@ def main_args(args: argparse.Namespace) -> int:
                          group=args.group, steps=args.steps, impl=impl, remat=args.remat))
     print(json.dumps(rows[-1]), flush=True)
   os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "train.json"), "w") as f:
-    json.dump(dict(info=info, rows=rows), f, indent=1)
+  common.write_json(os.path.join(args.out, "train.json"), info, rows)
   text = markdown(rows, info)
-  with open(os.path.join(args.out, "train.md"), "w") as f:
-    f.write(text)
+  common.write_text(os.path.join(args.out, "train.md"), text)
   print(text)
   return 0
 

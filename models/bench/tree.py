@@ -41,30 +41,29 @@ import os
 import sys
 import time
 
+from models.bench import common
 from models.bench import decode as bench_decode
-from models.cli import app as cli
+from models.errors import UsageError
 
 MODES = ("standard", "single-level", "two-level")
 HEADROOM = 0.9  # of the budget: XLA's temporaries, fragmentation
 
 
-def _ints(text: str) -> list[int]:
-  return [int(x) for x in text.split(",") if x]
+HELP = ("Hierarchical sharing (Sec. 4.4): standard vs single- vs two-level Hydragen over a "
+        "few-shot prompt and N problems x M samples.")
 
 
-@cli.register("bench tree", help="Hierarchical sharing (Sec. 4.4): standard vs single- vs "
-              "two-level Hydragen over a few-shot prompt and N problems x M samples.")
 def configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default="llama-3-8b", help="a preset name (random weights)")
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--impl", default="auto", help="attention implementation (jax_shared_attn impl)")
   p.add_argument("--shots", type=int, default=2400, help="tokens of the shared few-shot prompt")
   p.add_argument("--problems", type=int, default=120, help="N problems in the data set")
-  p.add_argument("--problem-tokens", type=_ints, default=[300, 700], metavar="MIN,MAX",
+  p.add_argument("--problem-tokens", type=common.ints, default=[300, 700], metavar="MIN,MAX",
                  help="each problem's length, drawn uniformly (default 300,700)")
   p.add_argument("--samples", type=int, default=128, help="M samples per problem")
   p.add_argument("--new-tokens", type=int, default=512)
-  p.add_argument("--batch", type=_ints, default=[1, 2, 4, 8],
+  p.add_argument("--batch", type=common.ints, default=[1, 2, 4, 8],
                  help="problems per batch to compare at equal batch (default 1,2,4,8)")
   p.add_argument("--modes", default=",".join(MODES))
   p.add_argument("--sampling", default=",".join(bench_decode.SAMPLINGS),
@@ -292,7 +291,7 @@ def run_point(model, data: Dataset, mode: str, b: int, *, samples: int, new_toke
       if on_batch is not None:
         on_batch()
   except Exception as e:  # noqa: BLE001 -- a point that cannot run is reported, not fatal
-    if not bench_decode._is_oom(e):
+    if not common.is_oom(e):
       raise
     row.update(total_s="x", tokens_per_s="x", why="out of memory")
     return row
@@ -398,9 +397,7 @@ def _plot(rows, path: str, title: str) -> None:
   ax.set_title(title, fontsize=9)
   ax.grid(alpha=0.3)
   ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  common.save_png(fig, path)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -412,19 +409,19 @@ def _run(args: argparse.Namespace) -> int:
   modes = args.modes.split(",")
   bad = set(modes) - set(MODES)
   if bad:
-    raise cli.UsageError(f"--modes: unknown {sorted(bad)}; choose from {MODES}")
+    raise UsageError(f"--modes: unknown {sorted(bad)}; choose from {MODES}")
   samplings = [x for x in args.sampling.split(",") if x]
   bad = set(samplings) - set(bench_decode.SAMPLINGS)
   if bad or not samplings:
-    raise cli.UsageError(f"--sampling: unknown {sorted(bad)}; choose from "
+    raise UsageError(f"--sampling: unknown {sorted(bad)}; choose from "
                          f"{', '.join(bench_decode.SAMPLINGS)}")
   if len(args.problem_tokens) not in (1, 2):
-    raise cli.UsageError("--problem-tokens must be MIN,MAX (or one length)")
+    raise UsageError("--problem-tokens must be MIN,MAX (or one length)")
   lo, hi = args.problem_tokens[0], args.problem_tokens[-1]
   if not 2 <= lo <= hi:
-    raise cli.UsageError("--problem-tokens must satisfy 2 <= MIN <= MAX")
+    raise UsageError("--problem-tokens must satisfy 2 <= MIN <= MAX")
   if args.new_tokens < 2 or args.samples < 1 or args.problems < 1 or args.shots < 1:
-    raise cli.UsageError("--new-tokens >= 2, --samples, --problems, --shots >= 1")
+    raise UsageError("--new-tokens >= 2, --samples, --problems, --shots >= 1")
   config = preset(args.model)
   longest = args.shots + hi + args.new_tokens
   config = config.replace(dtype=args.dtype,
@@ -437,9 +434,7 @@ def _run(args: argparse.Namespace) -> int:
   device = jax.devices()[0].device_kind
   print(f"random {args.model} weights on {device} in {time.perf_counter() - t0:.1f} s",
         file=sys.stderr, flush=True)
-  info = dict(model=args.model, dtype=args.dtype, device=device, backend=jax.default_backend(),
-              jax=jax.__version__, date=time.strftime("%Y-%m-%d"), impl=args.impl,
-              shots=args.shots, problems=args.problems, problem_tokens=[lo, hi],
+  info = common.stamp(model=args.model, dtype=args.dtype, impl=args.impl, shots=args.shots, problems=args.problems, problem_tokens=[lo, hi],
               samples=args.samples, new_tokens=args.new_tokens, budget_GB=budget / 1e9,
               timed_batches=args.timed_batches, seed=args.seed)
   points = [(m, b) for b in sorted({min(b, args.problems) for b in args.batch}) for m in modes]
@@ -472,14 +467,11 @@ def _run(args: argparse.Namespace) -> int:
         bar.update(n_batches(b))
       rows.append(row)
       tqdm.write(json.dumps(row), file=sys.stderr)
-      with open(stem + ".json", "w") as f:
-        json.dump(dict(info=info, rows=rows), f, indent=1)
+      common.write_json(stem + ".json", info, rows)
   summary = summarize(rows)
-  with open(stem + ".json", "w") as f:
-    json.dump(dict(info=info, rows=rows, summary=summary), f, indent=1)
+  common.write_json(stem + ".json", info, rows, summary=summary)
   md = _markdown(rows, info, summary)
-  with open(stem + ".md", "w") as f:
-    f.write(md)
+  common.write_text(stem + ".md", md)
   for i, sampling in enumerate(samplings):  # the first sampling's plot keeps the plain name
     _plot([r for r in rows if r["sampling"] == sampling],
           stem + (".png" if i == 0 else f"_{sampling}.png"),

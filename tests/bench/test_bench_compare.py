@@ -6,7 +6,7 @@ import os
 import pytest
 
 from models.bench import compare as bench_compare
-from models.cli.app import main
+from models.cli import main
 from model_checks import smollm2_gguf
 
 pytestmark = pytest.mark.device  # runs the model's attention path (docs/gpu-tests.md)
@@ -65,7 +65,7 @@ def test_bench_sampler_tiny(tmp_path):
 
 def test_bench_sampler_parses_the_kernel_config():
   from models.bench.sampler import parse_config
-  from models.cli.app import UsageError
+  from models.errors import UsageError
   config = parse_config("kernel:64")
   assert config.kernel and config.kernel_tile == 64 and config.kernel_min_batch == 1
   assert parse_config("kernel").kernel_tile == 2048

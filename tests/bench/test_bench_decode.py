@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from models.cli.app import main
+from models.cli import main
 
 pytestmark = pytest.mark.device  # runs the model's attention path (docs/gpu-tests.md)
 

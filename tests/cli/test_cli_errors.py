@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import pytest
 
 from models.cli import app as cli
+from models.cli import generate as generate_command
+from models.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -110,16 +112,16 @@ def test_argparse_errors_are_one_line_too(capsys):
 
 
 def test_debug_shows_the_traceback(tiny_dir):
-  with pytest.raises(cli.UsageError, match="--top-p"):
+  with pytest.raises(UsageError, match="--top-p"):
     cli.main(["generate", "--prompt", "hi", "--model", tiny_dir, "--top-p", "2", "--debug",
               "--no-progress", "--compile-cache", ""])
 
 
 def test_stream_prints_the_first_sample_as_it_grows(tiny_dir, capsys, monkeypatch):
   shown = []
-  real = cli._Stream.update
-  monkeypatch.setattr(cli, "STREAM_CHUNK", 3)
-  monkeypatch.setattr(cli._Stream, "update",
+  real = generate_command._Stream.update
+  monkeypatch.setattr(generate_command, "STREAM_CHUNK", 3)
+  monkeypatch.setattr(generate_command._Stream, "update",
                       lambda self, row: (real(self, row), shown.append(self.shown))[0])
   assert cli.main(["generate", "--prompt", "hello", "--model", tiny_dir, "--num-samples", "2",
                    "--max-new-tokens", "10", "--stream", "--seed", "4", "--no-progress",

@@ -165,7 +165,7 @@ def run(ckpt, out, port=None, n=1, i=0):
   with open(out, "w") as f:
     json.dump(result, f)
   # The command line last: process 0 prints the completions (JSON), the others nothing.
-  from models.cli.app import main as cli
+  from models.cli import main as cli
   cli(["generate", "--model", ckpt, "--prompt", "The sea, the sea", "--num-samples", "4",
        "--max-new-tokens", "5", "--temperature", "0", "--ignore-eos", "--json", "--no-progress",
        "--compile-cache", "", "--mesh", "2x2"]

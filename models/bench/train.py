@@ -36,6 +36,21 @@ MODES = ("hydragen", "standard")
 HELP = "A whole GRPO training step: hydragen vs standard attention."
 
 
+def cudnn_causal(q, k, v):
+  """cuDNN's fused flash attention (causal), the standard mode's baseline on GPUs."""
+  import jax
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def attention_settings(impl: str):
+  """The training step's attention: ``"cudnn"`` (:func:`cudnn_causal` for the standard mode's
+  cache-less attention) or a :mod:`jax_shared_attn` impl."""
+  from models.generation.settings import GenerationSettings
+  if impl == "cudnn":
+    return GenerationSettings(causal_attention=cudnn_causal)
+  return GenerationSettings(impl=impl)
+
+
 def configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default="llama-3-8b", help="a preset name (random weights)")
   p.add_argument("--layers", type=int, default=16, help="decoder layers (as many as fit)")
@@ -80,8 +95,8 @@ def run_mode(config, mode: str, *, prompt: int, completion: int, group: int, ste
              completion=completion, group=group, remat=remat,
              tokens=(prompt + group * completion if mode == "hydragen"
                      else group * (prompt + completion)))
-  kwargs = dict(config=grpo, optimizer=optimizer, attention=attention, impl=impl, remat=remat,
-                mesh=None)
+  kwargs = dict(config=grpo, optimizer=optimizer, attention=attention,
+                settings=attention_settings(impl), remat=remat, mesh=None)
   try:
     # Drawn here and dropped once copied into the state: one copy of the weights on the device.
     state = training.init_train_state(device_random_init(config, seed=seed), optimizer)

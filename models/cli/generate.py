@@ -81,6 +81,14 @@ def check_generate_args(args: argparse.Namespace) -> None:
     raise UsageError(f"--impl {args.impl!r} is not one of {', '.join(IMPLS)}")
 
 
+def settings_of(args: argparse.Namespace):
+  """The :class:`~models.generation.settings.GenerationSettings` of the sampling and
+  attention flags (checked by :func:`check_generate_args`)."""
+  from models.generation.settings import GenerationSettings
+  return GenerationSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            impl=args.impl)
+
+
 def check_dtype_runs(dtype: str) -> None:
   """Raises :class:`UsageError` when the default device cannot run a matmul in ``dtype``."""
   import jax
@@ -132,20 +140,20 @@ def _generate(args: argparse.Namespace, cache: CompileCache) -> int:
     raise UsageError(f"--max-new-tokens {args.max_new_tokens}: with a prompt of {longest} tokens "
                      f"it exceeds the model's context of {config.max_position_embeddings} tokens")
   eos_id = None if args.ignore_eos else tokenizer.eos_id
+  settings = settings_of(args)
 
   t0 = time.perf_counter()
   total_prompt = sum(len(p) for p in prompts)
   with _progress_bar(bars, total_prompt, "prefill", "tok") as bar:
     state = prefill(model, prompts, num_samples=args.num_samples,
                     max_new_tokens=args.max_new_tokens, attention=args.attention,
-                    impl=args.impl, seed=args.seed, progress=lambda n: bar.update(n - bar.n),
+                    settings=settings, seed=args.seed, progress=lambda n: bar.update(n - bar.n),
                     mesh=mesh, programs=cache.programs)
     jax.block_until_ready(state)
     bar.update(bar.total - bar.n)  # each prompt's last token is fed by decode step 0
   prefill_s = time.perf_counter() - t0
 
-  sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                  eos_id=eos_id, impl=args.impl, programs=cache.programs)
+  sampling = dict(settings=settings, eos_id=eos_id, programs=cache.programs)
   stream = (_Stream(tokenizer, sys.stdout)
             if args.stream and jax.process_index() == 0 else None)
   with _progress_bar(bars and not args.stream, args.max_new_tokens, "decode", "step") as bar:

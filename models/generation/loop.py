@@ -1,8 +1,13 @@
 """Generation: prefill each shared segment once, then decode in ONE jitted loop.
 
     >>> tokens = generate(model, prompt, num_samples=16, max_new_tokens=64)     # [16, 64]
+    >>> settings = GenerationSettings(temperature=0.7, top_p=0.9)
     >>> tokens = generate(model, [few_shot + p1, few_shot + p2], num_samples=[8, 4],
-    ...                   max_new_tokens=64, temperature=0.7, top_p=0.9)          # [12, 64]
+    ...                   max_new_tokens=64, settings=settings)                    # [12, 64]
+
+How tokens are drawn and which attention runs is one value, a
+:class:`models.generation.settings.GenerationSettings`; ``temperature``, ``top_k``, ``top_p``
+and ``impl`` are also taken one by one (applied on top of ``settings``).
 
 Three attention modes (the paper's Sec. 4.1 comparison):
 
@@ -51,7 +56,8 @@ from models.generation.cache import KVCache, SegmentLevel
 from models.model.llama import Llama
 from models.generation.programs import ProgramStore
 from models.generation.prompt_tree import PromptTree
-from models.generation.sampling import SamplingParams, sample, sampling_keys
+from models.generation.sampling import sample, sampling_keys
+from models.generation.settings import GenerationSettings, resolve
 
 Array = jax.Array
 ATTENTION_MODES = ("hydragen", "standard", "none")
@@ -102,12 +108,11 @@ class DecodeState:
 # -- the public entry points ----------------------------------------------------------------------
 
 def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Sequence[int], None] = 1,
-             max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,
-             top_p: Optional[float] = None, eos_id: Optional[int] = None, seed: int = 0,
-             attention: str = "hydragen", impl: str = "auto", pad_id: int = PAD_ID,
-             prefill_chunk: Optional[int] = None,
+             max_new_tokens: int, settings: Optional[GenerationSettings] = None,
+             eos_id: Optional[int] = None, seed: int = 0, attention: str = "hydragen",
+             pad_id: int = PAD_ID, prefill_chunk: Optional[int] = None,
              progress: Optional[Callable[[int], None]] = None, mesh=None,
-             programs: Optional[ProgramStore] = None) -> Array:
+             programs: Optional[ProgramStore] = None, **shorthands) -> Array:
   """Samples ``max_new_tokens`` tokens for each of ``num_samples`` samples per prompt.
 
   Args:
@@ -121,12 +126,14 @@ def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Seque
     num_samples: samples per prompt: an int, or one int per prompt (ignored
       for a PromptTree, which lists its samples).
     max_new_tokens: tokens to generate per sample (>= 1).
-    temperature, top_k, top_p: see :mod:`models.generation.sampling` (0 = greedy).
+    settings: a :class:`~models.generation.settings.GenerationSettings`: the sampling rule
+      (temperature, top_k, top_p; 0 = greedy), the attention implementation and kernel
+      config for :mod:`jax_shared_attn`, the sampler's config. Default: greedy, ``"auto"``.
     eos_id: a sample stops after emitting it; the rest of its row is ``pad_id``.
-    seed: sampling seed; the token of sample b at step t depends only on
-      (seed, b, t), so every attention mode draws with the same randomness.
+    seed: sampling seed; the token of sample b (the caller's index) at step t depends only
+      on (seed, b, t): not on the batch layout or decode order, and every attention mode
+      draws with the same randomness.
     attention: ``"hydragen"``, ``"standard"`` or ``"none"`` (module docstring).
-    impl: attention implementation for :mod:`jax_shared_attn` (``"auto"``, ``"xla"``, ...).
     pad_id: the id written after EOS (default -1).
     prefill_chunk: prefill long prompt segments this many tokens at a time.
     progress: called on the host with the number of decode steps done,
@@ -135,9 +142,11 @@ def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Seque
       or a ``jax.sharding.Mesh`` (:func:`models.parallel.sharding.make_mesh`; the
       rules: docs/sharding.md). The samples are split over "data" (their
       total must divide by it), heads and MLP over "model". None: one device.
-    programs: a :class:`models.generation.programs.ProgramStore`: the prefill and decode programs are
-      read from it (no tracing) or traced once and written there (one device only, and no
-      ``progress``; otherwise ignored).
+    programs: a :class:`models.generation.programs.ProgramStore`: the prefill and decode
+      programs are read from it (no tracing) or traced once and written there (one device
+      only, and no ``progress``; otherwise ignored).
+    **shorthands: ``temperature``, ``top_k``, ``top_p``, ``impl``: fields of ``settings``
+      given one by one (they replace those of ``settings``).
 
   Returns:
     int32 ``[total samples, max_new_tokens]``; samples in the caller's order
@@ -145,14 +154,15 @@ def generate(model: Llama, prompt_ids: Prompts, *, num_samples: Union[int, Seque
     (``jax.distributed``, docs/multihost.md) every process returns all of
     them as a NumPy array.
   """
+  settings = resolve(settings, "generate", **shorthands)
   if mesh is not None:  # placed once here, not again by prefill and decode
     mesh = sharding_lib.make_mesh(mesh)
     model = sharding_lib.shard_model(model, mesh)
   state = prefill(model, prompt_ids, num_samples=num_samples, max_new_tokens=max_new_tokens,
-                  attention=attention, impl=impl, seed=seed, prefill_chunk=prefill_chunk,
-                  mesh=mesh, programs=programs)
-  state = decode(model, state, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
-                 pad_id=pad_id, impl=impl, progress=progress, mesh=mesh, programs=programs)
+                  attention=attention, settings=settings, seed=seed,
+                  prefill_chunk=prefill_chunk, mesh=mesh, programs=programs)
+  state = decode(model, state, settings=settings, eos_id=eos_id, pad_id=pad_id,
+                 progress=progress, mesh=mesh, programs=programs)
   tokens = state.completions()
   # Under jax.distributed the rows live on several processes: every process gets all of them.
   return tokens if tokens.is_fully_addressable else distributed.gather(tokens)
@@ -181,14 +191,16 @@ def as_prompt_tree(prompt_ids: Prompts, num_samples=1) -> PromptTree:
 
 
 def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens: int,
-            attention: str = "hydragen", impl: str = "auto", seed: int = 0,
-            own_capacity: Optional[int] = None, prefill_chunk: Optional[int] = None,
+            attention: str = "hydragen", settings: Optional[GenerationSettings] = None,
+            seed: int = 0, own_capacity: Optional[int] = None,
+            prefill_chunk: Optional[int] = None,
             progress: Optional[Callable[[int], None]] = None, mesh=None,
-            programs: Optional[ProgramStore] = None) -> DecodeState:
+            programs: Optional[ProgramStore] = None, impl: Optional[str] = None) -> DecodeState:
   """Prefills every prompt segment once and returns the state the decode loop starts from.
 
   Args:
-    model, prompt_ids, num_samples, attention, impl, seed: as in :func:`generate`.
+    model, prompt_ids, num_samples, attention, settings, seed: as in :func:`generate` (prefill
+      reads the attention fields of ``settings``; ``impl``: shorthand for ``settings.impl``).
     max_new_tokens: the decode steps the state has room for.
     own_capacity: per-sample K/V capacity (default: what is needed: ``max_new_tokens``
       for hydragen, rounded up to :func:`jax_shared_attn.ops.suffix_alignment`; the
@@ -206,6 +218,8 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
       plus ``max_new_tokens`` beyond ``config.max_position_embeddings``, or
       ``own_capacity`` too small.
   """
+  settings = resolve(settings, "prefill", impl=impl).attention_only()
+  impl = settings.impl
   if mesh is not None:
     mesh = sharding_lib.make_mesh(mesh)
     # Before any check that could fail on one process only (the others would wait for it).
@@ -238,7 +252,7 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
     needed, lengths = 0, contexts[order]
     levels = ()
   else:
-    stored = _prefill_levels(config, graphdef, params, tree, impl, progress, prefill_chunk,
+    stored = _prefill_levels(config, graphdef, params, tree, settings, progress, prefill_chunk,
                              mesh, programs)
     nodes = [np.asarray(tree.node_of_sample(l)[order]) for l in range(len(stored))]
     levels = tuple(SegmentLevel(k, v, jnp.asarray(lens), jnp.asarray(nodes[l]),
@@ -282,18 +296,20 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
 
 
 def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
-           temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-           eos_id: Optional[int] = None, pad_id: int = PAD_ID, impl: str = "auto",
-           progress: Optional[Callable[[int], None]] = None,
+           settings: Optional[GenerationSettings] = None, eos_id: Optional[int] = None,
+           pad_id: int = PAD_ID, progress: Optional[Callable[[int], None]] = None,
            progress_every: int = 8, mesh=None,
-           programs: Optional[ProgramStore] = None) -> DecodeState:
+           programs: Optional[ProgramStore] = None, **shorthands) -> DecodeState:
   """Runs ``num_steps`` decode steps (default: all that remain) in one jitted program.
 
   The loop is a ``lax.while_loop`` that also stops once every sample has
   emitted ``eos_id``. ``num_steps`` is a runtime value: one compiled program
   serves every count. ``state`` is donated (updated in place; do not reuse it).
+  A row that has finished holds ``pad_id`` in every column after its EOS, those the loop
+  did not run included.
 
   Args:
+    settings, eos_id, pad_id, **shorthands: as in :func:`generate`.
     progress: None (no host callback in the program: the benchmark path), or
       a function called on the host with the number of steps done, every
       ``progress_every`` steps and at the end.
@@ -303,10 +319,11 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
     programs: as in :func:`generate`: the decode program read from this store or traced
       once and written there (one device, ``progress=None``; otherwise ignored).
   """
+  settings = resolve(settings, "decode", **shorthands)
   # Before any check that could fail on one process only (the others would wait for it).
   distributed.check_same(sharding_lib.mesh_of(state) if mesh is None else
                          sharding_lib.make_mesh(mesh), num_steps=num_steps,
-                         sampling=(temperature, top_k, top_p), eos_id=eos_id, pad_id=pad_id,
+                         settings=settings, eos_id=eos_id, pad_id=pad_id,
                          progress=(progress is not None, progress_every))
   remaining = state.max_new_tokens - int(state.step)
   num_steps = remaining if num_steps is None else int(num_steps)
@@ -321,28 +338,26 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
                        f"{state.cache.capacity} tokens ({worst} needed)")
   if int(progress_every) < 1:
     raise ValueError(f"progress_every must be >= 1; got {progress_every}")
-  sampling = SamplingParams(temperature, top_k, top_p)
   model, state, mesh = _on_mesh(model, state, mesh)
   graphdef, params = nnx.split(model)
   stop = state.step + num_steps
-  static = dict(sampling=sampling, eos_id=eos_id, pad_id=int(pad_id), impl=impl,
-                progress=progress, progress_every=int(progress_every), mesh=mesh)
+  static = dict(settings=settings, eos_id=eos_id, pad_id=int(pad_id), progress=progress,
+                progress_every=int(progress_every), mesh=mesh)
   if programs is not None and mesh is None and progress is None:
     return programs.call("decode", _decode_loop, (graphdef,), (params, state, stop),
                          static=static, out_like=lambda p, s, t: s, donate=(1,))
   return _decode_loop(graphdef, params, state, stop, **static)
 
 
-def lower_decode(model: Llama, state: DecodeState, *, temperature: float = 0.0,
-                 top_k: Optional[int] = None, top_p: Optional[float] = None,
-                 eos_id: Optional[int] = None, pad_id: int = PAD_ID, impl: str = "auto",
-                 mesh=None):
+def lower_decode(model: Llama, state: DecodeState, *,
+                 settings: Optional[GenerationSettings] = None, eos_id: Optional[int] = None,
+                 pad_id: int = PAD_ID, mesh=None, **shorthands):
   """The decode program, lowered (``.compile()`` it to inspect HLO or memory)."""
+  settings = resolve(settings, "lower_decode", **shorthands)
   model, state, mesh = _on_mesh(model, state, mesh)
   graphdef, params = nnx.split(model)
-  return _decode_loop.lower(graphdef, params, state, state.step,
-                            sampling=SamplingParams(temperature, top_k, top_p), eos_id=eos_id,
-                            pad_id=int(pad_id), impl=impl, progress=None, progress_every=1,
+  return _decode_loop.lower(graphdef, params, state, state.step, settings=settings,
+                            eos_id=eos_id, pad_id=int(pad_id), progress=None, progress_every=1,
                             mesh=mesh)
 
 
@@ -366,7 +381,8 @@ def _check_tokens(tree: PromptTree, vocab_size: int) -> None:
                      f"got values in [{lo}, {hi}]")
 
 
-def _prefill_levels(config, graphdef, params, tree: PromptTree, impl: str, progress,
+def _prefill_levels(config, graphdef, params, tree: PromptTree, settings: GenerationSettings,
+                    progress,
                     chunk: Optional[int] = None, mesh=None,
                     programs: Optional[ProgramStore] = None):
   """K/V of every segment, level by level, each causally over its ancestors.
@@ -392,7 +408,7 @@ def _prefill_levels(config, graphdef, params, tree: PromptTree, impl: str, progr
   for l in range(tree.num_levels):
     lengths = tree.lengths(l)
     # 128 on Hopper for one segment: whole blocks for the Mosaic GPU prefix kernel.
-    align = segment_alignment(impl) if len(lengths) == 1 else 1
+    align = segment_alignment(settings.impl) if len(lengths) == 1 else 1
     width = -(-int(lengths.max()) // align) * align
     step = width if chunk is None else min(int(chunk), width)
     width = -(-width // step) * step  # a whole number of chunks: one compiled chunk shape
@@ -412,10 +428,10 @@ def _prefill_levels(config, graphdef, params, tree: PromptTree, impl: str, progr
               jnp.int32(start))
       if programs is not None and mesh is None:
         k, v = programs.call("prefill", _prefill_chunk, (graphdef,), args,
-                             static=dict(impl=impl, sharding=None),
+                             static=dict(settings=settings, sharding=None),
                              out_like=lambda p, t, a, k, v, s: (k, v), donate=(3, 4))
       else:
-        k, v = _prefill_chunk(graphdef, *args, impl=impl, sharding=sharding)
+        k, v = _prefill_chunk(graphdef, *args, settings=settings, sharding=sharding)
       if progress is not None:
         done += int(np.clip(lengths - start, 0, step).sum())
         progress(done)
@@ -423,9 +439,10 @@ def _prefill_levels(config, graphdef, params, tree: PromptTree, impl: str, progr
   return stored
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("impl", "sharding"),
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("settings", "sharding"),
                    donate_argnames=("k", "v"))
-def _prefill_chunk(graphdef, params, tokens, ancestors, k, v, start, *, impl, sharding=None):
+def _prefill_chunk(graphdef, params, tokens, ancestors, k, v, start, *, settings,
+                   sharding=None):
   """Segment tokens ``[N, C]`` at own positions ``start..start+C`` -> updated own K/V.
 
   Padded positions hold garbage K/V past each segment's length; no valid query
@@ -434,7 +451,7 @@ def _prefill_chunk(graphdef, params, tokens, ancestors, k, v, start, *, impl, sh
   model = nnx.merge(graphdef, params)
   lengths = jnp.full((tokens.shape[0],), start, jnp.int32)
   cache = KVCache(tuple(ancestors), k, v, lengths)
-  _, cache = model(tokens, cache=cache, impl=impl, sharding=sharding)
+  _, cache = model(tokens, cache=cache, settings=settings, sharding=sharding)
   if sharding is not None:  # the donated buffers' layout (the shared-segment rule)
     cache = lax.with_sharding_constraint(
         cache, sharding_lib.cache_shardings(cache, sharding.mesh, batch_sharded=False))
@@ -479,12 +496,11 @@ def _copy_prompts_per_sample(levels: tuple[SegmentLevel, ...], capacity: int, me
 # -- the decode loop ------------------------------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnums=0,
-                   static_argnames=("sampling", "eos_id", "pad_id", "impl", "progress",
+                   static_argnames=("settings", "eos_id", "pad_id", "progress",
                                     "progress_every", "mesh"),
                    donate_argnames=("state",))
-def _decode_loop(graphdef, params, state: DecodeState, stop, *, sampling: SamplingParams,
-                 eos_id: Optional[int], pad_id: int, impl: str, progress, progress_every: int,
-                 mesh=None):
+def _decode_loop(graphdef, params, state: DecodeState, stop, *, settings: GenerationSettings,
+                 eos_id: Optional[int], pad_id: int, progress, progress_every: int, mesh=None):
   model = nnx.merge(graphdef, params)
   skip_attention = state.attention == "none"
   sharding = None if mesh is None else sharding_lib.attention_sharding(mesh)
@@ -503,10 +519,12 @@ def _decode_loop(graphdef, params, state: DecodeState, stop, *, sampling: Sampli
 
   def step(s: DecodeState) -> DecodeState:
     logits, cache = model(s.tokens[:, None], cache=s.cache, skip_attention=skip_attention,
-                          impl=impl, sharding=sharding)
+                          settings=settings, sharding=sharding)
+    # Keyed by the caller's sample index, never the decode row: the layout cannot move a draw.
     keys = sampling_keys(s.seed, s.sample_ids, s.step)
     draw = sample if mesh is None else functools.partial(sharding_lib.sample_on_mesh, mesh=mesh)
-    new = jnp.where(s.finished, pad_id, draw(logits[:, 0], keys, sampling))
+    new = jnp.where(s.finished, pad_id, draw(logits[:, 0], keys, settings.sampling,
+                                             settings.sampler))
     out = lax.dynamic_update_slice(s.out, new[:, None], (0, s.step))
     finished = s.finished if eos_id is None else s.finished | (new == eos_id)
     done = s.step + 1
@@ -518,4 +536,8 @@ def _decode_loop(graphdef, params, state: DecodeState, stop, *, sampling: Sampli
     return layout(dataclasses.replace(s, cache=cache, tokens=jnp.maximum(new, 0), out=out,
                                       finished=finished, step=done))
 
-  return layout(lax.while_loop(running, step, layout(state)))
+  s = lax.while_loop(running, step, layout(state))
+  # A finished row's columns after the last step run (all rows done: the loop stopped early)
+  # still hold prefill's PAD_ID: they get this call's pad_id.
+  unrun = s.finished[:, None] & (jnp.arange(s.out.shape[1])[None, :] >= s.step)
+  return layout(dataclasses.replace(s, out=jnp.where(unrun, pad_id, s.out)))

@@ -35,9 +35,10 @@ from jax import lax
 from jax_shared_attn import attention_with_lse, hierarchical_attention
 from jax_shared_attn.sharding import AttentionSharding, sharded
 from models.generation.cache import KVCache
+from models.generation.settings import GenerationSettings
 from models.model.config import LlamaConfig
-from models.parallel.sharding import write_per_shard
 from models.model.rope import apply_rope, inverse_frequencies
+from models.parallel.sharding import write_per_shard
 
 Array = jax.Array
 
@@ -127,7 +128,7 @@ class Attention(nnx.Module):
     self.inv_freq = tuple(float(f) for f in inverse_frequencies(config))
 
   def __call__(self, x: Array, positions: Array, cache: Optional[KVCache], *,
-               skip_attention: bool, impl: str,
+               skip_attention: bool, settings: GenerationSettings,
                sharding: Optional[AttentionSharding] = None) -> tuple[Array, Optional[KVCache]]:
     xq = _heads_in(x, self.q_proj)  # (bs, seqlen, n_heads, head_dim)
     rows = x.shape[0] * x.shape[1]
@@ -138,16 +139,17 @@ class Attention(nnx.Module):
     xq, keys = apply_rope(xq, positions, inv_freq), apply_rope(keys, positions, inv_freq)
     if skip_attention:
       out = _no_attention(xq, keys, values)
-    elif cache is None and impl == "cudnn":  # the per-sequence flash baseline of benchmarks
+    elif cache is None and settings.causal_attention is not None:
       if sharding is not None:
-        raise ValueError("impl='cudnn' (jax.nn.dot_product_attention) runs without a mesh only")
-      out = jax.nn.dot_product_attention(xq, keys, values, is_causal=True, implementation="cudnn")
+        raise ValueError("settings.causal_attention runs without a mesh only")
+      out = settings.causal_attention(xq, keys, values)
     elif cache is None:
-      out, _ = _per_shard(attention_with_lse, sharding)(xq, keys, values, causal=True, impl=impl)
+      out, _ = _per_shard(attention_with_lse, sharding)(xq, keys, values, causal=True,
+                                                        impl=settings.impl, config=settings.config)
     else:
       cache = (cache.write(self.layer, keys, values) if sharding is None
                else write_per_shard(cache, self.layer, keys, values, sharding))
-      out = _cached_attention(xq, cache, self.layer, x.shape[1], impl, sharding)
+      out = _cached_attention(xq, cache, self.layer, x.shape[1], settings, sharding)
     return _heads_out(out, self.o_proj), cache
 
 
@@ -167,7 +169,7 @@ def _per_shard(fn, sharding: Optional[AttentionSharding]):
   return fn if sharding is None else sharded(fn, *sharding)
 
 
-def _cached_attention(xq: Array, cache: KVCache, layer: int, t: int, impl: str,
+def _cached_attention(xq: Array, cache: KVCache, layer: int, t: int, settings: GenerationSettings,
                       sharding: Optional[AttentionSharding] = None) -> Array:
   """Causal attention of the T new queries over shared levels + own K/V (just written)."""
   own_k, own_v = cache.k[layer], cache.v[layer]  # [B, S, Hkv, D], this layer's own buffers
@@ -175,9 +177,10 @@ def _cached_attention(xq: Array, cache: KVCache, layer: int, t: int, impl: str,
   if cache.levels:  # Hydragen: each shared segment attended once by all its sequences' queries
     return _per_shard(hierarchical_attention, sharding)(
         xq, cache.shared_levels(layer), own_k, own_v, suffix_lengths=own_lengths, causal=True,
-        impl=impl)
+        impl=settings.impl, config=settings.config)
   out, _ = _per_shard(attention_with_lse, sharding)(xq, own_k, own_v, kv_lengths=own_lengths,
-                                                    causal=True, impl=impl)
+                                                    causal=True, impl=settings.impl,
+                                                    config=settings.config)
   return out
 
 
@@ -206,9 +209,10 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
     self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, x, positions, cache, *, skip_attention, impl, sharding=None):
+  def __call__(self, x, positions, cache, *, skip_attention, settings, sharding=None):
     attn_out, cache = self.self_attn(self.input_layernorm(x), positions, cache,
-                                     skip_attention=skip_attention, impl=impl, sharding=sharding)
+                                     skip_attention=skip_attention, settings=settings,
+                                     sharding=sharding)
     h = x + attn_out
     return h + self.mlp(self.post_attention_layernorm(h)), cache
 
@@ -231,7 +235,8 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens: Array, *, positions: Optional[Array] = None,
                cache: Optional[KVCache] = None, skip_attention: bool = False,
-               impl: str = "auto", sharding: Optional[AttentionSharding] = None):
+               settings: Optional[GenerationSettings] = None, impl: Optional[str] = None,
+               sharding: Optional[AttentionSharding] = None):
     """Runs the decoder on int ``tokens [B, T]``.
 
     Args:
@@ -244,7 +249,10 @@ class Llama(nnx.Module):
       skip_attention: the "no attention" throughput ceiling (wrong outputs;
         benchmarks only): no K/V is written or read, only the lengths (and so
         the positions) advance.
-      impl: attention implementation passed to :mod:`jax_shared_attn`.
+      settings: a :class:`models.generation.settings.GenerationSettings`; the decoder reads
+        its attention fields (``impl``, ``config`` for :mod:`jax_shared_attn`,
+        ``causal_attention``). Default: ``GenerationSettings()``.
+      impl: shorthand for ``settings.replace(impl=impl)``.
       sharding: on a device mesh, where the batch and heads live
         (:func:`models.parallel.sharding.attention_sharding`); attention then runs
         per shard under ``shard_map``. The parameters, tokens and cache must
@@ -254,13 +262,16 @@ class Llama(nnx.Module):
       float32 logits ``[B, T, vocab]``; with a cache, ``(logits, new_cache)``
       with the cache's lengths advanced by T.
     """
+    settings = settings or GenerationSettings()
+    if impl is not None:
+      settings = settings.replace(impl=impl)
     b, t = tokens.shape
     if positions is None:
       start = cache.context_lengths() if cache is not None else jnp.zeros((b,), jnp.int32)
       positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     x = self.embed_tokens[...][tokens]  # [B, T, hidden]
     for layer in self.layers:
-      x, cache = layer(x, positions, cache, skip_attention=skip_attention, impl=impl,
+      x, cache = layer(x, positions, cache, skip_attention=skip_attention, settings=settings,
                        sharding=sharding)
     logits = self.logits(self.norm(x))
     if cache is None:

@@ -438,7 +438,8 @@ def write_per_shard(cache: KVCache, layer: int, k_new: jax.Array, v_new: jax.Arr
   return dataclasses.replace(cache, k=tuple(k), v=tuple(v))
 
 
-def sample_on_mesh(logits: jax.Array, keys: jax.Array, params, *, mesh: Mesh) -> jax.Array:
+def sample_on_mesh(logits: jax.Array, keys: jax.Array, params, config=None, *,
+                   mesh: Mesh) -> jax.Array:
   """:func:`models.generation.sampling.sample` for vocab-parallel logits ``[B, V]`` (rows on "data").
 
   Greedy and plain temperature draws are arg-max reductions over the split
@@ -450,7 +451,7 @@ def sample_on_mesh(logits: jax.Array, keys: jax.Array, params, *, mesh: Mesh) ->
   from models.generation.sampling import sample
 
   if params.top_k is None and params.top_p is None:
-    return sample(logits, keys, params)
+    return sample(logits, keys, params, config)
   rows = P(DATA)
-  return shard_map(lambda l, k: sample(l, k, params), mesh, (P(DATA, None), rows), rows)(
+  return shard_map(lambda l, k: sample(l, k, params, config), mesh, (P(DATA, None), rows), rows)(
       logits, keys)

@@ -33,6 +33,7 @@ from models.generation import cache as cache_lib
 from models.generation.cache import KVCache, SegmentLevel
 from models.model.llama import Llama
 from models.generation.prompt_tree import PromptTree
+from models.generation.settings import GenerationSettings, resolve
 
 Array = jax.Array
 MODES = ("hydragen", "standard")
@@ -95,9 +96,11 @@ def prompt_arrays(tree: PromptTree, *, pad_multiple: int = 1) -> PromptArrays:
 
 
 def completion_logprobs(model: Llama, prompts: PromptArrays, completions: Array, *,
-                        attention: str = "hydragen", impl: str = "auto",
+                        attention: str = "hydragen",
+                        settings: Optional[GenerationSettings] = None,
                         temperature: float = 1.0, remat: bool = False,
-                        sharding: Optional[AttentionSharding] = None) -> Array:
+                        sharding: Optional[AttentionSharding] = None,
+                        impl: Optional[str] = None) -> Array:
   """Log-probs of each completion token given its prompt and the tokens before it.
 
   Args:
@@ -107,7 +110,9 @@ def completion_logprobs(model: Llama, prompts: PromptArrays, completions: Array,
       completion's end (as :func:`models.generation.loop.generate` returns them).
     attention: ``"hydragen"`` (prompt segments once, completions as suffixes) or
       ``"standard"`` (each sample's prompt + completion on its own).
-    impl: attention implementation for :mod:`jax_shared_attn`.
+    settings: the attention fields (``impl``, ``config``, ``causal_attention``) of a
+      :class:`models.generation.settings.GenerationSettings` (default: ``"auto"``); ``impl``:
+      shorthand for ``settings.impl``.
     temperature: log-probs of ``softmax(logits / temperature)`` (the sampling policy).
     remat: recompute each layer's activations in the backward pass (``jax.checkpoint``).
     sharding: on a mesh, the completions' layout (:func:`models.parallel.sharding.attention_sharding`);
@@ -118,6 +123,7 @@ def completion_logprobs(model: Llama, prompts: PromptArrays, completions: Array,
   """
   if attention not in MODES:
     raise ValueError(f"attention must be one of {MODES}; got {attention!r}")
+  settings = resolve(settings, "completion_logprobs", impl=impl).attention_only()
   b, t = completions.shape
   if b != prompts.num_samples:
     raise ValueError(f"completions: {b} rows, but the prompt tree has {prompts.num_samples} "
@@ -125,12 +131,12 @@ def completion_logprobs(model: Llama, prompts: PromptArrays, completions: Array,
   targets = jnp.maximum(completions, 0)
   if attention == "hydragen":
     inputs = jnp.concatenate([prompts.last_tokens[:, None], targets[:, :-1]], axis=1)
-    levels = _prefill(model, prompts, impl, remat, sharding)
+    levels = _prefill(model, prompts, settings, remat, sharding)
     cache = cache_lib.empty(model.config, b, t, levels=levels)
-    hidden, _ = _hidden(model, inputs, None, cache, impl, remat, sharding)
+    hidden, _ = _hidden(model, inputs, None, cache, settings, remat, sharding)
   else:
     sequences, positions = _concatenated(prompts, targets)
-    hidden = _hidden(model, sequences, None, None, impl, remat, sharding)
+    hidden = _hidden(model, sequences, None, None, settings, remat, sharding)
     hidden = jnp.take_along_axis(hidden, positions[:, :, None], axis=1)
   logp = _token_logprobs(model, hidden, targets, temperature)
   return jnp.where(completions >= 0, logp, 0.0)
@@ -142,8 +148,8 @@ def _token_logprobs(model: Llama, hidden: Array, targets: Array, temperature: fl
   return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
-def _hidden(model: Llama, tokens: Array, positions, cache: Optional[KVCache], impl: str,
-            remat: bool, sharding) -> Array | tuple[Array, KVCache]:
+def _hidden(model: Llama, tokens: Array, positions, cache: Optional[KVCache],
+            settings: GenerationSettings, remat: bool, sharding) -> Array | tuple[Array, KVCache]:
   """The decoder's final hidden states (before the norm); with a cache, ``(h, cache)``.
 
   :meth:`Llama.__call__`'s layer loop, with each layer optionally under ``jax.checkpoint``
@@ -158,14 +164,14 @@ def _hidden(model: Llama, tokens: Array, positions, cache: Optional[KVCache], im
     graphdef, state = nnx.split(layer)
 
     def run(state, x, cache, graphdef=graphdef):
-      return nnx.merge(graphdef, state)(x, positions, cache, skip_attention=False, impl=impl,
-                                        sharding=sharding)
+      return nnx.merge(graphdef, state)(x, positions, cache, skip_attention=False,
+                                        settings=settings, sharding=sharding)
 
     x, cache = (jax.checkpoint(run) if remat else run)(state, x, cache)
   return x if cache is None else (x, cache.advance(t))
 
 
-def _prefill(model: Llama, prompts: PromptArrays, impl: str, remat: bool,
+def _prefill(model: Llama, prompts: PromptArrays, settings: GenerationSettings, remat: bool,
              sharding) -> tuple[SegmentLevel, ...]:
   """Every prompt segment's K/V, level by level, each causally over its ancestors (once)."""
   from models.parallel import sharding as sharding_lib
@@ -180,7 +186,7 @@ def _prefill(model: Llama, prompts: PromptArrays, impl: str, remat: bool,
     if seg_sharding is not None:
       own = jax.lax.with_sharding_constraint(
           own, sharding_lib.cache_shardings(own, sharding.mesh, batch_sharded=False))
-    _, own = _hidden(model, tokens, None, own, impl, remat, seg_sharding)
+    _, own = _hidden(model, tokens, None, own, settings, remat, seg_sharding)
     stored.append(SegmentLevel(own.k, own.v, prompts.lengths[l], prompts.node_of_seq[l],
                                all_share=prompts.all_share[l]))
   return tuple(stored)

@@ -33,6 +33,7 @@ from models.model.llama import Llama
 from models.training.logprobs import (MODES, PAD_ID, PromptArrays, completion_logprobs,
                              prompt_arrays)
 from models.generation.prompt_tree import PromptTree
+from models.generation.settings import GenerationSettings, resolve
 
 Array = jax.Array
 
@@ -148,8 +149,9 @@ def make_batch(tree: PromptTree, completions, rewards, config: GRPOConfig,
 
 def train_step(state: TrainState, batch: GRPOBatch, config: GRPOConfig, *,
                optimizer: optax.GradientTransformation, reference: Any = None,
-               attention: str = "hydragen", impl: str = "auto", remat: bool = False,
-               mesh=None) -> tuple[TrainState, dict]:
+               attention: str = "hydragen", settings: Optional[GenerationSettings] = None,
+               remat: bool = False, mesh=None,
+               impl: Optional[str] = None) -> tuple[TrainState, dict]:
   """One optimizer step on the GRPO loss of ``batch`` (``state`` is donated).
 
   Args:
@@ -159,7 +161,7 @@ def train_step(state: TrainState, batch: GRPOBatch, config: GRPOConfig, *,
     optimizer: the optax transformation ``state`` was initialised with.
     reference: the reference policy's parameters (``nnx.split(ref_model)[1]``), needed iff
       ``config.kl_coef > 0``.
-    attention, impl, remat: see :func:`models.training.logprobs.completion_logprobs`.
+    attention, settings, impl, remat: see :func:`models.training.logprobs.completion_logprobs`.
     mesh: a mesh from :func:`models.parallel.sharding.make_mesh` (the state must be laid out on it).
 
   Returns:
@@ -168,6 +170,7 @@ def train_step(state: TrainState, batch: GRPOBatch, config: GRPOConfig, *,
   """
   if attention not in MODES:
     raise ValueError(f"attention must be one of {MODES}; got {attention!r}")
+  settings = resolve(settings, "train_step", impl=impl).attention_only()
   if config.kl_coef > 0 and reference is None:
     raise ValueError(f"reference: config.kl_coef={config.kl_coef} needs the reference "
                      "policy's parameters")
@@ -179,7 +182,8 @@ def train_step(state: TrainState, batch: GRPOBatch, config: GRPOConfig, *,
     sharding_lib.check_batch(batch.completions.shape[0], mesh, "batch.completions")
     batch = _place_batch(batch, mesh)
   return _train_step(state, batch, reference if config.kl_coef > 0 else None, config=config,
-                     optimizer=optimizer, attention=attention, impl=impl, remat=bool(remat),
+                     optimizer=optimizer, attention=attention, settings=settings,
+                     remat=bool(remat),
                      mesh=mesh)
 
 
@@ -192,12 +196,12 @@ def _place_batch(batch: GRPOBatch, mesh) -> GRPOBatch:
                    rows(batch.rewards), rows(batch.old_logprobs))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "optimizer", "attention", "impl",
+@functools.partial(jax.jit, static_argnames=("config", "optimizer", "attention", "settings",
                                              "remat", "mesh"), donate_argnames=("state",))
 def _train_step(state: TrainState, batch: GRPOBatch, reference, *, config: GRPOConfig,
-                optimizer, attention: str, impl: str, remat: bool, mesh):
+                optimizer, attention: str, settings: GenerationSettings, remat: bool, mesh):
   sharding = None if mesh is None else sharding_lib.attention_sharding(mesh)
-  logprobs = functools.partial(completion_logprobs, attention=attention, impl=impl,
+  logprobs = functools.partial(completion_logprobs, attention=attention, settings=settings,
                                temperature=config.temperature, remat=remat, sharding=sharding)
   advantages = group_advantages(batch.rewards, config.group_size, eps=config.adv_eps,
                                 normalize_std=config.normalize_std)

@@ -57,8 +57,10 @@ def prompt_of(n, seed):
 
 def test_package_exports_resolve_to_the_api():
   import models
-  import models.generation.loop
-  assert models.generation.loop is generate and models.PAD_ID == PAD_ID == -1
+  sys.modules.pop("models.generate", None)  # imported before: no second warning
+  with pytest.warns(DeprecationWarning, match="models.generate moved to models.generation.loop"):
+    import models.generate  # the old module path: must not hide the function  # noqa: F401
+  assert models.generate is generate and models.PAD_ID == PAD_ID == -1
   assert callable(models.from_pretrained) and models.PromptTree is PromptTree
   assert set(models.__all__) >= {"generate", "prefill", "decode", "from_pretrained", "preset"}
 

@@ -208,6 +208,41 @@ def test_eos_pads_the_rest_and_ends_the_loop_early(tiny):
   assert int(state.step) == first + 1  # the while loop stopped when every sample was done
 
 
+def test_pad_id_fills_every_column_after_every_row_finished(tiny):
+  """A finished row holds ``pad_id`` after its EOS, also in the columns the loop never ran
+  because every row had finished (prefill's PAD_ID must not show through)."""
+  prompt = prompt_of(19, 0)
+  free = np.asarray(generate(tiny, prompt, num_samples=2, max_new_tokens=NEW))[0]
+  eos = int(free[4])
+  first = int(np.argmax(free == eos))
+  assert first + 1 < NEW  # the loop stops early: some columns are never run
+  out = np.asarray(generate(tiny, prompt, num_samples=2, max_new_tokens=NEW, eos_id=eos,
+                            pad_id=0))
+  np.testing.assert_array_equal(out[:, :first + 1],
+                                np.broadcast_to(free[:first + 1], (2, first + 1)))
+  assert (out[:, first + 1:] == 0).all(), out
+
+
+def test_a_token_depends_on_the_sample_not_its_decode_row(tiny):
+  """Samples 0-1 continue prompt A and 2-3 prompt B in both trees; listing B's segment first
+  moves A's samples from decode rows 0-1 to rows 2-3. Keys drawn from the sample id give
+  the same tokens; keys drawn from the decode row would not."""
+  a, b = prompt_of(12, 1), prompt_of(12, 2)
+  leaves_a_first = PromptTree(segments=((tuple(a[:-1]), tuple(b[:-1])),), parents=((-1, -1),),
+                              leaves=((0, 0), (0, 0), (0, 1), (0, 1)),
+                              last_tokens=(a[-1], a[-1], b[-1], b[-1]))
+  leaves_b_first = PromptTree(segments=((tuple(b[:-1]), tuple(a[:-1])),), parents=((-1, -1),),
+                              leaves=((0, 1), (0, 1), (0, 0), (0, 0)),
+                              last_tokens=(a[-1], a[-1], b[-1], b[-1]))
+  np.testing.assert_array_equal(leaves_a_first.decode_order(), [0, 1, 2, 3])
+  np.testing.assert_array_equal(leaves_b_first.decode_order(), [2, 3, 0, 1])
+  kw = dict(max_new_tokens=NEW, temperature=1.0, seed=11)
+  one = np.asarray(generate(tiny, leaves_a_first, **kw))
+  two = np.asarray(generate(tiny, leaves_b_first, **kw))
+  assert len({tuple(r) for r in one}) == 4  # sampled: every sample's tokens differ
+  np.testing.assert_array_equal(one, two)
+
+
 def test_no_attention_mode_is_the_model_without_attention(tiny):
   """attention="none" skips every attention sublayer: its greedy tokens are the full forward's
   with ``skip_attention`` (no cache, no K/V)."""

@@ -26,11 +26,12 @@ writes (:meth:`KVCache.write`) are then in-place scatters.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_shared_attn import SharedLevel
 from models.model.config import LlamaConfig
@@ -162,15 +163,26 @@ def _concrete_max(lengths: Array):
 
 
 def empty(config: LlamaConfig, batch_size: int, capacity: int, *,
-          levels: Sequence[SegmentLevel] = (), lengths=None, dtype=None) -> KVCache:
-  """A cache with zeroed own buffers, per layer ``[batch_size, capacity, Hkv, D]``."""
+          levels: Sequence[SegmentLevel] = (), lengths=None, dtype=None,
+          sharding: Optional[NamedSharding] = None) -> KVCache:
+  """A cache with zeroed own buffers, per layer ``[batch_size, capacity, Hkv, D]``.
+
+  ``sharding``: the own buffers' layout on a mesh
+  (:func:`models.parallel.rules.own_kv_sharding`): each buffer is created on its shards, never
+  whole on one device, and the lengths follow its batch axis. None: the default device.
+  """
   dtype = config.param_dtype if dtype is None else jnp.dtype(dtype)
   shape = (batch_size, capacity, config.num_kv_heads, config.head_dim)
-  lengths = (jnp.zeros((batch_size,), jnp.int32) if lengths is None
-             else jnp.asarray(lengths, jnp.int32))
+  lengths = np.zeros((batch_size,), np.int32) if lengths is None else lengths
+  if sharding is None:
+    lengths = jnp.asarray(lengths, jnp.int32)
+  else:
+    lengths = jax.device_put(np.asarray(lengths, np.int32),
+                             NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0])))
   layers = range(config.num_layers)
-  return KVCache(tuple(levels), tuple(jnp.zeros(shape, dtype) for _ in layers),
-                 tuple(jnp.zeros(shape, dtype) for _ in layers), lengths)
+  zeros = lambda: jnp.zeros(shape, dtype, device=sharding)
+  return KVCache(tuple(levels), tuple(zeros() for _ in layers), tuple(zeros() for _ in layers),
+                 lengths)
 
 
 def kv_bytes_per_token(config: LlamaConfig, dtype=None) -> int:

@@ -278,10 +278,10 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
     k, v = _copy_prompts_per_sample(levels, capacity, mesh=mesh)
     cache = KVCache((), k, v, jnp.asarray(lengths, jnp.int32))
   else:
-    empty = (cache_lib.empty if mesh is None
-             else functools.partial(sharding_lib.empty_cache, mesh=mesh))
-    cache = empty(config, len(order), capacity,
-                  levels=levels if attention == "hydragen" else (), lengths=lengths)
+    own = None if mesh is None else sharding_lib.own_kv_sharding(mesh)
+    cache = cache_lib.empty(config, len(order), capacity,
+                            levels=levels if attention == "hydragen" else (), lengths=lengths,
+                            sharding=own)
   b = len(order)
   state = DecodeState(
       cache=cache,
@@ -417,11 +417,10 @@ def _prefill_levels(config, graphdef, params, tree: PromptTree, settings: Genera
       tokens[n, :len(seg)] = seg
     ancestors = tuple(SegmentLevel(k, v, jnp.asarray(lens), jnp.asarray(tree.ancestor(a, l)))
                       for a, (k, v, lens) in enumerate(stored))
-    if mesh is None:
-      own, sharding = cache_lib.empty(config, len(lengths), width), None
-    else:
-      own = sharding_lib.empty_cache(config, len(lengths), width, mesh, batch_sharded=False)
-      sharding = sharding_lib.attention_sharding(mesh, batch_sharded=False)
+    sharding = (None if mesh is None
+                else sharding_lib.attention_sharding(mesh, batch_sharded=False))
+    own = cache_lib.empty(config, len(lengths), width, sharding=(
+        None if mesh is None else sharding_lib.own_kv_sharding(mesh, batch_sharded=False)))
     k, v = own.k, own.v
     for start in range(0, width, step):
       args = (params, jnp.asarray(tokens[:, start:start + step]), ancestors, k, v,

@@ -2,6 +2,7 @@
 
 import functools
 import re
+import sys
 
 import jax
 import jax.numpy as jnp

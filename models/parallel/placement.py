@@ -1,0 +1,115 @@
+"""Values onto their shards: parameters (whole, or read block by block from a checkpoint), a
+model, a decode state. Each device receives only its block."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from models.model.config import LlamaConfig
+from models.parallel.mesh import MODEL, MeshSpec, make_mesh
+from models.parallel.rules import (check_batch, kv_replication, param_spec, sharded_config,
+                                   state_shardings)
+
+
+def place_param(path: str, value: Any, config: LlamaConfig, mesh: Mesh, dtype=None) -> jax.Array:
+  """``value`` on its shards of ``mesh``: cast, KV heads repeated if needed, then placed.
+
+  A host (NumPy) array is cast on the host and ``jax.device_put`` sends each
+  device only its shard: no full copy lands on one device first. ``config``
+  may be the original or the sharded one (:func:`sharded_config`): KV heads
+  are repeated up to ``lcm(value heads, m)``, so placing twice is a no-op.
+  """
+  dtype = jnp.dtype(config.param_dtype if dtype is None else dtype)
+  if isinstance(value, jax.Array):
+    xp = jnp  # already on devices (shard_model): repeat there, then reshard
+  else:
+    value, xp = np.asarray(value), np
+  if value.dtype != dtype:
+    value = value.astype(dtype)
+  if path.endswith(("self_attn.k_proj", "self_attn.v_proj")):  # [hidden, Hkv, D]
+    r = kv_replication(value.shape[1], mesh.shape[MODEL])
+    if r > 1:
+      value = xp.repeat(value, r, axis=1)  # head j of the result is original head j // r
+  return jax.device_put(value, NamedSharding(mesh, param_spec(path, config, mesh)))
+
+
+def place_param_from(path: str, shape: Sequence[int], read, config: LlamaConfig, mesh: Mesh,
+                     dtype=None) -> jax.Array:
+  """Parameter ``path`` on its shards of ``mesh``, each block read by ``read`` as it is needed.
+
+  ``read(index)`` returns the block ``index`` (a tuple of slices into
+  ``shape``, the parameter's own shape) as a NumPy array. Every process
+  calls ``read`` only for the blocks its own devices hold (each sent by an
+  explicit ``device_put`` to its device), so under ``jax.distributed`` no host
+  reads tensors or parts of them that it does not place. KV heads are repeated
+  (:func:`kv_replication`) from the original heads each block covers.
+  """
+  dtype = jnp.dtype(config.param_dtype if dtype is None else dtype)
+  shape = tuple(int(n) for n in shape)
+  r = (kv_replication(shape[1], mesh.shape[MODEL])  # [hidden, Hkv, D]
+       if path.endswith(("self_attn.k_proj", "self_attn.v_proj")) else 1)
+  global_shape = shape if r == 1 else (shape[0], shape[1] * r) + shape[2:]
+
+  blocks = {}  # devices holding the same block (replicas over "data") read it once
+
+  def block(index):
+    index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, global_shape))
+    key = tuple((s.start, s.stop) for s in index)
+    if key not in blocks:
+      if r == 1:
+        x = np.asarray(read(index))
+      else:  # replicated head j is original head j // r
+        lo, hi = index[1].start, index[1].stop
+        first = lo // r
+        x = np.repeat(np.asarray(read((index[0], slice(first, -(-hi // r))) + index[2:])), r,
+                      axis=1)
+        x = x[:, lo - first * r:hi - first * r]
+      blocks[key] = x.astype(dtype, copy=False)
+    return blocks[key]
+
+  # As jax.make_array_from_callback, with each block sent by an explicit device_put.
+  sharding = NamedSharding(mesh, param_spec(path, config, mesh))
+  arrays = [jax.device_put(block(index), device)
+            for device, index in sharding.addressable_devices_indices_map(global_shape).items()]
+  return jax.make_array_from_single_device_arrays(global_shape, sharding, arrays)
+
+
+
+
+def shard_model(model, mesh: MeshSpec):
+  """``model`` with every parameter on its shards of ``mesh`` (see the rules table).
+
+  Returns the model itself when it is laid out so already; otherwise a new
+  model of the same class (with ``num_kv_heads`` replicated where the model
+  axis needs it: :func:`sharded_config`). Works on any NNX module built as
+  ``cls(config, rngs=...)`` whose parameter paths the rules name, so this
+  module needs no import of :mod:`models.model.llama` (which imports this one).
+  """
+  mesh = make_mesh(mesh)
+  config = sharded_config(model.config, mesh)
+  graphdef, state = nnx.split(model)
+  tree = nnx.to_pure_dict(state)
+  dotted = lambda keypath: ".".join(str(k.key) for k in keypath)
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  if config == model.config and all(
+      getattr(v, "sharding", None) == NamedSharding(mesh, param_spec(dotted(p), config, mesh))
+      for p, v in leaves):
+    return model
+  placed = jax.tree_util.tree_map_with_path(
+      lambda p, v: place_param(dotted(p), v, model.config, mesh), tree)
+  if config != model.config:  # new KV head count: the graph of the model with those heads
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: type(model)(config, rngs=nnx.Rngs(0))))
+  nnx.replace_by_pure_dict(state, placed)
+  return nnx.merge(graphdef, state)
+
+
+def shard_state(state, mesh: Mesh):
+  """``state`` placed by :func:`state_shardings` (arrays already in place are not copied)."""
+  check_batch(state.batch_size, mesh, "the decode state's batch")
+  return jax.device_put(state, state_shardings(state, mesh))

@@ -1,1 +1,3 @@
-"""Benchmarks: ``python -m models.bench attention`` (see attention.py)."""
+"""Benchmarks (nothing in the library imports them; the CLI's command table does):
+``hydragen bench decode | tree | sampler | compare | sharded | train`` and
+``python -m models.bench attention | backward``. ``common`` and ``timing`` hold what they share."""

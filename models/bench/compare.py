@@ -217,8 +217,7 @@ def _run(args: argparse.Namespace) -> int:
     stem = os.path.join(args.out, "compare")
     rows = []
     # Every row of ours first, then transformers': ours runs in a process that has not imported
-    # torch (as `hydragen generate` does; with torch and transformers imported, our first call
-    # took 0.1-0.3 s longer, 2026-11-28).
+    # torch, as `hydragen generate` does (importing torch and transformers slows our first call).
     for impl in sorted(impls, key=lambda i: i != "hydragen"):
       if impl == "transformers":
         import torch

@@ -96,8 +96,8 @@ def _estimate_bytes(config, mode: str, batch: int, prefix: int, suffix: int) -> 
 def device_random_init(config, seed: int = 0, std: float = 0.02):
   """Random weights drawn on the device, one small jitted draw per parameter shape.
 
-  (One jitted program initialising a whole 8B model took XLA minutes to
-  compile on an H100; per-shape draws compile a handful of tiny programs.)
+  (One jitted program initialising a whole large model is slow for XLA to
+  compile; per-shape draws compile a handful of tiny programs.)
   """
   import functools
 

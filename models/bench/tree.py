@@ -434,9 +434,10 @@ def _run(args: argparse.Namespace) -> int:
   device = jax.devices()[0].device_kind
   print(f"random {args.model} weights on {device} in {time.perf_counter() - t0:.1f} s",
         file=sys.stderr, flush=True)
-  info = common.stamp(model=args.model, dtype=args.dtype, impl=args.impl, shots=args.shots, problems=args.problems, problem_tokens=[lo, hi],
-              samples=args.samples, new_tokens=args.new_tokens, budget_GB=budget / 1e9,
-              timed_batches=args.timed_batches, seed=args.seed)
+  info = common.stamp(model=args.model, dtype=args.dtype, impl=args.impl, shots=args.shots,
+                      problems=args.problems, problem_tokens=[lo, hi], samples=args.samples,
+                      new_tokens=args.new_tokens, budget_GB=budget / 1e9,
+                      timed_batches=args.timed_batches, seed=args.seed)
   points = [(m, b) for b in sorted({min(b, args.problems) for b in args.batch}) for m in modes]
   at_max = set()
   if not args.no_max_batch:

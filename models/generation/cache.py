@@ -10,9 +10,8 @@ that level (a tree: Hydragen Sec. 3.3), then its own tokens::
 
 Each layer's K/V is its own buffer (a tuple over layers), not a slice of one
 ``[L, ...]`` array: the attention kernels are custom calls, and XLA copies a
-slice before passing it to one, which cost a copy of every layer's cache on
-every decode step (measured on an H100: hydragen at batch 1024 ran at 0.58 of
-the no-attention ceiling with stacked buffers).
+slice before passing it to one, which would copy every layer's cache on every
+decode step.
 A shared segment's K/V exists ONCE, whatever the number of sequences that
 continue it: that is the memory saving the paper's Section 4.4 turns into a
 larger batch. The "standard" baseline is the same structure with no levels

@@ -399,8 +399,7 @@ def _prefill_levels(config, graphdef, params, tree: PromptTree, settings: Genera
   The width ``T`` of a level is its longest segment; a level of one segment (the batched prefix
   kernel's case) is rounded up to :func:`jax_shared_attn.ops.segment_alignment` (128 tokens on
   Hopper GPUs). Levels of several segments run on the segment kernel, which takes any width:
-  padding them would only cost memory (1024 questions of 32 tokens padded to 128: 13 GB more
-  for Llama-3-8B).
+  padding them would only cost memory (many short segments would each grow to 128 tokens).
 
   Returns ``[(k, v (per layer [N, T, Hkv, D]), lengths int32 [N]), ...]``.
   """

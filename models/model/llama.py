@@ -8,9 +8,8 @@ Projection weights are ``[in, out]`` (q_proj ``[hidden, Hq, D]``, o_proj ``[Hq, 
 gate ``[hidden, F]``, ...), as in Flax's ``Linear``: a product reads its weight as it lies.
 Checkpoints store PyTorch's ``[out, in]``; :mod:`models.checkpoints.loading` transposes each tensor (or
 each block a device holds) once, as it is read. On a CPU this matters: XLA's YNNPACK matrix
-products repack an ``[out, in]`` weight into a new buffer the first time a program runs
-(SmolLM2-135M, 8 samples x 32 tokens: 1.0 s more for the first prefill and decode calls)
-and decode ~35% slower with it; GPUs and TPUs read either orientation. The embedding stays
+products repack an ``[out, in]`` weight into a new buffer the first time a program runs, and
+decode is slower with it; GPUs and TPUs read either orientation. The embedding stays
 ``[V, hidden]`` (a lookup reads its rows; the tied output projection reads it in place).
 
     >>> model = random_init(preset("tiny"), seed=0)           # random weights
@@ -65,8 +64,7 @@ def _einsum(spec: str, x: Array, w: nnx.Param) -> Array:
 
 # The head projections multiply by their weights seen as one matrix, ``[hidden, Hq * D]`` and
 # ``[Hq * D, hidden]`` (a reshape: no data moves). With the 3-D weights, XLA's CPU backend
-# transposed each one into a new buffer on every decode step (3.5 MB per layer and step for
-# SmolLM2-135M; the batch-8 step ran 1.6x slower: docs/sampling-and-cli.md).
+# transposes each one into a new buffer on every decode step.
 def _heads_in(x: Array, w: nnx.Param) -> Array:
   """``x [B, T, hidden]`` times ``w [hidden, H, D]`` -> ``[B, T, H, D]``."""
   w = w[...]
@@ -89,11 +87,10 @@ def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02) -> nnx.Param:
 
 # XLA's GPU dot merger turns the q, k and v projections (three products of one operand) into
 # one product over the concatenated weights, and inside the decode loop it concatenates the
-# weights again at every step (they are loop-invariant, but the concatenation is not hoisted):
-# 100 MB of copies per layer and step at Llama-3-8B, 35 us on an H100, 1.1 ms per step at
-# batch 512-1024 (docs/results/2026-11-23-h100-projections/). Giving the k and v products their
-# own copies of the operand (an optimization barrier: no data moves) keeps three products. From
-# this many rows (batch x tokens) on; below, XLA merged them without the copies (measured).
+# weights again at every step (they are loop-invariant, but the concatenation is not hoisted).
+# Giving the k and v products their own copies of the operand (an optimization barrier: no data
+# moves) keeps three products. From this many rows (batch x tokens) on; below, XLA merges them
+# without the copies.
 SEPARATE_PROJECTIONS_MIN_ROWS = 512
 
 
@@ -330,13 +327,9 @@ def random_init(config: LlamaConfig, seed: int = 0, *, std: float = 0.02, mesh=N
   """Random weights drawn on the host with NumPy (normal(0, std); norms at 1).
 
   Nothing is compiled, so small models (tests, CI) appear instantly. For
-  large shapes on one accelerator, draw on the device instead with
-  :func:`models.bench.decode.device_random_init` ``(config, seed=0, std=0.02)``:
-  one small jitted ``jax.random`` draw per parameter shape, in
-  ``config.param_dtype`` (a single jitted program initialising a whole 8B
-  model took XLA minutes to compile on an H100). Its values differ from
-  these and it takes no ``mesh``; a model too large for one device is drawn
-  here with ``mesh`` instead. With ``mesh`` (see
+  large shapes on one accelerator, draw on the device instead: one small
+  jitted ``jax.random`` draw per parameter shape. A model too large for one
+  device is drawn here with ``mesh``. With ``mesh`` (see
   :func:`models.parallel.sharding.make_mesh`) each tensor goes straight to its shards
   as it is drawn, so no device receives more than its block (the same values
   as without a mesh).

@@ -116,10 +116,10 @@ def pytest_collection_modifyitems(config, items):
 def tiny_dir(tmp_path_factory):
   """A saved tiny model (context 1024) with a byte-level tokenizer (one token per byte), for the
   command-line tests."""
-  from models.model.config import preset
-  from models.model.llama import random_init
   from models.checkpoints.loading import save_pretrained
   from models.checkpoints.tokenizer import Tokenizer, _bytes_to_unicode
+  from models.model.config import preset
+  from models.model.llama import random_init
 
   path = str(tmp_path_factory.mktemp("tiny"))
   spelling = _bytes_to_unicode()

@@ -233,8 +233,8 @@ def main(argv=None) -> int:
   p.add_argument("--json", required=True)
   p.add_argument("--deadline", type=float, default=float("inf"), help="epoch seconds")
   args = p.parse_args(argv)
-  from models.parallel import distributed
   from models.bench.sharded_parts import collectives, label, throughput, token_cases
+  from models.parallel import distributed
   if args.role == "process":
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   import jax

@@ -24,8 +24,8 @@ def device_init(config, mesh, seed: int = 0, std: float = 0.02):
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
 
-  from models.parallel import sharding as S
   from models.model.llama import build, param_shapes
+  from models.parallel import sharding as S
 
   dtype = config.param_dtype
 
@@ -60,11 +60,11 @@ def token_cases(meshes, impl: str, say, which=("one", "tree", "standard")) -> di
   of 4) for the cases ``which`` on each mesh; ``"case @ mesh"`` -> rows."""
   import numpy as np
 
-  from models.parallel import distributed
-  from models.parallel import sharding as S
-  from models.model.config import preset
   from models.generation.loop import generate
   from models.generation.prompt_tree import PromptTree
+  from models.model.config import preset
+  from models.parallel import distributed
+  from models.parallel import sharding as S
 
   config = preset("tiny").replace(vocab_size=4096, hidden_size=512, num_layers=4, num_heads=8,
                                   num_kv_heads=2, head_dim=64, intermediate_size=1024,
@@ -134,8 +134,8 @@ def throughput(config, mesh, batch, args, say) -> dict:
   import jax
   import numpy as np
 
-  from models.parallel import sharding as S
   from models.generation.loop import decode, prefill
+  from models.parallel import sharding as S
 
   m = None if mesh is None else S.make_mesh(mesh)
   tries = [batch] if batch is not None else [largest_batch(config, mesh, args) // 2**i
@@ -182,8 +182,8 @@ def collectives(config, mesh, batch, args, say) -> dict:
   """The collectives of the compiled decode step: per layer (1 and 2 layers compiled, the
   difference) and the rest; op, result type, bytes, group size. Plus the measured time of
   the per-layer all-reduce on this mesh."""
-  from models.parallel import sharding as S
   from models.generation.loop import lower_decode, prefill
+  from models.parallel import sharding as S
 
   m = S.make_mesh(mesh)
   prompt = list(range(3, 3 + args.prefix))

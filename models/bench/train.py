@@ -77,10 +77,10 @@ def run_mode(config, mode: str, *, prompt: int, completion: int, group: int, ste
   import numpy as np
   import optax
 
-  from models.training import step as training
   from models.bench.decode import device_random_init
-  from models.training.grpo import GRPOConfig
   from models.generation.prompt_tree import PromptTree
+  from models.training import step as training
+  from models.training.grpo import GRPOConfig
 
   rng = np.random.default_rng(seed)
   tree = PromptTree.from_prompts([rng.integers(0, config.vocab_size, prompt + 1).tolist()],

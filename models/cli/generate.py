@@ -113,9 +113,9 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace, cache: CompileCache) -> int:
   import jax
 
-  from models.parallel import distributed
-  from models.generation.loop import decode, prefill
   from models.checkpoints.loading import CheckpointError, from_pretrained
+  from models.generation.loop import decode, prefill
+  from models.parallel import distributed
 
   if args.dtype is not None:
     check_dtype_runs(args.dtype)

@@ -50,14 +50,14 @@ from jax import lax
 
 from jax_shared_attn.ops import segment_alignment, suffix_alignment
 from models.generation import cache as cache_lib
-from models.parallel import distributed
-from models.parallel import sharding as sharding_lib
 from models.generation.cache import KVCache, SegmentLevel
-from models.model.llama import Llama
 from models.generation.programs import ProgramStore
 from models.generation.prompt_tree import PromptTree
 from models.generation.sampling import sample, sampling_keys
 from models.generation.settings import GenerationSettings, resolve
+from models.model.llama import Llama
+from models.parallel import distributed
+from models.parallel import sharding as sharding_lib
 
 Array = jax.Array
 ATTENTION_MODES = ("hydragen", "standard", "none")

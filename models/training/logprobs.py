@@ -31,9 +31,9 @@ from flax import nnx
 from jax_shared_attn.sharding import AttentionSharding
 from models.generation import cache as cache_lib
 from models.generation.cache import KVCache, SegmentLevel
-from models.model.llama import Llama
 from models.generation.prompt_tree import PromptTree
 from models.generation.settings import GenerationSettings, resolve
+from models.model.llama import Llama
 
 Array = jax.Array
 MODES = ("hydragen", "standard")

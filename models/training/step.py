@@ -26,10 +26,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models.parallel import sharding as sharding_lib
 from models.model.config import LlamaConfig
-from models.training.grpo import GRPOConfig, group_advantages, grpo_loss
 from models.model.llama import Llama
+from models.parallel import sharding as sharding_lib
+from models.training.grpo import GRPOConfig, group_advantages, grpo_loss
 from models.training.logprobs import (MODES, PAD_ID, PromptArrays, completion_logprobs,
                              prompt_arrays)
 from models.generation.prompt_tree import PromptTree

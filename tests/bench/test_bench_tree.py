@@ -10,8 +10,8 @@ from models.bench import tree as bench_tree
 from models.bench.tree import (HEADROOM, Dataset, kv_bytes, make_state, max_batch, memory_needed,
                                run_point, timed_batch_indices)
 from models.cli import main
-from models.model.config import preset
 from models.generation.loop import decode
+from models.model.config import preset
 
 pytestmark = pytest.mark.device  # runs the model's attention path (docs/gpu-tests.md)
 

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from models.generation.loop import PAD_ID
 from models.checkpoints.loading import gguf_fields, _gguf_reader
 from models.checkpoints.tokenizer import CHATML_FALLBACK, Tokenizer
+from models.generation.loop import PAD_ID
 from model_checks import smollm2_gguf
 
 TEXTS = [

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
+from models.checkpoints.loading import from_pretrained
 from models.cli import app as cli
 from models.generation.loop import generate
-from models.checkpoints.loading import from_pretrained
 from model_checks import smollm2_gguf
 
 pytestmark = pytest.mark.device  # runs the model's attention path (docs/gpu-tests.md)

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from jax_shared_attn.ops import resolve
 from jax_shared_attn.testing import check_rows, tolerance
-from models.model.config import preset
 from models.generation.loop import PAD_ID, decode, generate, prefill
+from models.model.config import preset
 from models.model.llama import random_init
 from strategies import count_case, small_jit
 

@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 from models.generation import cache as cache_lib
-from models.model.config import preset
 from models.generation.loop import PAD_ID, decode, generate, lower_decode, prefill
-from models.model.llama import random_init
 from models.generation.prompt_tree import PromptTree
+from models.model.config import preset
+from models.model.llama import random_init
 
 NEW = 12
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from models.generation import programs as programs_lib
-from models.model.config import preset
 from models.generation.loop import decode, generate, prefill
-from models.model.llama import random_init
 from models.generation.programs import ProgramStore
+from models.model.config import preset
+from models.model.llama import random_init
 
 SAMPLED = dict(temperature=0.8, top_p=0.9)
 # The store's mechanics on the portable path: on a GPU or TPU impl="auto" runs Pallas kernels,

@@ -6,11 +6,11 @@ import pytest
 import jax.numpy as jnp
 from flax import nnx
 
+from models.checkpoints.loading import from_pretrained
 from models.generation import cache as cache_lib
 from models.generation.cache import SegmentLevel
 from models.model.config import preset
 from models.model.llama import build, flat_params, random_init
-from models.checkpoints.loading import from_pretrained
 
 from model_checks import BATCH, SEQ, hf_logits, make_hf_llama, rel_err, run, token_ids
 

@@ -45,9 +45,9 @@ def write(ckpt):
   """A safetensors checkpoint of a random float32 model, in transformers' names and layout."""
   from safetensors.numpy import save_file
 
+  from models.checkpoints.loading import hf_tensors
   from models.model.config import LlamaConfig
   from models.model.llama import flat_params, random_init
-  from models.checkpoints.loading import hf_tensors
 
   config = LlamaConfig.from_hf(CONFIG)
   tensors = hf_tensors(flat_params(random_init(config, seed=3, std=0.12)), config)
@@ -122,8 +122,8 @@ def run(ckpt, out, port=None, n=1, i=0):
     distributed.initialize(f"localhost:{port}", int(n), int(i))
   import jax
 
-  from models.generation.loop import generate
   from models.checkpoints.loading import from_pretrained
+  from models.generation.loop import generate
 
   result = {"process": jax.process_index(), "processes": jax.process_count(),
             "devices": jax.device_count(), "tokens": {}, "errors": {}}

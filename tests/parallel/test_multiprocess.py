@@ -177,8 +177,8 @@ def test_the_digest_follows_values_not_their_spelling():
   import jax.numpy as jnp
   import numpy as np
 
-  from models.parallel import distributed
   from models.generation.prompt_tree import PromptTree
+  from models.parallel import distributed
 
   same = lambda a, b: np.array_equal(distributed._digest(a), distributed._digest(b))
   prompt = [5, 6, 7]

@@ -17,12 +17,12 @@ import optax
 import pytest
 from flax import nnx
 
-from models.model.config import preset
 from models.generation.loop import generate
-from models.training.grpo import GRPOConfig, group_advantages, grpo_loss
-from models.model.llama import random_init
-from models.training.logprobs import completion_logprobs, prompt_arrays
 from models.generation.prompt_tree import PromptTree
+from models.model.config import preset
+from models.model.llama import random_init
+from models.training.grpo import GRPOConfig, group_advantages, grpo_loss
+from models.training.logprobs import completion_logprobs, prompt_arrays
 from models.training.step import init_train_state, make_batch, train_step
 from strategies import small_jit
 

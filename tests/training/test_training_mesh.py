@@ -14,12 +14,12 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from models.parallel import sharding as S
-from models.model.config import preset
-from models.training.grpo import GRPOConfig
-from models.model.llama import flat_params, random_init
-from models.training.logprobs import completion_logprobs, prompt_arrays
 from models.generation.prompt_tree import PromptTree
+from models.model.config import preset
+from models.model.llama import flat_params, random_init
+from models.parallel import sharding as S
+from models.training.grpo import GRPOConfig
+from models.training.logprobs import completion_logprobs, prompt_arrays
 from models.training.step import init_train_state, make_batch, train_step
 
 if jax.device_count() < 8 or jax.default_backend() != "cpu":

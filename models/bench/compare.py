@@ -59,17 +59,18 @@ def configure(p: argparse.ArgumentParser) -> None:
   p.set_defaults(handler=_run)
 
 
-def run_ours(path: str, ids: list[int], samples: int, new_tokens: int, args,
+def run_ours(path: str, ids: list[int], samples: int, new_tokens: int, args, *, loaded: dict,
              programs=None) -> dict:
   """One generate call of ours (prefill, compile or cache load, decode) and a repeat.
 
-  ``programs``: a :class:`models.generation.programs.ProgramStore` (None: trace in this process).
+  ``loaded``: the run's loaded models (:func:`_ours_model`). ``programs``: a
+  :class:`models.generation.programs.ProgramStore` (None: trace in this process).
   """
   import jax
 
   from models.generation.loop import decode, prefill
 
-  model = _ours_model(path)
+  model = _ours_model(path, loaded)
   how = dict(temperature=args.temperature, top_p=args.top_p, programs=programs)
   row = {}
   for label in ("", "repeat_"):
@@ -98,36 +99,36 @@ def _load_average():
     return None
 
 
-_MODELS: dict = {}
-
-
-def _ours_model(path: str):
-  if ("hydragen", path) not in _MODELS:
+def _ours_model(path: str, loaded: dict):
+  """Our model of ``path``, loaded once per run into ``loaded`` (with its load time)."""
+  if ("hydragen", path) not in loaded:
     from models.checkpoints.loading import from_pretrained
     t0 = time.perf_counter()
-    _MODELS[("hydragen", path)] = from_pretrained(path).model
-    _MODELS[("hydragen", path, "load_s")] = time.perf_counter() - t0
-  return _MODELS[("hydragen", path)]
+    loaded[("hydragen", path)] = from_pretrained(path).model
+    loaded[("hydragen", path, "load_s")] = time.perf_counter() - t0
+  return loaded[("hydragen", path)]
 
 
-def _hf_model(path: str):
-  if ("transformers", path) not in _MODELS:
+def _hf_model(path: str, loaded: dict):
+  """transformers' model of ``path``, loaded once per run into ``loaded``."""
+  if ("transformers", path) not in loaded:
     import torch
     import transformers
     t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
-    _MODELS[("transformers", path)] = model
-    _MODELS[("transformers", path, "load_s")] = time.perf_counter() - t0
-  return _MODELS[("transformers", path)]
+    loaded[("transformers", path)] = model
+    loaded[("transformers", path, "load_s")] = time.perf_counter() - t0
+  return loaded[("transformers", path)]
 
 
-def run_transformers(path: str, ids: list[int], samples: int, new_tokens: int, args) -> dict:
+def run_transformers(path: str, ids: list[int], samples: int, new_tokens: int, args, *,
+                     loaded: dict) -> dict:
   """transformers' generate: ``num_return_sequences=samples``, EOS never stops a sample."""
   import torch
   import transformers
 
-  model = _hf_model(path)
+  model = _hf_model(path, loaded)
   torch.manual_seed(args.seed)
   config = transformers.GenerationConfig(
       do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=None,
@@ -215,7 +216,7 @@ def _run(args: argparse.Namespace) -> int:
                 compile_cache=cache.path or "off", load_average_start=_load_average())
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, "compare")
-    rows = []
+    rows, loaded = [], {}
     # Every row of ours first, then transformers': ours runs in a process that has not imported
     # torch, as `hydragen generate` does (importing torch and transformers slows our first call).
     for impl in sorted(impls, key=lambda i: i != "hydragen"):
@@ -230,16 +231,17 @@ def _run(args: argparse.Namespace) -> int:
         for samples in args.samples:
           row = dict(impl=impl, samples=samples, new_tokens=new_tokens)
           if impl == "hydragen":
-            row.update(run_ours(path, ids, samples, new_tokens, args, programs=cache.programs))
+            row.update(run_ours(path, ids, samples, new_tokens, args, loaded=loaded,
+                                programs=cache.programs))
             if cache.programs is not None:
               row.update(programs_loaded=cache.programs.loaded,
                          programs_traced=cache.programs.exported)
           else:
-            row.update(run_transformers(path, ids, samples, new_tokens, args))
+            row.update(run_transformers(path, ids, samples, new_tokens, args, loaded=loaded))
           row["whole_tokens_per_s"] = samples * new_tokens / row["whole_s"]
           if impl == "hydragen":
             row["cache_hits"], row["cache_requests"] = cache.hits, cache.requests
-          info[f"load_s_{impl}"] = _MODELS.get((impl, path, "load_s"), 0.0)
+          info[f"load_s_{impl}"] = loaded.get((impl, path, "load_s"), 0.0)
           rows.append(row)
           print(json.dumps(row), file=sys.stderr, flush=True)
           common.write_json(stem + ".json", info, rows)

@@ -18,7 +18,7 @@ def test_bench_compare_report(tmp_path, monkeypatch, capsys):
   calls = []
 
   def fake(impl, whole):
-    def run(path, ids, samples, new_tokens, args, programs=None):
+    def run(path, ids, samples, new_tokens, args, loaded, programs=None):
       calls.append((impl, samples, new_tokens, args.temperature, args.top_p, len(ids)))
       row = dict(whole_s=whole * samples, decode_tokens_per_s=1.0)
       return dict(row, compile_s=0.5) if impl == "hydragen" else dict(row, first_token_s=0.1)

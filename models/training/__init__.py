@@ -1,7 +1,20 @@
 """GRPO fine-tuning over a prompt tree: the loss (``grpo``), per-token log-probs of completions
 under shared prompts (``logprobs``), one optimizer step (``step``); ``addition`` is a worked
-example (a toy addition task, ``hydragen train grpo``)."""
+example (a toy addition task, ``hydragen train grpo``). The names below are imported on first
+use (the command line imports ``addition`` without them)."""
 
-from models.training.grpo import GRPOConfig, group_advantages, grpo_loss  # noqa: F401
-from models.training.step import (GRPOBatch, TrainState, default_optimizer,  # noqa: F401
-                                  init_train_state, make_batch, train_step)
+import importlib
+
+_EXPORTS = {
+    **{name: "models.training.grpo" for name in ("GRPOConfig", "group_advantages", "grpo_loss")},
+    **{name: "models.training.step" for name in ("GRPOBatch", "TrainState", "default_optimizer",
+                                                 "init_train_state", "make_batch", "train_step")},
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+  raise AttributeError(f"module 'models.training' has no attribute {name!r}")

@@ -33,6 +33,7 @@ _EXPORTS = {
     **{name: "models.checkpoints.loading" for name in ("from_pretrained", "save_pretrained",
                                                        "model_from_tensors", "Pretrained")},
     "Tokenizer": "models.checkpoints.tokenizer",
+    "default_model_path": "models.checkpoints.default_model",
 }
 
 __all__ = sorted([*_EXPORTS, "generate"])

@@ -49,3 +49,14 @@ def test_python_m_of_the_old_benchmark_package():
                        env={"PYTHONPATH": str(ROOT.parent), "JAX_PLATFORMS": "cpu"})
   assert out.returncode == 2 and "python -m models.bench" in out.stderr, out.stderr
   assert "jax_shared_attn.bench moved to models.bench" in out.stderr
+
+
+def test_default_model_path_is_public_and_its_old_name_warns():
+  import models
+  import models.cli
+  from models.checkpoints.default_model import default_model_path
+  assert models.default_model_path is default_model_path
+  with pytest.warns(DeprecationWarning, match="models.default_model_path"):
+    assert models.cli.default_model_path is default_model_path
+  with pytest.raises(AttributeError, match="no_such_name"):
+    models.cli.no_such_name  # noqa: B018

@@ -33,28 +33,9 @@ output and LSE (the forward stays the family's own).
 
 from __future__ import annotations
 
-from jax_shared_attn import dispatch, reference
+from jax_shared_attn import dispatch
 from jax_shared_attn.dispatch import IMPLS  # noqa: F401  (re-exported)
-from pallas_kernels.interface import AttentionOps
-
-
-XLA_OPS = AttentionOps("xla", reference.prefix_attention, reference.segment_attention,
-                       reference.suffix_attention)
-
-def reference_shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale,
-                               ops: AttentionOps = XLA_OPS):
-  """The decomposition from primitives: shared parts, merged, then the suffix merged in."""
-  from jax_shared_attn.merge import merge_states
-  states = []
-  for kind, k, v, lengths, nodes in parts:
-    if kind == "prefix":
-      states.append(ops.prefix_attention(q, k, v, kv_length=lengths, scale=scale))
-    else:
-      states.append(ops.segment_attention(q, k, v, lengths=lengths, node_of_seq=nodes,
-                                          scale=scale))
-  prior = merge_states([s[0] for s in states], [s[1] for s in states]) if states else None
-  return ops.suffix_attention(q, suffix_k, suffix_v, kv_lengths=kv_lengths, causal=causal,
-                              scale=scale, prior=prior)
+from pallas_kernels.base import XLA_OPS, AttentionOps, reference_shared_attention  # noqa: F401
 
 
 def differentiable(ops: AttentionOps, backward_config=None) -> AttentionOps:

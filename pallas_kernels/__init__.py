@@ -1,9 +1,9 @@
 """Pallas kernels for shared-prefix attention.
 
-Each family implements the three primitives of :mod:`jax_shared_attn.reference`
+Each family implements the three primitives of :mod:`pallas_kernels.base`
 with the same signatures and semantics (float32 ``out``, natural-log float32
 ``lse``, ``(0, -inf)`` for rows with no visible key) and returns them as a
-:class:`pallas_kernels.interface.AttentionOps` from its ``get_ops(interpret=..., config=...)``.
+:class:`pallas_kernels.base.AttentionOps` from its ``get_ops(interpret=..., config=...)``.
 
 ``interpret=None`` (the default) decides at lowering time, with
 ``jax.lax.platform_dependent``: the native kernel where the program is lowered

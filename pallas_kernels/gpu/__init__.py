@@ -23,7 +23,7 @@ from pallas_kernels.gpu.config import FusedDecodeOptions, GpuConfig, MosaicPrefi
 from pallas_kernels.gpu.segment import segment_attention
 from pallas_kernels.gpu.shared import prefix_attention, shared_attention
 from pallas_kernels.gpu.suffix import suffix_attention
-from pallas_kernels.interface import AttentionOps
+from pallas_kernels.base import AttentionOps
 
 __all__ = ["AttentionOps", "FusedDecodeOptions", "GpuConfig", "MosaicPrefixOptions", "get_ops",
            "prefix_attention", "segment_attention", "shared_attention", "suffix_attention"]

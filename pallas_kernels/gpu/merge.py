@@ -2,7 +2,7 @@
 
 Key splits (flash-decoding) leave ``n`` partial states per query row: ``out [n, R, D]``
 (normalised over the split's keys) and natural-log ``lse [n, R]``. XLA merges them
-(:func:`jax_shared_attn.merge.merge_states`) in two fusions, the weights then the weighted
+(:func:`pallas_kernels.base.merge_states`) in two fusions, the weights then the weighted
 sum: two launches that at decode sizes cost more than the bytes they move (written as one
 variadic XLA reduction whose combiner merges two states, it was one kernel but slower still:
 2.5-6.5 vs ~2.8 us on an H100, 2026-11-23). Here one program per tile of rows reads every
@@ -10,7 +10,7 @@ part's LSE, then every part's output once, and writes the merged output (any flo
 LSE. Several stacks of parts (e.g. a kernel's splits and the splits of a prior state) are
 merged in the same pass, without concatenating them.
 
-Same arithmetic as :func:`jax_shared_attn.merge.merge_states` (float32; parts with
+Same arithmetic as :func:`pallas_kernels.base.merge_states` (float32; parts with
 ``lse = -inf`` weigh 0; rows without any part give ``(0, -inf)``, never NaN).
 """
 
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_shared_attn.merge import merge_states
+from pallas_kernels.base import merge_states
 from pallas_kernels.gpu import common
 
 # Rows per program and warps, and the partial outputs loaded before any arithmetic while they

@@ -8,7 +8,7 @@ the products run on the tensor cores. The grid is
 GPU when there are few row tiles and are merged by LSE afterwards.
 
 The pure-JAX reference with the same signature is
-:func:`jax_shared_attn.reference.prefix_attention`. LSE is natural log.
+:func:`pallas_kernels.base.prefix_attention`. LSE is natural log.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_shared_attn.reference import prefix_attention as prefix_attention_reference  # noqa: F401
+from pallas_kernels.base import prefix_attention as prefix_attention_reference  # noqa: F401  (the reference of this kernel)
 from pallas_kernels.gpu import common
 
 NUM_SMS_DEFAULT = 132  # H100 SXM; only used to size the grid

@@ -1,7 +1,7 @@
 """Batched prefix attention for Hopper GPUs (Pallas Mosaic GPU: wgmma + TMA).
 
 The same function as :mod:`pallas_kernels.gpu.prefix` (reference:
-:func:`jax_shared_attn.reference.prefix_attention`), written for the H100/H200's
+:func:`pallas_kernels.base.prefix_attention`), written for the H100/H200's
 tensor cores the way FlashAttention-3 is: per CTA, two consumer warpgroups
 each own ``block_q`` query rows and run ``wgmma`` on K/V tiles that a third,
 producer warpgroup streams into shared memory with TMA, ``max_concurrent_steps``

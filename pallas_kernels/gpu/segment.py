@@ -8,7 +8,7 @@ that segment's valid keys. Each segment is therefore one batched matrix
 product over all the queries that share it, with at most one partial tile
 per segment of padding. Grid: ``(tiles, KV heads)``.
 
-Reference with the same signature: :func:`jax_shared_attn.reference.segment_attention`.
+Reference with the same signature: :func:`pallas_kernels.base.segment_attention`.
 LSE is natural log.
 """
 
@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_shared_attn.reference import segment_attention as segment_attention_reference  # noqa: F401
+from pallas_kernels.base import segment_attention as segment_attention_reference  # noqa: F401  (the reference of this kernel)
 from pallas_kernels.gpu import common
 
 

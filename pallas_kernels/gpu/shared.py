@@ -51,7 +51,7 @@ def prefix_attention(
 
 def shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, mosaic=False,
                      config: GpuConfig | None = None, interpret=None):
-  """Shared parts + suffix, fused (see :class:`pallas_kernels.interface.AttentionOps`).
+  """Shared parts + suffix, fused (see :class:`pallas_kernels.base.AttentionOps`).
 
   Returns ``out [B, Tq, Hq, D]`` in q's dtype and natural-log ``lse [B, Tq, Hq]``.
   """

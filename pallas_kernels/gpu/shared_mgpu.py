@@ -53,8 +53,8 @@ lists (:func:`step_ranges`) and the barrier protocol (:func:`arrivals`, :func:`w
 in :mod:`pallas_kernels.gpu.shared_mgpu_plan`, pure scalar arithmetic that the CPU tests
 emulate; this module holds the kernel and its wrapper.
 
-Reference: :func:`jax_shared_attn.reference.prefix_attention` merged with
-:func:`jax_shared_attn.reference.suffix_attention`. LSE is natural log.
+Reference: :func:`pallas_kernels.base.prefix_attention` merged with
+:func:`pallas_kernels.base.suffix_attention`. LSE is natural log.
 """
 
 from __future__ import annotations

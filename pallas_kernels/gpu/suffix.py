@@ -14,7 +14,7 @@ in the query dtype. With several splits (flash-decoding, for small batches)
 the split partials and the priors are merged by LSE afterwards, in one more
 kernel (:mod:`pallas_kernels.gpu.merge`).
 
-Reference with the same signature: :func:`jax_shared_attn.reference.suffix_attention`.
+Reference with the same signature: :func:`pallas_kernels.base.suffix_attention`.
 LSE is natural log.
 """
 
@@ -29,8 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_shared_attn.merge import merge_states
-from jax_shared_attn.reference import suffix_attention as suffix_attention_reference  # noqa: F401
+from pallas_kernels.base import merge_states
+from pallas_kernels.base import suffix_attention as suffix_attention_reference  # noqa: F401  (the reference of this kernel)
 from pallas_kernels.gpu import common
 from pallas_kernels.gpu.merge import merge_parts
 

@@ -1,6 +1,6 @@
 """TPU (Mosaic) Pallas kernels for shared-prefix attention.
 
-Three kernels with the signatures and semantics of :mod:`jax_shared_attn.reference`
+Three kernels with the signatures and semantics of :mod:`pallas_kernels.base`
 (float32 ``out``, float32 natural-log ``lse``, ``(0, -inf)`` for rows with no
 visible key, never NaN):
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from pallas_kernels.interface import AttentionOps
+from pallas_kernels.base import AttentionOps
 from pallas_kernels.tpu import dispatch
 from pallas_kernels.tpu.common import CHIPS, BlockSizes, block_sizes_for, detect_chip
 from pallas_kernels.tpu.config import TpuConfig
@@ -47,7 +47,7 @@ __all__ = ["get_ops", "TpuConfig", "BlockSizes", "block_sizes_for", "CHIPS", "de
 
 def get_ops(interpret: Optional[bool] = None, *, chip: Optional[str] = None,
             block_sizes: Optional[BlockSizes] = None, config: Optional[TpuConfig] = None):
-  """The TPU family as a :class:`pallas_kernels.interface.AttentionOps`.
+  """The TPU family as a :class:`pallas_kernels.base.AttentionOps`.
 
   Args:
     interpret: ``None`` (default): Mosaic where the program is lowered for a TPU (also

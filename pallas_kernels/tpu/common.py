@@ -5,7 +5,7 @@ prefix, ``[B, Hkv, S, D]`` for suffixes, ``[N, Hkv, T, D]`` for tree
 segments), the layout of JAX's own TPU attention kernels: every block is a
 ``(keys, D)`` slab whose last two dims obey the Mosaic tiling rule (second
 minor a multiple of 8, or 16 for bfloat16, minor a multiple of 128) and no
-HBM tile is padded. The primitives of :mod:`jax_shared_attn.reference` use
+HBM tile is padded. The primitives of :mod:`pallas_kernels.base` use
 ``[..., seq, heads, D]``; their adapters here transpose and pad (one XLA copy
 of each K/V buffer). A cache that is stored head-major can call the
 ``*_head_major`` kernels directly and skip that copy (see docs/tpu.md).

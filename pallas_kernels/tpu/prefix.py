@@ -17,7 +17,7 @@ Contents, side by side: the kernel body (:func:`_prefix_kernel`), its
 ``pallas_call`` on head-major arrays (:func:`prefix_attention_head_major`), the
 primitive with the reference's signature (:func:`prefix_attention`) and the
 reference it must equal (:data:`prefix_attention_reference`, i.e.
-:func:`jax_shared_attn.reference.prefix_attention`).
+:func:`pallas_kernels.base.prefix_attention`).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_shared_attn import reference
+from pallas_kernels import base
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import LANES, ROW_ALIGN, BlockSizes
 
-prefix_attention_reference = reference.prefix_attention
+prefix_attention_reference = base.prefix_attention
 
 
 def _prefix_kernel(
@@ -197,7 +197,7 @@ def prefix_attention(
 ):
   """Attention of every query against one shared K/V sequence (non-causal), on TPU.
 
-  Same signature and semantics as :func:`jax_shared_attn.reference.prefix_attention`:
+  Same signature and semantics as :func:`pallas_kernels.base.prefix_attention`:
   returns float32 ``out [B, Tq, Hq, D]`` and float32 natural-log
   ``lse [B, Tq, Hq] = log(sum_j exp(scale * q . k_j))`` over the first ``kv_length``
   keys; ``(0, -inf)`` where there is none. GQA: the ``G = Hq // Hkv`` query heads of a

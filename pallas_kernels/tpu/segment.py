@@ -23,7 +23,7 @@ Contents, side by side: kernel (:func:`_segment_kernel`), the visit table
 (:func:`group_metadata`), ``pallas_call`` on kernel-native arrays
 (:func:`segment_attention_head_major`), the primitive with the reference's
 signature (:func:`segment_attention`) and its reference
-(:data:`segment_attention_reference` = :func:`jax_shared_attn.reference.segment_attention`).
+(:data:`segment_attention_reference` = :func:`pallas_kernels.base.segment_attention`).
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_shared_attn import reference
+from pallas_kernels import base
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import LANES, BlockSizes
 from pallas_kernels.tpu.prefix import fold_rows, last_block, prefix_blocks, unfold_rows
 
-segment_attention_reference = reference.segment_attention
+segment_attention_reference = base.segment_attention
 
 
 def _segment_kernel(
@@ -214,7 +214,7 @@ def segment_attention(
 ):
   """One level of a sharing tree on TPU: sequence b attends to segment node_of_seq[b].
 
-  Same signature and semantics as :func:`jax_shared_attn.reference.segment_attention`
+  Same signature and semantics as :func:`pallas_kernels.base.segment_attention`
   (non-causal): returns float32 ``out [B, Tq, Hq, D]`` and float32 natural-log
   ``lse [B, Tq, Hq] = log(sum_j exp(scale * q . k_j))`` over the first
   ``lengths[node_of_seq[b]]`` keys of the segment; ``(0, -inf)`` for sequences with

@@ -1,7 +1,7 @@
 """The whole decomposition on TPU, intermediates kept in kernel layout (Hydragen Sec. 3).
 
 ``shared_attention(q, parts, suffix_k, suffix_v, ...)`` computes what
-:func:`jax_shared_attn.ops.reference_shared_attention` computes from the three
+:func:`pallas_kernels.base.reference_shared_attention` computes from the three
 primitives -- every shared part (a prefix or a tree level), their LSE merge, and the
 suffix with the merged result fused in -- but folds the queries ONCE into the rows
 ``[Hkv, B*Tq*G, D]`` that all three kernels read, and hands each partial state to the
@@ -63,7 +63,7 @@ def shared_attention(
 ):
   """Attention over shared parts then each sequence's suffix, merged exactly by LSE.
 
-  Equals :func:`jax_shared_attn.ops.reference_shared_attention` (the decomposition of
+  Equals :func:`pallas_kernels.base.reference_shared_attention` (the decomposition of
   Hydragen Sec. 3.1-3.3). Returns ``out [B, Tq, Hq, D]`` in q's dtype and float32
   natural-log ``lse [B, Tq, Hq] = log(sum_j exp(scale * q . k_j))`` over every visible
   key (all valid shared keys; with ``causal``, suffix keys up to the query's position

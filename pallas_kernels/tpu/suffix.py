@@ -26,7 +26,7 @@ online softmax, ``(m, l, acc) = (lse_prior, 1, out_prior)``, so the final
 Contents, side by side: kernel (:func:`_suffix_kernel`), ``pallas_call`` on
 kernel-native arrays (:func:`suffix_attention_head_major`), the primitive with
 the reference's signature (:func:`suffix_attention`) and its reference
-(:data:`suffix_attention_reference` = :func:`jax_shared_attn.reference.suffix_attention`).
+(:data:`suffix_attention_reference` = :func:`pallas_kernels.base.suffix_attention`).
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_shared_attn import reference
+from pallas_kernels import base
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import LANES, BlockSizes
 from pallas_kernels.tpu.prefix import fold_rows, last_block, unfold_rows
 
-suffix_attention_reference = reference.suffix_attention
+suffix_attention_reference = base.suffix_attention
 
 
 def _suffix_kernel(
@@ -266,7 +266,7 @@ def suffix_attention(
 ):
   """Per-sequence attention over each sequence's own ragged K/V, on TPU.
 
-  Same signature and semantics as :func:`jax_shared_attn.reference.suffix_attention`:
+  Same signature and semantics as :func:`pallas_kernels.base.suffix_attention`:
   keys past ``kv_lengths[b]`` are invisible; with ``causal`` query ``i`` sits at
   position ``kv_lengths[b] - Tq + i``. With ``prior`` (a partial result over other
   keys) the result is its exact LSE merge, fused into the kernel. Returns float32

@@ -38,11 +38,6 @@ barrier; the receive tiles alias the K/V slots); it merges them in registers and
 final rows. With two splits the two CTAs exchange one tile each and each merges and stores half
 the rows.
 
-A fourth warpgroup per CTA that ran the suffixes as transposed products concurrently with the
-consumers' prefix blocks (the suffix warpgroup) was built, passed the native tests and was removed
-on 2026-11-24 (not dispatched: faster only where the suffixes weigh least); the patch that restores
-it is in ``docs/results/2026-11-24-h100-suffix-warpgroup``.
-
 Keys and values past ``kv_length`` / ``suffix_lengths[b]`` (inside the buffers)
 are multiplied by a zero probability: they must be finite, which the model's
 zero-initialised caches guarantee (this is also true of the prefix kernel's
@@ -70,10 +65,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu import common
-from pallas_kernels.gpu.merge import merge_parts
+from pallas_kernels.gpu.merge import MergeConfig, merge_parts
 from pallas_kernels.gpu.prefix_mgpu import empty_state, store_result
 from pallas_kernels.gpu.shared_mgpu_plan import (
-    CTA_ROWS, LSE_COLS, MAX_CLUSTER_SPLITS, FusedConfig, cluster_merge_fits, default_config,
+    CTA_ROWS, LSE_COLS, MAX_CLUSTER_SPLITS, FusedConfig, cluster_merge_fits,
     is_suffix, prefix_block, step_ranges, suffix_step, waits)
 
 LOG2E = math.log2(math.e)
@@ -433,7 +428,7 @@ def _fused_jit(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, r
 
 
 def fused_decode(q, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, scale: float,
-                 config: FusedConfig | None = None):
+                 config: FusedConfig, merge: MergeConfig):
   """Prefix + suffix attention, merged, for one decode step: ``q [B, 1, Hq, D]``, prefix
   ``k, v [P, Hkv, D]``, suffixes ``[B, S, Hkv, D]`` -> ``out [B, 1, Hq, D]`` (q's dtype) and
   natural-log ``lse [B, 1, Hq]``. Native CUDA only (no interpret mode).
@@ -448,7 +443,7 @@ def fused_decode(q, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, scal
                      f"({hkv}); got {q.shape}")
   g = hq // hkv
   r = b * g
-  cfg = config or default_config(r, hkv, k.shape[0], suffix_k.shape[1], g, head_dim=d)
+  cfg = config
   q_rows = common.fold_rows(q, hkv)
   r_pad = pl.cdiv(r, CTA_ROWS) * CTA_ROWS
   if r_pad != r:
@@ -459,8 +454,8 @@ def fused_decode(q, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, scal
                     config=cfg)
   out, lse = outs
   if out.shape[0] > 1:  # exact LSE merge of the key splits (splits without keys: (0, -inf))
-    out, lse = merge_parts([(out, lse)], out_dtype=q.dtype, transposed_next=hkv > 1,
-                           interpret=False)
+    out, lse = merge_parts([(out, lse)], out_dtype=q.dtype, config=merge,
+                           transposed_next=hkv > 1, interpret=False)
   else:
     out, lse = out[0], lse[0]
   return common.unfold_rows(out[:, :r], b, 1), common.unfold_rows(lse[:, :r], b, 1)

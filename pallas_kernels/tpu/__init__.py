@@ -31,22 +31,24 @@ import functools
 from typing import Optional
 
 from pallas_kernels.base import AttentionOps
+from pallas_kernels.device import DeviceInfo
 from pallas_kernels.tpu import dispatch
-from pallas_kernels.tpu.common import CHIPS, BlockSizes, block_sizes_for, detect_chip
+from pallas_kernels.tpu.common import CHIPS, BlockSizes, block_sizes_for, chip_of_device_kind
 from pallas_kernels.tpu.config import TpuConfig
 from pallas_kernels.tpu.prefix import prefix_attention, prefix_attention_head_major
 from pallas_kernels.tpu.segment import segment_attention, segment_attention_head_major
 from pallas_kernels.tpu.shared import shared_attention
 from pallas_kernels.tpu.suffix import suffix_attention, suffix_attention_head_major
 
-__all__ = ["get_ops", "TpuConfig", "BlockSizes", "block_sizes_for", "CHIPS", "detect_chip",
-           "prefix_attention", "segment_attention", "suffix_attention", "shared_attention",
-           "prefix_attention_head_major", "segment_attention_head_major",
+__all__ = ["get_ops", "TpuConfig", "BlockSizes", "block_sizes_for", "CHIPS",
+           "chip_of_device_kind", "prefix_attention", "segment_attention", "suffix_attention",
+           "shared_attention", "prefix_attention_head_major", "segment_attention_head_major",
            "suffix_attention_head_major"]
 
 
 def get_ops(interpret: Optional[bool] = None, *, chip: Optional[str] = None,
-            block_sizes: Optional[BlockSizes] = None, config: Optional[TpuConfig] = None):
+            block_sizes: Optional[BlockSizes] = None, config: Optional[TpuConfig] = None,
+            device: Optional[DeviceInfo] = None, plan: Optional[dispatch.TpuPlan] = None):
   """The TPU family as a :class:`pallas_kernels.base.AttentionOps`.
 
   Args:
@@ -54,8 +56,10 @@ def get_ops(interpret: Optional[bool] = None, *, chip: Optional[str] = None,
       ``jax.export(..., platforms=["tpu"])`` from a CPU machine), Pallas' HLO interpreter
       elsewhere, decided at lowering time by ``jax.lax.platform_dependent``. ``True``:
       always the TPU simulator ``pltpu.InterpretParams()``. ``False``: always Mosaic.
-    config: a :class:`TpuConfig` (None: its defaults, the chip the call runs on).
+    config: a :class:`TpuConfig` (None: its defaults, the chip of ``device``).
     chip, block_sizes: shorthand for ``config=TpuConfig(chip, block_sizes)``.
+    device: the device planned for (None: the default TPU, else v5e's numbers).
+    plan: a :class:`~pallas_kernels.tpu.dispatch.TpuPlan`: its block sizes, as they are.
   """
   if config is not None and not isinstance(config, TpuConfig):
     raise TypeError(f"pallas_kernels.tpu.get_ops: config must be a TpuConfig or None; got "
@@ -68,8 +72,12 @@ def get_ops(interpret: Optional[bool] = None, *, chip: Optional[str] = None,
   elif chip is not None or block_sizes is not None:
     raise ValueError("pallas_kernels.tpu.get_ops: pass chip and block_sizes inside config, "
                      "not beside it")
+  if plan is not None:
+    bs = plan.block_sizes
+  else:
+    bs = dispatch.block_sizes(config, device or DeviceInfo.for_target("tpu"))
   bind = functools.partial
-  knobs = dict(block_sizes=dispatch.block_sizes(config), interpret=interpret)
+  knobs = dict(block_sizes=bs, interpret=interpret)
   return AttentionOps(
       "pallas:tpu",
       bind(prefix_attention, **knobs),

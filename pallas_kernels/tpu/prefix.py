@@ -192,7 +192,7 @@ def prefix_attention(
     *,
     kv_length: jax.Array,  # int32 scalar: the first kv_length keys are valid
     scale: float,
-    block_sizes: Optional[BlockSizes] = None,
+    block_sizes: BlockSizes,
     interpret: Optional[bool] = None,
 ):
   """Attention of every query against one shared K/V sequence (non-causal), on TPU.
@@ -220,7 +220,7 @@ def prefix_rows(
     kv_length: jax.Array,  # int32 scalar
     *,
     scale: float,
-    block_sizes: Optional[BlockSizes] = None,
+    block_sizes: BlockSizes,
     interpret: Optional[bool] = None,
 ):
   """The prefix kernel on folded query rows, results left in kernel layout.
@@ -235,7 +235,7 @@ def prefix_rows(
   if rows == 0 or p == 0:
     return (jnp.zeros((hkv, rows, dp), jnp.float32),
             jnp.full((hkv, rows, LANES), -jnp.inf, jnp.float32))
-  bs = block_sizes or common.default_block_sizes()
+  bs = block_sizes
   dtype = common.compute_dtype(q_rows, k, v)
   block_rows, block_keys, chunk = prefix_blocks(rows, p, dp, dtype.itemsize, bs)
   qh = common.pad_to(q_rows.astype(dtype), (hkv, common.round_up(rows, block_rows), dp))

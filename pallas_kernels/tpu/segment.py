@@ -209,7 +209,7 @@ def segment_attention(
     lengths: jax.Array,  # int32 [N]
     node_of_seq: jax.Array,  # int32 [B]; -1: the sequence has no segment at this level
     scale: float,
-    block_sizes: Optional[BlockSizes] = None,
+    block_sizes: BlockSizes,
     interpret: Optional[bool] = None,
 ):
   """One level of a sharing tree on TPU: sequence b attends to segment node_of_seq[b].
@@ -239,7 +239,7 @@ def segment_rows(
     node_of_seq: jax.Array,  # int32 [B]
     *,
     scale: float,
-    block_sizes: Optional[BlockSizes] = None,
+    block_sizes: BlockSizes,
     interpret: Optional[bool] = None,
 ):
   """The grouped kernel on folded rows (sorted and unsorted here), kernel layout out.
@@ -254,7 +254,7 @@ def segment_rows(
   if rows == 0 or t == 0:
     return (jnp.zeros((hkv, rows, dp), jnp.float32),
             jnp.full((hkv, rows, LANES), -jnp.inf, jnp.float32))
-  bs = block_sizes or common.default_block_sizes()
+  bs = block_sizes
   dtype = common.compute_dtype(q_rows, k, v)
   rows_per_seq = rows // b
   block_rows, block_keys, chunk = segment_blocks(rows, n, t, dp, dtype.itemsize, bs)

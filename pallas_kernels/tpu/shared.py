@@ -58,7 +58,7 @@ def shared_attention(
     kv_lengths: jax.Array,  # int32 [B]
     causal: bool,
     scale: float,
-    block_sizes: Optional[BlockSizes] = None,
+    block_sizes: BlockSizes,
     interpret: Optional[bool] = None,
 ):
   """Attention over shared parts then each sequence's suffix, merged exactly by LSE.

@@ -261,7 +261,7 @@ def suffix_attention(
     causal: bool,
     scale: float,
     prior: Optional[Tuple[jax.Array, jax.Array]] = None,  # (out f32 [B,Tq,Hq,D], lse [B,Tq,Hq])
-    block_sizes: Optional[BlockSizes] = None,
+    block_sizes: BlockSizes,
     interpret: Optional[bool] = None,
 ):
   """Per-sequence attention over each sequence's own ragged K/V, on TPU.
@@ -301,7 +301,7 @@ def suffix_rows(
     scale: float,
     d_out: int,
     out_dtype=jnp.float32,
-    block_sizes: Optional[BlockSizes] = None,
+    block_sizes: BlockSizes,
     interpret: Optional[bool] = None,
 ):
   """The suffix kernel on folded query rows: pads, runs, slices.
@@ -321,7 +321,7 @@ def suffix_rows(
     out = jnp.where((lse > -jnp.inf)[..., None], prior[0][..., :d_out], 0.0)
     return out.astype(out_dtype), lse
   rows = r // b
-  bs = block_sizes or common.default_block_sizes()
+  bs = block_sizes
   dtype = common.compute_dtype(q_rows, k, v)
   dp = common.round_up(d, LANES)
   blocks = suffix_blocks(b, hkv, s, rows, dp, dtype.itemsize, bs, prior is not None)

@@ -1,8 +1,7 @@
 """Shared prefix and per-sequence suffixes in ONE Hopper kernel (Pallas Mosaic GPU).
 
 The split kernels run one after the other: the batched prefix product is
-compute-bound (wgmma at ~90% of the measured matmul rate) and the suffix pass
-is memory-bound (2.0-2.6 TB/s), so neither hides the other and the sum sits
+compute-bound and the suffix pass memory-bound, so neither hides the other and the sum sits
 well above ``max(FLOPs / rate, bytes / bandwidth)``. Here every CTA of
 :mod:`pallas_kernels.gpu.prefix_mgpu`'s design (two consumer
 warpgroups of 64 query rows, one TMA producer warpgroup) continues, after the
@@ -77,7 +76,7 @@ LN2 = math.log(2.0)
 # 2 * 232 + 40 <= 512 of the 65,536 a CTA may hold over 128 threads' worth; setmaxnreg.inc waits
 # for registers the others give back, so more would hang). These are the setmaxnreg values at
 # run time; ptxas compiles the whole kernel under the launch's cap (168 registers at 384
-# threads, no spills: MOSAIC_GPU_DUMP_PTXAS=1 on the H100, 2026-11-24).
+# threads; MOSAIC_GPU_DUMP_PTXAS=1 shows it spills none).
 REGS = (232, 40)
 
 _LOAD_NEEDS_IDX = (inspect.signature(plgpu.load).parameters["idx"].default

@@ -91,8 +91,8 @@ def spreads(splits: int, prefix_blocks: int, suffix_steps: int) -> bool:
 
 
 # In a suffix step each warpgroup multiplies one of its sequences' keys against its 64 rows:
-# 64 / G times the useful products. The one kernel runs where that waste is at most this: it beat
-# the kernels apart at G = 8 and lost in decoding at G = 4 (docs/configuration.md).
+# 64 / G times the useful products. The one kernel runs where that waste is at most this: beyond
+# it the kernels apart are faster (docs/configuration.md).
 MAX_WASTE = 8
 
 

@@ -113,8 +113,8 @@ def block_sizes_for(chip: str) -> BlockSizes:
 
   * ``prefix_rows``: the smallest multiple of the MXU width that is >= 2x the ridge point
     (v5e 241, v5p 166, v6e 560 FLOPs per K/V byte): 512, 384, 1280 rows.
-  * ``prefix_keys``: the power of two (>= 512) that gives a full row block >= 0.75 us of
-    MXU work per step at D = 128, ~2x the fixed step cost: 1024, 2048, 2048.
+  * ``prefix_keys``: the power of two (>= 512) that gives a full row block of MXU work per
+    step at D = 128 of about twice the fixed step cost: 1024, 2048, 2048.
   * ``compute_keys`` = 512, halved by :func:`pallas_kernels.tpu.prefix.prefix_blocks`
     while a step's VMEM estimate exceeds the budget (v6e's 1280-row tile: 256).
   * ``suffix_keys`` = 512; ``suffix_step_bytes`` ~3x (bandwidth x step cost): 1 MiB on

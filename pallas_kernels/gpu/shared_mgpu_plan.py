@@ -1,7 +1,7 @@
 """The one-kernel decode path's plan: its configuration and dispatch, and which steps each CTA,
 key split and warpgroup runs (pure int32 arithmetic on scalars, shared by the Mosaic GPU kernel
 in :mod:`pallas_kernels.gpu.shared_mgpu` and the CPU emulations of
-``tests/test_fused_decode_plan.py``, since the kernel itself has no interpret mode).
+``tests/kernels/test_fused_decode_plan.py``, since the kernel itself has no interpret mode).
 
 - :class:`FusedConfig` and :func:`default_config` (key splits, step plan, K/V slots, the split
   merge inside the kernel), chosen with :class:`pallas_kernels.gpu.config.FusedDecodeOptions`

@@ -455,7 +455,7 @@ def test_mosaic_ir_fingerprints_tell_kernels_apart():
   every module of tools/mosaic_ir.py's list identical.)"""
   import importlib.util
   import pathlib
-  path = pathlib.Path(__file__).parents[1] / "tools" / "mosaic_ir.py"
+  path = pathlib.Path(__file__).parents[2] / "tools" / "mosaic_ir.py"
   spec = importlib.util.spec_from_file_location("mosaic_ir", path)
   tool = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(tool)

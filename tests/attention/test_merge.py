@@ -47,7 +47,7 @@ def test_merge_of_any_split_is_full_attention(data, seed, dtype, n_parts):
 @settings(max_examples=100)
 @given(seed=SEEDS, n=st.integers(1, 6), p_empty=st.floats(0, 1))
 def test_merge_matches_float64_formula_with_empty_parts(seed, n, p_empty):
-  """The public merge (the GPU kernels' split merge: tests/test_pallas_gpu_kernels.py)."""
+  """The public merge (the GPU kernels' split merge: tests/kernels/test_pallas_gpu_kernels.py)."""
   count_case("merge_formula")
   rng = np.random.default_rng(seed)
   shape = (3, 2, 5)

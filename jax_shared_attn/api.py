@@ -11,6 +11,7 @@ merge formula.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -296,8 +297,9 @@ def _prepare_tree(q, levels, suffix_k, suffix_v, *, suffix_lengths=None, causal=
                return_lse)
 
 
-_PREPARE = {attention_with_lse: _prepare_full, shared_prefix_attention: _prepare_prefix,
-            hierarchical_attention: _prepare_tree}
+_PREPARE = types.MappingProxyType({attention_with_lse: _prepare_full,
+                                   shared_prefix_attention: _prepare_prefix,
+                                   hierarchical_attention: _prepare_tree})
 
 
 def explain(fn: Callable, *args, platform: Optional[str] = None,

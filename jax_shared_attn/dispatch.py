@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 from typing import Any, Optional
 
 import jax
@@ -20,7 +21,8 @@ from pallas_kernels.device import DeviceInfo
 
 IMPLS = ("auto", "xla", "pallas", "pallas:triton", "pallas:mosaic_gpu", "pallas:tpu")
 _HOPPER = re.compile(r"\b(GH200|H100|H200|H800|H20)\b", re.IGNORECASE)
-_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+_PLATFORMS = types.MappingProxyType(
+    {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"})
 
 
 def _platform(fn: str, platform: Optional[str]) -> str:

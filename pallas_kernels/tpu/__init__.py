@@ -16,7 +16,10 @@ visible key, never NaN):
 ``common.py``   block sizes per chip (:class:`BlockSizes`), padding, the online softmax,
                 native/interpret dispatch.
 ``config.py``   :class:`TpuConfig`, the choices a call passes (static under jit).
-``dispatch.py`` which block sizes a call runs with: a pure function of chip and config.
+``dispatch.py`` the plan of a call (:class:`TpuPlan`: block sizes of the chip planned for and
+                every kernel's blocks), a pure function of shapes, device and config;
+                ``shared.run_plan`` executes it.
+``tuned.py``    the chips' numbers (``CHIPS``) and which device kind names which chip.
 ``perf_model.py``  bytes, FLOPs and floors per chip (``python -m pallas_kernels.tpu.perf_model``).
 
 Example:
@@ -37,12 +40,12 @@ from pallas_kernels.tpu.common import CHIPS, BlockSizes, block_sizes_for, chip_o
 from pallas_kernels.tpu.config import TpuConfig
 from pallas_kernels.tpu.prefix import prefix_attention, prefix_attention_head_major
 from pallas_kernels.tpu.segment import segment_attention, segment_attention_head_major
-from pallas_kernels.tpu.shared import shared_attention
+from pallas_kernels.tpu.shared import run_plan, run_suffix, shared_attention
 from pallas_kernels.tpu.suffix import suffix_attention, suffix_attention_head_major
 
 __all__ = ["get_ops", "TpuConfig", "BlockSizes", "block_sizes_for", "CHIPS",
            "chip_of_device_kind", "prefix_attention", "segment_attention", "suffix_attention",
-           "shared_attention", "prefix_attention_head_major", "segment_attention_head_major",
+           "shared_attention", "run_plan", "prefix_attention_head_major", "segment_attention_head_major",
            "suffix_attention_head_major"]
 
 
@@ -59,7 +62,9 @@ def get_ops(interpret: Optional[bool] = None, *, chip: Optional[str] = None,
     config: a :class:`TpuConfig` (None: its defaults, the chip of ``device``).
     chip, block_sizes: shorthand for ``config=TpuConfig(chip, block_sizes)``.
     device: the device planned for (None: the default TPU, else v5e's numbers).
-    plan: a :class:`~pallas_kernels.tpu.dispatch.TpuPlan`: its block sizes, as they are.
+    plan: a :class:`~pallas_kernels.tpu.dispatch.TpuPlan` of one call's shapes: the
+      ``shared_attention`` and ``suffix_attention`` entries execute it as it is; the others
+      run with its block sizes.
   """
   if config is not None and not isinstance(config, TpuConfig):
     raise TypeError(f"pallas_kernels.tpu.get_ops: config must be a TpuConfig or None; got "
@@ -72,16 +77,15 @@ def get_ops(interpret: Optional[bool] = None, *, chip: Optional[str] = None,
   elif chip is not None or block_sizes is not None:
     raise ValueError("pallas_kernels.tpu.get_ops: pass chip and block_sizes inside config, "
                      "not beside it")
-  if plan is not None:
-    bs = plan.block_sizes
-  else:
-    bs = dispatch.block_sizes(config, device or DeviceInfo.for_target("tpu"))
+  if device is None:
+    device = plan.device if plan is not None else DeviceInfo.for_target("tpu")
+  bs = plan.block_sizes if plan is not None else dispatch.block_sizes(config, device)
   bind = functools.partial
   knobs = dict(block_sizes=bs, interpret=interpret)
-  return AttentionOps(
-      "pallas:tpu",
-      bind(prefix_attention, **knobs),
-      bind(segment_attention, **knobs),
-      bind(suffix_attention, **knobs),
-      bind(shared_attention, **knobs),
-  )
+  suffix = bind(suffix_attention, **knobs)
+  shared = bind(shared_attention, device=device, **knobs)
+  if plan is not None:  # the call's own plan, as it is
+    suffix = bind(run_suffix, plan, interpret=interpret)
+    shared = bind(run_plan, plan, interpret=interpret)
+  return AttentionOps("pallas:tpu", bind(prefix_attention, **knobs),
+                      bind(segment_attention, **knobs), suffix, shared)

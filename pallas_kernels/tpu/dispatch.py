@@ -1,14 +1,16 @@
-"""Which block sizes the TPU kernels run with: a pure function of the config, the device planned
-for and the shapes (:func:`plan`), the one place the TPU family decides; the kernels execute its
-result (:func:`pallas_kernels.tpu.shared.shared_attention` with ``block_sizes`` of the plan)."""
+"""Which blocks the TPU kernels run with: a pure function of the config, the device planned for
+and the shapes (:func:`plan`), the one place the TPU family decides; the kernels execute its
+result (:func:`pallas_kernels.tpu.shared.run_plan`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
+import jax
+
 from pallas_kernels.device import DeviceInfo
-from pallas_kernels.tpu import common
+from pallas_kernels.tpu import common, prefix, segment, suffix
 from pallas_kernels.tpu.common import BlockSizes
 from pallas_kernels.tpu.config import TpuConfig
 
@@ -22,8 +24,9 @@ class TpuPlan:
     chip: whose block sizes (``CHIPS`` key).
     block_sizes: the :class:`BlockSizes` every kernel of the call reads.
     prefix_blocks: per shared part, the prefix kernel's ``(block_rows, block_keys, chunk)``
-      (:func:`pallas_kernels.tpu.prefix.prefix_blocks`), or the segment kernel's
-      (:func:`pallas_kernels.tpu.segment.segment_blocks`) for a tree level.
+      (:func:`pallas_kernels.tpu.prefix.rows_blocks`), or the segment kernel's
+      (:func:`pallas_kernels.tpu.segment.rows_blocks`) for a tree level; None where it has no
+      rows or no keys (nothing runs).
     suffix_blocks: the suffix kernel's :class:`~pallas_kernels.tpu.suffix.SuffixBlocks`
       (None where it has no keys or no rows).
     reasons: why, in words.
@@ -55,9 +58,6 @@ def plan(q, parts=(), suffix_k=None, *, device: DeviceInfo,
          config: Optional[TpuConfig] = None) -> TpuPlan:
   """The plan for ``q [B, Tq, Hq, D]``, shared ``parts`` (``(kind, k, ...)`` as the kernels take
   them; arrays or ``jax.ShapeDtypeStruct``) and ``suffix_k [B, S, Hkv, D]``."""
-  from pallas_kernels.tpu.prefix import prefix_blocks
-  from pallas_kernels.tpu.segment import segment_blocks
-  from pallas_kernels.tpu.suffix import suffix_blocks
   config = TpuConfig() if config is None else config
   chip = chip_for(config, device)
   bs = block_sizes(config, device)
@@ -69,23 +69,18 @@ def plan(q, parts=(), suffix_k=None, *, device: DeviceInfo,
     reasons = [f"block sizes of {chip}, the chip planned for ({device.device_kind}; v5e's "
                f"where it is no TPU)"]
   b, tq, hq, d = q.shape
-  rows = b * tq * hq  # every KV head's rows: B * Tq * G
+  hkv = suffix_k.shape[2] if suffix_k is not None else parts[0][1].shape[-2]
+  # The kernels read q folded once, in the dtype of all the inputs (run_plan).
+  dtype = common.compute_dtype(q, *([] if suffix_k is None else [suffix_k]),
+                               *[p[1] for p in parts])
+  rows = jax.ShapeDtypeStruct((hkv, b * tq * (hq // hkv), d), dtype)
   blocks = []
   for kind, k, v, *_ in parts:
-    hkv = k.shape[-2]
-    itemsize = common.compute_dtype(q, k).itemsize
-    dp = common.round_up(max(d, v.shape[-1]), common.LANES)
-    if kind == "prefix":
-      blocks.append(prefix_blocks(rows // hkv, k.shape[0], dp, itemsize, bs))
-    else:
-      blocks.append(segment_blocks(rows // hkv, k.shape[0], k.shape[1], dp, itemsize, bs))
+    blocks.append((prefix if kind == "prefix" else segment).rows_blocks(rows, k, v, bs))
   if blocks:
     reasons.append(f"prefix/segment kernel (block_rows, block_keys, chunk) per part: {blocks}")
   sblocks = None
-  if suffix_k is not None and suffix_k.shape[1] and b * tq * hq:
-    hkv = suffix_k.shape[2]
-    itemsize = common.compute_dtype(q, suffix_k, *[p[1] for p in parts]).itemsize
-    sblocks = suffix_blocks(b, hkv, suffix_k.shape[1], tq * (hq // hkv),
-                            common.round_up(d, common.LANES), itemsize, bs, bool(parts))
+  if suffix_k is not None:
+    sblocks = suffix.rows_blocks(rows, suffix_k, suffix_k, bs, bool(parts))
     reasons.append(f"suffix kernel: {sblocks}")
   return TpuPlan(device, chip, bs, tuple(blocks), sblocks, tuple(reasons))

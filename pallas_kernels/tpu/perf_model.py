@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import json
 import sys
+import types
 
 from pallas_kernels.base import AttentionShape
 from pallas_kernels.tpu import common
@@ -33,10 +34,10 @@ from pallas_kernels.tpu.common import LANES
 from pallas_kernels.tpu.prefix import prefix_blocks
 from pallas_kernels.tpu.suffix import suffix_blocks
 
-SHAPES = {  # name: (Hq, Hkv, D)
+SHAPES = types.MappingProxyType({  # name: (Hq, Hkv, D)
     "Hydragen paper (Hq 8, Hkv 1, D 128)": (8, 1, 128),
     "Llama-3-8B (Hq 32, Hkv 8, D 128)": (32, 8, 128),
-}
+})
 BATCHES = (16, 64, 256, 1024)
 PREFIXES = (1024, 4096, 16384)
 SUFFIXES = (128, 512)

@@ -201,6 +201,16 @@ def segment_blocks(rows: int, num_segments: int, keys: int, d: int, itemsize: in
   return prefix_blocks(common.cdiv(rows, num_segments), keys, d, itemsize, block_sizes)
 
 
+def rows_blocks(q_rows, k, v, block_sizes: BlockSizes) -> Optional[tuple[int, int, int]]:
+  """The blocks :func:`segment_rows` runs ``q_rows [Hkv, R, D]`` against ``k, v [N, T, Hkv, D]``
+  with (None where nothing runs: no rows or no keys); shapes and dtypes only."""
+  rows, (n, t) = q_rows.shape[1], k.shape[:2]
+  if rows == 0 or t == 0:
+    return None
+  dp = common.round_up(max(q_rows.shape[-1], v.shape[-1]), LANES)
+  return segment_blocks(rows, n, t, dp, common.compute_dtype(q_rows, k, v).itemsize, block_sizes)
+
+
 def segment_attention(
     q: jax.Array,  # [B, Tq, Hq, D]
     k: jax.Array,  # [N, T, Hkv, D]
@@ -226,8 +236,10 @@ def segment_attention(
     ...                              node_of_seq=jnp.array([0, 0, 1, -1]), scale=0.125)
   """
   b, tq, hq = q.shape[:3]
-  out, lse = segment_rows(fold_rows(q, k.shape[2]), k, v, lengths, node_of_seq, scale=scale,
-                          block_sizes=block_sizes, interpret=interpret)
+  q_rows = fold_rows(q, k.shape[2])
+  out, lse = segment_rows(q_rows, k, v, lengths, node_of_seq, scale=scale,
+                          blocks=rows_blocks(q_rows, k, v, block_sizes),
+                          vmem_limit_bytes=block_sizes.vmem_limit_bytes, interpret=interpret)
   return unfold_rows(out[..., :v.shape[-1]], b, tq, hq), unfold_rows(lse[..., 0], b, tq, hq)
 
 
@@ -239,10 +251,12 @@ def segment_rows(
     node_of_seq: jax.Array,  # int32 [B]
     *,
     scale: float,
-    block_sizes: BlockSizes,
+    blocks: Optional[tuple[int, int, int]],
+    vmem_limit_bytes: Optional[int] = None,
     interpret: Optional[bool] = None,
 ):
-  """The grouped kernel on folded rows (sorted and unsorted here), kernel layout out.
+  """The grouped kernel on folded rows (sorted and unsorted here) with ``blocks =
+  (block_rows, block_keys, chunk)`` (:func:`rows_blocks`), kernel layout out.
 
   Returns float32 ``out [Hkv, R, Dp]`` (zero lanes past D) and ``lse [Hkv, R, 128]``
   (natural log, lane-replicated) in the original row order.
@@ -254,10 +268,9 @@ def segment_rows(
   if rows == 0 or t == 0:
     return (jnp.zeros((hkv, rows, dp), jnp.float32),
             jnp.full((hkv, rows, LANES), -jnp.inf, jnp.float32))
-  bs = block_sizes
   dtype = common.compute_dtype(q_rows, k, v)
   rows_per_seq = rows // b
-  block_rows, block_keys, chunk = segment_blocks(rows, n, t, dp, dtype.itemsize, bs)
+  block_rows, block_keys, chunk = blocks
   meta = group_metadata(jnp.asarray(node_of_seq), n, rows_per_seq, block_rows)
   qs = q_rows.astype(dtype).reshape(hkv, b, rows_per_seq, d)[:, meta.order]
   qs = common.pad_to(qs.reshape(hkv, rows, d), (hkv, common.round_up(rows, block_rows), dp))
@@ -268,7 +281,7 @@ def segment_rows(
   group_length = jnp.concatenate([seg_len, jnp.zeros((1,), jnp.int32)])
   out, lse = segment_attention_head_major(qs, kh, vh, group_length, meta, scale=scale,
                                           block_rows=block_rows, block_keys=block_keys,
-                                          chunk=chunk, vmem_limit_bytes=bs.vmem_limit_bytes,
+                                          chunk=chunk, vmem_limit_bytes=vmem_limit_bytes,
                                           interpret=interpret)
   inverse = jnp.argsort(meta.order)
 

@@ -9,7 +9,8 @@ Public API (see README.md and each docstring for the math and shapes):
 * :func:`sharded`, :class:`AttentionSharding`: any of the three above run per shard of a
   device mesh under ``shard_map`` (batch x heads blocks, no communication).
 * :class:`GpuConfig`, :class:`TpuConfig` (``config=`` of the three): the kernel families'
-  choices as values; :func:`explain`: the plan a call runs and why (docs/configuration.md).
+  choices as values; :func:`explain`: the :class:`Plan` a call runs and why, for the
+  :class:`DeviceInfo` it is planned for (docs/configuration.md).
 """
 
 from jax_shared_attn.api import (SharedLevel, attention_with_lse, explain, hierarchical_attention,
@@ -20,9 +21,10 @@ from jax_shared_attn.dispatch import Plan
 from jax_shared_attn.merge import merge_attention_states
 from jax_shared_attn.ops import IMPLS, AttentionOps
 from jax_shared_attn.sharding import AttentionSharding, sharded
+from pallas_kernels.device import DeviceInfo
 
-__all__ = ["AttentionOps", "AttentionSharding", "BlockSizes", "FusedDecodeOptions", "GpuConfig",
-           "IMPLS", "MosaicPrefixOptions", "Plan", "SharedLevel", "TpuConfig",
+__all__ = ["AttentionOps", "AttentionSharding", "BlockSizes", "DeviceInfo", "FusedDecodeOptions",
+           "GpuConfig", "IMPLS", "MosaicPrefixOptions", "Plan", "SharedLevel", "TpuConfig",
            "attention_with_lse", "explain", "hierarchical_attention", "merge_attention_states",
            "shared_prefix_attention", "sharded"]
 __version__ = "0.1.0"

@@ -57,7 +57,8 @@ class DeviceInfo:
     platform = platform if platform in PLATFORMS else "cpu"
     kind = str(dev.device_kind)
     known = KNOWN.get(kind)
-    cores = int(getattr(dev, "core_count", 0) or (known.cores if known else 1))
+    fallback = known or KNOWN[DEFAULT_KIND[platform]]  # a kind missing from the table
+    cores = int(getattr(dev, "core_count", 0) or fallback.cores)
     memory = known.memory_bytes if known else 0
     try:
       memory = int((dev.memory_stats() or {}).get("bytes_limit", memory))

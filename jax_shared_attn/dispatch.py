@@ -150,13 +150,12 @@ def _backward_kernels(family: str, backend: str, device: DeviceInfo, config) -> 
   from pallas_kernels.gpu import cudnn
   if (config or GpuConfig()).backward != "cudnn":
     return "triton", "backward: the Triton kernels (GpuConfig.backward='triton')"
-  if backend != "gpu":
-    return "triton", "backward: the Triton kernels (cuDNN runs on a GPU only)"
-  running = device == DeviceInfo.current()
-  if running and not cudnn.available():
+  if backend == "gpu" and device != DeviceInfo.current():  # planning for a named GPU
+    return "cudnn", ("backward: cuDNN's attention backward where a part qualifies, else Triton "
+                     "(assumed available on the named device)")
+  if not cudnn.available():
     return "triton", "backward: the Triton kernels (cuDNN's attention backward is not available)"
-  return "cudnn", ("backward: cuDNN's attention backward where a part qualifies, else Triton"
-                   + ("" if running else " (assumed available on the named device)"))
+  return "cudnn", "backward: cuDNN's attention backward where a part qualifies, else Triton"
 
 
 def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,

@@ -12,7 +12,11 @@
 ``sampler.py``         not attention: the top-p draw's passes over the logits in one kernel
                        (noise, candidates, sums; used by ``models.sampling``).
 ``config.py``          :class:`GpuConfig`, the choices a call passes (static under jit).
-``dispatch.py``        which kernels run a call: a pure function of shapes and config.
+``dispatch.py``        the plan of a call (:class:`~pallas_kernels.gpu.dispatch.GpuPlan`: every
+                       kernel and its config), a pure function of shapes, config and the
+                       :class:`~pallas_kernels.device.DeviceInfo` planned for;
+                       ``shared.run_plan`` executes it.
+``tuned.py``           the kernels' tuned tiles, by device kind and shape.
 """
 
 from __future__ import annotations

@@ -21,11 +21,9 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 from models import sharding as S
 from models.config import preset
 from models.llama import param_shapes
+from strategies import DEVICE_FLAGS  # also what tests/test_models_training.py imports from here
 
 ROOT = Path(__file__).resolve().parents[2]
-# Fast CPU compiles for the subprocess (LLVM -O0): the programs are tiny, compiling dominates.
-DEVICE_FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                "--xla_llvm_disable_expensive_passes=true")
 
 
 @pytest.mark.slow

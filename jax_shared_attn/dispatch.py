@@ -96,11 +96,15 @@ def segment_alignment(impl: str = "auto", *, platform: Optional[str] = None,
 
 
 def suffix_alignment(impl: str = "auto", rows_per_seq: int = 1, config=None, *,
-                     platform: Optional[str] = None, device_kind: Optional[str] = None) -> int:
+                     platform: Optional[str] = None, device_kind: Optional[str] = None,
+                     segment: Optional[int] = None) -> int:
   """Token multiple that per-sequence (own) K/V capacities should be padded to for ``impl``:
   64 on Hopper where decoding runs the one-kernel path (``rows_per_seq = Hq / Hkv >= 8``), 1
-  elsewhere (padding is memory)."""
-  if segment_alignment(impl, platform=platform, device_kind=device_kind) == 1:
+  elsewhere (padding is memory). ``segment``: the :func:`segment_alignment` of the same target
+  where the caller has it (1: no Hopper kernel runs)."""
+  if segment is None:
+    segment = segment_alignment(impl, platform=platform, device_kind=device_kind)
+  if segment == 1:
     return 1
   from pallas_kernels.gpu import dispatch as gpu_dispatch
   return gpu_dispatch.suffix_alignment("mosaic_gpu", rows_per_seq, config)

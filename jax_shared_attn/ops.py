@@ -54,7 +54,7 @@ def segment_alignment(impl: str = "auto") -> int:
 def suffix_alignment(impl: str = "auto", rows_per_seq: int = 1, config=None) -> int:
   """Token multiple for per-sequence K/V capacities on the default backend
   (:func:`jax_shared_attn.dispatch.suffix_alignment`)."""
-  return dispatch.suffix_alignment(impl, rows_per_seq, config)
+  return dispatch.suffix_alignment(impl, rows_per_seq, config, segment=segment_alignment(impl))
 
 
 def executor(plan: dispatch.Plan, config=None) -> AttentionOps:

@@ -84,7 +84,7 @@ def segment_alignment(impl: str = "auto", *, platform: Optional[str] = None,
                       device_kind: Optional[str] = None) -> int:
   """Token multiple that shared-segment K/V buffers should be padded to for ``impl`` on
   ``platform`` (None: the default backend). Callers that allocate segment buffers
-  (``models.generate``) round their width up to this multiple; the padding is never read as
+  (``models.generation``) round their width up to this multiple; the padding is never read as
   keys (the lengths mask it). 128 where the Hopper prefix kernel runs, else 1."""
   if _platform("segment_alignment", platform) != "gpu":
     return 1

@@ -21,7 +21,7 @@ heads and ``Hkv / n`` KV heads (n = size of ``head_axis``) is a whole number
 of groups: global query head h reads KV head ``h // G`` and local query head
 ``h - i * Hq / n`` reads local KV head ``(h // G) - i * Hkv / n``. That needs
 ``Hkv % n == 0``; with fewer KV heads than shards, replicate them first
-(:func:`models.sharding.kv_replication`) so each shard holds its group's head.
+(:func:`models.parallel.sharding.kv_replication`) so each shard holds its group's head.
 
     >>> mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     >>> attn = sharded(hierarchical_attention, mesh)                      # same signature
@@ -150,7 +150,7 @@ _STATIC = frozenset({"causal", "scale", "impl", "return_lse", "config"})
 def _check_divisible(fn: str, arg: str, n: int, what: str, axis: AxisName, size: int) -> None:
   if n % size:
     hint = (" (with fewer KV heads than head shards, replicate them: "
-            "models.sharding.kv_replication)") if what == "key/value heads" else ""
+            "models.parallel.sharding.kv_replication)") if what == "key/value heads" else ""
     raise ValueError(f"sharded({fn}): {arg} has {n} {what}, not a multiple of the {size} "
                      f"shards of mesh axis {axis!r}{hint}")
 

@@ -10,7 +10,7 @@
                        Hopper, decoding with one shared prefix runs prefix and suffixes in ONE
                        Mosaic GPU kernel (``shared_mgpu``).
 ``sampler.py``         not attention: the top-p draw's passes over the logits in one kernel
-                       (noise, candidates, sums; used by ``models.sampling``).
+                       (noise, candidates, sums; used by ``models.generation.sampling``).
 ``config.py``          :class:`GpuConfig`, the choices a call passes (static under jit).
 ``dispatch.py``        the plan of a call (:class:`~pallas_kernels.gpu.dispatch.GpuPlan`: every
                        kernel and its config), a pure function of shapes, config and the

@@ -1,6 +1,6 @@
 """The top-p draw's passes over the logits in one Pallas (Triton) kernel, a row per program.
 
-:mod:`models.sampling`'s score path (``_score_draw``) finds the token ``jax.random.categorical``
+:mod:`models.generation.sampling`'s score path (``_score_draw``) finds the token ``jax.random.categorical``
 draws from the top-p set as the first kept token in the order of the Gumbel scores
 ``x + g`` (``x = logits / T``): one pass computes the noise of every token (one threefry2x32
 per token, bit-identical to ``jax.random.gumbel``) and the best score per chunk, a selection
@@ -21,7 +21,7 @@ row, with cheaper arithmetic where the result allows it:
   above each candidate, "above" decided exactly: ``l > L`` with ``L`` the largest float32 whose
   quotient ``L / T`` equals the candidate's (as XLA divides), so ``l > L`` iff ``l / T > x``.
 
-The caller (``models.sampling._kernel_score_draw``) recomputes the candidates' scores with
+The caller (``models.generation.sampling._kernel_score_draw``) recomputes the candidates' scores with
 ``jax.random.gumbel``'s arithmetic and decides a row only where its best kept candidate beats
 ``bound`` by more than the kernel's error, so the token is ``categorical``'s; other rows take
 the XLA passes. Interpreted (CPU), the logarithms are ``jnp.log2`` and ``jnp.exp2``.

@@ -19,8 +19,8 @@ import pytest
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 
 from models import sharding as S
-from models.config import preset
-from models.llama import param_shapes
+from models.model.config import preset
+from models.model.llama import param_shapes
 from strategies import DEVICE_FLAGS  # also what tests/test_models_training.py imports from here
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,7 +80,7 @@ def test_kv_replication_makes_the_model_axis_divide_the_kv_heads(hkv, m, r):
 
 def test_replication_is_announced(caplog):
   S._warn_replication.cache_clear()
-  with caplog.at_level(logging.WARNING, logger="models.sharding"):
+  with caplog.at_level(logging.WARNING, logger="models.parallel.sharding"):
     S.sharded_config(preset("tiny"), abstract(1, 4))  # 2 KV heads, 4 shards
   assert "each KV head is replicated 2 times" in caplog.text
 
@@ -121,7 +121,7 @@ def test_rules_table():
 
 
 def test_the_model_on_a_one_device_mesh_is_laid_out_by_the_rules():
-  from models.llama import flat_params, random_init
+  from models.model.llama import flat_params, random_init
 
   mesh = S.make_mesh((1, 1))
   model = S.shard_model(random_init(preset("tiny"), seed=0), mesh)

@@ -21,10 +21,10 @@ from jax_shared_attn import (SharedLevel, attention_with_lse, hierarchical_atten
                              shared_prefix_attention)
 from jax_shared_attn.sharding import sharded
 from models import sharding as S
-from models.config import preset
-from models.generate import decode, generate, lower_decode, prefill
-from models.llama import flat_params, random_init
-from models.prompt_tree import PromptTree
+from models.model.config import preset
+from models.generation.loop import decode, generate, lower_decode, prefill
+from models.model.llama import flat_params, random_init
+from models.generation.prompt_tree import PromptTree
 
 if jax.device_count() < 8 or jax.default_backend() != "cpu":
   pytest.skip("needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8); "
@@ -188,7 +188,7 @@ def test_data_parallel_decode_loop_runs_without_collectives(model):
   """On a data-only mesh each device decodes its own samples: without an EOS the loop (body
   and condition) has no collective, so no device waits for the others each step; with an EOS
   the one per step is the all-finished check (a 1-byte all-reduce)."""
-  from models.hlo_collectives import loop_text, parse_collectives
+  from models.parallel.hlo_collectives import loop_text, parse_collectives
   mesh = S.make_mesh((8, 1))
   state = prefill(model, prompt_of(19, 0), num_samples=8, max_new_tokens=NEW, mesh=mesh)
   free = lower_decode(model, state, eos_id=None).compile().as_text()
@@ -220,7 +220,7 @@ def test_the_gather_check_can_fail():
 # -- KV head replication --------------------------------------------------------------------------
 
 def test_kv_heads_are_replicated_consistently_and_said(model, caplog):
-  with caplog.at_level(logging.WARNING, logger="models.sharding"):
+  with caplog.at_level(logging.WARNING, logger="models.parallel.sharding"):
     S._warn_replication.cache_clear()
     placed = S.shard_model(model, S.make_mesh((1, 8)))
   assert "replicated 4 times" in caplog.text
@@ -248,7 +248,7 @@ def write_hf_dir(path, model):
   """A transformers-style checkpoint (config.json + model.safetensors) of ``model``."""
   from safetensors.numpy import save_file
 
-  from models.loading import hf_tensors
+  from models.checkpoints.loading import hf_tensors
   c = model.config
   tensors = hf_tensors(flat_params(model), c)
   path.mkdir()
@@ -262,7 +262,7 @@ def write_hf_dir(path, model):
 
 
 def test_loading_places_each_tensor_on_its_shards(model, tmp_path):
-  from models.loading import from_pretrained, save_pretrained
+  from models.checkpoints.loading import from_pretrained, save_pretrained
 
   mesh = S.make_mesh((2, 4))
   want = S.shard_model(model, mesh)

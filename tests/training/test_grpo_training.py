@@ -245,7 +245,7 @@ def test_grpo_loop_raises_the_reward_of_a_tiny_model(tiny):
 @pytest.mark.slow
 def test_sharded_step_in_a_subprocess():
   """tests/training/test_training_mesh.py on 8 CPU devices (the flag must precede JAX's start)."""
-  from test_sharding import DEVICE_FLAGS
+  from strategies import DEVICE_FLAGS
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + DEVICE_FLAGS).strip())
   env.pop("PYTEST_XDIST_WORKER", None)

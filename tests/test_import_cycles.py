@@ -88,8 +88,6 @@ def test_imports_inside_functions_and_string_imports_count(tmp_path):
   # inside a function: the decoder places its cache writes through the parallel package
   assert any(e.startswith("models.parallel") for e in edges["models.model.llama"])
   assert "models.bench.attention" in edges["models.bench.__main__"]
-  # a string import (the deprecated alias of jax_shared_attn.bench)
-  assert "models" in edges["jax_shared_attn.bench"]
   src = tmp_path / "m.py"
   src.write_text("def f():\n  import importlib\n  importlib.import_module('models.cli')\n")
   assert imports_of(src, "models.m") == {"models.cli"}
@@ -108,11 +106,8 @@ def test_no_import_cycle():
 
 def test_the_library_imports_neither_benchmarks_nor_cli():
   """Only the CLI's command table imports ``models.bench``; the benchmarks never import the
-  CLI; the kernels and the attention API never import ``models`` (save the deprecated alias
-  ``jax_shared_attn.bench``, which forwards to ``models.bench``)."""
+  CLI; the kernels and the attention API never import ``models``."""
   for module, targets in graph().items():
-    if module.startswith("jax_shared_attn.bench"):
-      continue
     if module.startswith("models.bench"):
       assert not any(t.startswith("models.cli") for t in targets), module
     elif not module.startswith("models.cli"):

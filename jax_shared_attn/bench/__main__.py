@@ -1,6 +1,7 @@
-"""``python -m jax_shared_attn.bench``: moved to ``python -m models.bench`` (next release: gone)."""
+"""``python -m jax_shared_attn.bench``: runs ``python -m models.bench`` with the same arguments
+(moved; this alias goes in the next release)."""
 
-import importlib
+import os
 import sys
 
-sys.exit(importlib.import_module("models.bench.__main__").main())
+os.execv(sys.executable, [sys.executable, "-m", "models.bench", *sys.argv[1:]])

@@ -20,10 +20,13 @@ class TestTriton(FamilySuite):
   EXAMPLES = dict(prefix=8, tree=6, full=4, primitive=3)  # interpreted: fewer, the same cases
 
 
+@pytest.mark.skipif(jax.default_backend() not in ("cpu", "tpu"),
+                    reason="the TPU kernels run on a TPU, or interpreted on a CPU")
 class TestTpu(FamilySuite):
   IMPL = "pallas:tpu"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU runs on a CUDA GPU only")
 class TestMosaicGpu(FamilySuite):
   IMPL = "pallas:mosaic_gpu"

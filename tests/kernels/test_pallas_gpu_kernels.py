@@ -288,8 +288,8 @@ class TestNativeMosaic:
   examples = 6
 
   def setup_method(self):
-    self.prefix = jax.jit(functools.partial(prefix_attention, mosaic=True),
-                          static_argnames=("scale",))
+    self.prefix = jax.jit(functools.partial(prefix_attention, device=DeviceInfo.current(),
+                                            mosaic=True), static_argnames=("scale",))
 
   @pytest.mark.parametrize("case", MOSAIC_CASES)
   def test_prefix_attention(self, case):

@@ -1,0 +1,1 @@
+"""Checkpoint formats: readers of the files from_pretrained loads."""

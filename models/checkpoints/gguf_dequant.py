@@ -1,0 +1,145 @@
+"""GGUF tensors to float32, written straight into the layout and buffer they will live in.
+
+    >>> w = dequantize(f.tensors["blk.0.ffn_up.weight"], transpose=True)  # float32 [in, out]
+
+A weight is stored ``[out, in]``, each row a run of blocks (Q4_1: 32 values in 20 bytes,
+``d * q + m``; Q4_0: ``d * (q - 8)``; Q8_0: ``d * q``, ``d`` and ``m`` float16). The model
+holds ``[in, out]``: the packed integers are reordered first (a byte each), then scaled
+into the output, so the float32 values are written once, in their final order, a chunk of
+rows at a time. The result is 64-byte aligned: on a CPU, ``jax.device_put`` then uses the
+buffer as it is instead of copying it. The arithmetic is that of the ``gguf`` package's
+``gguf.quants`` (the same float32 products and sums, in the same order): the values are
+the same bits. Other types are dequantized by ``gguf.quants`` and copied into place.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from models.checkpoints.gguf_reader import BF16, F16, F32, Q4_0, Q4_1, Q8_0
+
+ALIGNMENT = 64  # bytes: XLA's CPU client uses a host buffer aligned so without a copy
+
+# Types dequantized here: (values per block, bytes per block).
+_BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20),
+           Q8_0: (32, 34)}
+_CHUNK_VALUES = 1 << 20  # values per chunk of rows (bounds the temporaries of a large tensor)
+
+
+def block_size(kind: int) -> tuple[int, int]:
+  """``(values, bytes)`` per block of ggml type ``kind`` (ValueError if unknown)."""
+  if kind in _BLOCKS:
+    return _BLOCKS[kind]
+  from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+  try:
+    return GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+  except (ValueError, KeyError):
+    raise ValueError(f"GGUF: unknown tensor type {kind}") from None
+
+
+def aligned_empty(shape, dtype=np.float32) -> np.ndarray:
+  """An uninitialised C-order array whose data starts on a multiple of :data:`ALIGNMENT`."""
+  dtype = np.dtype(dtype)
+  n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  raw = np.empty(n + ALIGNMENT, np.uint8)
+  start = -raw.ctypes.data % ALIGNMENT
+  return raw[start:start + n].view(dtype).reshape(shape)
+
+
+def dequantize(t, *, transpose: bool = False, rows: Optional[np.ndarray] = None) -> np.ndarray:
+  """float32 values of GGUF tensor ``t`` (``gguf.ReaderTensor`` or ``TensorInfo``), aligned.
+
+  Args:
+    t: has ``data`` (the file's view: typed ``[out, in]``, or uint8 ``[out, bytes per row]``)
+      and ``tensor_type``.
+    transpose: return ``[in, out]`` instead of ``[out, in]`` (2-D tensors).
+    rows: an int index of rows: the tensor's ``[rows]`` (before the transpose).
+  """
+  kind, data = int(t.tensor_type), t.data
+  if data.ndim == 1 and data.dtype != np.uint8:  # norms, rope factors
+    out = aligned_empty(data.shape)
+    np.copyto(out, data if rows is None else data[rows], casting="unsafe")
+    return out
+  data = data.reshape(-1, data.shape[-1])
+  if rows is not None:
+    data = data[rows]
+  n_rows, n_cols = data.shape
+  if data.dtype == np.uint8:  # blocks
+    size, nbytes = block_size(kind)
+    n_cols = n_cols // nbytes * size
+  out = aligned_empty((n_cols, n_rows) if transpose else (n_rows, n_cols))
+  step = max(1, _CHUNK_VALUES // max(n_cols, 1))
+  for r0 in range(0, n_rows, step):
+    r1 = min(n_rows, r0 + step)
+    _dequantize_rows(kind, data[r0:r1], out[:, r0:r1] if transpose else out[r0:r1], transpose)
+  return out
+
+
+def dequantize_block(t, rows: slice, cols: Optional[slice] = None) -> np.ndarray:
+  """float32 block ``[rows, cols]`` of ``t``'s ``[out, in]``: only the bytes of the blocks
+  covering ``cols`` are read."""
+  kind, data = int(t.tensor_type), t.data
+  if cols is None:  # a 1-D tensor (the norms): small
+    return dequantize(t)[rows]
+  if data.dtype != np.uint8:
+    return np.asarray(data[rows, cols], np.float32)
+  size, nbytes = block_size(kind)
+  first, last = cols.start // size, -(-cols.stop // size)
+  part = data[rows, first * nbytes:last * nbytes]
+  out = np.empty((part.shape[0], (last - first) * size), np.float32)
+  _dequantize_rows(kind, part, out, False)
+  return out[:, cols.start - first * size:cols.stop - first * size]
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+  """float32 of the float16 at byte ``at`` of each block ``[..., nb, bytes]`` -> ``[..., nb, 1]``."""
+  return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16).astype(np.float32)
+
+
+def _dequantize_rows(kind: int, data: np.ndarray, out: np.ndarray, transpose: bool) -> None:
+  """Writes the float32 of ``data`` (``r`` rows of the file) into ``out`` (``[r, C]``, or
+  ``[C, r]`` with ``transpose``; a view of the result)."""
+  r = data.shape[0]
+  if data.dtype != np.uint8:  # F32, F16 (and plain integers): values as they are
+    np.copyto(out, data.T if transpose else data, casting="unsafe")
+    return
+  if kind == BF16:  # the upper 16 bits of a float32
+    bits = np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16
+    np.copyto(out, (bits.view(np.float32)).T if transpose else bits.view(np.float32))
+    return
+  if kind not in _BLOCKS:
+    from gguf.quants import dequantize as gguf_dequantize
+
+    values = np.asarray(gguf_dequantize(np.ascontiguousarray(data), kind), np.float32)
+    np.copyto(out, values.reshape(r, -1).T if transpose else values.reshape(r, -1))
+    return
+  size, nbytes = _BLOCKS[kind]
+  nb = data.shape[1] // nbytes
+  blocks = data.reshape(r, nb, nbytes)
+  # Blocks' axes [row, block, value] become [block, value, row] for our [in, out].
+  order = (1, 2, 0) if transpose else (0, 1, 2)
+  shape = (nb, size, r) if transpose else (r, nb, size)
+  axis = 1 if transpose else 2  # the value-in-block axis
+  view = out.view()
+  view.shape = shape  # in place: raises rather than copy
+  d = _f16(blocks, 0).transpose(order)
+  if kind == Q8_0:
+    np.multiply(blocks[..., 2:].view(np.int8).transpose(order), d, out=view, dtype=np.float32)
+    return
+  packed = blocks[..., 2 if kind == Q4_0 else 4:].transpose(order)  # 16 bytes: 2 values each
+  q = np.empty(shape, np.uint8)
+  half = [slice(None)] * 3
+  half[axis] = slice(0, size // 2)
+  np.bitwise_and(packed, np.uint8(0x0F), out=q[tuple(half)])
+  half[axis] = slice(size // 2, size)
+  np.right_shift(packed, np.uint8(4), out=q[tuple(half)])
+  if kind == Q4_0:
+    signed = q.view(np.int8)
+    np.subtract(signed, np.int8(8), out=signed)
+    np.multiply(d, signed, out=view, dtype=np.float32)
+    return
+  np.multiply(d, q, out=view, dtype=np.float32)  # Q4_1: d * q + m
+  np.add(view, _f16(blocks, 2).transpose(order), out=view)

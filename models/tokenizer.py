@@ -13,6 +13,7 @@ with the pre-tokenizer llama.cpp applies for ``tokenizer.ggml.pre`` (SmolLM2's
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -199,9 +200,12 @@ def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: n
   spelling = _bytes_to_unicode()
   alphabet = set(spelling.values())
   # Tokens are stored in the byte alphabet already; a few files store raw text.
-  vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
-           for i, t in enumerate(tokens)}
-  bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], fuse_unk=False)
+  if set("".join(tokens)) <= alphabet:  # all of them: nothing to respell
+    vocab = dict(zip(tokens, range(len(tokens))))
+  else:
+    vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+             for i, t in enumerate(tokens)}
+  bpe = models.BPE(vocab=vocab, merges=_merge_pairs(merges), fuse_unk=False)
   backend = Backend(bpe)
   splits = _PRE_SPLITS.get(pre)
   if splits is None:
@@ -218,3 +222,13 @@ def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: n
   backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
   backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
   return backend
+
+
+def _merge_pairs(merges: Sequence[str]) -> list[tuple[str, ...]]:
+  """``"a b"`` -> ``("a", "b")`` for each merge (a merge with another count of spaces gives
+  another tuple, which ``tokenizers`` refuses)."""
+  merges = list(merges)
+  if set(map(str.count, merges, itertools.repeat(" "))) <= {1}:  # one split for them all
+    parts = " ".join(merges).split(" ")
+    return list(zip(parts[0::2], parts[1::2]))
+  return [tuple(m.split(" ")) for m in merges]

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from models.generate import PAD_ID
-from models.loading import gguf_fields, _gguf_reader
+from models.checkpoints.gguf_reader import GGUFFile
 from models.tokenizer import CHATML_FALLBACK, Tokenizer
 from test_models_loading import smollm2_gguf
 
@@ -26,7 +26,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def ours():
-  return Tokenizer.from_gguf_fields(gguf_fields(_gguf_reader(smollm2_gguf())))
+  return Tokenizer.from_gguf_fields(GGUFFile(smollm2_gguf()).fields)
 
 
 def transformers_gguf_tokenizer():

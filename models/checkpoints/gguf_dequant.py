@@ -14,6 +14,9 @@ the same bits. Other types are dequantized by ``gguf.quants`` and copied into pl
 
 from __future__ import annotations
 
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
@@ -71,11 +74,34 @@ def dequantize(t, *, transpose: bool = False, rows: Optional[np.ndarray] = None)
     size, nbytes = block_size(kind)
     n_cols = n_cols // nbytes * size
   out = aligned_empty((n_cols, n_rows) if transpose else (n_rows, n_cols))
-  step = max(1, _CHUNK_VALUES // max(n_cols, 1))
-  for r0 in range(0, n_rows, step):
+  # Chunks of rows, one per thread (NumPy's kernels run without the GIL) or smaller.
+  step = min(_CHUNK_VALUES // max(n_cols, 1), -(-n_rows // _workers()))
+  if n_rows * n_cols < _CHUNK_VALUES // 4:
+    step = n_rows
+  step = max(step, 1)
+
+  def chunk(r0: int) -> None:
     r1 = min(n_rows, r0 + step)
     _dequantize_rows(kind, data[r0:r1], out[:, r0:r1] if transpose else out[r0:r1], transpose)
+
+  starts = range(0, n_rows, step)
+  if len(starts) == 1:
+    chunk(0)
+  else:
+    for _ in _pool().map(chunk, starts):
+      pass
   return out
+
+
+@functools.lru_cache(maxsize=None)
+def _workers() -> int:
+  return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                    else os.cpu_count() or 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _pool() -> ThreadPoolExecutor:
+  return ThreadPoolExecutor(_workers(), thread_name_prefix="gguf-dequantize")
 
 
 def dequantize_block(t, rows: slice, cols: Optional[slice] = None) -> np.ndarray:

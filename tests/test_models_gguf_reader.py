@@ -179,12 +179,12 @@ def test_smollm2_loads_as_through_the_gguf_package():
   assert len(tokenizer.backend.get_vocab()) == 49152
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "F16"])
-def test_a_written_llama_gguf_loads_as_through_the_gguf_package(tmp_path, kind):
-  """A tiny Llama written as llama.cpp's converter writes it (q/k rows permuted, an untied
-  output, control and user-defined tokens, merges) in each tensor type."""
+def write_tiny_llama_gguf(path, kind: str = "Q8_0", seed: int = 2) -> str:
+  """The tiny preset with random weights, written as llama.cpp's converter writes a Llama
+  (q/k rows permuted, an untied output; control and user-defined tokens, merges, a chat
+  template), its matrices in ``kind``."""
   config = preset("tiny")
-  params = flat_params(random_init(config, seed=2))
+  params = flat_params(random_init(config, seed=seed))
   kind = Q[kind]
   names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
@@ -192,7 +192,7 @@ def test_a_written_llama_gguf_loads_as_through_the_gguf_package(tmp_path, kind):
            "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
            "mlp.down_proj": "ffn_down"}
-  w = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+  w = gguf.GGUFWriter(str(path), "llama")
   w.add_name("tiny")
   w.add_block_count(config.num_layers)
   w.add_context_length(config.max_position_embeddings)
@@ -232,5 +232,10 @@ def test_a_written_llama_gguf_loads_as_through_the_gguf_package(tmp_path, kind):
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
-  model, tokenizer = check_against_oracle(str(tmp_path / "tiny.gguf"))
+  return str(path)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "F16"])
+def test_a_written_llama_gguf_loads_as_through_the_gguf_package(tmp_path, kind):
+  model, tokenizer = check_against_oracle(write_tiny_llama_gguf(tmp_path / "tiny.gguf", kind))
   assert model.lm_head is not None and tokenizer.encode(" the") == [254]

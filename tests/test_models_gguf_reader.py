@@ -115,12 +115,21 @@ def test_every_value_type_and_tensor_type_reads_as_the_gguf_package_reads_it(tmp
 
 
 def test_files_that_are_not_gguf_are_refused(tmp_path):
+  from models.loading import CheckpointError
+
   (tmp_path / "x.gguf").write_bytes(b"GGML" + bytes(60))
   with pytest.raises(ValueError, match="does not start with b'GGUF'"):
     GGUFFile(str(tmp_path / "x.gguf"))
   (tmp_path / "v1.gguf").write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(60))
   with pytest.raises(ValueError, match="version 1"):
     GGUFFile(str(tmp_path / "v1.gguf"))
+  whole = open(write_tiny_llama_gguf(tmp_path / "tiny.gguf"), "rb").read()
+  for size in (10, 200, 3000):  # inside the header, the KV pairs, the tokenizer's strings
+    (tmp_path / "cut.gguf").write_bytes(whole[:size])
+    with pytest.raises(ValueError, match="GGUF header|ends inside its metadata"):
+      GGUFFile(str(tmp_path / "cut.gguf"))
+    with pytest.raises(CheckpointError, match="cut.gguf: not a readable GGUF file"):
+      from_pretrained(str(tmp_path / "cut.gguf"))
 
 
 def oracle_pretrained(path):

@@ -98,8 +98,9 @@ class GGUFFile:
     with open(path, "rb") as f:
       self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     self.buf = np.frombuffer(self._map, np.uint8)  # a plain ndarray view (no np.memmap)
-    if self._map[:4] != MAGIC:
-      raise ValueError(f"GGUFFile: {path} does not start with b'GGUF' (got {self._map[:4]!r})")
+    if self._map[:4] != MAGIC or len(self._map) < 24:
+      raise ValueError(f"GGUFFile: {path} does not start with b'GGUF' and a GGUF header "
+                       f"(got {self._map[:4]!r}, {len(self._map)} bytes)")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", self._map, 4)
     if version not in (2, 3):
       raise ValueError(f"GGUFFile: {path} is GGUF version {version}; versions 2 and 3 are read "
@@ -108,6 +109,23 @@ class GGUFFile:
     self._where: dict[str, tuple[int, int]] = {}  # key -> (value type, offset of the value)
     self._cache: dict[str, Any] = {}
     self.fields: Mapping[str, Any] = _Fields(self)
+    try:
+      infos, offset = self._walk(n_kv, n_tensors)
+    except struct.error:  # a read past the end
+      infos, offset = None, len(self._map) + 1
+    if offset > len(self._map):
+      raise ValueError(f"GGUFFile: {path} ends inside its metadata ({len(self._map)} bytes: "
+                       "truncated?)")
+    alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
+    if alignment <= 0 or alignment & (alignment - 1):
+      raise ValueError(f"GGUFFile: {path}: general.alignment must be a power of two; got "
+                       f"{alignment}")
+    self.data_offset = -(-offset // alignment) * alignment
+    self.tensors = {name: self._tensor(name, dims, kind, start)
+                    for name, dims, kind, start in infos}
+
+  def _walk(self, n_kv: int, n_tensors: int) -> tuple[list, int]:
+    """Notes where each KV value lies; the tensor infos, and the offset after them."""
     offset = 24
     for _ in range(n_kv):
       key, offset = self._string(offset)
@@ -122,13 +140,7 @@ class GGUFFile:
       kind, start = struct.unpack_from("<IQ", self._map, offset + 4 + 8 * n_dims)
       offset += 4 + 8 * n_dims + 12
       infos.append((name, tuple(int(n) for n in dims), kind, start))
-    alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
-    if alignment <= 0 or alignment & (alignment - 1):
-      raise ValueError(f"GGUFFile: {path}: general.alignment must be a power of two; got "
-                       f"{alignment}")
-    self.data_offset = -(-offset // alignment) * alignment
-    self.tensors = {name: self._tensor(name, dims, kind, start)
-                    for name, dims, kind, start in infos}
+    return infos, offset
 
   def _string(self, offset: int) -> tuple[str, int]:
     (n,) = struct.unpack_from("<Q", self._map, offset)

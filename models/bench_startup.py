@@ -76,10 +76,12 @@ def time_stages(path: str, runs: int) -> dict:
   return {k: v for k, v in out.items() if v}
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the packages' directory
+
+
 def _python_env() -> dict:
   env = dict(os.environ)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+  env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
   return env
 
 
@@ -89,7 +91,7 @@ def time_imports(runs: int) -> list[float]:
 
   def wall(args):
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, *args], check=True, env=_python_env(),
+    subprocess.run([sys.executable, *args], check=True, env=_python_env(), cwd=ROOT,
                    stdout=subprocess.DEVNULL)
     return time.perf_counter() - t0
 
@@ -103,7 +105,7 @@ def time_command(path: str, prompt: str, num_samples: int, max_new_tokens: int,
          "--num-samples", str(num_samples), "--max-new-tokens", str(max_new_tokens), "--json",
          "--no-progress", "--compile-cache", compile_cache]
   t0 = time.perf_counter()
-  done = subprocess.run(cmd, env=_python_env(), capture_output=True, text=True)
+  done = subprocess.run(cmd, env=_python_env(), cwd=ROOT, capture_output=True, text=True)
   wall = time.perf_counter() - t0
   if done.returncode != 0:
     raise RuntimeError(f"bench startup: {' '.join(cmd)} failed ({done.returncode}): "

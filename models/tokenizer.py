@@ -13,7 +13,6 @@ with the pre-tokenizer llama.cpp applies for ``tokenizer.ggml.pre`` (SmolLM2's
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -205,7 +204,7 @@ def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: n
   else:
     vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
              for i, t in enumerate(tokens)}
-  bpe = models.BPE(vocab=vocab, merges=_merge_pairs(merges), fuse_unk=False)
+  bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], fuse_unk=False)
   backend = Backend(bpe)
   splits = _PRE_SPLITS.get(pre)
   if splits is None:
@@ -223,12 +222,3 @@ def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: n
   backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
   return backend
 
-
-def _merge_pairs(merges: Sequence[str]) -> list[tuple[str, ...]]:
-  """``"a b"`` -> ``("a", "b")`` for each merge (a merge with another count of spaces gives
-  another tuple, which ``tokenizers`` refuses)."""
-  merges = list(merges)
-  if set(map(str.count, merges, itertools.repeat(" "))) <= {1}:  # one split for them all
-    parts = " ".join(merges).split(" ")
-    return list(zip(parts[0::2], parts[1::2]))
-  return [tuple(m.split(" ")) for m in merges]

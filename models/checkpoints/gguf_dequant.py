@@ -6,10 +6,12 @@ A weight is stored ``[out, in]``, each row a run of blocks (Q4_1: 32 values in 2
 ``d * q + m``; Q4_0: ``d * (q - 8)``; Q8_0: ``d * q``, ``d`` and ``m`` float16). The model
 holds ``[in, out]``: the packed integers are reordered first (a byte each), then scaled
 into the output, so the float32 values are written once, in their final order, a chunk of
-rows at a time. The result is 64-byte aligned: on a CPU, ``jax.device_put`` then uses the
+rows at a time (a large tensor's chunks on a thread per core: NumPy's loops release the
+GIL). The result is 64-byte aligned: on a CPU, ``jax.device_put`` then uses the
 buffer as it is instead of copying it. The arithmetic is that of the ``gguf`` package's
 ``gguf.quants`` (the same float32 products and sums, in the same order): the values are
-the same bits. Other types are dequantized by ``gguf.quants`` and copied into place.
+the same bits. Other types (K-quants, ...) are dequantized by ``gguf.quants`` (the ``gguf``
+package, needed for them only) and copied into place.
 """
 
 from __future__ import annotations
@@ -21,13 +23,12 @@ from typing import Optional
 
 import numpy as np
 
-from models.checkpoints.gguf_reader import BF16, F16, F32, Q4_0, Q4_1, Q8_0
+from models.checkpoints.gguf_reader import BF16, Q4_0, Q4_1, Q8_0
 
 ALIGNMENT = 64  # bytes: XLA's CPU client uses a host buffer aligned so without a copy
 
 # Types dequantized here: (values per block, bytes per block).
-_BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20),
-           Q8_0: (32, 34)}
+_BLOCKS = {BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}
 _CHUNK_VALUES = 1 << 20  # values per chunk of rows (bounds the temporaries of a large tensor)
 
 
@@ -35,8 +36,11 @@ def block_size(kind: int) -> tuple[int, int]:
   """``(values, bytes)`` per block of ggml type ``kind`` (ValueError if unknown)."""
   if kind in _BLOCKS:
     return _BLOCKS[kind]
-  from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
+  try:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+  except ImportError:
+    raise ValueError(f"GGUF: tensor type {kind} is read with the gguf package: "
+                     "pip install gguf") from None
   try:
     return GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
   except (ValueError, KeyError):

@@ -124,9 +124,9 @@ def test_files_that_are_not_gguf_are_refused(tmp_path):
   with pytest.raises(ValueError, match="version 1"):
     GGUFFile(str(tmp_path / "v1.gguf"))
   whole = open(write_tiny_llama_gguf(tmp_path / "tiny.gguf"), "rb").read()
-  for size in (10, 200, 3000):  # inside the header, the KV pairs, the tokenizer's strings
+  for size in (10, 200, 3000, len(whole) - 7):  # the header, KV pairs, strings, tensor data
     (tmp_path / "cut.gguf").write_bytes(whole[:size])
-    with pytest.raises(ValueError, match="GGUF header|ends inside its metadata"):
+    with pytest.raises(ValueError, match="GGUF header|ends inside its metadata|past the end"):
       GGUFFile(str(tmp_path / "cut.gguf"))
     with pytest.raises(CheckpointError, match="cut.gguf: not a readable GGUF file"):
       from_pretrained(str(tmp_path / "cut.gguf"))

@@ -108,6 +108,7 @@ class GGUFFile:
     self.version = version
     self._where: dict[str, tuple[int, int]] = {}  # key -> (value type, offset of the value)
     self._cache: dict[str, Any] = {}
+    self._string_arrays: dict[int, tuple] = {}  # offset -> string starts, lengths, end
     self.fields: Mapping[str, Any] = _Fields(self)
     try:
       infos, offset = self._walk(n_kv, n_tensors)
@@ -158,8 +159,9 @@ class GGUFFile:
     offset += 12
     if item in _SCALARS:
       return offset + n * struct.calcsize(_SCALARS[item])
-    if item == STRING:
-      return self._string_offsets(offset, n)[2]
+    if item == STRING:  # walked once: the offsets are kept for decoding
+      self._string_arrays[offset] = self._string_offsets(offset, n)
+      return self._string_arrays[offset][2]
     for _ in range(n):  # arrays of arrays: rare, walked item by item
       offset = self._skip(item, offset)
     return offset
@@ -194,7 +196,8 @@ class GGUFFile:
       end = offset + n * dtype.itemsize
       return self.buf[offset:end].view(dtype), end
     if item == STRING:
-      starts, lengths, end = self._string_offsets(offset, n)
+      starts, lengths, end = (self._string_arrays.get(offset)
+                              or self._string_offsets(offset, n))
       return StringArray(self.buf, starts, lengths), end
     out = []
     for _ in range(n):
@@ -209,18 +212,19 @@ class GGUFFile:
     n = int(np.prod(shape, dtype=np.int64))
     offset = self.data_offset + start
     if kind in _PLAIN:
-      dtype = np.dtype(_PLAIN[kind])
-      data = self.buf[offset:offset + n * dtype.itemsize].view(dtype).reshape(shape)
+      dtype, end = np.dtype(_PLAIN[kind]), offset + n * np.dtype(_PLAIN[kind]).itemsize
     else:
       size, nbytes = block_size(kind)
       if shape[-1] % size:
         raise ValueError(f"GGUFFile: {self.path}: tensor {name} has rows of {shape[-1]} values, "
                          f"not a multiple of its type's blocks of {size}")
-      row = shape[-1] // size * nbytes
-      data = self.buf[offset:offset + n // size * nbytes].reshape(*shape[:-1], row)
-    if offset + data.nbytes > len(self.buf):
+      dtype, end = None, offset + n // size * nbytes
+    if end > len(self.buf):
       raise ValueError(f"GGUFFile: {self.path}: tensor {name} runs past the end of the file")
-    return TensorInfo(name, dims, kind, data)
+    data = self.buf[offset:end]
+    if dtype is not None:
+      return TensorInfo(name, dims, kind, data.view(dtype).reshape(shape))
+    return TensorInfo(name, dims, kind, data.reshape(*shape[:-1], shape[-1] // size * nbytes))
 
 
 class _Fields(Mapping):

@@ -17,6 +17,7 @@ package, needed for them only) and copied into place.
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
@@ -26,6 +27,7 @@ import numpy as np
 from models.checkpoints.gguf_reader import BF16, Q4_0, Q4_1, Q8_0
 
 ALIGNMENT = 64  # bytes: XLA's CPU client uses a host buffer aligned so without a copy
+HUGE_PAGES_FROM = 1 << 21  # bytes: buffers this large are memory maps with huge pages
 
 # Types dequantized here: (values per block, bytes per block).
 _BLOCKS = {BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}
@@ -48,9 +50,23 @@ def block_size(kind: int) -> tuple[int, int]:
 
 
 def aligned_empty(shape, dtype=np.float32) -> np.ndarray:
-  """An uninitialised C-order array whose data starts on a multiple of :data:`ALIGNMENT`."""
+  """An uninitialised C-order array whose data starts on a multiple of :data:`ALIGNMENT`.
+
+  From :data:`HUGE_PAGES_FROM` bytes on, its own anonymous memory map, marked for
+  transparent huge pages where the system offers them: the first write into a fresh buffer
+  costs a page fault per page, 512 times fewer with 2 MB pages than with 4 KB ones.
+  """
   dtype = np.dtype(dtype)
   n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  if n >= HUGE_PAGES_FROM:  # a map from a huge-page boundary (the pages past n are never touched)
+    memory = mmap.mmap(-1, n + HUGE_PAGES_FROM)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+      try:
+        memory.madvise(mmap.MADV_HUGEPAGE)
+      except OSError:  # a kernel without them: ordinary pages
+        pass
+    start = -np.frombuffer(memory, np.uint8, count=1).ctypes.data % HUGE_PAGES_FROM
+    return np.frombuffer(memory, dtype, count=n // dtype.itemsize, offset=start).reshape(shape)
   raw = np.empty(n + ALIGNMENT, np.uint8)
   start = -raw.ctypes.data % ALIGNMENT
   return raw[start:start + n].view(dtype).reshape(shape)

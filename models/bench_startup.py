@@ -166,7 +166,8 @@ def markdown(report: dict) -> str:
   """The report as a Markdown table (medians; every run is in the JSON)."""
   info, med = report["info"], report["medians"]
   fmt = lambda x: "" if x is None else f"{x:.3f}"
-  rows = [("open GGUF metadata", med.get("open_s")), ("build the tokenizer", med.get("tokenizer_s")),
+  rows = [("open GGUF metadata", med.get("open_s")),
+          ("build the tokenizer", med.get("tokenizer_s")),
           ("from_pretrained (all of loading)", med.get("load_s")),
           ("imports before loading", med.get("imports_s"))]
   if "cold" in report:

@@ -195,7 +195,8 @@ def write_tiny_llama_gguf(path, kind: str = "Q8_0", seed: int = 2) -> str:
   config = preset("tiny")
   params = flat_params(random_init(config, seed=seed))
   kind = Q[kind]
-  names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+  names = {"model.embed_tokens.weight": "token_embd.weight",
+           "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
   layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
            "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

@@ -141,7 +141,7 @@ def dequantize_block(t, rows: slice, cols: Optional[slice] = None) -> np.ndarray
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
-  """float32 of the float16 at byte ``at`` of each block ``[..., nb, bytes]`` -> ``[..., nb, 1]``."""
+  """float32 of the float16 at byte ``at`` of each block: ``[..., nb, bytes] -> [..., nb, 1]``."""
   return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16).astype(np.float32)
 
 

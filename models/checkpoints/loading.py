@@ -55,11 +55,31 @@ class LazyTensor:
   ``shape`` is the tensor's shape in the file (transformers' ``[out, in]``, or
   1-D). ``np.asarray`` reads it whole; :meth:`reader` serves blocks of a
   reshaped view (our parameter layout), block by block for the devices that hold it.
+  ``whole(transpose)``, where the format has it, reads the whole tensor (``transpose``: as
+  ``[in, out]``) into a new aligned C-ordered array: :meth:`in_layout` uses it.
   """
 
-  def __init__(self, shape: Sequence[int], read: Callable[..., np.ndarray]):
+  def __init__(self, shape: Sequence[int], read: Callable[..., np.ndarray],
+               whole: Optional[Callable[[bool], np.ndarray]] = None):
     self.shape = tuple(int(n) for n in shape)
     self.read = read
+    self.whole = whole
+
+  def in_layout(self, view: Sequence[int], perm: Sequence[int]) -> np.ndarray:
+    """The whole tensor as ``reshape(view).transpose(perm)``: with ``whole``, written in that
+    order once when the permutation keeps or swaps the file's two dimensions (every
+    parameter of ours), else a strided view of the tensor read whole."""
+    view, perm = tuple(int(n) for n in view), tuple(int(i) for i in perm)
+    shape = tuple(view[i] for i in perm)
+    if self.whole is not None:
+      if perm == tuple(range(len(view))):
+        return self.whole(False).reshape(shape)
+      split = next((k for k in range(1, len(view))
+                    if int(np.prod(view[:k])) == self.shape[0]), None)
+      if (len(self.shape) == 2 and split is not None
+          and perm == tuple(range(split, len(view))) + tuple(range(split))):
+        return self.whole(True).reshape(shape)
+    return np.asarray(self).reshape(view).transpose(perm)
 
   def __array__(self, dtype=None, copy=None):
     x = np.asarray(self.read(*(slice(0, n) for n in self.shape)))
@@ -251,8 +271,10 @@ def model_from_tensors(config: LlamaConfig,
     if mesh is not None and isinstance(t, LazyTensor):  # each process reads only its blocks
       values[path] = sharding_lib.place_param_from(
           path, slot.shape, _our_block(t.reader(view), perm), config, mesh)
-    else:  # a strided view: the copy that converts or places it also transposes it
-      value = np.asarray(t).reshape(view).transpose(perm)
+    else:  # our layout: written so by the reader, or a strided view that the copy converting
+      # or placing it transposes
+      value = (t.in_layout(view, perm) if isinstance(t, LazyTensor)
+               else np.asarray(t).reshape(view).transpose(perm))
       values[path] = value if mesh is None else sharding_lib.place_param(path, value, config, mesh)
     seen.add(name)
   missing, extra = sorted(set(names) - seen), sorted(extra)
@@ -318,17 +340,6 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def gguf_fields(reader) -> dict[str, Any]:
-  """A GGUF file's metadata as Python values (strings, numbers, lists)."""
-  out = {}
-  for key, field in reader.fields.items():
-    try:
-      out[key] = field.contents()
-    except Exception:  # a field type this gguf version cannot decode: not one we need
-      continue
-  return out
-
-
 def gguf_config(fields: Mapping[str, Any], *, has_output: bool,
                 rope_freq_factors=None) -> LlamaConfig:
   """The LlamaConfig a GGUF's ``{arch}.*`` metadata describes."""
@@ -374,48 +385,34 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def load_gguf(path: str, *, dtype: Optional[str] = None, progress: bool = False,
               mesh=None) -> Pretrained:
-  """A llama.cpp GGUF file: hyperparameters and tokenizer from its metadata."""
-  reader = _gguf_reader(path)
-  fields = gguf_fields(reader)
-  by_name = {t.name: t for t in reader.tensors}
+  """A llama.cpp GGUF file: hyperparameters and tokenizer from its metadata.
+
+  The file is memory-mapped (:class:`models.checkpoints.gguf_reader.GGUFFile`): only the
+  metadata read is decoded, and each weight is dequantized from the map straight into our
+  layout (:func:`models.checkpoints.gguf_dequant.dequantize`), or with ``mesh`` block by block.
+  """
+  from models.checkpoints.gguf_reader import GGUFFile
+
+  file = GGUFFile(path)
+  by_name = dict(file.tensors)
   freq_factors = None
   if "rope_freqs.weight" in by_name:  # Llama 3.1 scaling, precomputed per frequency
     freq_factors = tuple(np.asarray(_dequantize(by_name.pop("rope_freqs.weight")), np.float64))
-  config = gguf_config(fields, has_output="output.weight" in by_name,
+  config = gguf_config(file.fields, has_output="output.weight" in by_name,
                        rope_freq_factors=freq_factors)
 
-  def tensors():  # dequantized one block at a time, each placed before the next is read
+  def tensors():  # dequantized one at a time, each placed before the next is read
     for t in _iter_progress(by_name.values(), progress, "loading tensors", total=len(by_name)):
       name = _hf_name(t.name)
-      read = functools.partial(_dequantize_block, t)
+      read, rows = functools.partial(_dequantize_block, t), None
       if name.endswith(("q_proj.weight", "k_proj.weight")):  # blocks are whole heads
         read = functools.partial(_unpermuted_block, read, config.head_dim)
-      yield name, LazyTensor(tuple(int(n) for n in reversed(t.shape)), read)
+        rows = _unpermuted_rows(t.data.shape[0], config.head_dim)
+      whole = lambda transpose, t=t, rows=rows: _dequantize(t, transpose=transpose, rows=rows)
+      yield name, LazyTensor(tuple(int(n) for n in reversed(t.shape)), read, whole)
 
   model = model_from_tensors(config, tensors(), dtype=dtype or "float32", mesh=mesh)
-  return Pretrained(model, Tokenizer.from_gguf_fields(fields), model.config)
-
-
-def _gguf_reader(path: str):
-  import gguf
-
-  class Reader(gguf.GGUFReader):
-    """``gguf.GGUFReader`` parsing a plain ndarray view of its memory map.
-
-    Same bytes, same parser; it only avoids ``np.memmap``'s per-slice
-    subclass overhead over the ~10^6 slices a 49K-token vocabulary takes
-    (2.3 s instead of 5.4 s for SmolLM2 on a CPU).
-    """
-
-    @property
-    def data(self):
-      return self._plain
-
-    @data.setter
-    def data(self, value):
-      self._plain = np.asarray(value).view(np.ndarray)
-
-  return Reader(path)
+  return Pretrained(model, Tokenizer.from_gguf_fields(file.fields), model.config)
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -433,17 +430,9 @@ def _dequantize_block(t, rows: slice, cols: Optional[slice] = None) -> np.ndarra
   Quantized rows are runs of fixed-size blocks (e.g. 32 values in 20 bytes
   for Q4_1): only the bytes of the blocks covering ``cols`` are read.
   """
-  from gguf import GGML_QUANT_SIZES
-  from gguf.quants import dequantize
+  from models.checkpoints.gguf_dequant import dequantize_block
 
-  if cols is None:  # a 1-D tensor (the norms): small
-    return _dequantize(t)[rows]
-  if t.data.dtype != np.uint8:  # F32 / F16: plain values
-    return np.asarray(t.data[rows, cols], np.float32)
-  size, nbytes = GGML_QUANT_SIZES[t.tensor_type]
-  first, last = cols.start // size, -(-cols.stop // size)
-  w = dequantize(np.ascontiguousarray(t.data[rows, first * nbytes:last * nbytes]), t.tensor_type)
-  return np.asarray(w, np.float32)[:, cols.start - first * size:cols.stop - first * size]
+  return dequantize_block(t, rows, cols)
 
 
 def _unpermuted_block(read, head_dim: int, rows: slice, cols: slice) -> np.ndarray:
@@ -454,12 +443,17 @@ def _unpermuted_block(read, head_dim: int, rows: slice, cols: slice) -> np.ndarr
   return unpermute_rope_rows(read(rows, cols), (rows.stop - rows.start) // head_dim)
 
 
-def _dequantize(t) -> np.ndarray:
-  """float32 ``[out, in]`` (NumPy order: GGUF lists dims fastest first)."""
-  from gguf.quants import dequantize
+def _unpermuted_rows(n_rows: int, head_dim: int) -> np.ndarray:
+  """The file rows of :func:`unpermute_rope_rows`' output rows (an index: ``w[index]``)."""
+  return unpermute_rope_rows(np.arange(n_rows), n_rows // head_dim)
 
-  return np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(
-      tuple(int(n) for n in reversed(t.shape)))
+
+def _dequantize(t, *, transpose: bool = False, rows: Optional[np.ndarray] = None) -> np.ndarray:
+  """float32 ``[out, in]`` (NumPy order: GGUF lists dims fastest first), or ``[in, out]``."""
+  from models.checkpoints.gguf_dequant import dequantize
+
+  x = dequantize(t, transpose=transpose, rows=rows)
+  return x if transpose else x.reshape(tuple(int(n) for n in reversed(t.shape)))
 
 
 # -- orbax save / restore -------------------------------------------------------------------------
@@ -486,8 +480,7 @@ def restore(path: str, *, dtype: Optional[str] = None, mesh=None) -> Pretrained:
   path = os.path.abspath(os.fspath(path))
   with open(os.path.join(path, HYDRAGEN_CONFIG)) as f:
     config = LlamaConfig.from_dict(json.load(f))
-  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-  graphdef, target = nnx.split(abstract)
+  graphdef, target = nnx.split(Llama(config, rngs=None))  # shapes from the config
   if mesh is not None:  # orbax reads each parameter straight into its shards
     mesh = sharding_lib.make_mesh(mesh)
     target = _sharded_target(target, config, mesh)

@@ -17,6 +17,8 @@ import json
 import os
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+import numpy as np
+
 CHATML_FALLBACK = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -132,13 +134,17 @@ class Tokenizer:
 
   @classmethod
   def from_gguf_fields(cls, fields: Mapping[str, Any]) -> "Tokenizer":
-    """From GGUF ``tokenizer.*`` metadata (already decoded to Python values)."""
+    """From GGUF ``tokenizer.*`` metadata: a mapping such as
+    :attr:`models.checkpoints.gguf_reader.GGUFFile.fields` (string arrays with ``tolist()``,
+    numeric arrays as NumPy) or plain Python values (lists)."""
     kind = fields.get("tokenizer.ggml.model")
     if kind != "gpt2":
       raise ValueError(f"Tokenizer.from_gguf_fields: only byte-level BPE ('gpt2') vocabularies "
                        f"are supported; tokenizer.ggml.model is {kind!r}")
-    backend = _byte_level_bpe(fields["tokenizer.ggml.tokens"], fields.get("tokenizer.ggml.merges", ()),
-                              fields.get("tokenizer.ggml.token_type") or (),
+    types = fields.get("tokenizer.ggml.token_type")
+    backend = _byte_level_bpe(_strings(fields["tokenizer.ggml.tokens"]),
+                              _strings(fields.get("tokenizer.ggml.merges", ())),
+                              np.zeros(0, np.int32) if types is None else np.asarray(types),
                               fields.get("tokenizer.ggml.pre", "default"))
     return cls(backend, bos_id=fields.get("tokenizer.ggml.bos_token_id"),
                eos_id=fields.get("tokenizer.ggml.eos_token_id"),
@@ -152,6 +158,10 @@ class Tokenizer:
     with open(os.path.join(path, "hydragen_tokenizer.json"), "w") as f:
       json.dump(dict(bos_id=self.bos_id, eos_id=self.eos_id, add_bos=self.add_bos,
                      chat_template=self.chat_template), f, indent=2)
+
+
+def _strings(values) -> list[str]:
+  return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
 def _read_json(path: str) -> dict:
@@ -179,17 +189,21 @@ def _bytes_to_unicode() -> dict[int, str]:
   return dict(zip(printable, map(chr, chars)))
 
 
-def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
+def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: np.ndarray,
                     pre: str):
-  """A ``tokenizers.Tokenizer`` for a byte-level BPE vocabulary stored in a GGUF."""
+  """A ``tokenizers.Tokenizer`` for a byte-level BPE vocabulary stored in a GGUF
+  (``token_types``: llama.cpp's type of each token, or fewer: the rest are normal)."""
   from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
   from tokenizers import Tokenizer as Backend
 
   spelling = _bytes_to_unicode()
   alphabet = set(spelling.values())
   # Tokens are stored in the byte alphabet already; a few files store raw text.
-  vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
-           for i, t in enumerate(tokens)}
+  if set("".join(tokens)) <= alphabet:  # all of them: nothing to respell
+    vocab = dict(zip(tokens, range(len(tokens))))
+  else:
+    vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+             for i, t in enumerate(tokens)}
   bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], fuse_unk=False)
   backend = Backend(bpe)
   splits = _PRE_SPLITS.get(pre)
@@ -200,9 +214,11 @@ def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: S
       [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
       + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
   backend.decoder = decoders.ByteLevel()
-  types = list(token_types)
-  control = [t for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet]
-  user = [t for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab]
+  token_types = np.asarray(token_types)[:len(tokens)]
+  control = [tokens[i] for i in np.flatnonzero(token_types == _CONTROL)
+             if set(tokens[i]) <= alphabet]
+  user = [tokens[i] for i in np.flatnonzero(token_types == _USER_DEFINED) if tokens[i] in vocab]
   backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
   backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
   return backend
+

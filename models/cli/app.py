@@ -19,7 +19,7 @@ import argparse
 import sys
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from models.bench import compare, decode, sampler, sharded, train, tree
+from models.bench import compare, decode, sampler, sharded, startup, train, tree
 from models.cli import generate
 from models.errors import UsageError
 from models.training import addition
@@ -38,12 +38,13 @@ COMMANDS: dict[str, Command] = {
     "bench compare": Command(compare.HELP, compare.configure),
     "bench sharded": Command(sharded.HELP, sharded.configure),
     "bench train": Command(train.HELP, train.configure),
+    "bench startup": Command(startup.HELP, startup.configure),
     "train grpo": Command(addition.HELP, addition.configure),
 }
 
 # Help of the command groups (the first word of a nested command's name).
 GROUPS = {"bench": "Benchmarks: hydragen bench decode | tree | sampler | compare | sharded | "
-                   "train.",
+                   "train | startup.",
           "train": "Fine-tuning: hydragen train grpo."}
 
 

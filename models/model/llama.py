@@ -81,7 +81,10 @@ def _heads_out(x: Array, w: nnx.Param) -> Array:
                     precision=_precision(w.dtype))
 
 
-def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02) -> nnx.Param:
+def _normal(rngs: Optional[nnx.Rngs], shape, dtype, std=0.02) -> nnx.Param:
+  """``N(0, std)`` drawn from ``rngs``; ``rngs=None``: only the shape and dtype (see build)."""
+  if rngs is None:
+    return nnx.Param(jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)))
   return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
 
 
@@ -100,10 +103,14 @@ def _unshared(x: Array, n: int) -> tuple[Array, ...]:
 
 
 class RMSNorm(nnx.Module):
-  """``weight * x / sqrt(mean(x^2) + eps)``, statistics in float32 (as transformers)."""
+  """``weight * x / sqrt(mean(x^2) + eps)``, statistics in float32 (as transformers).
 
-  def __init__(self, dim: int, eps: float, dtype):
-    self.weight = nnx.Param(jnp.ones((dim,), dtype))
+  ``weight`` starts at ones; ``abstract=True``: only its shape and dtype (see build).
+  """
+
+  def __init__(self, dim: int, eps: float, dtype, *, abstract: bool = False):
+    self.weight = nnx.Param(jax.ShapeDtypeStruct((dim,), jnp.dtype(dtype)) if abstract
+                            else jnp.ones((dim,), dtype))
     self.eps = eps
 
   def __call__(self, x: Array) -> Array:
@@ -115,7 +122,7 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
   """Grouped-query self-attention with RoPE over a (shared-segment) KV cache."""
 
-  def __init__(self, config: LlamaConfig, layer: int, *, rngs: nnx.Rngs):
+  def __init__(self, config: LlamaConfig, layer: int, *, rngs: Optional[nnx.Rngs]):
     c, dt = config, config.param_dtype
     self.q_proj = _normal(rngs, (c.hidden_size, c.num_heads, c.head_dim), dt)
     self.k_proj = _normal(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), dt)
@@ -184,7 +191,7 @@ def _cached_attention(xq: Array, cache: KVCache, layer: int, t: int, settings: G
 class MLP(nnx.Module):
   """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
-  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: LlamaConfig, *, rngs: Optional[nnx.Rngs]):
     c, dt = config, config.param_dtype
     self.gate_proj = _normal(rngs, (c.hidden_size, c.intermediate_size), dt)
     self.up_proj = _normal(rngs, (c.hidden_size, c.intermediate_size), dt)
@@ -199,11 +206,12 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
   """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
 
-  def __init__(self, config: LlamaConfig, layer: int, *, rngs: nnx.Rngs):
-    dt = config.param_dtype
-    self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+  def __init__(self, config: LlamaConfig, layer: int, *, rngs: Optional[nnx.Rngs]):
+    dt, abstract = config.param_dtype, rngs is None
+    self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, abstract=abstract)
     self.self_attn = Attention(config, layer, rngs=rngs)
-    self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+    self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt,
+                                            abstract=abstract)
     self.mlp = MLP(config, rngs=rngs)
 
   def __call__(self, x, positions, cache, *, skip_attention, settings, sharding=None):
@@ -218,15 +226,17 @@ class Llama(nnx.Module):
   """The decoder: embedding, ``num_layers`` blocks, final norm, output projection.
 
   Parameter names follow transformers' (``embed_tokens``, ``layers[i].self_attn.q_proj``,
-  ...) so that checkpoints map one to one.
+  ...) so that checkpoints map one to one. ``rngs=None`` builds the abstract model: every
+  parameter a ``jax.ShapeDtypeStruct`` given by the config, nothing drawn or traced
+  (:func:`build` fills it).
   """
 
-  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: LlamaConfig, *, rngs: Optional[nnx.Rngs]):
     dt = config.param_dtype
     self.config = config
     self.embed_tokens = _normal(rngs, (config.vocab_size, config.hidden_size), dt)
     self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)])
-    self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+    self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, abstract=rngs is None)
     self.lm_head = (None if config.tie_word_embeddings
                     else _normal(rngs, (config.vocab_size, config.hidden_size), dt))
 
@@ -287,9 +297,9 @@ class Llama(nnx.Module):
 # -- building models from arrays ---------------------------------------------------------------
 
 def param_shapes(config: LlamaConfig) -> dict[str, jax.ShapeDtypeStruct]:
-  """Dotted parameter path (``layers.0.self_attn.q_proj``) -> shape and dtype."""
-  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-  return _flatten(nnx.to_pure_dict(nnx.state(abstract)))
+  """Dotted parameter path (``layers.0.self_attn.q_proj``) -> shape and dtype (from the
+  config: the abstract model, nothing traced)."""
+  return _flatten(nnx.to_pure_dict(nnx.state(Llama(config, rngs=None))))
 
 
 def flat_params(model: Llama) -> dict[str, jax.Array]:
@@ -301,10 +311,11 @@ def build(config: LlamaConfig, params: Mapping[str, Any]) -> Llama:
   """A :class:`Llama` holding ``params`` (dotted path -> array, every parameter).
 
   Raises ValueError naming a missing, unexpected or mis-shaped parameter.
-  Arrays are converted to ``config.dtype``.
+  Arrays are converted to ``config.dtype``; a NumPy array already in that dtype, C-ordered
+  and 64-byte aligned becomes the CPU device's buffer without a copy (it must not be
+  written to afterwards).
   """
-  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
+  graphdef, state = nnx.split(Llama(config, rngs=None))
   tree = nnx.to_pure_dict(state)
   expected = _flatten(tree)
   missing, extra = sorted(set(expected) - set(params)), sorted(set(params) - set(expected))

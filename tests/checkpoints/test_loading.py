@@ -191,10 +191,10 @@ def test_loading_errors_name_the_problem(tmp_path):
 
 def test_gguf_blocks_equal_the_whole_tensor_dequantized():
   """Per-shard loading reads Q4_1 blocks (32 values in 20 bytes) of any rows and columns."""
-  from models.checkpoints.loading import LazyTensor, _dequantize, _dequantize_block, _gguf_reader
+  from models.checkpoints.gguf_reader import GGUFFile
+  from models.checkpoints.loading import LazyTensor, _dequantize, _dequantize_block
 
-  reader = _gguf_reader(smollm2_gguf())
-  t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+  t = GGUFFile(smollm2_gguf()).tensors["blk.0.ffn_down.weight"]
   whole = _dequantize(t)
   rng = np.random.default_rng(0)
   for _ in range(5):  # unaligned row and column ranges

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from models.checkpoints.loading import gguf_fields, _gguf_reader
-from models.checkpoints.tokenizer import CHATML_FALLBACK, Tokenizer
 from models.generation.loop import PAD_ID
+from models.checkpoints.gguf_reader import GGUFFile
+from models.checkpoints.tokenizer import CHATML_FALLBACK, Tokenizer
 from model_checks import smollm2_gguf
 
 TEXTS = [
@@ -26,7 +26,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def ours():
-  return Tokenizer.from_gguf_fields(gguf_fields(_gguf_reader(smollm2_gguf())))
+  return Tokenizer.from_gguf_fields(GGUFFile(smollm2_gguf()).fields)
 
 
 def transformers_gguf_tokenizer():

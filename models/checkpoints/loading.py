@@ -9,8 +9,8 @@ Every format is first turned into a dict of NumPy arrays under transformers'
 parameter names (``model.layers.3.self_attn.q_proj.weight``, ``[out, in]``),
 then :func:`model_from_tensors` places them into the NNX model, checking
 every name and shape, each projection transposed to our ``[in, out]``
-(:mod:`models.llama`); :func:`hf_tensors` is the way back. Nothing is ever downloaded. With ``mesh=`` every tensor
-goes to its shards (:mod:`models.sharding`) as it is read: ``jax.device_put``
+(:mod:`models.model.llama`); :func:`hf_tensors` is the way back. Nothing is ever downloaded. With ``mesh=`` every tensor
+goes to its shards (:mod:`models.parallel.sharding`) as it is read: ``jax.device_put``
 of the host array with its ``NamedSharding`` sends each device its block
 only, so no device ever holds a whole copy it does not need.
 """
@@ -132,9 +132,9 @@ def from_pretrained(path: str, *, dtype: Optional[str] = None, progress: bool = 
       default: the checkpoint's own (``torch_dtype``), float32 for GGUF.
     progress: show a tqdm bar while reading tensors.
     mesh: place every tensor on its shards of this device mesh as it is read
-      (``(data, model)``, ``"auto"`` or a Mesh: :func:`models.sharding.make_mesh`);
+      (``(data, model)``, ``"auto"`` or a Mesh: :func:`models.parallel.sharding.make_mesh`);
       the returned config then has the KV heads the mesh needs
-      (:func:`models.sharding.sharded_config`). None: the default device.
+      (:func:`models.parallel.sharding.sharded_config`). None: the default device.
 
   Returns:
     ``Pretrained(model, tokenizer, config)``; ``tokenizer`` is None when the
@@ -224,7 +224,7 @@ def hf_name_map(config: LlamaConfig) -> dict[str, Slot]:
 
 
 def hf_tensors(params: Mapping[str, Any], config: LlamaConfig) -> dict[str, np.ndarray]:
-  """transformers-named ``[out, in]`` NumPy tensors of ``params`` (:func:`models.llama.flat_params`):
+  """transformers-named ``[out, in]`` NumPy tensors of ``params`` (:func:`models.model.llama.flat_params`):
   what :func:`model_from_tensors` reads back into the same model."""
   out = {}
   for name, slot in hf_name_map(config).items():
@@ -494,8 +494,8 @@ def restore(path: str, *, dtype: Optional[str] = None, mesh=None) -> Pretrained:
     if name in want and shape != want[name]:
       raise CheckpointError(
           f"{path}: parameter {name} has shape {shape}; the model needs {want[name]} "
-          f"(checkpoints saved before the projection weights became [in, out] on 2026-11-28 "
-          f"hold [out, in]: convert the original checkpoint again)")
+          f"(an orbax checkpoint of an older release may hold the projections as [out, in]: "
+          f"convert the original checkpoint again)")
   state = checkpointer.restore(os.path.join(path, ORBAX_PARAMS), target)
   model = nnx.merge(graphdef, state)
   if dtype is not None and jnp.dtype(dtype) != config.param_dtype:

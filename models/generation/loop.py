@@ -332,7 +332,7 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
                      f"max_new_tokens={state.max_new_tokens} and has done {int(state.step)}); "
                      f"got {num_steps}")
   if state.attention != "none":
-    worst = int(jnp.max(state.cache.lengths)) + num_steps
+    worst = _max_length(state.cache.lengths) + num_steps
     if worst > state.cache.capacity:
       raise ValueError(f"num_steps={num_steps} would exceed the per-sample cache capacity of "
                        f"{state.cache.capacity} tokens ({worst} needed)")
@@ -340,13 +340,22 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
     raise ValueError(f"progress_every must be >= 1; got {progress_every}")
   model, state, mesh = _on_mesh(model, state, mesh)
   graphdef, params = nnx.split(model)
-  stop = state.step + num_steps
+  # The stop step as a host int32 (not an eager addition on the device: a program of its own).
+  stop = np.int32(int(state.step) + num_steps)
   static = dict(settings=settings, eos_id=eos_id, pad_id=int(pad_id), progress=progress,
                 progress_every=int(progress_every), mesh=mesh)
   if programs is not None and mesh is None and progress is None:
     return programs.call("decode", _decode_loop, (graphdef,), (params, state, stop),
                          static=static, out_like=lambda p, s, t: s, donate=(1,))
   return _decode_loop(graphdef, params, state, stop, **static)
+
+
+def _max_length(lengths: Array) -> int:
+  """The longest own length, read on the host where the array is (no eager device program,
+  whose sharding would differ between the state of ``prefill`` and that of ``decode``)."""
+  if lengths.is_fully_addressable:
+    return int(np.max(np.asarray(lengths)))
+  return int(jnp.max(lengths))
 
 
 def lower_decode(model: Llama, state: DecodeState, *,

@@ -397,3 +397,48 @@ def test_smollm2_greedy_hydragen_equals_standard_for_64_tokens():
   np.testing.assert_array_equal(tokens["hydragen"], tokens["standard"])
   assert len(set(tokens["hydragen"][0].tolist())) > 16  # a real completion, not a loop
   assert tokenizer.decode(tokens["hydragen"][0]).strip()
+
+
+class _Compiles:
+  """Counts the programs JAX compiles while active (its ``jax_log_compiles`` log lines)."""
+
+  def __init__(self):
+    self.names = []
+
+  def __enter__(self):
+    import logging
+
+    class Handler(logging.Handler):
+      def emit(inner, record):
+        message = record.getMessage()
+        if message.startswith("Compiling "):
+          self.names.append(message.split()[1])
+
+    self._handler, self._logger = Handler(), logging.getLogger("jax")
+    self._level = self._logger.level
+    self._logger.addHandler(self._handler)
+    self._logger.setLevel(logging.DEBUG)
+    self._flag = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)
+    return self
+
+  def __exit__(self, *exc):
+    jax.config.update("jax_log_compiles", self._flag)
+    self._logger.removeHandler(self._handler)
+    self._logger.setLevel(self._level)
+
+
+@pytest.mark.parametrize("attention", ["hydragen", "standard", "none"])
+def test_decode_after_prefill_compiles_the_loop_once(tiny, attention):
+  """The state ``decode`` returns is typed, shaped and placed as the one ``prefill`` returns:
+  the first call compiles the decode loop and nothing else, later calls compile nothing."""
+  model = tiny
+  state = prefill(model, [[3, 1, 4, 1, 5, 9, 2, 6], [3, 1, 4, 1, 5, 3, 5]], num_samples=[2, 1],
+                  max_new_tokens=9, attention=attention)
+  counts = []
+  for _ in range(3):
+    with _Compiles() as compiles:
+      state = decode(model, state, 2)
+    counts.append(compiles.names)
+  assert len(counts[0]) == 1 and "_decode_loop" in counts[0][0], counts
+  assert counts[1:] == [[], []], counts

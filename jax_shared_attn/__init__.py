@@ -9,44 +9,22 @@ Public API (see README.md and each docstring for the math and shapes):
 * :func:`sharded`, :class:`AttentionSharding`: any of the three above run per shard of a
   device mesh under ``shard_map`` (batch x heads blocks, no communication).
 * :class:`GpuConfig`, :class:`TpuConfig` (``config=`` of the three): the kernel families'
-  choices as values; :func:`explain`: the plan a call runs and why (docs/configuration.md).
-
-Names are imported on first use (so that the kernels, which import the reference, never load
-the API and its dispatch).
+  choices as values; :func:`explain`: the :class:`Plan` a call runs and why, for the
+  :class:`DeviceInfo` it is planned for (docs/configuration.md).
 """
 
-import importlib
+from jax_shared_attn.api import (SharedLevel, attention_with_lse, explain, hierarchical_attention,
+                                 shared_prefix_attention)
+from jax_shared_attn.config import (BlockSizes, FusedDecodeOptions, GpuConfig,
+                                    MosaicPrefixOptions, TpuConfig)
+from jax_shared_attn.dispatch import Plan
+from jax_shared_attn.merge import merge_attention_states
+from jax_shared_attn.ops import IMPLS, AttentionOps
+from jax_shared_attn.sharding import AttentionSharding, sharded
+from pallas_kernels.device import DeviceInfo
 
-_EXPORTS = {
-    "SharedLevel": "api",
-    "attention_with_lse": "api",
-    "explain": "api",
-    "hierarchical_attention": "api",
-    "shared_prefix_attention": "api",
-    "Plan": "dispatch",
-    "merge_attention_states": "merge",
-    "AttentionOps": "ops",
-    "IMPLS": "ops",
-    "AttentionSharding": "sharding",
-    "sharded": "sharding",
-    "BlockSizes": "config",
-    "FusedDecodeOptions": "config",
-    "GpuConfig": "config",
-    "MosaicPrefixOptions": "config",
-    "TpuConfig": "config",
-}
-
-__all__ = sorted(_EXPORTS)
+__all__ = ["AttentionOps", "AttentionSharding", "BlockSizes", "DeviceInfo", "FusedDecodeOptions",
+           "GpuConfig", "IMPLS", "MosaicPrefixOptions", "Plan", "SharedLevel", "TpuConfig",
+           "attention_with_lse", "explain", "hierarchical_attention", "merge_attention_states",
+           "shared_prefix_attention", "sharded"]
 __version__ = "0.1.0"
-
-
-def __getattr__(name):
-  if name not in _EXPORTS:
-    raise AttributeError(f"module 'jax_shared_attn' has no attribute {name!r}")
-  value = getattr(importlib.import_module(f"jax_shared_attn.{_EXPORTS[name]}"), name)
-  globals()[name] = value
-  return value
-
-
-def __dir__():
-  return sorted(set(globals()) | set(_EXPORTS))

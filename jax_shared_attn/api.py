@@ -11,6 +11,7 @@ merge formula.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -134,20 +135,22 @@ def _prepare_full(q, k, v, *, kv_lengths=None, causal=False, scale=None, impl="a
 
 
 def _run(call: _Call):
-  ops = ops_lib.resolve(call.impl, call.fn, call.config)
+  """Plans ``call`` once (the plan :func:`explain` returns) and executes it."""
+  return _execute(dispatch.plan(call.fn, call.q, call.parts, call.suffix_k, impl=call.impl,
+                                config=call.config), call)
+
+
+def _execute(plan: dispatch.Plan, call: _Call):
+  ops = ops_lib.executor(plan, call.config)
   # need_lse=False (the LSE not returned) tells the backward that it gets no cotangent
   if call.parts is None:
     out, lse = ops.suffix_attention(call.q, call.suffix_k, call.suffix_v, kv_lengths=call.lengths,
                                     causal=call.causal, scale=call.scale,
                                     need_lse=call.return_lse)
-  elif ops.shared_attention is not None:  # the family fuses the whole decomposition
+  else:  # the family's whole decomposition (XLA: from the reference primitives)
     out, lse = ops.shared_attention(call.q, call.parts, call.suffix_k, call.suffix_v,
                                     kv_lengths=call.lengths, causal=call.causal, scale=call.scale,
                                     need_lse=call.return_lse)
-  else:  # shared parts first, then the suffix with the shared result merged in
-    out, lse = ops_lib.reference_shared_attention(call.q, call.parts, call.suffix_k, call.suffix_v,
-                                                  kv_lengths=call.lengths, causal=call.causal,
-                                                  scale=call.scale, ops=ops)
   out = out.astype(call.q.dtype)
   return (out, lse) if call.return_lse else out
 
@@ -294,8 +297,9 @@ def _prepare_tree(q, levels, suffix_k, suffix_v, *, suffix_lengths=None, causal=
                return_lse)
 
 
-_PREPARE = {attention_with_lse: _prepare_full, shared_prefix_attention: _prepare_prefix,
-            hierarchical_attention: _prepare_tree}
+_PREPARE = types.MappingProxyType({attention_with_lse: _prepare_full,
+                                   shared_prefix_attention: _prepare_prefix,
+                                   hierarchical_attention: _prepare_tree})
 
 
 def explain(fn: Callable, *args, platform: Optional[str] = None,

@@ -215,7 +215,7 @@ def decomposition_grads(q: Array, parts: Sequence[tuple], suffix_k: Optional[Arr
                         config: BackwardConfig = BackwardConfig()):
   """Gradients of the decomposition from its merged ``out [B,Tq,Hq,D]`` and ``lse [B,Tq,Hq]``.
 
-  ``parts`` as in :func:`jax_shared_attn.ops.reference_shared_attention`
+  ``parts`` as in :func:`pallas_kernels.base.reference_shared_attention`
   (``("prefix", k [P,Hkv,D], v, length, None)`` /
   ``("segments", k [N,T,Hkv,D], v, lengths [N], node_of_seq [B])``);
   ``suffix_k = None`` means no suffix part; ``dlse = None``: the LSE gets no cotangent.

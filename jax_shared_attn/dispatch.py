@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 from typing import Any, Optional
 
 import jax
 
+from pallas_kernels.device import DeviceInfo
+
 IMPLS = ("auto", "xla", "pallas", "pallas:triton", "pallas:mosaic_gpu", "pallas:tpu")
 _HOPPER = re.compile(r"\b(GH200|H100|H200|H800|H20)\b", re.IGNORECASE)
-_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+_PLATFORMS = types.MappingProxyType(
+    {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"})
 
 
 def _platform(fn: str, platform: Optional[str]) -> str:
@@ -78,8 +82,10 @@ def check_config(fn: str, family: str, config) -> None:
 
 def segment_alignment(impl: str = "auto", *, platform: Optional[str] = None,
                       device_kind: Optional[str] = None) -> int:
-  """Token multiple that shared-segment K/V buffers should be padded to (128 where the Hopper
-  prefix kernel runs, else 1)."""
+  """Token multiple that shared-segment K/V buffers should be padded to for ``impl`` on
+  ``platform`` (None: the default backend). Callers that allocate segment buffers
+  (``models.generate``) round their width up to this multiple; the padding is never read as
+  keys (the lengths mask it). 128 where the Hopper prefix kernel runs, else 1."""
   if _platform("segment_alignment", platform) != "gpu":
     return 1
   if impl == "pallas:mosaic_gpu" or (impl in ("auto", "pallas")
@@ -90,10 +96,15 @@ def segment_alignment(impl: str = "auto", *, platform: Optional[str] = None,
 
 
 def suffix_alignment(impl: str = "auto", rows_per_seq: int = 1, config=None, *,
-                     platform: Optional[str] = None, device_kind: Optional[str] = None) -> int:
-  """Token multiple that per-sequence K/V capacities should be padded to (64 on Hopper where the
-  one-kernel decode path runs, else 1)."""
-  if segment_alignment(impl, platform=platform, device_kind=device_kind) == 1:
+                     platform: Optional[str] = None, device_kind: Optional[str] = None,
+                     segment: Optional[int] = None) -> int:
+  """Token multiple that per-sequence (own) K/V capacities should be padded to for ``impl``:
+  64 on Hopper where decoding runs the one-kernel path (``rows_per_seq = Hq / Hkv >= 8``), 1
+  elsewhere (padding is memory). ``segment``: the :func:`segment_alignment` of the same target
+  where the caller has it (1: no Hopper kernel runs)."""
+  if segment is None:
+    segment = segment_alignment(impl, platform=platform, device_kind=device_kind)
+  if segment == 1:
     return 1
   from pallas_kernels.gpu import dispatch as gpu_dispatch
   return gpu_dispatch.suffix_alignment("mosaic_gpu", rows_per_seq, config)
@@ -101,22 +112,30 @@ def suffix_alignment(impl: str = "auto", rows_per_seq: int = 1, config=None, *,
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What a call runs and why.
+  """Everything a call runs, and why: what :func:`jax_shared_attn.explain` returns and what the
+  public functions execute.
 
   Attributes:
     function: the public function ("shared_prefix_attention", ...).
     impl: the implementation that runs: "xla", "pallas:triton", "pallas:mosaic_gpu" or
       "pallas:tpu".
-    platform: "cpu", "gpu" or "tpu".
+    platform: "cpu", "gpu" or "tpu": where the program runs (a family off its platform runs in
+      Pallas interpret mode).
+    device: the :class:`~pallas_kernels.device.DeviceInfo` the kernels are planned for (None
+      for "xla").
     backend: the family's plan (:class:`pallas_kernels.gpu.dispatch.GpuPlan`,
       :class:`pallas_kernels.tpu.dispatch.TpuPlan`), None for "xla".
+    backward: the kernels ``jax.grad`` runs (:class:`jax_shared_attn.backward.BackwardConfig`'s
+      ``kernels``): "xla", "triton", "cudnn" or "tpu".
     reasons: why, in words (the core's, then the family's).
   """
 
   function: str
   impl: str
   platform: str
+  device: Optional[DeviceInfo] = None
   backend: Any = None
+  backward: str = "xla"
   reasons: tuple[str, ...] = ()
 
   def __str__(self) -> str:
@@ -125,31 +144,54 @@ class Plan:
     return "\n".join([head] + [f"  - {r}" for r in self.reasons])
 
 
+def _backward_kernels(family: str, backend: str, device: DeviceInfo, config) -> tuple[str, str]:
+  """The backward's kernels and why: the GPU families' ``GpuConfig.backward`` ("cudnn" where
+  cuDNN's attention backward runs: a CUDA GPU of compute capability >= 8 with the primitive),
+  the family's own kernels otherwise."""
+  if family not in ("triton", "mosaic_gpu"):
+    return family, f"backward: the {family} kernels"
+  from pallas_kernels.config import GpuConfig
+  from pallas_kernels.gpu import cudnn
+  if (config or GpuConfig()).backward != "cudnn":
+    return "triton", "backward: the Triton kernels (GpuConfig.backward='triton')"
+  if backend == "gpu" and device != DeviceInfo.current():  # planning for a named GPU
+    return "cudnn", ("backward: cuDNN's attention backward where a part qualifies, else Triton "
+                     "(assumed available on the named device)")
+  if not cudnn.available():
+    return "triton", "backward: the Triton kernels (cuDNN's attention backward is not available)"
+  return "cudnn", "backward: cuDNN's attention backward where a part qualifies, else Triton"
+
+
 def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
          platform: Optional[str] = None, device_kind: Optional[str] = None) -> Plan:
   """The plan for a call with query ``q``, shared ``parts`` (None: no shared part, as
-  ``attention_with_lse``) and ``suffix_k``: shapes and dtypes only."""
+  ``attention_with_lse``) and ``suffix_k``: shapes and dtypes only. ``platform`` and
+  ``device_kind`` (None: the default backend and its device) name the target."""
   backend = _platform(fn, platform)
   family = choose_family(impl, fn, platform, device_kind)
   check_config(fn, family, config)
   why_impl = f"impl={impl!r} on {backend}" + (f" ({device_kind})" if device_kind else "")
   if family == "xla":
-    return Plan(fn, "xla", backend, None, (f"{why_impl}: pure JAX (XLA)",))
+    return Plan(fn, "xla", backend, reasons=(f"{why_impl}: pure JAX (XLA)",))
   name = f"pallas:{family}"
   reasons = [f"{why_impl}: the {name} kernels"]
   native = {"triton": "gpu", "mosaic_gpu": "gpu", "tpu": "tpu"}[family]
+  device = DeviceInfo.for_target(native, device_kind if backend == native else None)
   if backend != native:
     reasons.append(f"lowered for {backend}: the kernels run in Pallas interpret mode"
                    + (" (Triton: Mosaic GPU has none)" if family == "mosaic_gpu" else ""))
+  reasons.append(f"planned for {device.device_kind} ({device.cores} "
+                 f"{'SMs' if native == 'gpu' else 'TensorCores'})")
   if family == "tpu":
     from pallas_kernels.tpu import dispatch as tpu_dispatch
-    bplan = tpu_dispatch.plan(q, parts or (), suffix_k, config=config,
-                              device_kind=device_kind if backend == "tpu" else "")
+    bplan = tpu_dispatch.plan(q, parts or (), suffix_k, device=device, config=config)
   elif parts is None:
     from pallas_kernels.gpu import dispatch as gpu_dispatch
-    bplan = gpu_dispatch.GpuPlan(family, "suffix",
-                                 reasons=("no shared part: the suffix kernel alone",))
+    bplan = gpu_dispatch.plan_suffix(q, suffix_k, device=device, family=family)
   else:
     from pallas_kernels.gpu import dispatch as gpu_dispatch
-    bplan = gpu_dispatch.plan_shared(q, parts, suffix_k, family=family, config=config)
-  return Plan(fn, name, backend, bplan, tuple(reasons) + tuple(bplan.reasons))
+    bplan = gpu_dispatch.plan_shared(q, parts, suffix_k, device=device, family=family,
+                                     config=config)
+  backward, why_backward = _backward_kernels(family, backend, device, config)
+  return Plan(fn, name, backend, device, bplan, backward,
+              tuple(reasons) + tuple(bplan.reasons) + (why_backward,))

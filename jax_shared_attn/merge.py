@@ -18,22 +18,11 @@ import jax
 import jax.numpy as jnp
 
 from jax_shared_attn import _checks
+from pallas_kernels.base import merge_states
 
 Array = jax.Array
 
-
-def merge_states(outs: Sequence[Array], lses: Sequence[Array]) -> Tuple[Array, Array]:
-  """Unchecked float32 merge; ``outs[i] [..., D]``, ``lses[i] [...]``."""
-  lse = jnp.stack([x.astype(jnp.float32) for x in lses])  # [n, ...]
-  m = jnp.max(lse, axis=0)
-  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-  w = jnp.exp(lse - m)  # in [0, 1]; exactly 0 for -inf parts
-  denom = jnp.sum(w, axis=0)
-  has = denom > 0
-  safe = jnp.where(has, denom, 1.0)
-  out = sum(w_i[..., None] * o.astype(jnp.float32) for w_i, o in zip(w, outs))
-  out = out / safe[..., None]
-  return out, jnp.where(has, m + jnp.log(safe), -jnp.inf)
+__all__ = ["merge_attention_states", "merge_states"]
 
 
 def merge_attention_states(outs: Sequence[Array], lses: Sequence[Array]) -> Tuple[Array, Array]:

@@ -33,28 +33,9 @@ output and LSE (the forward stays the family's own).
 
 from __future__ import annotations
 
-from jax_shared_attn import dispatch, reference
+from jax_shared_attn import dispatch
 from jax_shared_attn.dispatch import IMPLS  # noqa: F401  (re-exported)
-from pallas_kernels.interface import AttentionOps
-
-
-XLA_OPS = AttentionOps("xla", reference.prefix_attention, reference.segment_attention,
-                       reference.suffix_attention)
-
-def reference_shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale,
-                               ops: AttentionOps = XLA_OPS):
-  """The decomposition from primitives: shared parts, merged, then the suffix merged in."""
-  from jax_shared_attn.merge import merge_states
-  states = []
-  for kind, k, v, lengths, nodes in parts:
-    if kind == "prefix":
-      states.append(ops.prefix_attention(q, k, v, kv_length=lengths, scale=scale))
-    else:
-      states.append(ops.segment_attention(q, k, v, lengths=lengths, node_of_seq=nodes,
-                                          scale=scale))
-  prior = merge_states([s[0] for s in states], [s[1] for s in states]) if states else None
-  return ops.suffix_attention(q, suffix_k, suffix_v, kv_lengths=kv_lengths, causal=causal,
-                              scale=scale, prior=prior)
+from pallas_kernels.base import XLA_OPS, AttentionOps, reference_shared_attention  # noqa: F401
 
 
 def differentiable(ops: AttentionOps, backward_config=None) -> AttentionOps:
@@ -65,30 +46,44 @@ def differentiable(ops: AttentionOps, backward_config=None) -> AttentionOps:
 
 
 def segment_alignment(impl: str = "auto") -> int:
-  """Token multiple that shared-segment K/V buffers should be padded to for ``impl`` on the
-  default backend (:func:`jax_shared_attn.dispatch.segment_alignment`). Callers that allocate
-  segment buffers (``models.generate``) round their width up to this multiple; the padding is
-  never read as keys (the lengths mask it). 1 where any length runs at full speed."""
+  """Token multiple for shared-segment K/V buffers on the default backend
+  (:func:`jax_shared_attn.dispatch.segment_alignment`)."""
   return dispatch.segment_alignment(impl)
 
 
 def suffix_alignment(impl: str = "auto", rows_per_seq: int = 1, config=None) -> int:
-  """Token multiple that per-sequence (own) K/V capacities should be padded to for ``impl``
-  (:func:`jax_shared_attn.dispatch.suffix_alignment`): 64 on Hopper where decoding runs the
-  one-kernel path (``rows_per_seq = Hq / Hkv >= 8``), 1 elsewhere (padding is memory)."""
-  if segment_alignment(impl) == 1:
-    return 1
-  from pallas_kernels.gpu import dispatch as gpu_dispatch
-  return gpu_dispatch.suffix_alignment("mosaic_gpu", rows_per_seq, config)
+  """Token multiple for per-sequence K/V capacities on the default backend
+  (:func:`jax_shared_attn.dispatch.suffix_alignment`)."""
+  return dispatch.suffix_alignment(impl, rows_per_seq, config, segment=segment_alignment(impl))
+
+
+def executor(plan: dispatch.Plan, config=None) -> AttentionOps:
+  """The differentiable ops that execute ``plan`` (:func:`jax_shared_attn.dispatch.plan` of one
+  call, ``config`` that call's): the family's entry points bound to the plan's kernel configs,
+  with the plan's backward."""
+  from jax_shared_attn import backward
+  bconfig = backward.BackwardConfig(kernels=plan.backward)
+  if plan.impl == "xla":
+    return differentiable(XLA_OPS, bconfig)
+  family = plan.impl.split(":", 1)[1]
+  if family == "tpu":
+    from pallas_kernels import tpu
+    ops = tpu.get_ops(config=config, plan=plan.backend)
+  else:
+    from pallas_kernels import gpu
+    ops = gpu.get_ops(mosaic=family == "mosaic_gpu", config=config, plan=plan.backend)
+  return differentiable(ops, bconfig)
 
 
 def resolve(impl: str, fn: str, config=None) -> AttentionOps:
-  """Maps ``impl`` and ``config`` to the ops that run them on the default backend."""
+  """The ops of ``impl`` and ``config`` on the default backend, each call planned by the
+  family for its own shapes (the public functions plan once with
+  :func:`jax_shared_attn.dispatch.plan` and run :func:`executor` instead)."""
   family = dispatch.choose_family(impl, fn)
   dispatch.check_config(fn, family, config)
   if family == "xla":
     return differentiable(XLA_OPS)
-  import pallas_kernels  # deferred: the core does not need the kernels for impl="xla"
+  import pallas_kernels
 
   # Interpret mode vs native kernel is decided when lowering (platform_dependent).
   return differentiable(pallas_kernels.get_ops(family, config=config),
@@ -96,9 +91,10 @@ def resolve(impl: str, fn: str, config=None) -> AttentionOps:
 
 
 def backward_config(family: str, config=None):
-  """The :class:`~jax_shared_attn.backward.BackwardConfig` a family's ``config`` asks for: the GPU
-  families' ``GpuConfig.backward`` ("cudnn" where :func:`pallas_kernels.gpu.cudnn.available`,
-  else "triton"); None (the family's own kernels) for the others."""
+  """The :class:`~jax_shared_attn.backward.BackwardConfig` a family's ``config`` asks for on the
+  default backend: the GPU families' ``GpuConfig.backward`` ("cudnn" where
+  :func:`pallas_kernels.gpu.cudnn.available`, else "triton"); None (the family's own kernels)
+  for the others."""
   if family not in ("triton", "mosaic_gpu"):
     return None
   from jax_shared_attn import backward

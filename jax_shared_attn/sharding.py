@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from typing import Any, Callable, NamedTuple, Union
 
 import jax
@@ -184,5 +185,6 @@ def _specs_tree(args, kwargs, batch4, shared4, shared3, batch1):
   return args, kwargs, {"args": (batch4, level_specs, batch4, batch4), "suffix_lengths": batch1}
 
 
-_SPECS = {attention_with_lse: _specs_full, shared_prefix_attention: _specs_prefix,
-          hierarchical_attention: _specs_tree}
+_SPECS = types.MappingProxyType({attention_with_lse: _specs_full,
+                                 shared_prefix_attention: _specs_prefix,
+                                 hierarchical_attention: _specs_tree})

@@ -1,9 +1,9 @@
 """Pallas kernels for shared-prefix attention.
 
-Each family implements the three primitives of :mod:`jax_shared_attn.reference`
+Each family implements the three primitives of :mod:`pallas_kernels.base`
 with the same signatures and semantics (float32 ``out``, natural-log float32
 ``lse``, ``(0, -inf)`` for rows with no visible key) and returns them as a
-:class:`pallas_kernels.interface.AttentionOps` from its ``get_ops(interpret=..., config=...)``.
+:class:`pallas_kernels.base.AttentionOps` from its ``get_ops(interpret=..., config=...)``.
 
 ``interpret=None`` (the default) decides at lowering time, with
 ``jax.lax.platform_dependent``: the native kernel where the program is lowered
@@ -14,8 +14,14 @@ same call runs on a CPU). ``True``/``False`` force one or the other.
 ``pallas_kernels.gpu``  Triton kernels (any CUDA GPU; interpret mode on CPU), and
                         on Hopper Mosaic GPU (wgmma/TMA) kernels; ``GpuConfig``.
 ``pallas_kernels.tpu``  Mosaic TPU kernels (interpret mode on CPU); ``TpuConfig``.
-Each has a ``config.py`` (the choices, as values) and a ``dispatch.py`` (which kernels a call
-runs: a pure function of shapes and config).
+Each has a ``config.py`` (the choices, as values), a ``tuned.py`` (tuned values by device kind)
+and a ``dispatch.py`` (the plan of a call: every kernel and its config, a pure function of
+shapes, config and the :class:`pallas_kernels.device.DeviceInfo` planned for).
+
+``pallas_kernels.base``    the contract every family implements and is tested against (the
+                           reference primitives, the LSE merge, ``AttentionOps``); it imports
+                           no implementation, and no kernel imports ``jax_shared_attn``.
+``pallas_kernels.device``  :class:`DeviceInfo`, the device a plan is made for.
 """
 
 from __future__ import annotations

@@ -33,6 +33,12 @@ SMALL_PROGRAM_OPTIONS = (
     if os.environ.get("HYDRAGEN_TEST_FAST_COMPILE", "1") != "0" else None)
 
 
+# XLA_FLAGS of the 8-CPU-device subprocesses (mesh tests): 8 host devices, fast CPU compiles
+# (LLVM -O0: the programs are tiny, compiling dominates).
+DEVICE_FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+                "--xla_llvm_disable_expensive_passes=true")
+
+
 def small_jit(fun, small: bool = True, **jit_kwargs):
   """``jax.jit(fun, **jit_kwargs)``, compiled with :data:`SMALL_PROGRAM_OPTIONS` on the CPU where
   ``small`` (native kernels and other backends keep XLA's defaults)."""

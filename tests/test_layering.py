@@ -1,6 +1,9 @@
-"""The packages' import graph: no cycle among jax_shared_attn and pallas_kernels (every import
-statement counts, including those inside functions), and the kernels never import the core's
-API or dispatch (they implement the leaf interface ``pallas_kernels.interface``)."""
+"""The packages' import graph: ``models -> jax_shared_attn -> pallas_kernels``, one way.
+
+Every import counts: statements inside functions and ``importlib.import_module("...")`` with a
+literal name. The kernels import nothing of jax_shared_attn or models, jax_shared_attn nothing
+of models, and no cycle exists; the kernel contract ``pallas_kernels.base`` imports no
+implementation."""
 
 import ast
 import pathlib
@@ -8,10 +11,8 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("jax_shared_attn", "pallas_kernels")
-# The core's modules the kernels may use: the contract (reference, merge) and plain data.
-KERNEL_MAY_IMPORT = {"jax_shared_attn.reference", "jax_shared_attn.merge", "jax_shared_attn._checks",
-                     "jax_shared_attn.iomodel"}
+PACKAGES = ("jax_shared_attn", "pallas_kernels", "models")
+LAYERS = ("pallas_kernels", "jax_shared_attn", "models")  # bottom first: each imports only below
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -24,22 +25,33 @@ def _is_module(name: str) -> bool:
   return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
 
 
+def _edges(tree: ast.AST, name: str, packages=PACKAGES) -> set[str]:
+  """The modules of ``packages`` that the parsed module ``name`` imports, anywhere in it."""
+  edges = set()
+  for node in ast.walk(tree):
+    targets = []
+    if isinstance(node, ast.Import):
+      targets = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      targets = [f"{node.module}.{a.name}" if _is_module(f"{node.module}.{a.name}")
+                 else node.module for a in node.names]
+    elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+          and isinstance(node.args[0].value, str)
+          and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module",
+                                                                             "__import__")):
+      targets = [node.args[0].value]
+    edges |= {t for t in targets if t.split(".")[0] in packages and t != name}
+  return edges
+
+
 def import_graph(packages=PACKAGES) -> dict[str, set[str]]:
   """Module -> the modules of ``packages`` it imports (``from a import b`` is ``a.b`` where that
   is a module)."""
   graph = {}
   for package in packages:
     for path in sorted((ROOT / package).rglob("*.py")):
-      name, edges = _module_name(path), set()
-      for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        targets = []
-        if isinstance(node, ast.Import):
-          targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-          targets = [f"{node.module}.{a.name}" if _is_module(f"{node.module}.{a.name}")
-                     else node.module for a in node.names]
-        edges |= {t for t in targets if t.split(".")[0] in packages and t != name}
-      graph[name] = edges
+      name = _module_name(path)
+      graph[name] = _edges(ast.parse(path.read_text(), str(path)), name, packages)
   return graph
 
 
@@ -76,26 +88,40 @@ def test_no_import_cycle():
 
 def test_cycle_finder_finds_a_planted_cycle():
   graph = import_graph()
-  graph["pallas_kernels.interface"] = graph["pallas_kernels.interface"] | {"jax_shared_attn.ops"}
+  graph["pallas_kernels.base"] = graph["pallas_kernels.base"] | {"jax_shared_attn.ops"}
   assert find_cycle(graph) is not None
 
 
-def test_kernels_import_only_the_core_contract():
+def test_layers_import_one_way():
+  """No module imports a layer above its own (no whitelist)."""
   graph = import_graph()
   for module, edges in graph.items():
-    if module.startswith("pallas_kernels"):
-      core = {e for e in edges if e.startswith("jax_shared_attn")}
-      assert core <= KERNEL_MAY_IMPORT, (module, core - KERNEL_MAY_IMPORT)
-      assert not any(e.startswith("models") for e in edges), module
+    level = LAYERS.index(module.split(".")[0])
+    above = {e for e in edges if LAYERS.index(e.split(".")[0]) > level}
+    assert not above, (module, sorted(above))
 
 
-def test_importing_the_kernels_loads_no_core_dispatch():
-  code = ("import sys, pallas_kernels.gpu, pallas_kernels.tpu, pallas_kernels.config; "
-          "print(' '.join(m for m in sys.modules if m.startswith('jax_shared_attn')))")
+def test_import_graph_sees_function_and_importlib_imports():
+  source = ("import importlib\n"
+            "def f():\n  from jax_shared_attn import api\n"
+            "  return importlib.import_module('models.llama')\n")
+  edges = _edges(ast.parse(source), "pallas_kernels.planted")
+  assert {"jax_shared_attn.api", "models.llama"} <= edges
+
+
+def test_kernel_contract_imports_no_implementation():
+  assert not {e for e in import_graph()["pallas_kernels.base"]}
+
+
+def test_importing_the_kernels_loads_nothing_of_the_core():
+  code = ("import sys, pallas_kernels, pallas_kernels.gpu, pallas_kernels.tpu, "
+          "pallas_kernels.config, pallas_kernels.gpu.dispatch, pallas_kernels.tpu.dispatch, "
+          "pallas_kernels.tpu.perf_model; "
+          "print(' '.join(m for m in sys.modules if m.startswith(('jax_shared_attn', 'models'))))")
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        check=True, env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
                                         "PATH": ""}).stdout.split()
-  assert not {"jax_shared_attn.api", "jax_shared_attn.ops", "jax_shared_attn.dispatch"} & set(out)
+  assert out == []
 
 
 def test_gpu_and_tpu_families_name_their_files_alike():

@@ -8,8 +8,8 @@ prefix kernel with its default config), lowers the
 kernel with ``jax.export(platforms=["cuda"])`` and prints a hash of its Mosaic GPU module as text
 without debug information (source locations change with any edit). Identical lines mean the
 refactor left the kernel unchanged, so its native tests on a GPU still hold; a different line
-means the kernel changed and must be retested there (``tests/test_pallas_gpu_kernels.py -k
-Native``). ``--dump DIR`` also writes each module's text.
+means the kernel changed and must be retested there (``tests/kernels/test_pallas_gpu_kernels.py
+-k Native``). ``--dump DIR`` also writes each module's text.
 """
 
 import argparse
@@ -20,12 +20,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import core
 
+from pallas_kernels.device import DeviceInfo
+from pallas_kernels.gpu import merge
 from pallas_kernels.gpu import prefix_mgpu as mg
 from pallas_kernels.gpu import shared_mgpu as fm
 from pallas_kernels.gpu import shared_mgpu_plan as fp
 from pallas_kernels.gpu.config import FusedDecodeOptions
 
 S = jax.ShapeDtypeStruct
+H100 = DeviceInfo.named("NVIDIA H100 80GB HBM3")  # the configs of the published runs
 BF16 = jnp.bfloat16
 CHECKS = [jax.export.DisabledSafetyCheck.custom_call(t)
           for t in ("mosaic_gpu_v2", "__gpu$xla.gpu.triton")]
@@ -70,12 +73,12 @@ def main():
            S((b, s, hkv, d), BF16), S((b, s, hkv, d), BF16), S((b,), jnp.int32))
     for plan, options in PLANS.items():
       g = hq // hkv
-      fcfg = fp.default_config(b * g, hkv, p, s, g, head_dim=d, options=options)
+      fcfg = fp.default_config(b * g, hkv, p, s, g, device=H100, head_dim=d, options=options)
       fused = lambda q, k, v, sk, sv, n, p=p, fcfg=fcfg: fm.fused_decode(
-          q, k, v, p, sk, sv, n, scale=0.1, config=fcfg)
+          q, k, v, p, sk, sv, n, scale=0.1, config=fcfg, merge=merge.default_config(H100))
       cases.append((f"fused B={b} Hq={hq} Hkv={hkv} D={d} P={p} S={s} {plan}", fused, ins))
     rows = b * hq // hkv
-    cfg = mg.default_config(rows, hkv, p, d)
+    cfg = mg.default_config(rows, hkv, p, d, device=H100)
     prefix = lambda q, k, v, p=p, cfg=cfg: mg.prefix_attention_rows_mgpu(q, k, v, p, scale=0.1,
                                                                          config=cfg)
     cases.append((f"prefix rows={rows} Hkv={hkv} D={d} P={p} {cfg}",

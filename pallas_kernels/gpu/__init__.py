@@ -12,39 +12,55 @@
 ``sampler.py``         not attention: the top-p draw's passes over the logits in one kernel
                        (noise, candidates, sums; used by ``models.sampling``).
 ``config.py``          :class:`GpuConfig`, the choices a call passes (static under jit).
-``dispatch.py``        which kernels run a call: a pure function of shapes and config.
+``dispatch.py``        the plan of a call (:class:`~pallas_kernels.gpu.dispatch.GpuPlan`: every
+                       kernel and its config), a pure function of shapes, config and the
+                       :class:`~pallas_kernels.device.DeviceInfo` planned for;
+                       ``shared.run_plan`` executes it.
+``tuned.py``           the kernels' tuned tiles, by device kind and shape.
 """
 
 from __future__ import annotations
 
 import functools
 
+from pallas_kernels.base import AttentionOps
+from pallas_kernels.device import DeviceInfo
 from pallas_kernels.gpu.config import FusedDecodeOptions, GpuConfig, MosaicPrefixOptions
-from pallas_kernels.gpu.segment import segment_attention
-from pallas_kernels.gpu.shared import prefix_attention, shared_attention
-from pallas_kernels.gpu.suffix import suffix_attention
-from pallas_kernels.interface import AttentionOps
+from pallas_kernels.gpu.shared import (prefix_attention, run_plan, segment_attention,
+                                       shared_attention, suffix_attention)
 
 __all__ = ["AttentionOps", "FusedDecodeOptions", "GpuConfig", "MosaicPrefixOptions", "get_ops",
-           "prefix_attention", "segment_attention", "shared_attention", "suffix_attention"]
+           "prefix_attention", "run_plan", "segment_attention", "shared_attention",
+           "suffix_attention"]
 
 
 def get_ops(interpret: bool | None = None, mosaic: bool = False,
-            config: GpuConfig | None = None) -> AttentionOps:
+            config: GpuConfig | None = None, *, device: DeviceInfo | None = None,
+            plan=None) -> AttentionOps:
   """The GPU family; ``mosaic`` uses the Hopper kernels where they apply, ``config`` the
-  choices of :class:`GpuConfig` (None: its defaults).
+  choices of :class:`GpuConfig` (None: its defaults), planned for ``device`` (None: the
+  default GPU, else :data:`pallas_kernels.device.DEFAULT_KIND`'s).
 
-  ``interpret=None`` picks native vs interpret mode when lowering.
+  ``plan`` (a :class:`~pallas_kernels.gpu.dispatch.GpuPlan` of one call's shapes): the
+  ``shared_attention`` (or, for a "suffix" plan, ``suffix_attention``) entry executes it as it
+  is; the other entries plan each call themselves. ``interpret=None`` picks native vs
+  interpret mode when lowering.
   """
   if config is not None and not isinstance(config, GpuConfig):
     raise TypeError(f"pallas_kernels.gpu.get_ops: config must be a GpuConfig or None; got "
                     f"{type(config).__name__}")
   config = GpuConfig() if config is None else config
+  if device is None:
+    device = plan.device if plan is not None else DeviceInfo.for_target("gpu")
   name = "pallas:mosaic_gpu" if mosaic else "pallas:triton"
+  bind = functools.partial
+  suffix_plan = plan if plan is not None and plan.path == "suffix" else None
+  shared_plan = plan if plan is not None and plan.path != "suffix" else None
   return AttentionOps(
       name,
-      functools.partial(prefix_attention, mosaic=mosaic, config=config, interpret=interpret),
-      functools.partial(segment_attention, interpret=interpret),
-      functools.partial(suffix_attention, interpret=interpret),
-      functools.partial(shared_attention, mosaic=mosaic, config=config, interpret=interpret),
+      bind(prefix_attention, device=device, mosaic=mosaic, config=config, interpret=interpret),
+      bind(segment_attention, device=device, interpret=interpret),
+      bind(suffix_attention, device=device, plan=suffix_plan, interpret=interpret),
+      bind(shared_attention, device=device, mosaic=mosaic, config=config, plan=shared_plan,
+           interpret=interpret),
   )

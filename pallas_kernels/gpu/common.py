@@ -15,9 +15,9 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 # Bytes of K/V tiles prefetched by Triton's software pipeline ((num_stages - 1) x (K + V)
-# tiles), which share the H100's 227 KB per block with the kernel's other buffers. On the
-# H100 (2026-11-22) 128 KB ran in every kernel; the segment kernel at 256 KB (float32,
-# 128 keys x 128 dims x 3 stages) failed its native tests.
+# tiles), which share a Hopper block's 227 KB of shared memory with the kernel's other
+# buffers: the budget leaves room for them (256 KB, the segment kernel's float32 128 keys x
+# 128 dims x 3 stages, does not run; test_default_configs_fit_the_shared_memory).
 KV_STAGING_BYTES = 160 * 1024
 
 
@@ -38,8 +38,8 @@ def kv_staging_bytes(block_n: int, head_dim: int, itemsize: int, num_stages: int
 def fit_block_n(block_n: int, head_dim: int, itemsize: int, num_stages: int) -> int:
   """Halves ``block_n`` (not below 16) until the K/V staging fits :data:`KV_STAGING_BYTES`.
 
-  The 16-bit defaults were tuned on an H100 and already fit; float32 inputs
-  (twice the bytes per key) get shorter key steps where they would not.
+  The tuned 16-bit tiles fit; float32 inputs (twice the bytes per key) get shorter key steps
+  where they would not.
   """
   while block_n > MIN_DOT and kv_staging_bytes(block_n, head_dim, itemsize,
                                                 num_stages) > KV_STAGING_BYTES:

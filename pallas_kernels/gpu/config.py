@@ -2,7 +2,7 @@
 
 A :class:`GpuConfig` travels with the call (``shared_prefix_attention(..., config=GpuConfig())``)
 into :mod:`pallas_kernels.gpu.dispatch`, which turns it with the shapes into a plan. The
-defaults are the measured choices; docs/configuration.md gives each field's reason and numbers.
+defaults are the tuned choices; docs/configuration.md gives each field's reason and numbers.
 This module imports nothing of the kernels, so both the kernels and the core can import it.
 """
 

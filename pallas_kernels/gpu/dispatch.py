@@ -1,16 +1,19 @@
-"""Which GPU kernels run a call: pure functions of shapes, dtypes, the family and a
-:class:`~pallas_kernels.gpu.config.GpuConfig`, the one place the GPU family decides.
+"""Which GPU kernels run a call: pure functions of shapes, dtypes, the family, a
+:class:`~pallas_kernels.gpu.config.GpuConfig` and the :class:`~pallas_kernels.device.DeviceInfo`
+planned for, the one place the GPU family decides. A :class:`GpuPlan` holds every kernel's
+config; the kernels (:mod:`pallas_kernels.gpu.shared`) only execute it.
 
 - :func:`plan_shared`: the whole decomposition (``shared_attention``): the small-batch flat
   kernel, the one-kernel decode path (Hopper), or the shared parts' kernels then the suffix
   kernel ("split"), with every kernel's config.
+- :func:`plan_suffix`: attention without a shared part (the suffix kernel alone).
 - :func:`plan_prefix`: a shared prefix's kernel, Mosaic GPU (Hopper) or Triton, and its configs.
 - :func:`segment_alignment`, :func:`suffix_alignment`: the buffer multiples that let a cache
   reach the Hopper kernels.
 
 The family is ``"mosaic_gpu"`` (Hopper: the Mosaic GPU kernels where they apply) or
 ``"triton"``. ``interpret=True`` plans for Pallas interpret mode (Triton only: Mosaic GPU has no
-interpret mode). The kernels (:mod:`pallas_kernels.gpu.shared`) only execute a plan.
+interpret mode).
 """
 
 from __future__ import annotations
@@ -20,15 +23,20 @@ from typing import Optional
 
 import jax.numpy as jnp
 
+from pallas_kernels.device import DeviceInfo
+from pallas_kernels.gpu import merge as merge_lib
 from pallas_kernels.gpu import prefix_mgpu as mg
+from pallas_kernels.gpu import segment as segment_lib
 from pallas_kernels.gpu import shared_mgpu_plan as fp
+from pallas_kernels.gpu import suffix as suffix_lib
 from pallas_kernels.gpu.config import GpuConfig, MosaicPrefixOptions
+from pallas_kernels.gpu.merge import MergeConfig
 from pallas_kernels.gpu.prefix import PrefixConfig
 from pallas_kernels.gpu.prefix import default_config as triton_prefix_config
 from pallas_kernels.gpu.suffix import MAX_ROWS, SuffixConfig, flat_config
 
 FAMILIES = ("triton", "mosaic_gpu")
-PATHS = ("flat", "fused_decode", "split")
+PATHS = ("suffix", "flat", "fused_decode", "split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,27 +59,40 @@ class PrefixPlan:
 
 @dataclasses.dataclass(frozen=True)
 class GpuPlan:
-  """The GPU family's plan for one ``shared_attention`` call.
+  """The GPU family's plan for one call: every kernel that runs and its config.
 
   Attributes:
     family: "mosaic_gpu" or "triton".
-    path: "flat" (one Triton kernel, shared then own keys per sequence), "fused_decode" (one
-      Mosaic GPU kernel, prefix and suffixes), or "split" (the shared parts' kernels, then the
-      suffix kernel merging their states in its epilogue).
+    path: "suffix" (no shared part: the suffix kernel alone), "flat" (one Triton kernel, shared
+      then own keys per sequence), "fused_decode" (one Mosaic GPU kernel, prefix and suffixes),
+      or "split" (the shared parts' kernels, then the suffix kernel merging their states in its
+      epilogue).
+    device: the device planned for (its SM count sizes every grid).
+    merge: the merge kernel's config (key splits merged after a kernel).
     flat: the flat kernel's config (path "flat").
     sequence_major: the flat kernel's rows are sequence-major (path "flat").
     fused: the one kernel's config (path "fused_decode").
-    prefixes: per shared part, its :class:`PrefixPlan` (None for a tree level of several
-      segments, which runs the segment kernel) (path "split").
+    fallback: path "fused_decode": the "split" plan that runs where the program is not lowered
+      for CUDA (the Triton kernels, interpreted: Mosaic GPU has no interpret mode).
+    prefixes: per shared part, its :class:`PrefixPlan`, or None for a tree level of several
+      segments (path "split").
+    segments: per shared part, the segment kernel's config where it runs, else None (path
+      "split").
+    suffix: the suffix kernel's config (paths "suffix" and "split").
     reasons: why, in words.
   """
 
   family: str
   path: str
+  device: DeviceInfo
+  merge: MergeConfig
   flat: Optional[SuffixConfig] = None
   sequence_major: bool = False
   fused: Optional[fp.FusedConfig] = None
+  fallback: Optional["GpuPlan"] = None
   prefixes: tuple = ()
+  segments: tuple = ()
+  suffix: Optional[SuffixConfig] = None
   reasons: tuple[str, ...] = ()
 
 
@@ -81,14 +102,16 @@ def _check_family(family: str) -> None:
 
 
 def plan_prefix(rows: int, kv_heads: int, prefix: int, head_dim: int, dtype, *,
-                kv_itemsize: int = 2, family: str = "triton", interpret: Optional[bool] = None,
+                device: DeviceInfo, kv_itemsize: int = 2, family: str = "triton",
+                interpret: Optional[bool] = None,
                 options: MosaicPrefixOptions = MosaicPrefixOptions(),
                 max_fused_prior_splits: Optional[int] = None) -> PrefixPlan:
   """The kernel and configs for ``rows`` query rows per KV head against ``prefix`` keys."""
   _check_family(family)
   if prefix == 0 or rows == 0:
     return PrefixPlan("empty", reasons=("no query rows or no prefix keys: nothing to run",))
-  triton = triton_prefix_config(rows, kv_heads, prefix, head_dim, itemsize=kv_itemsize)
+  triton = triton_prefix_config(rows, kv_heads, prefix, head_dim, device=device,
+                                itemsize=kv_itemsize)
   reasons = []
   kernel = "triton"
   mosaic = None
@@ -101,7 +124,8 @@ def plan_prefix(rows: int, kv_heads: int, prefix: int, head_dim: int, dtype, *,
                      f"D={head_dim}, P={prefix}): the Triton kernel runs")
     else:
       kernel = "mosaic"
-      mosaic = mg.default_config(rows, kv_heads, prefix, head_dim, options=options)
+      mosaic = mg.default_config(rows, kv_heads, prefix, head_dim, device=device,
+                                 options=options)
       triton = dataclasses.replace(triton, splits=mosaic.splits)
       reasons.append(f"Mosaic GPU prefix kernel (Hopper): {mosaic}")
   if kernel == "triton":
@@ -164,23 +188,41 @@ def _flat_check(q, parts, suffix_k, one_kernel: bool, config: GpuConfig) -> Opti
   return None
 
 
-def plan_shared(q, parts, suffix_k, *, family: str = "triton", interpret: Optional[bool] = None,
-                config: Optional[GpuConfig] = None) -> GpuPlan:
+def _suffix_config(q, suffix_k, device: DeviceInfo) -> SuffixConfig:
+  b, tq, hq, d = q.shape
+  hkv = suffix_k.shape[2]
+  return suffix_lib.default_config(b, hkv, suffix_k.shape[1], d, rows=tq * (hq // hkv),
+                                   device=device, itemsize=jnp.dtype(suffix_k.dtype).itemsize)
+
+
+def plan_suffix(q, suffix_k, *, device: DeviceInfo, family: str = "triton") -> GpuPlan:
+  """The plan for attention without a shared part: ``q [B, Tq, Hq, D]`` against ``suffix_k [B,
+  S, Hkv, D]``, the suffix kernel alone."""
+  _check_family(family)
+  suffix = _suffix_config(q, suffix_k, device)
+  return GpuPlan(family, "suffix", device, merge_lib.default_config(device), suffix=suffix,
+                 reasons=(f"no shared part: the suffix kernel alone: {suffix}",))
+
+
+def plan_shared(q, parts, suffix_k, *, device: DeviceInfo, family: str = "triton",
+                interpret: Optional[bool] = None, config: Optional[GpuConfig] = None) -> GpuPlan:
   """The plan for ``q [B, Tq, Hq, D]``, shared ``parts`` (``(kind, k, v, lengths, nodes)`` as
   ``shared_attention`` takes them) and ``suffix_k [B, S, Hkv, D]``; anything with ``shape`` and
   ``dtype`` (arrays, ``jax.ShapeDtypeStruct``) will do."""
   _check_family(family)
   config = GpuConfig() if config is None else config
+  merge = merge_lib.default_config(device)
   b, tq, hq, d = q.shape
   hkv = suffix_k.shape[2]
   not_fused = _fused_decode_check(q, parts, suffix_k, family, interpret, config)
   not_flat = _flat_check(q, parts, suffix_k, not_fused is None, config)
   if not_flat is None:
     k = parts[0][1]
-    flat = flat_config(b, hkv, k.shape[0] + suffix_k.shape[1], d,
+    flat = flat_config(b, hkv, k.shape[0] + suffix_k.shape[1], d, device=device,
                        itemsize=jnp.dtype(suffix_k.dtype).itemsize)
     reads = _shared_reads(b, k)
-    return GpuPlan(family, "flat", flat=flat, sequence_major=config.flat_sequence_major,
+    return GpuPlan(family, "flat", device, merge, flat=flat,
+                   sequence_major=config.flat_sequence_major,
                    reasons=(f"few sequences: their shared K/V reads ({reads} bytes) fit the flat "
                             f"path's budget, one Triton kernel per sequence over shared then own "
                             f"keys: {flat}",
@@ -189,42 +231,52 @@ def plan_shared(q, parts, suffix_k, *, family: str = "triton", interpret: Option
   if not_fused is None:
     k = parts[0][1]
     g = hq // k.shape[1]
-    fused = fp.default_config(b * g, k.shape[1], k.shape[0], suffix_k.shape[1], g, head_dim=d,
-                              options=config.fused)
-    return GpuPlan(family, "fused_decode", fused=fused,
+    fused = fp.default_config(b * g, k.shape[1], k.shape[0], suffix_k.shape[1], g,
+                              device=device, head_dim=d, options=config.fused)
+    fallback = plan_split(q, parts, suffix_k, device=device, family="triton", interpret=True,
+                          config=config, reasons=("not lowered for CUDA: the Triton kernels, "
+                                                  "interpreted",))
+    return GpuPlan(family, "fused_decode", device, merge, fused=fused, fallback=fallback,
                    reasons=(f"not flat: {not_flat}",
                             f"decoding with one shared prefix at G={g}: prefix and suffixes in "
                             f"one Mosaic GPU kernel: {fused}"))
-  return plan_split(q, parts, suffix_k, family=family, interpret=interpret, config=config,
+  return plan_split(q, parts, suffix_k, device=device, family=family, interpret=interpret,
+                    config=config,
                     reasons=(f"not flat: {not_flat}", f"not one kernel: {not_fused}"))
 
 
-def plan_split(q, parts, suffix_k, *, family: str = "triton", interpret: Optional[bool] = None,
-               config: Optional[GpuConfig] = None, reasons: tuple[str, ...] = ()) -> GpuPlan:
+def plan_split(q, parts, suffix_k, *, device: DeviceInfo, family: str = "triton",
+               interpret: Optional[bool] = None, config: Optional[GpuConfig] = None,
+               reasons: tuple[str, ...] = ()) -> GpuPlan:
   """The "split" path's plan: each shared part's kernel, then the suffix kernel."""
   _check_family(family)
   config = GpuConfig() if config is None else config
   b, tq, hq, d = q.shape
   hkv = suffix_k.shape[2]
   m = tq * (hq // hkv)
-  prefixes = []
+  prefixes, segments = [], []
   for kind, k, *_ in parts:
     if kind == "prefix" or k.shape[0] == 1:  # one segment: the batched prefix kernel
       keys = k.shape[0] if kind == "prefix" else k.shape[1]
-      prefixes.append(plan_prefix(b * m, hkv, keys, d, q.dtype,
+      prefixes.append(plan_prefix(b * m, hkv, keys, d, q.dtype, device=device,
                                   kv_itemsize=jnp.dtype(k.dtype).itemsize, family=family,
                                   interpret=interpret, options=config.prefix,
                                   max_fused_prior_splits=config.max_fused_prior_splits))
+      segments.append(None)
     else:
       prefixes.append(None)
+      segments.append(segment_lib.default_config(b * m, k.shape[0], d, jnp.dtype(k.dtype).itemsize,
+                                                 device=device))
+  suffix = _suffix_config(q, suffix_k, device)
   per_part = tuple(f"part {i}: {r}" for i, pp in enumerate(prefixes) if pp is not None
                    for r in pp.reasons)
-  per_part += tuple(f"part {i}: a tree level of several segments: the segment kernel"
-                    for i, pp in enumerate(prefixes) if pp is None)
-  return GpuPlan(family, "split", prefixes=tuple(prefixes),
+  per_part += tuple(f"part {i}: a tree level of several segments: the segment kernel: {sc}"
+                    for i, sc in enumerate(segments) if sc is not None)
+  return GpuPlan(family, "split", device, merge_lib.default_config(device),
+                 prefixes=tuple(prefixes), segments=tuple(segments), suffix=suffix,
                  reasons=tuple(reasons) + (
                      "the shared parts' kernels, then the suffix kernel merging their states "
-                     "in its epilogue",) + per_part)
+                     f"in its epilogue: {suffix}",) + per_part)
 
 
 def segment_alignment(family: str) -> int:

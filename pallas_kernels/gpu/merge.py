@@ -2,20 +2,20 @@
 
 Key splits (flash-decoding) leave ``n`` partial states per query row: ``out [n, R, D]``
 (normalised over the split's keys) and natural-log ``lse [n, R]``. XLA merges them
-(:func:`jax_shared_attn.merge.merge_states`) in two fusions, the weights then the weighted
-sum: two launches that at decode sizes cost more than the bytes they move (written as one
-variadic XLA reduction whose combiner merges two states, it was one kernel but slower still:
-2.5-6.5 vs ~2.8 us on an H100, 2026-11-23). Here one program per tile of rows reads every
+(:func:`pallas_kernels.base.merge_states`) in two fusions, the weights then the weighted
+sum: two launches that at decode sizes cost more than the bytes they move. Here one program
+per tile of rows reads every
 part's LSE, then every part's output once, and writes the merged output (any float dtype) and
 LSE. Several stacks of parts (e.g. a kernel's splits and the splits of a prior state) are
 merged in the same pass, without concatenating them.
 
-Same arithmetic as :func:`jax_shared_attn.merge.merge_states` (float32; parts with
+Same arithmetic as :func:`pallas_kernels.base.merge_states` (float32; parts with
 ``lse = -inf`` weigh 0; rows without any part give ``(0, -inf)``, never NaN).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -24,18 +24,25 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_shared_attn.merge import merge_states
-from pallas_kernels.gpu import common
+from pallas_kernels.base import merge_states
+from pallas_kernels.device import DeviceInfo
+from pallas_kernels.gpu import common, tuned
 
-# Rows per program and warps, and the partial outputs loaded before any arithmetic while they
-# take at most this many elements per warp (32 lanes x 128 float32 registers). Measured on an
-# H100 (tools/device/merge_tune.py, 2026-11-23), device us of the merges the paths run
-# (8 x 2048 rows bf16, 2 x 8192 bf16, 12 x 128 float32, 4 + 4 x 1024, 32 x 128): 4 rows,
-# 4 warps, preloaded 2.70 / 3.56 / 1.79 / 3.10 / 2.80, XLA 5.45 / 6.15 / 2.96 / 4.08 / 4.87;
-# 8 rows, 8 warps within 0.3 us of it; 16 rows or no preload up to 2x slower.
-TILE_ROWS = 4
-NUM_WARPS = 4
+# Partial outputs are loaded before any arithmetic while they take at most this many elements
+# per warp (32 lanes x 128 float32 registers).
 PRELOAD_ELEMENTS_PER_WARP = 32 * 128
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeConfig:
+  tile_rows: int  # rows per program
+  num_warps: int
+
+
+def default_config(device: DeviceInfo) -> MergeConfig:
+  """Small row tiles: the merge is latency-bound (:func:`pallas_kernels.gpu.tuned.tiles`)."""
+  t = tuned.tiles(device, "merge", "any")
+  return MergeConfig(tile_rows=t.block_m, num_warps=t.num_warps)
 
 
 def _kernel(*refs, counts: tuple[int, ...], rows: int, head_dim: int, num_warps: int):
@@ -74,7 +81,8 @@ def _kernel(*refs, counts: tuple[int, ...], rows: int, head_dim: int, num_warps:
   plgpu.store(lse_ref, jnp.where(has, m + jnp.log(safe), -jnp.inf), mask=row_ok)
 
 
-def _call(*flat, counts, rows, head_dim, out_dtype, tr, interpret):
+def _call(*flat, counts, rows, head_dim, out_dtype, cfg: MergeConfig, interpret):
+  tr = cfg.tile_rows
   dp = common.padded_head_dim(head_dim)
   in_specs = []
   for n in counts:
@@ -82,19 +90,19 @@ def _call(*flat, counts, rows, head_dim, out_dtype, tr, interpret):
                  pl.BlockSpec((n, tr), lambda i: (0, i))]
   return pl.pallas_call(
       functools.partial(_kernel, counts=counts, rows=rows, head_dim=head_dim,
-                        num_warps=NUM_WARPS),
+                        num_warps=cfg.num_warps),
       grid=(pl.cdiv(rows, tr),),
       in_specs=in_specs,
       out_specs=[pl.BlockSpec((tr, dp), lambda i: (i, 0)), pl.BlockSpec((tr,), lambda i: (i,))],
       out_shape=[jax.ShapeDtypeStruct((rows, head_dim), out_dtype),
                  jax.ShapeDtypeStruct((rows,), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
       interpret=interpret,
       name="hydragen_merge",
   )(*flat)
 
 
-def merge_parts(stacks, *, out_dtype, transposed_next: bool = False,
+def merge_parts(stacks, *, out_dtype, config: MergeConfig, transposed_next: bool = False,
                 interpret: bool | None = None):
   """Merges every part of every stack: ``stacks = [(out [n_i, ..., D], lse [n_i, ...]), ...]``
   with one shape ``[...]`` of rows across stacks.
@@ -103,9 +111,8 @@ def merge_parts(stacks, *, out_dtype, transposed_next: bool = False,
   ``interpret=None`` the kernel runs natively on CUDA and interpreted elsewhere.
 
   ``transposed_next``: the caller transposes the result next (the folded rows of several KV
-  heads back to ``[B, Tq, Hq, D]``); XLA then merges, fused into that transpose, which beat
-  the kernel plus the transpose (Llama-3-8B shape, B=16, flat path: 21.8 vs 23.1 us on an
-  H100, 2026-11-23).
+  heads back to ``[B, Tq, Hq, D]``); XLA then merges, fused into that transpose, which is
+  faster than the kernel plus the transpose.
   """
   if not stacks:
     raise ValueError("merge_parts: needs at least one stack of parts")
@@ -127,6 +134,6 @@ def merge_parts(stacks, *, out_dtype, transposed_next: bool = False,
   for o, l in stacks:  # contiguous reshapes: no copies
     flat += [o.reshape(o.shape[0], rows, d), l.reshape(l.shape[0], rows)]
   call = functools.partial(_call, counts=counts, rows=rows, head_dim=d, out_dtype=out_dtype,
-                           tr=TILE_ROWS)
+                           cfg=config)
   out, lse = common.run(call, *flat, interpret=interpret)
   return out.reshape(*lead, d), lse.reshape(lead)

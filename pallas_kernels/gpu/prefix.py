@@ -8,7 +8,7 @@ the products run on the tensor cores. The grid is
 GPU when there are few row tiles and are merged by LSE afterwards.
 
 The pure-JAX reference with the same signature is
-:func:`jax_shared_attn.reference.prefix_attention`. LSE is natural log.
+:func:`pallas_kernels.base.prefix_attention`. LSE is natural log.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_shared_attn.reference import prefix_attention as prefix_attention_reference  # noqa: F401
-from pallas_kernels.gpu import common
-
-NUM_SMS_DEFAULT = 132  # H100 SXM; only used to size the grid
+from pallas_kernels.base import prefix_attention as prefix_attention_reference  # noqa: F401  (the reference of this kernel)
+from pallas_kernels.device import DeviceInfo
+from pallas_kernels.gpu import common, tuned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,23 +38,23 @@ class PrefixConfig:
   num_stages: int
 
 
-def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int,
-                   num_sms: int = NUM_SMS_DEFAULT, itemsize: int = 2) -> PrefixConfig:
+def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int, *, device: DeviceInfo,
+                   itemsize: int = 2) -> PrefixConfig:
   """Large row tiles when the batch is large (tensor-core bound), split keys otherwise.
 
   A 128-row tile gives 128 FLOPs per byte of K/V streamed from L2; fewer rows
   make the kernel L2-bound, so rows per tile shrink only when there are few
-  rows at all. Splits make ``tiles * splits * heads`` at least one wave.
+  rows at all. Splits make ``tiles * splits * heads`` at least one wave of ``device.cores``
+  programs. Tiles, warps and stages: :func:`pallas_kernels.gpu.tuned.tiles`.
   """
-  big = head_dim > 128  # shared memory: halve the tiles for D = 256
-  block_m = min(64 if big else 128, max(common.MIN_DOT, common.next_pow2(rows)))
-  stages = 2 if big else 3
-  # 64-key steps were fastest on an H100 (tools/device/tune.py); shorter for float32 D = 256
-  block_n = common.fit_block_n(32 if big else 64, head_dim, itemsize, stages)
+  t = tuned.tiles(device, "prefix", tuned.head_dim_class(head_dim))
+  block_m = min(t.block_m, max(common.MIN_DOT, common.next_pow2(rows)))
+  stages = t.num_stages
+  block_n = common.fit_block_n(t.block_n, head_dim, itemsize, stages)
   tiles = pl.cdiv(rows, block_m) * kv_heads
-  max_splits = max(1, pl.cdiv(prefix, 4 * block_n))  # >= 4 key blocks per split
-  splits = max(1, min(max_splits, pl.cdiv(num_sms, tiles)))
-  return PrefixConfig(block_m, block_n, splits, num_warps=4, num_stages=stages)
+  max_splits = max(1, pl.cdiv(prefix, t.min_steps * block_n))
+  splits = max(1, min(max_splits, pl.cdiv(device.cores, tiles)))
+  return PrefixConfig(block_m, block_n, splits, num_warps=t.num_warps, num_stages=stages)
 
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, head_dim: int,
@@ -140,9 +139,8 @@ def _triton_rows(kv_length, q_rows, k, v, *, scale, cfg: PrefixConfig, interpret
 @functools.partial(jax.jit, static_argnames=("scale", "config"))
 def _mosaic_rows(length, q, k, v, *, scale: float, config):
   """The Mosaic GPU kernel behind one stable jitted function: every call site with the same
-  shapes and config (one per layer of a model) shares one lowering, and one copy of the kernel
-  in the compiled module (8 calls exported for CUDA: 4.7 s and 8 copies without, 0.65 s and one
-  with; ``test_mosaic_kernel_lowered_once_per_shape``)."""
+  shapes and config (one per layer of a model) shares one lowering and one copy of the kernel
+  in the compiled module (``test_mosaic_kernel_lowered_once_per_shape``)."""
   from pallas_kernels.gpu import prefix_mgpu as mg
   return mg.prefix_attention_rows_mgpu(q, k, v, length[0], scale=scale, config=config)
 

@@ -1,7 +1,7 @@
 """Batched prefix attention for Hopper GPUs (Pallas Mosaic GPU: wgmma + TMA).
 
 The same function as :mod:`pallas_kernels.gpu.prefix` (reference:
-:func:`jax_shared_attn.reference.prefix_attention`), written for the H100/H200's
+:func:`pallas_kernels.base.prefix_attention`), written for the H100/H200's
 tensor cores the way FlashAttention-3 is: per CTA, two consumer warpgroups
 each own ``block_q`` query rows and run ``wgmma`` on K/V tiles that a third,
 producer warpgroup streams into shared memory with TMA, ``max_concurrent_steps``
@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.device import DeviceInfo
 from pallas_kernels.gpu.config import MosaicPrefixOptions
 
 LOG2E = math.log2(math.e)
@@ -59,9 +60,8 @@ class MosaicPrefixConfig:
 
 WIDE_BLOCK_KV = 192  # 2 stages of 192-key K and V tiles + q: 224 KiB of the 227 KiB of shared memory
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper CTA may use
-# Barriers and the alignment of the swizzled tiles (both Mosaic GPU kernels): Mosaic GPU counted
-# 2,728 bytes beyond the tiles of the three-slot one-kernel decode path with its LSE staged
-# (jax 0.10.2, lowering for CUDA).
+# Barriers and the alignment of the swizzled tiles (both Mosaic GPU kernels): a little more than
+# Mosaic GPU counts beyond the tiles of the three-slot one-kernel decode path.
 SMEM_RESERVE = 3 * 1024
 
 
@@ -85,14 +85,11 @@ def supported(dtype, head_dim: int, prefix: int) -> bool:
           and prefix % alignment(head_dim) == 0)
 
 
-def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int = 128,
-                   num_sms: int = 132,
+def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int = 128, *,
+                   device: DeviceInfo,
                    options: MosaicPrefixOptions = MosaicPrefixOptions()) -> MosaicPrefixConfig:
-  """128-row CTAs (2 x 64); key splits while a split still fills the SMs once.
-
-  Measured on an H100 (tools/device/tune.py, 2026-11-22): 8192 rows x 16384
-  keys ran at 453 TFLOP/s with 2 splits (64 tiles -> 128 CTAs) against 362
-  with 3 and 293 with 1; 4096 rows x 8 heads (256 CTAs) at 420 with 1.
+  """128-row CTAs (2 x 64); key splits while the split CTAs still fit in one wave of
+  ``device.cores`` SMs (more splits than that only add partial states: docs/gpu-kernels.md).
 
   Shared memory holds q (2 x 64 rows) and ``max_concurrent_steps`` K and V
   tiles: with D = 256, 64-key tiles keep it under the 227 KiB of a Hopper SM.
@@ -103,7 +100,7 @@ def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int = 128,
   cfg = MosaicPrefixConfig(block_kv=64 if head_dim > 128 else 128)
   tiles = pl.cdiv(rows, 2 * cfg.block_q) * kv_heads
   kv_blocks = prefix // cfg.block_kv
-  splits = max(1, min(num_sms // tiles, kv_blocks // 4 or 1))
+  splits = max(1, min(device.cores // tiles, kv_blocks // 4 or 1))
   block_kv = cfg.block_kv
   wide = options.wide_min_keys
   if head_dim <= 128 and wide and prefix // splits >= wide:

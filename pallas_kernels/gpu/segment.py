@@ -8,7 +8,7 @@ that segment's valid keys. Each segment is therefore one batched matrix
 product over all the queries that share it, with at most one partial tile
 per segment of padding. Grid: ``(tiles, KV heads)``.
 
-Reference with the same signature: :func:`jax_shared_attn.reference.segment_attention`.
+Reference with the same signature: :func:`pallas_kernels.base.segment_attention`.
 LSE is natural log.
 """
 
@@ -23,8 +23,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_shared_attn.reference import segment_attention as segment_attention_reference  # noqa: F401
-from pallas_kernels.gpu import common
+from pallas_kernels.base import segment_attention as segment_attention_reference  # noqa: F401  (the reference of this kernel)
+from pallas_kernels.device import DeviceInfo
+from pallas_kernels.gpu import common, tuned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,14 +36,17 @@ class SegmentConfig:
   num_stages: int
 
 
-def default_config(rows: int, segments: int, head_dim: int, itemsize: int = 2) -> SegmentConfig:
-  """Tiles sized to the average number of rows per segment (16..128); key steps sized to the
-  shared memory (``itemsize``: bytes per K/V element)."""
+def default_config(rows: int, segments: int, head_dim: int, itemsize: int = 2, *,
+                   device: DeviceInfo) -> SegmentConfig:
+  """Tiles sized to the average number of rows per segment (16 up to the tuned ``block_m``);
+  key steps sized to the shared memory (``itemsize``: bytes per K/V element); the tuned warps
+  for full tiles, 4 for smaller ones (:func:`pallas_kernels.gpu.tuned.tiles`)."""
+  t = tuned.tiles(device, "segment", tuned.head_dim_class(head_dim))
   avg = max(1, rows // max(1, segments))
-  block_m = min(128, max(common.MIN_DOT, common.next_pow2(avg)))
-  stages = 3 if head_dim <= 128 else 2
-  block_n = common.fit_block_n(64 if head_dim > 128 else 128, head_dim, itemsize, stages)
-  return SegmentConfig(block_m, block_n, num_warps=8 if block_m >= 128 else 4, num_stages=stages)
+  block_m = min(t.block_m, max(common.MIN_DOT, common.next_pow2(avg)))
+  block_n = common.fit_block_n(t.block_n, head_dim, itemsize, t.num_stages)
+  return SegmentConfig(block_m, block_n, num_warps=t.num_warps if block_m >= t.block_m else 4,
+                       num_stages=t.num_stages)
 
 
 def _kernel(tile_node_ref, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float,
@@ -161,7 +165,7 @@ def segment_rows(
     lengths: jax.Array,  # int32 [N]
     node_of_seq: jax.Array,  # int32 [B]
     scale: float,
-    config: SegmentConfig | None = None,
+    config: SegmentConfig,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """One tree level in the folded row layout: float32 ``out [Hkv, R, D]``, ``lse [Hkv, R]``."""
@@ -170,7 +174,7 @@ def segment_rows(
   b = node_of_seq.shape[0]
   if t == 0 or r == 0:
     return jnp.zeros((hkv, r, d), jnp.float32), jnp.full((hkv, r), -jnp.inf, jnp.float32)
-  cfg = config or default_config(r, n, d, k.dtype.itemsize)
+  cfg = config
   dp = common.padded_head_dim(d)
   tile_node, gather, slot_of_row = tile_layout(node_of_seq, n, rows_per_seq, cfg.block_m)
   tiles = tile_node.shape[0]

@@ -1,5 +1,5 @@
-"""The GPU family's entry points that run a plan of :mod:`pallas_kernels.gpu.dispatch`: the
-prefix primitive and the whole decomposition (shared parts + suffix, fused).
+"""The GPU family's entry points, which run a plan of :mod:`pallas_kernels.gpu.dispatch`: the
+three primitives and the whole decomposition (shared parts + suffix, fused).
 
 ``shared_attention`` runs the shared parts' partial states (every key split, every tree level)
 straight into the suffix kernel's epilogue, which writes the final output once; or, as the plan
@@ -14,12 +14,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.device import DeviceInfo
 from pallas_kernels.gpu import common, dispatch
 from pallas_kernels.gpu.config import GpuConfig
+from pallas_kernels.gpu.merge import default_config as merge_config
 from pallas_kernels.gpu.merge import merge_parts
 from pallas_kernels.gpu.prefix import prefix_attention_rows
+from pallas_kernels.gpu.segment import default_config as segment_default_config
+from pallas_kernels.gpu.segment import segment_attention as segment_kernel
 from pallas_kernels.gpu.segment import segment_rows
 from pallas_kernels.gpu.suffix import flat_rows, suffix_rows
+from pallas_kernels.gpu.suffix import suffix_attention as suffix_kernel
 
 
 def prefix_attention(
@@ -29,41 +34,65 @@ def prefix_attention(
     *,
     kv_length: jax.Array,
     scale: float,
+    device: DeviceInfo,
     mosaic: bool = False,
-    config: GpuConfig | None = None,
+    config: GpuConfig = GpuConfig(),
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Same signature and result as the reference: float32 out ``[B, Tq, Hq, D]``, lse ``[B, Tq, Hq]``."""
-  config = GpuConfig() if config is None else config
+  """Same signature and result as the reference: float32 out ``[B, Tq, Hq, D]``, lse
+  ``[B, Tq, Hq]``; planned for ``device`` (:func:`pallas_kernels.gpu.dispatch.plan_prefix`)."""
   b, t, _, d = q.shape
   hkv = k.shape[1]
   q_rows = common.fold_rows(q, hkv)
-  plan = dispatch.plan_prefix(q_rows.shape[1], hkv, k.shape[0], d, q.dtype,
+  plan = dispatch.plan_prefix(q_rows.shape[1], hkv, k.shape[0], d, q.dtype, device=device,
                               kv_itemsize=k.dtype.itemsize,
                               family="mosaic_gpu" if mosaic else "triton", interpret=interpret,
                               options=config.prefix)
   out, lse = prefix_attention_rows(q_rows, k, v, kv_length=kv_length, scale=scale, plan=plan,
                                    interpret=interpret)
-  out, lse = merge_parts([(out, lse)], out_dtype=jnp.float32, transposed_next=hkv > 1,
-                         interpret=interpret)
+  out, lse = merge_parts([(out, lse)], out_dtype=jnp.float32, config=merge_config(device),
+                         transposed_next=hkv > 1, interpret=interpret)
   return common.unfold_rows(out, b, t), common.unfold_rows(lse, b, t)
 
 
-def shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, mosaic=False,
-                     config: GpuConfig | None = None, interpret=None):
-  """Shared parts + suffix, fused (see :class:`pallas_kernels.interface.AttentionOps`).
+def segment_attention(q, k, v, *, lengths, node_of_seq, scale, device: DeviceInfo,
+                      interpret=None):
+  """Same signature and result as the reference; the segment kernel's config for ``device``."""
+  hkv = k.shape[2]
+  rows = q.shape[0] * q.shape[1] * (q.shape[2] // hkv)
+  cfg = segment_default_config(rows, k.shape[0], q.shape[3], k.dtype.itemsize, device=device)
+  return segment_kernel(q, k, v, lengths=lengths, node_of_seq=node_of_seq, scale=scale,
+                        config=cfg, interpret=interpret)
+
+
+def suffix_attention(q, k, v, *, kv_lengths, causal, scale, prior=None, device: DeviceInfo,
+                     plan: dispatch.GpuPlan | None = None, interpret=None):
+  """Same signature and result as the reference; runs ``plan`` (path "suffix") where given,
+  else the plan for these shapes on ``device``."""
+  if plan is None:
+    plan = dispatch.plan_suffix(q, k, device=device)
+  return suffix_kernel(q, k, v, kv_lengths=kv_lengths, causal=causal, scale=scale, prior=prior,
+                       config=plan.suffix, merge=plan.merge, interpret=interpret)
+
+
+def shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale,
+                     device: DeviceInfo, mosaic=False, config: GpuConfig = GpuConfig(),
+                     plan: dispatch.GpuPlan | None = None, interpret=None):
+  """Shared parts + suffix, fused (see :class:`pallas_kernels.base.AttentionOps`): runs ``plan``
+  where given, else the plan for these shapes on ``device``.
 
   Returns ``out [B, Tq, Hq, D]`` in q's dtype and natural-log ``lse [B, Tq, Hq]``.
   """
-  family = "mosaic_gpu" if mosaic else "triton"
-  plan = dispatch.plan_shared(q, parts, suffix_k, family=family, interpret=interpret,
-                              config=config)
+  if plan is None:
+    plan = dispatch.plan_shared(q, parts, suffix_k, device=device,
+                                family="mosaic_gpu" if mosaic else "triton", interpret=interpret,
+                                config=config)
   return run_plan(plan, q, parts, suffix_k, suffix_v, kv_lengths=kv_lengths, causal=causal,
-                  scale=scale, config=config, interpret=interpret)
+                  scale=scale, interpret=interpret)
 
 
 def run_plan(plan: dispatch.GpuPlan, q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale,
-             config: GpuConfig | None = None, interpret=None):
+             interpret=None):
   """Executes ``plan`` (:func:`pallas_kernels.gpu.dispatch.plan_shared` of these inputs)."""
   if plan.path == "flat":
     _, k, v, length, _ = parts[0]
@@ -71,7 +100,8 @@ def run_plan(plan: dispatch.GpuPlan, q, parts, suffix_k, suffix_v, *, kv_lengths
     hkv = k.shape[1]
     run = functools.partial(flat_rows, shared_k=k, shared_v=v, shared_length=length, k=suffix_k,
                             v=suffix_v, lengths=kv_lengths, q_len=tq, causal=causal, scale=scale,
-                            out_dtype=q.dtype, config=plan.flat, interpret=interpret)
+                            out_dtype=q.dtype, config=plan.flat, merge=plan.merge,
+                            interpret=interpret)
     if plan.sequence_major:  # in decoding [B, 1, Hq, D] reshaped, in and out
       out, lse = run(common.seq_rows(q, hkv), by_sequence=True)
       return common.unfold_seq_rows(out, tq), common.unfold_seq_rows(lse, tq)
@@ -82,20 +112,23 @@ def run_plan(plan: dispatch.GpuPlan, q, parts, suffix_k, suffix_v, *, kv_lengths
   if plan.path == "fused_decode":
     from pallas_kernels.gpu import shared_mgpu as fm
     _, k, v, length, _ = parts[0]
-    # Where the program is not lowered for CUDA: the split path's Triton kernels, interpreted.
-    fallback = dispatch.plan_split(q, parts, suffix_k, family="triton", interpret=True,
-                                   config=config)
 
     def native(q, k, v, length, sk, sv, lens):
-      return fm.fused_decode(q, k, v, length, sk, sv, lens, scale=scale, config=plan.fused)
+      return fm.fused_decode(q, k, v, length, sk, sv, lens, scale=scale, config=plan.fused,
+                             merge=plan.merge)
 
     def elsewhere(q, k, v, length, sk, sv, lens):  # no Mosaic interpret mode
-      return run_plan(fallback, q, [("prefix", k, v, length, None)], sk, sv, kv_lengths=lens,
-                      causal=causal, scale=scale, config=config, interpret=True)
+      return run_plan(plan.fallback, q, [("prefix", k, v, length, None)], sk, sv,
+                      kv_lengths=lens, causal=causal, scale=scale, interpret=True)
 
     return jax.lax.platform_dependent(q, k, v, jnp.asarray(length, jnp.int32), suffix_k, suffix_v,
                                       jnp.asarray(kv_lengths, jnp.int32), cuda=native,
                                       default=elsewhere)
+  if plan.path == "suffix":
+    if parts:
+      raise ValueError("gpu run_plan: a 'suffix' plan takes no shared parts")
+    return suffix_kernel(q, suffix_k, suffix_v, kv_lengths=kv_lengths, causal=causal,
+                         scale=scale, config=plan.suffix, merge=plan.merge, interpret=interpret)
   return _split(plan, q, parts, suffix_k, suffix_v, kv_lengths=kv_lengths, causal=causal,
                 scale=scale, interpret=interpret)
 
@@ -107,7 +140,8 @@ def _split(plan, q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, int
   m = tq * (hq // hkv)
   q_rows = common.fold_rows(q, hkv)  # [Hkv, B * M, D]; a reshape when Hkv == 1
   priors = []
-  for (kind, k, v, lengths, nodes), prefix_plan in zip(parts, plan.prefixes):
+  for (kind, k, v, lengths, nodes), prefix_plan, seg_cfg in zip(parts, plan.prefixes,
+                                                                 plan.segments):
     if kind == "prefix":
       out, lse = prefix_attention_rows(q_rows, k, v, kv_length=lengths, scale=scale,
                                        plan=prefix_plan, interpret=interpret)
@@ -118,14 +152,16 @@ def _split(plan, q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, int
       lse = jnp.where(mine[None, None, :], lse, -jnp.inf)
     else:
       out, lse = segment_rows(q_rows, k, v, rows_per_seq=m, lengths=lengths, node_of_seq=nodes,
-                              scale=scale, interpret=interpret)
+                              scale=scale, config=seg_cfg, interpret=interpret)
       out, lse = out[None], lse[None]
     if prefix_plan is not None and prefix_plan.merge_first:
-      out, lse = merge_parts([(out, lse)], out_dtype=jnp.float32, interpret=interpret)
+      out, lse = merge_parts([(out, lse)], out_dtype=jnp.float32, config=plan.merge,
+                             interpret=interpret)
       out, lse = out[None], lse[None]  # float32: no extra rounding
     priors.append((out.reshape(out.shape[0], hkv, b, m, d), lse.reshape(lse.shape[0], hkv, b, m)))
   # Sequence-major output: in decoding the kernel writes [B, 1, Hq, D] itself (no transpose).
   out, lse = suffix_rows(q_rows.reshape(hkv, b, m, d), suffix_k, suffix_v, kv_lengths, priors,
                          q_len=tq, causal=causal, scale=scale, out_dtype=q.dtype,
-                         by_sequence=True, interpret=interpret)
+                         config=plan.suffix, merge=plan.merge, by_sequence=True,
+                         interpret=interpret)
   return common.unfold_seq_rows(out, tq), common.unfold_seq_rows(lse, tq)

@@ -1,8 +1,7 @@
 """Shared prefix and per-sequence suffixes in ONE Hopper kernel (Pallas Mosaic GPU).
 
 The split kernels run one after the other: the batched prefix product is
-compute-bound (wgmma at ~90% of the measured matmul rate) and the suffix pass
-is memory-bound (2.0-2.6 TB/s), so neither hides the other and the sum sits
+compute-bound and the suffix pass memory-bound, so neither hides the other and the sum sits
 well above ``max(FLOPs / rate, bytes / bandwidth)``. Here every CTA of
 :mod:`pallas_kernels.gpu.prefix_mgpu`'s design (two consumer
 warpgroups of 64 query rows, one TMA producer warpgroup) continues, after the
@@ -38,11 +37,6 @@ barrier; the receive tiles alias the K/V slots); it merges them in registers and
 final rows. With two splits the two CTAs exchange one tile each and each merges and stores half
 the rows.
 
-A fourth warpgroup per CTA that ran the suffixes as transposed products concurrently with the
-consumers' prefix blocks (the suffix warpgroup) was built, passed the native tests and was removed
-on 2026-11-24 (not dispatched: faster only where the suffixes weigh least); the patch that restores
-it is in ``docs/results/2026-11-24-h100-suffix-warpgroup``.
-
 Keys and values past ``kv_length`` / ``suffix_lengths[b]`` (inside the buffers)
 are multiplied by a zero probability: they must be finite, which the model's
 zero-initialised caches guarantee (this is also true of the prefix kernel's
@@ -53,8 +47,8 @@ lists (:func:`step_ranges`) and the barrier protocol (:func:`arrivals`, :func:`w
 in :mod:`pallas_kernels.gpu.shared_mgpu_plan`, pure scalar arithmetic that the CPU tests
 emulate; this module holds the kernel and its wrapper.
 
-Reference: :func:`jax_shared_attn.reference.prefix_attention` merged with
-:func:`jax_shared_attn.reference.suffix_attention`. LSE is natural log.
+Reference: :func:`pallas_kernels.base.prefix_attention` merged with
+:func:`pallas_kernels.base.suffix_attention`. LSE is natural log.
 """
 
 from __future__ import annotations
@@ -70,10 +64,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu import common
-from pallas_kernels.gpu.merge import merge_parts
+from pallas_kernels.gpu.merge import MergeConfig, merge_parts
 from pallas_kernels.gpu.prefix_mgpu import empty_state, store_result
 from pallas_kernels.gpu.shared_mgpu_plan import (
-    CTA_ROWS, LSE_COLS, MAX_CLUSTER_SPLITS, FusedConfig, cluster_merge_fits, default_config,
+    CTA_ROWS, LSE_COLS, MAX_CLUSTER_SPLITS, FusedConfig, cluster_merge_fits,
     is_suffix, prefix_block, step_ranges, suffix_step, waits)
 
 LOG2E = math.log2(math.e)
@@ -82,7 +76,7 @@ LN2 = math.log(2.0)
 # 2 * 232 + 40 <= 512 of the 65,536 a CTA may hold over 128 threads' worth; setmaxnreg.inc waits
 # for registers the others give back, so more would hang). These are the setmaxnreg values at
 # run time; ptxas compiles the whole kernel under the launch's cap (168 registers at 384
-# threads, no spills: MOSAIC_GPU_DUMP_PTXAS=1 on the H100, 2026-11-24).
+# threads; MOSAIC_GPU_DUMP_PTXAS=1 shows it spills none).
 REGS = (232, 40)
 
 _LOAD_NEEDS_IDX = (inspect.signature(plgpu.load).parameters["idx"].default
@@ -433,7 +427,7 @@ def _fused_jit(q_rows, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, r
 
 
 def fused_decode(q, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, scale: float,
-                 config: FusedConfig | None = None):
+                 config: FusedConfig, merge: MergeConfig):
   """Prefix + suffix attention, merged, for one decode step: ``q [B, 1, Hq, D]``, prefix
   ``k, v [P, Hkv, D]``, suffixes ``[B, S, Hkv, D]`` -> ``out [B, 1, Hq, D]`` (q's dtype) and
   natural-log ``lse [B, 1, Hq]``. Native CUDA only (no interpret mode).
@@ -448,7 +442,7 @@ def fused_decode(q, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, scal
                      f"({hkv}); got {q.shape}")
   g = hq // hkv
   r = b * g
-  cfg = config or default_config(r, hkv, k.shape[0], suffix_k.shape[1], g, head_dim=d)
+  cfg = config
   q_rows = common.fold_rows(q, hkv)
   r_pad = pl.cdiv(r, CTA_ROWS) * CTA_ROWS
   if r_pad != r:
@@ -459,8 +453,8 @@ def fused_decode(q, k, v, kv_length, suffix_k, suffix_v, suffix_lengths, *, scal
                     config=cfg)
   out, lse = outs
   if out.shape[0] > 1:  # exact LSE merge of the key splits (splits without keys: (0, -inf))
-    out, lse = merge_parts([(out, lse)], out_dtype=q.dtype, transposed_next=hkv > 1,
-                           interpret=False)
+    out, lse = merge_parts([(out, lse)], out_dtype=q.dtype, config=merge,
+                           transposed_next=hkv > 1, interpret=False)
   else:
     out, lse = out[0], lse[0]
   return common.unfold_rows(out[:, :r], b, 1), common.unfold_rows(lse[:, :r], b, 1)

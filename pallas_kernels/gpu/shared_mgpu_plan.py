@@ -1,7 +1,7 @@
 """The one-kernel decode path's plan: its configuration and dispatch, and which steps each CTA,
 key split and warpgroup runs (pure int32 arithmetic on scalars, shared by the Mosaic GPU kernel
 in :mod:`pallas_kernels.gpu.shared_mgpu` and the CPU emulations of
-``tests/test_fused_decode_plan.py``, since the kernel itself has no interpret mode).
+``tests/kernels/test_fused_decode_plan.py``, since the kernel itself has no interpret mode).
 
 - :class:`FusedConfig` and :func:`default_config` (key splits, step plan, K/V slots, the split
   merge inside the kernel), chosen with :class:`pallas_kernels.gpu.config.FusedDecodeOptions`
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.device import DeviceInfo
 from pallas_kernels.gpu.config import FusedDecodeOptions
 from pallas_kernels.gpu.prefix_mgpu import SMEM_LIMIT, SMEM_RESERVE
 
@@ -82,22 +83,16 @@ def smem_bytes(cfg: "FusedConfig", head_dim: int, itemsize: int = 2) -> int:
 def spreads(splits: int, prefix_blocks: int, suffix_steps: int) -> bool:
   """Whether the key splits spread their suffix steps (:func:`step_ranges`): with at most 2
   splits and at least twice as many prefix blocks as suffix steps, where equal ranges put every
-  suffix step in the last split's tail and those CTAs read the suffixes in one burst.
-
-  Measured on an H100 (tools/device/spread_suffix.py, paper shape, one process per row, 2026-11-23,
-  docs/results/2026-11-23-h100-spread-suffix; device us, spread / equal ranges): B=1024 P=16K
-  S=128 124.1 / 125.9, S=512 159.3 / 167.5 (2 splits, 128 prefix blocks against 16 and 64 suffix
-  steps); B=1024 P=4K S=128 49.4 / 49.4. Slower where the suffix steps dominate, which equal
-  ranges already run alongside the prefix blocks (B=1024 P=4K S=512 114.2 / 103.5, P=1K S=128
-  38.0 / 35.5, S=512 104.0 / 101.2), and no better with 8 splits (B=256 P=16K S=128 36.7 / 36.5,
-  P=4K S=128 17.4 / 17.2, P=4K S=512 37.9 / 34.4).
+  suffix step in the last split's tail and those CTAs read the suffixes in one burst. Where
+  the suffix steps dominate, equal ranges already run them alongside the prefix blocks and are
+  faster; with many splits spreading does not help (measurements: docs/gpu-kernels.md).
   """
   return splits <= 2 and prefix_blocks >= 2 * suffix_steps
 
 
 # In a suffix step each warpgroup multiplies one of its sequences' keys against its 64 rows:
-# 64 / G times the useful products. The one kernel runs where that waste is at most this: it beat
-# the kernels apart at G = 8 and lost in decoding at G = 4 (docs/configuration.md).
+# 64 / G times the useful products. The one kernel runs where that waste is at most this: beyond
+# it the kernels apart are faster (docs/configuration.md).
 MAX_WASTE = 8
 
 
@@ -120,10 +115,10 @@ def supported(dtype, head_dim: int, prefix: int, capacity: int, rows_per_seq: in
           and 0 < rows_per_seq <= cfg.block_q and cfg.block_q % rows_per_seq == 0)
 
 
-def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_per_seq: int,
-                   num_sms: int = 132, head_dim: int = 128,
+def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_per_seq: int, *,
+                   device: DeviceInfo, head_dim: int = 128,
                    options: FusedDecodeOptions = FusedDecodeOptions()) -> FusedConfig:
-  """Key splits while the row tiles leave SMs idle, down to ~4 steps per split (counted over
+  """Key splits while the row tiles leave ``device.cores`` SMs idle, down to ~4 steps per split (counted over
   prefix blocks and suffix steps); the step plan, K/V slots and split merge as ``options``
   ask, where the shape allows them."""
   cfg = FusedConfig(tile_max_in_kernel=options.tile_max_in_kernel
@@ -131,7 +126,7 @@ def default_config(rows: int, kv_heads: int, prefix: int, capacity: int, rows_pe
   tiles = pl.cdiv(rows, CTA_ROWS) * kv_heads
   prefix_blocks = prefix // cfg.block_kv
   suffix_steps = (cfg.block_q // rows_per_seq) * pl.cdiv(capacity, cfg.block_s)
-  splits = max(1, min(num_sms // tiles, (prefix_blocks + suffix_steps) // 4))
+  splits = max(1, min(device.cores // tiles, (prefix_blocks + suffix_steps) // 4))
   spread = (spreads(splits, prefix_blocks, suffix_steps) if options.spread_suffix is None
             else options.spread_suffix)
   cfg = dataclasses.replace(cfg, splits=splits, spread_suffix=spread)

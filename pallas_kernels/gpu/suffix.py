@@ -14,7 +14,7 @@ in the query dtype. With several splits (flash-decoding, for small batches)
 the split partials and the priors are merged by LSE afterwards, in one more
 kernel (:mod:`pallas_kernels.gpu.merge`).
 
-Reference with the same signature: :func:`jax_shared_attn.reference.suffix_attention`.
+Reference with the same signature: :func:`pallas_kernels.base.suffix_attention`.
 LSE is natural log.
 """
 
@@ -29,12 +29,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_shared_attn.merge import merge_states
-from jax_shared_attn.reference import suffix_attention as suffix_attention_reference  # noqa: F401
-from pallas_kernels.gpu import common
-from pallas_kernels.gpu.merge import merge_parts
+from pallas_kernels.base import merge_states
+from pallas_kernels.base import suffix_attention as suffix_attention_reference  # noqa: F401  (the reference of this kernel)
+from pallas_kernels.device import DeviceInfo
+from pallas_kernels.gpu import common, tuned
+from pallas_kernels.gpu.merge import MergeConfig, merge_parts
 
-NUM_SMS_DEFAULT = 132
 MAX_ROWS = 64  # rows of a sequence held by one program (decode: Tq * G is small)
 PREFILL_ROWS = 64  # row tile when Tq * G is larger (prefill, chunked prefill)
 
@@ -47,29 +47,33 @@ class SuffixConfig:
   num_stages: int
 
 
-def default_config(batch: int, kv_heads: int, capacity: int, head_dim: int, rows: int = 1,
-                   num_sms: int = NUM_SMS_DEFAULT, itemsize: int = 2) -> SuffixConfig:
-  """Decode (one tile of ``rows <= 64``): 32-key steps, 2 warps, 2 stages; prefill tiles:
-  128-key steps, 4 warps. The keys are split only when ``batch * kv_heads`` programs cannot
-  fill the GPU; shorter key steps where float32 tiles would not fit the shared memory
-  (``itemsize``: bytes per K/V element).
+def _suffix_tiles(device: DeviceInfo, rows: int, head_dim: int) -> tuned.Tiles:
+  if rows <= 16:
+    shape = "decode16"
+  elif rows <= MAX_ROWS:
+    shape = "decode64"
+  else:
+    shape = "prefill-" + tuned.head_dim_class(head_dim)
+  return tuned.tiles(device, "suffix", shape)
 
-  Measured on an H100 with the profiler's device clock (tools/device/tune.py, 2026-11-22,
-  every call merging one prior): short steps keep several programs per SM (small shared-memory
-  tiles) and skip less-than-a-block tails; 32/2/2 was best or within 4% of the best of 12
-  configurations on paper-shape B=1024 S=128 (31.4 us, 2.1 TB/s), Llama-3-8B-shape B=1024 with
-  ragged lengths up to 136 (117 us, 2.5 TB/s), B=1024 length 18 (49 us, against 124 us with
-  the former 128/4/2) and B=256 ragged (34 us).
+
+def default_config(batch: int, kv_heads: int, capacity: int, head_dim: int, rows: int = 1, *,
+                   device: DeviceInfo, itemsize: int = 2) -> SuffixConfig:
+  """Decode (one tile of ``rows <= 64``): short key steps and few warps, which keep several
+  programs per SM and skip less-than-a-block tails; prefill tiles: longer steps. The keys are
+  split only when ``batch * kv_heads`` programs cannot fill ``device.cores`` SMs; shorter key
+  steps where float32 tiles would not fit the shared memory (``itemsize``: bytes per K/V
+  element). Tiles: :func:`pallas_kernels.gpu.tuned.tiles`.
   """
   decode = rows <= MAX_ROWS
-  block_n = 32 if decode else (64 if head_dim > 128 else 128)
-  block_n = common.fit_block_n(block_n, head_dim, itemsize, 2)
+  t = _suffix_tiles(device, rows, head_dim)
+  block_n = common.fit_block_n(t.block_n, head_dim, itemsize, t.num_stages)
   programs = batch * kv_heads * (1 if decode else pl.cdiv(rows, PREFILL_ROWS))
   max_splits = max(1, pl.cdiv(capacity, block_n))
+  num_sms = device.cores
   splits = 1 if programs >= num_sms else max(1, min(max_splits, pl.cdiv(2 * num_sms, programs)))
-  # Splits of fewer than 4 steps cost more in partial states than they win in parallelism.
-  splits = max(1, min(splits, pl.cdiv(capacity, 4 * block_n)))
-  return SuffixConfig(block_n, splits, num_warps=2 if decode and rows <= 16 else 4, num_stages=2)
+  splits = max(1, min(splits, pl.cdiv(capacity, t.min_steps * block_n)))
+  return SuffixConfig(block_n, splits, num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 def _merge2(out, lse, p_out, p_lse):
@@ -230,7 +234,8 @@ def suffix_rows(
     causal: bool,
     scale: float,
     out_dtype,
-    config: SuffixConfig | None = None,
+    config: SuffixConfig,
+    merge: MergeConfig,
     by_sequence: bool = False,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -255,7 +260,7 @@ def suffix_rows(
                                                                     jnp.float32))
     out, lse = merge_states([p[0] for p in parts], [p[1] for p in parts])
     return layout(out.astype(out_dtype), lse)
-  cfg = config or default_config(b, hkv, s, d, rows=m, itemsize=k.dtype.itemsize)
+  cfg = config
   fused = cfg.splits == 1
   flat = [x for pr in priors for x in pr] if fused else []
   call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, q_len=q_len, group=group,
@@ -267,25 +272,20 @@ def suffix_rows(
     return out[0], lse[0]
   # The splits and every prior state in one merge (XLA's, fused into the transpose, where the
   # caller or ``by_sequence`` transposes next).
-  return layout(*merge_parts([(out, lse), *priors], out_dtype=out_dtype, transposed_next=hkv > 1,
-                             interpret=interpret))
+  return layout(*merge_parts([(out, lse), *priors], out_dtype=out_dtype, config=merge,
+                             transposed_next=hkv > 1, interpret=interpret))
 
 
-# The flat path's key step and the fewest key steps per split (tools/device/flat_tune.py, H100,
-# 2026-11-23: 2-step splits and 64-key steps were within +-10% at the sizes where it applies).
-FLAT_BLOCK_N = 32
-FLAT_MIN_BLOCKS = 4
-
-
-def flat_config(batch: int, kv_heads: int, keys: int, head_dim: int, num_sms: int = NUM_SMS_DEFAULT,
+def flat_config(batch: int, kv_heads: int, keys: int, head_dim: int, *, device: DeviceInfo,
                 itemsize: int = 2) -> SuffixConfig:
   """Splits of the shared + own keys (``keys`` per sequence) for :func:`flat_rows`: about two
-  programs per SM, each at least ``FLAT_MIN_BLOCKS`` key steps; the decode kernel's 32-key
-  steps, 2 warps, 2 stages otherwise."""
-  block_n = common.fit_block_n(FLAT_BLOCK_N, head_dim, itemsize, 2)
+  programs per SM, each at least ``min_steps`` key steps (:func:`pallas_kernels.gpu.tuned.tiles`,
+  ``("flat", "any")``)."""
+  t = tuned.tiles(device, "flat", "any")
+  block_n = common.fit_block_n(t.block_n, head_dim, itemsize, t.num_stages)
   programs = batch * kv_heads
-  splits = max(1, min(pl.cdiv(2 * num_sms, programs), pl.cdiv(keys, FLAT_MIN_BLOCKS * block_n)))
-  return SuffixConfig(block_n, splits, num_warps=2, num_stages=2)
+  splits = max(1, min(pl.cdiv(2 * device.cores, programs), pl.cdiv(keys, t.min_steps * block_n)))
+  return SuffixConfig(block_n, splits, num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 def flat_rows(
@@ -301,7 +301,8 @@ def flat_rows(
     causal: bool,
     scale: float,
     out_dtype,
-    config: SuffixConfig | None = None,
+    config: SuffixConfig,
+    merge: MergeConfig,
     by_sequence: bool = False,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -325,8 +326,7 @@ def flat_rows(
   if m > MAX_ROWS or k.shape[1] == 0 or shared_k.shape[0] == 0:
     raise ValueError(f"flat_rows: needs rows per sequence <= {MAX_ROWS} (got {m}) and non-empty "
                      f"shared ({shared_k.shape[0]}) and own ({k.shape[1]}) key buffers")
-  cfg = config or flat_config(b, hkv, shared_k.shape[0] + k.shape[1], d,
-                              itemsize=k.dtype.itemsize)
+  cfg = config
   fused = cfg.splits == 1
   call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, q_len=q_len,
                            group=m // q_len, causal=causal,
@@ -337,7 +337,7 @@ def flat_rows(
                          shared_v, interpret=interpret)
   if fused:
     return out[0], lse[0]
-  return merge_parts([(out, lse)], out_dtype=out_dtype,
+  return merge_parts([(out, lse)], out_dtype=out_dtype, config=merge,
                      transposed_next=hkv > 1 and not by_sequence, interpret=interpret)
 
 
@@ -350,10 +350,13 @@ def suffix_attention(
     causal: bool,
     scale: float,
     prior: tuple[jax.Array, jax.Array] | None = None,
-    config: SuffixConfig | None = None,
+    config: SuffixConfig,
+    merge: MergeConfig,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Same signature and result as the reference: float32 out, natural-log lse."""
+  """Same signature and result as the reference (float32 out, natural-log lse), with the
+  kernel's ``config`` and the split merge's ``merge`` (a plan's
+  :func:`pallas_kernels.gpu.dispatch.plan_suffix`)."""
   b, tq, hq, d = q.shape
   hkv = k.shape[2]
   m = tq * (hq // hkv)
@@ -363,5 +366,5 @@ def suffix_attention(
                    common.fold_rows(prior[1][..., None], hkv).reshape(1, hkv, b, m)))
   out, lse = suffix_rows(common.fold_rows(q, hkv).reshape(hkv, b, m, d), k, v, kv_lengths, priors,
                          q_len=tq, causal=causal, scale=scale, out_dtype=jnp.float32, config=config,
-                         by_sequence=True, interpret=interpret)
+                         merge=merge, by_sequence=True, interpret=interpret)
   return common.unfold_seq_rows(out, tq), common.unfold_seq_rows(lse, tq)

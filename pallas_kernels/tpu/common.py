@@ -5,7 +5,7 @@ prefix, ``[B, Hkv, S, D]`` for suffixes, ``[N, Hkv, T, D]`` for tree
 segments), the layout of JAX's own TPU attention kernels: every block is a
 ``(keys, D)`` slab whose last two dims obey the Mosaic tiling rule (second
 minor a multiple of 8, or 16 for bfloat16, minor a multiple of 128) and no
-HBM tile is padded. The primitives of :mod:`jax_shared_attn.reference` use
+HBM tile is padded. The primitives of :mod:`pallas_kernels.base` use
 ``[..., seq, heads, D]``; their adapters here transpose and pad (one XLA copy
 of each K/V buffer). A cache that is stored head-major can call the
 ``*_head_major`` kernels directly and skip that copy (see docs/tpu.md).
@@ -34,6 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.tpu.tuned import CHIPS, DEFAULT_CHIP, Chip, chip_of_device_kind  # noqa: F401
+
 LANES = 128  # vreg lanes: the minor block dim is a multiple of this
 ROW_ALIGN = 16  # second-minor block dims: 8 sublanes x 2 (bfloat16 packs two rows per sublane)
 NT_DIMS = (((1,), (1,)), ((), ()))  # q @ k.T without materialising k.T
@@ -58,31 +60,6 @@ def pow2_floor(x: int) -> int:
 # ------------------------------------------------------------------------------------------
 # Chips and block sizes
 # ------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  """Public per-chip numbers (Google Cloud TPU datasheets, see docs/tpu.md)."""
-
-  name: str
-  hbm_bytes_per_s: float  # HBM bandwidth per chip
-  bf16_flops_per_s: float  # peak bf16 matmul rate per chip
-  mxu: int  # systolic array width (128 x 128 or 256 x 256)
-  tensorcores: int  # 2 = megacore: "parallel" grid dims are split across the two cores
-  vmem_bytes: int  # VMEM per TensorCore (jax/_src/pallas/mosaic/tpu_info.py)
-
-  @property
-  def ridge(self) -> float:
-    """FLOPs per HBM byte at which the matmul units and HBM take equal time."""
-    return self.bf16_flops_per_s / self.hbm_bytes_per_s
-
-
-CHIPS = {
-    "v5e": Chip("v5e", 819e9, 197e12, 128, 1, 128 << 20),
-    "v5p": Chip("v5p", 2765e9, 459e12, 128, 2, 64 << 20),
-    "v6e": Chip("v6e", 1640e9, 918e12, 256, 1, 128 << 20),
-}
-DEFAULT_CHIP = "v5e"  # used when the chip is unknown (CPU, export): the smallest limits
 
 
 STEP_OVERHEAD_S = 0.35e-6  # fixed cost of one pipelined grid step (order of magnitude)
@@ -136,8 +113,8 @@ def block_sizes_for(chip: str) -> BlockSizes:
 
   * ``prefix_rows``: the smallest multiple of the MXU width that is >= 2x the ridge point
     (v5e 241, v5p 166, v6e 560 FLOPs per K/V byte): 512, 384, 1280 rows.
-  * ``prefix_keys``: the power of two (>= 512) that gives a full row block >= 0.75 us of
-    MXU work per step at D = 128, ~2x the fixed step cost: 1024, 2048, 2048.
+  * ``prefix_keys``: the power of two (>= 512) that gives a full row block of MXU work per
+    step at D = 128 of about twice the fixed step cost: 1024, 2048, 2048.
   * ``compute_keys`` = 512, halved by :func:`pallas_kernels.tpu.prefix.prefix_blocks`
     while a step's VMEM estimate exceeds the budget (v6e's 1280-row tile: 256).
   * ``suffix_keys`` = 512; ``suffix_step_bytes`` ~3x (bandwidth x step cost): 1 MiB on
@@ -149,31 +126,6 @@ def block_sizes_for(chip: str) -> BlockSizes:
   step = 1 << 20 if 3 * c.hbm_bytes_per_s * STEP_OVERHEAD_S < (1 << 20) else 2 << 20
   return BlockSizes(prefix_rows=rows, prefix_keys=keys, compute_keys=512, suffix_keys=512,
                     suffix_step_bytes=step, min_parallel_steps=c.tensorcores)
-
-
-def chip_of_device_kind(kind: str) -> str:
-  """``"TPU v5 lite"``/``"TPU v5e"`` -> v5e, ``"TPU v5"``/``"TPU v5p"`` -> v5p,
-  ``"TPU v6 lite"``/``"TPU v6e"`` -> v6e; anything else -> ``DEFAULT_CHIP``."""
-  kind = kind.lower()
-  if "v6" in kind:
-    return "v6e"
-  if "v5" in kind:
-    return "v5e" if ("lite" in kind or "v5e" in kind) else "v5p"
-  return DEFAULT_CHIP
-
-
-def detect_chip() -> str:
-  """The chip of the default TPU backend, else ``DEFAULT_CHIP``."""
-  try:
-    if jax.default_backend() != "tpu":
-      return DEFAULT_CHIP
-    return chip_of_device_kind(jax.devices()[0].device_kind)
-  except RuntimeError:
-    return DEFAULT_CHIP
-
-
-def default_block_sizes() -> BlockSizes:
-  return block_sizes_for(detect_chip())
 
 
 def balanced_block(n: int, max_block: int, align: int = ROW_ALIGN) -> int:

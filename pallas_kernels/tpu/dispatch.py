@@ -1,12 +1,16 @@
-"""Which block sizes the TPU kernels run with: a pure function of the config, the chip and the
-shapes (:func:`plan`), the one place the TPU family decides; the kernels execute its result."""
+"""Which blocks the TPU kernels run with: a pure function of the config, the device planned for
+and the shapes (:func:`plan`), the one place the TPU family decides; the kernels execute its
+result (:func:`pallas_kernels.tpu.shared.run_plan`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
-from pallas_kernels.tpu import common
+import jax
+
+from pallas_kernels.device import DeviceInfo
+from pallas_kernels.tpu import common, prefix, segment, suffix
 from pallas_kernels.tpu.common import BlockSizes
 from pallas_kernels.tpu.config import TpuConfig
 
@@ -16,58 +20,67 @@ class TpuPlan:
   """The TPU family's plan for one call.
 
   Attributes:
+    device: the device planned for.
     chip: whose block sizes (``CHIPS`` key).
     block_sizes: the :class:`BlockSizes` every kernel of the call reads.
-    prefix_blocks: per shared prefix part, the prefix kernel's ``(block_rows, block_keys,
-      chunk)`` (:func:`pallas_kernels.tpu.prefix.prefix_blocks`).
+    prefix_blocks: per shared part, the prefix kernel's ``(block_rows, block_keys, chunk)``
+      (:func:`pallas_kernels.tpu.prefix.rows_blocks`), or the segment kernel's
+      (:func:`pallas_kernels.tpu.segment.rows_blocks`) for a tree level; None where it has no
+      rows or no keys (nothing runs).
+    suffix_blocks: the suffix kernel's :class:`~pallas_kernels.tpu.suffix.SuffixBlocks`
+      (None where it has no keys or no rows).
     reasons: why, in words.
   """
 
+  device: DeviceInfo
   chip: str
   block_sizes: BlockSizes
   prefix_blocks: tuple = ()
+  suffix_blocks: object = None
   reasons: tuple[str, ...] = ()
 
 
-def chip_for(config: Optional[TpuConfig] = None, device_kind: Optional[str] = None) -> str:
-  """The config's chip, else the one ``device_kind`` names, else the default backend's."""
+def chip_for(config: Optional[TpuConfig], device: DeviceInfo) -> str:
+  """The config's chip, else the one ``device`` is (v5e's where it is no TPU)."""
   if config is not None and config.chip is not None:
     return config.chip
-  if device_kind is not None:
-    return common.chip_of_device_kind(device_kind)
-  return common.detect_chip()
+  return common.chip_of_device_kind(device.device_kind if device.platform == "tpu" else "")
 
 
-def block_sizes(config: Optional[TpuConfig] = None,
-                device_kind: Optional[str] = None) -> BlockSizes:
+def block_sizes(config: Optional[TpuConfig], device: DeviceInfo) -> BlockSizes:
   """The block sizes a call runs with (explicit, else the chip's heuristic)."""
   if config is not None and config.block_sizes is not None:
     return config.block_sizes
-  return common.block_sizes_for(chip_for(config, device_kind))
+  return common.block_sizes_for(chip_for(config, device))
 
 
-def plan(q, parts=(), suffix_k=None, *, config: Optional[TpuConfig] = None,
-         device_kind: Optional[str] = None) -> TpuPlan:
+def plan(q, parts=(), suffix_k=None, *, device: DeviceInfo,
+         config: Optional[TpuConfig] = None) -> TpuPlan:
   """The plan for ``q [B, Tq, Hq, D]``, shared ``parts`` (``(kind, k, ...)`` as the kernels take
   them; arrays or ``jax.ShapeDtypeStruct``) and ``suffix_k [B, S, Hkv, D]``."""
-  from pallas_kernels.tpu.prefix import prefix_blocks
   config = TpuConfig() if config is None else config
-  chip = chip_for(config, device_kind)
-  bs = block_sizes(config, device_kind)
+  chip = chip_for(config, device)
+  bs = block_sizes(config, device)
   if config.block_sizes is not None:
     reasons = ["block sizes given by the config"]
   elif config.chip is not None:
     reasons = [f"block sizes of the config's chip {chip} (the per-chip heuristic)"]
   else:
-    reasons = [f"block sizes of {chip}, the chip the call runs on (v5e's where unknown)"]
+    reasons = [f"block sizes of {chip}, the chip planned for ({device.device_kind}; v5e's "
+               f"where it is no TPU)"]
   b, tq, hq, d = q.shape
+  hkv = suffix_k.shape[2] if suffix_k is not None else parts[0][1].shape[-2]
+  # The kernels read q folded once, in the dtype of all the inputs (run_plan).
+  dtype = common.compute_dtype(q, *([] if suffix_k is None else [suffix_k]),
+                               *[p[1] for p in parts])
+  rows = jax.ShapeDtypeStruct((hkv, b * tq * (hq // hkv), d), dtype)
   blocks = []
-  for kind, k, *_ in parts:
-    if kind == "prefix":
-      hkv = k.shape[1]
-      dtype = common.compute_dtype(q, k)
-      dp = common.round_up(d, common.LANES)
-      blocks.append(prefix_blocks(b * tq * (hq // hkv), k.shape[0], dp, dtype.itemsize, bs))
+  for kind, k, v, *_ in parts:
+    blocks.append((prefix if kind == "prefix" else segment).rows_blocks(rows, k, v, bs))
   if blocks:
-    reasons.append(f"prefix kernel (block_rows, block_keys, chunk) per prefix part: {blocks}")
-  return TpuPlan(chip, bs, tuple(blocks), tuple(reasons))
+    reasons.append(f"prefix/segment kernel (block_rows, block_keys, chunk) per part: {blocks}")
+  sblocks = None
+  if suffix_k is not None:
+    sblocks = suffix.rows_blocks(rows, suffix_k, suffix_k, bs, bool(parts))
+    reasons.append(f"suffix kernel: {sblocks}")
+  return TpuPlan(device, chip, bs, tuple(blocks), sblocks, tuple(reasons))

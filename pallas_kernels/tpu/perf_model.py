@@ -6,7 +6,7 @@ bytes and FLOPs our kernels move and compute with the block sizes the heuristic 
 for that chip (prefix re-read once per row block, padding, float32 prefix state,
 lane-replicated LSE), the floor ``max(bytes / HBM bandwidth, FLOPs / bf16 MXU rate)``,
 the same floor for per-sequence attention (every sequence reads prefix + suffix,
-:mod:`jax_shared_attn.iomodel`, RelayAttention Eq. 10) and the implied speedup.
+:class:`pallas_kernels.base.AttentionShape`, RelayAttention Eq. 10) and the implied speedup.
 
 Two layouts of the caller's K/V: head-major (``[Hkv, P, D]``, ``[B, Hkv, S, D]``: the
 kernels read it in place) and the API layout (``[P, Hkv, D]``, ``[B, S, Hkv, D]``:
@@ -26,17 +26,18 @@ import dataclasses
 import itertools
 import json
 import sys
+import types
 
-from jax_shared_attn.iomodel import AttentionShape
+from pallas_kernels.base import AttentionShape
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import LANES
 from pallas_kernels.tpu.prefix import prefix_blocks
 from pallas_kernels.tpu.suffix import suffix_blocks
 
-SHAPES = {  # name: (Hq, Hkv, D)
+SHAPES = types.MappingProxyType({  # name: (Hq, Hkv, D)
     "Hydragen paper (Hq 8, Hkv 1, D 128)": (8, 1, 128),
     "Llama-3-8B (Hq 32, Hkv 8, D 128)": (32, 8, 128),
-}
+})
 BATCHES = (16, 64, 256, 1024)
 PREFIXES = (1024, 4096, 16384)
 SUFFIXES = (128, 512)

@@ -17,7 +17,7 @@ Contents, side by side: the kernel body (:func:`_prefix_kernel`), its
 ``pallas_call`` on head-major arrays (:func:`prefix_attention_head_major`), the
 primitive with the reference's signature (:func:`prefix_attention`) and the
 reference it must equal (:data:`prefix_attention_reference`, i.e.
-:func:`jax_shared_attn.reference.prefix_attention`).
+:func:`pallas_kernels.base.prefix_attention`).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_shared_attn import reference
+from pallas_kernels import base
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import LANES, ROW_ALIGN, BlockSizes
 
-prefix_attention_reference = reference.prefix_attention
+prefix_attention_reference = base.prefix_attention
 
 
 def _prefix_kernel(
@@ -192,12 +192,12 @@ def prefix_attention(
     *,
     kv_length: jax.Array,  # int32 scalar: the first kv_length keys are valid
     scale: float,
-    block_sizes: Optional[BlockSizes] = None,
+    block_sizes: BlockSizes,
     interpret: Optional[bool] = None,
 ):
   """Attention of every query against one shared K/V sequence (non-causal), on TPU.
 
-  Same signature and semantics as :func:`jax_shared_attn.reference.prefix_attention`:
+  Same signature and semantics as :func:`pallas_kernels.base.prefix_attention`:
   returns float32 ``out [B, Tq, Hq, D]`` and float32 natural-log
   ``lse [B, Tq, Hq] = log(sum_j exp(scale * q . k_j))`` over the first ``kv_length``
   keys; ``(0, -inf)`` where there is none. GQA: the ``G = Hq // Hkv`` query heads of a
@@ -208,9 +208,21 @@ def prefix_attention(
     >>> out, lse = prefix_attention(q, pk, pv, kv_length=jnp.int32(100), scale=0.125)
   """
   b, tq, hq = q.shape[:3]
-  out, lse = prefix_rows(fold_rows(q, k.shape[1]), k, v, kv_length, scale=scale,
-                         block_sizes=block_sizes, interpret=interpret)
+  q_rows = fold_rows(q, k.shape[1])
+  blocks = rows_blocks(q_rows, k, v, block_sizes)
+  out, lse = prefix_rows(q_rows, k, v, kv_length, scale=scale, blocks=blocks,
+                         vmem_limit_bytes=block_sizes.vmem_limit_bytes, interpret=interpret)
   return unfold_rows(out[..., :v.shape[-1]], b, tq, hq), unfold_rows(lse[..., 0], b, tq, hq)
+
+
+def rows_blocks(q_rows, k, v, block_sizes: BlockSizes) -> Optional[tuple[int, int, int]]:
+  """The blocks :func:`prefix_rows` runs ``q_rows [Hkv, R, D]`` against ``k, v [P, Hkv, D]``
+  with (None where nothing runs: no rows or no keys); shapes and dtypes only."""
+  rows, p = q_rows.shape[1], k.shape[0]
+  if rows == 0 or p == 0:
+    return None
+  dp = common.round_up(max(q_rows.shape[-1], v.shape[-1]), LANES)
+  return prefix_blocks(rows, p, dp, common.compute_dtype(q_rows, k, v).itemsize, block_sizes)
 
 
 def prefix_rows(
@@ -220,10 +232,12 @@ def prefix_rows(
     kv_length: jax.Array,  # int32 scalar
     *,
     scale: float,
-    block_sizes: Optional[BlockSizes] = None,
+    blocks: Optional[tuple[int, int, int]],
+    vmem_limit_bytes: Optional[int] = None,
     interpret: Optional[bool] = None,
 ):
-  """The prefix kernel on folded query rows, results left in kernel layout.
+  """The prefix kernel on folded query rows with ``blocks = (block_rows, block_keys, chunk)``
+  (:func:`rows_blocks`), results left in kernel layout.
 
   Returns float32 ``out [Hkv, R, Dp]`` (``Dp`` = D rounded up to 128 lanes; the extra
   lanes are 0) and ``lse [Hkv, R, 128]``: natural log, replicated over the lanes, as the
@@ -235,9 +249,8 @@ def prefix_rows(
   if rows == 0 or p == 0:
     return (jnp.zeros((hkv, rows, dp), jnp.float32),
             jnp.full((hkv, rows, LANES), -jnp.inf, jnp.float32))
-  bs = block_sizes or common.default_block_sizes()
   dtype = common.compute_dtype(q_rows, k, v)
-  block_rows, block_keys, chunk = prefix_blocks(rows, p, dp, dtype.itemsize, bs)
+  block_rows, block_keys, chunk = blocks
   qh = common.pad_to(q_rows.astype(dtype), (hkv, common.round_up(rows, block_rows), dp))
   pp = common.round_up(p, block_keys)
   kh = common.pad_to(k.astype(dtype).transpose(1, 0, 2), (hkv, pp, dp))
@@ -245,6 +258,6 @@ def prefix_rows(
   length = jnp.clip(jnp.asarray(kv_length, jnp.int32), 0, p).reshape(1)
   out, lse = prefix_attention_head_major(qh, kh, vh, length, scale=scale, block_rows=block_rows,
                                          block_keys=block_keys, chunk=chunk,
-                                         vmem_limit_bytes=bs.vmem_limit_bytes,
+                                         vmem_limit_bytes=vmem_limit_bytes,
                                          interpret=interpret)
   return out[:, :rows], lse[:, :rows]

@@ -23,7 +23,7 @@ Contents, side by side: kernel (:func:`_segment_kernel`), the visit table
 (:func:`group_metadata`), ``pallas_call`` on kernel-native arrays
 (:func:`segment_attention_head_major`), the primitive with the reference's
 signature (:func:`segment_attention`) and its reference
-(:data:`segment_attention_reference` = :func:`jax_shared_attn.reference.segment_attention`).
+(:data:`segment_attention_reference` = :func:`pallas_kernels.base.segment_attention`).
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_shared_attn import reference
+from pallas_kernels import base
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import LANES, BlockSizes
 from pallas_kernels.tpu.prefix import fold_rows, last_block, prefix_blocks, unfold_rows
 
-segment_attention_reference = reference.segment_attention
+segment_attention_reference = base.segment_attention
 
 
 def _segment_kernel(
@@ -201,6 +201,16 @@ def segment_blocks(rows: int, num_segments: int, keys: int, d: int, itemsize: in
   return prefix_blocks(common.cdiv(rows, num_segments), keys, d, itemsize, block_sizes)
 
 
+def rows_blocks(q_rows, k, v, block_sizes: BlockSizes) -> Optional[tuple[int, int, int]]:
+  """The blocks :func:`segment_rows` runs ``q_rows [Hkv, R, D]`` against ``k, v [N, T, Hkv, D]``
+  with (None where nothing runs: no rows or no keys); shapes and dtypes only."""
+  rows, (n, t) = q_rows.shape[1], k.shape[:2]
+  if rows == 0 or t == 0:
+    return None
+  dp = common.round_up(max(q_rows.shape[-1], v.shape[-1]), LANES)
+  return segment_blocks(rows, n, t, dp, common.compute_dtype(q_rows, k, v).itemsize, block_sizes)
+
+
 def segment_attention(
     q: jax.Array,  # [B, Tq, Hq, D]
     k: jax.Array,  # [N, T, Hkv, D]
@@ -209,12 +219,12 @@ def segment_attention(
     lengths: jax.Array,  # int32 [N]
     node_of_seq: jax.Array,  # int32 [B]; -1: the sequence has no segment at this level
     scale: float,
-    block_sizes: Optional[BlockSizes] = None,
+    block_sizes: BlockSizes,
     interpret: Optional[bool] = None,
 ):
   """One level of a sharing tree on TPU: sequence b attends to segment node_of_seq[b].
 
-  Same signature and semantics as :func:`jax_shared_attn.reference.segment_attention`
+  Same signature and semantics as :func:`pallas_kernels.base.segment_attention`
   (non-causal): returns float32 ``out [B, Tq, Hq, D]`` and float32 natural-log
   ``lse [B, Tq, Hq] = log(sum_j exp(scale * q . k_j))`` over the first
   ``lengths[node_of_seq[b]]`` keys of the segment; ``(0, -inf)`` for sequences with
@@ -226,8 +236,10 @@ def segment_attention(
     ...                              node_of_seq=jnp.array([0, 0, 1, -1]), scale=0.125)
   """
   b, tq, hq = q.shape[:3]
-  out, lse = segment_rows(fold_rows(q, k.shape[2]), k, v, lengths, node_of_seq, scale=scale,
-                          block_sizes=block_sizes, interpret=interpret)
+  q_rows = fold_rows(q, k.shape[2])
+  out, lse = segment_rows(q_rows, k, v, lengths, node_of_seq, scale=scale,
+                          blocks=rows_blocks(q_rows, k, v, block_sizes),
+                          vmem_limit_bytes=block_sizes.vmem_limit_bytes, interpret=interpret)
   return unfold_rows(out[..., :v.shape[-1]], b, tq, hq), unfold_rows(lse[..., 0], b, tq, hq)
 
 
@@ -239,10 +251,12 @@ def segment_rows(
     node_of_seq: jax.Array,  # int32 [B]
     *,
     scale: float,
-    block_sizes: Optional[BlockSizes] = None,
+    blocks: Optional[tuple[int, int, int]],
+    vmem_limit_bytes: Optional[int] = None,
     interpret: Optional[bool] = None,
 ):
-  """The grouped kernel on folded rows (sorted and unsorted here), kernel layout out.
+  """The grouped kernel on folded rows (sorted and unsorted here) with ``blocks =
+  (block_rows, block_keys, chunk)`` (:func:`rows_blocks`), kernel layout out.
 
   Returns float32 ``out [Hkv, R, Dp]`` (zero lanes past D) and ``lse [Hkv, R, 128]``
   (natural log, lane-replicated) in the original row order.
@@ -254,10 +268,9 @@ def segment_rows(
   if rows == 0 or t == 0:
     return (jnp.zeros((hkv, rows, dp), jnp.float32),
             jnp.full((hkv, rows, LANES), -jnp.inf, jnp.float32))
-  bs = block_sizes or common.default_block_sizes()
   dtype = common.compute_dtype(q_rows, k, v)
   rows_per_seq = rows // b
-  block_rows, block_keys, chunk = segment_blocks(rows, n, t, dp, dtype.itemsize, bs)
+  block_rows, block_keys, chunk = blocks
   meta = group_metadata(jnp.asarray(node_of_seq), n, rows_per_seq, block_rows)
   qs = q_rows.astype(dtype).reshape(hkv, b, rows_per_seq, d)[:, meta.order]
   qs = common.pad_to(qs.reshape(hkv, rows, d), (hkv, common.round_up(rows, block_rows), dp))
@@ -268,7 +281,7 @@ def segment_rows(
   group_length = jnp.concatenate([seg_len, jnp.zeros((1,), jnp.int32)])
   out, lse = segment_attention_head_major(qs, kh, vh, group_length, meta, scale=scale,
                                           block_rows=block_rows, block_keys=block_keys,
-                                          chunk=chunk, vmem_limit_bytes=bs.vmem_limit_bytes,
+                                          chunk=chunk, vmem_limit_bytes=vmem_limit_bytes,
                                           interpret=interpret)
   inverse = jnp.argsort(meta.order)
 

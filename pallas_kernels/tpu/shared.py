@@ -1,7 +1,7 @@
 """The whole decomposition on TPU, intermediates kept in kernel layout (Hydragen Sec. 3).
 
 ``shared_attention(q, parts, suffix_k, suffix_v, ...)`` computes what
-:func:`jax_shared_attn.ops.reference_shared_attention` computes from the three
+:func:`pallas_kernels.base.reference_shared_attention` computes from the three
 primitives -- every shared part (a prefix or a tree level), their LSE merge, and the
 suffix with the merged result fused in -- but folds the queries ONCE into the rows
 ``[Hkv, B*Tq*G, D]`` that all three kernels read, and hands each partial state to the
@@ -22,8 +22,10 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.tpu import common
+from pallas_kernels.device import DeviceInfo
+from pallas_kernels.tpu import common, dispatch
 from pallas_kernels.tpu.common import BlockSizes
+from pallas_kernels.tpu.config import TpuConfig
 from pallas_kernels.tpu.prefix import fold_rows, prefix_rows, unfold_rows
 from pallas_kernels.tpu.segment import segment_rows
 from pallas_kernels.tpu.suffix import suffix_rows
@@ -58,12 +60,15 @@ def shared_attention(
     kv_lengths: jax.Array,  # int32 [B]
     causal: bool,
     scale: float,
-    block_sizes: Optional[BlockSizes] = None,
+    block_sizes: BlockSizes,
+    device: Optional[DeviceInfo] = None,
     interpret: Optional[bool] = None,
 ):
-  """Attention over shared parts then each sequence's suffix, merged exactly by LSE.
+  """Attention over shared parts then each sequence's suffix, merged exactly by LSE: the plan
+  of these shapes with ``block_sizes`` (:func:`pallas_kernels.tpu.dispatch.plan`), run by
+  :func:`run_plan`.
 
-  Equals :func:`jax_shared_attn.ops.reference_shared_attention` (the decomposition of
+  Equals :func:`pallas_kernels.base.reference_shared_attention` (the decomposition of
   Hydragen Sec. 3.1-3.3). Returns ``out [B, Tq, Hq, D]`` in q's dtype and float32
   natural-log ``lse [B, Tq, Hq] = log(sum_j exp(scale * q . k_j))`` over every visible
   key (all valid shared keys; with ``causal``, suffix keys up to the query's position
@@ -71,25 +76,60 @@ def shared_attention(
 
   Example:
     >>> parts = [("prefix", pk, pv, jnp.int32(P), None)]
-    >>> out, lse = shared_attention(q, parts, sk, sv, kv_lengths=lens, causal=True, scale=0.125)
+    >>> out, lse = shared_attention(q, parts, sk, sv, kv_lengths=lens, causal=True, scale=0.125,
+    ...                             block_sizes=tpu.block_sizes_for("v5e"))
   """
+  plan = dispatch.plan(q, parts, suffix_k, device=device or DeviceInfo.for_target("tpu"),
+                       config=TpuConfig(block_sizes=block_sizes))
+  return run_plan(plan, q, parts, suffix_k, suffix_v, kv_lengths=kv_lengths, causal=causal,
+                  scale=scale, interpret=interpret)
+
+
+def run_plan(plan: dispatch.TpuPlan, q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale,
+             interpret: Optional[bool] = None):
+  """Executes ``plan`` (:func:`pallas_kernels.tpu.dispatch.plan` of these inputs): every
+  kernel with the plan's blocks."""
   b, tq, hq = q.shape[:3]
   hkv = suffix_k.shape[2]
+  if len(plan.prefix_blocks) != len(parts):
+    raise ValueError(f"tpu run_plan: the plan has {len(plan.prefix_blocks)} shared parts, the "
+                     f"call {len(parts)}")
+  vmem = plan.block_sizes.vmem_limit_bytes
   dtype = common.compute_dtype(q, suffix_k, suffix_v, *[p[1] for p in parts])
   rows = fold_rows(q.astype(dtype), hkv)  # the one fold every kernel reads
   states = []
-  for kind, k, v, lengths, nodes in parts:
+  for (kind, k, v, lengths, nodes), blocks in zip(parts, plan.prefix_blocks):
     if kind == "prefix":
-      states.append(prefix_rows(rows, k, v, lengths, scale=scale, block_sizes=block_sizes,
-                                interpret=interpret))
+      states.append(prefix_rows(rows, k, v, lengths, scale=scale, blocks=blocks,
+                                vmem_limit_bytes=vmem, interpret=interpret))
     elif kind == "segments":
-      states.append(segment_rows(rows, k, v, lengths, nodes, scale=scale,
-                                 block_sizes=block_sizes, interpret=interpret))
+      states.append(segment_rows(rows, k, v, lengths, nodes, scale=scale, blocks=blocks,
+                                 vmem_limit_bytes=vmem, interpret=interpret))
     else:
       raise ValueError(f"shared_attention: a part's kind must be 'prefix' or 'segments'; "
                        f"got {kind!r}")
   prior = merge_rows(states) if states else None
   out, lse = suffix_rows(rows, suffix_k, suffix_v, kv_lengths, prior, q_len=tq, causal=causal,
                          scale=scale, d_out=suffix_v.shape[-1], out_dtype=q.dtype,
-                         block_sizes=block_sizes, interpret=interpret)
+                         blocks=plan.suffix_blocks, vmem_limit_bytes=vmem, interpret=interpret)
+  return unfold_rows(out, b, tq, hq), unfold_rows(lse, b, tq, hq)
+
+
+def run_suffix(plan: dispatch.TpuPlan, q, k, v, *, kv_lengths, causal, scale, prior=None,
+               interpret: Optional[bool] = None):
+  """The suffix primitive (:func:`pallas_kernels.tpu.suffix.suffix_attention`) with the plan's
+  suffix blocks: ``plan`` is the plan of a call without shared parts (``prior`` None) or with
+  them (``prior`` their merged state)."""
+  if (prior is not None) != bool(plan.prefix_blocks):
+    raise ValueError("tpu run_suffix: the plan's suffix blocks are for a call "
+                     f"{'with' if plan.prefix_blocks else 'without'} a prior state")
+  b, tq, hq, _ = q.shape
+  hkv = k.shape[2]
+  state = None
+  if prior is not None:
+    state = (fold_rows(prior[0].astype(jnp.float32), hkv),
+             fold_rows(prior[1].astype(jnp.float32)[..., None], hkv)[..., 0])
+  out, lse = suffix_rows(fold_rows(q, hkv), k, v, kv_lengths, state, q_len=tq, causal=causal,
+                         scale=scale, d_out=v.shape[-1], blocks=plan.suffix_blocks,
+                         vmem_limit_bytes=plan.block_sizes.vmem_limit_bytes, interpret=interpret)
   return unfold_rows(out, b, tq, hq), unfold_rows(lse, b, tq, hq)

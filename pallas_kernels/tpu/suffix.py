@@ -26,7 +26,7 @@ online softmax, ``(m, l, acc) = (lse_prior, 1, out_prior)``, so the final
 Contents, side by side: kernel (:func:`_suffix_kernel`), ``pallas_call`` on
 kernel-native arrays (:func:`suffix_attention_head_major`), the primitive with
 the reference's signature (:func:`suffix_attention`) and its reference
-(:data:`suffix_attention_reference` = :func:`jax_shared_attn.reference.suffix_attention`).
+(:data:`suffix_attention_reference` = :func:`pallas_kernels.base.suffix_attention`).
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_shared_attn import reference
+from pallas_kernels import base
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import LANES, BlockSizes
 from pallas_kernels.tpu.prefix import fold_rows, last_block, unfold_rows
 
-suffix_attention_reference = reference.suffix_attention
+suffix_attention_reference = base.suffix_attention
 
 
 def _suffix_kernel(
@@ -252,6 +252,17 @@ def suffix_attention_head_major(
   return common.dispatch(build, tuple(args), interpret)
 
 
+def rows_blocks(q_rows, k, v, block_sizes: BlockSizes, has_prior: bool) -> Optional[SuffixBlocks]:
+  """The blocks :func:`suffix_rows` runs ``q_rows [Hkv, B*Tq*G, D]`` against ``k, v [B, S, Hkv,
+  D]`` with (None where no kernel runs: no rows or no keys); shapes and dtypes only."""
+  hkv, r, d = q_rows.shape
+  b, s = k.shape[:2]
+  if b * r == 0 or s == 0:
+    return None
+  return suffix_blocks(b, hkv, s, r // b, common.round_up(d, LANES),
+                       common.compute_dtype(q_rows, k, v).itemsize, block_sizes, has_prior)
+
+
 def suffix_attention(
     q: jax.Array,  # [B, Tq, Hq, D]
     k: jax.Array,  # [B, S, Hkv, D]
@@ -261,12 +272,12 @@ def suffix_attention(
     causal: bool,
     scale: float,
     prior: Optional[Tuple[jax.Array, jax.Array]] = None,  # (out f32 [B,Tq,Hq,D], lse [B,Tq,Hq])
-    block_sizes: Optional[BlockSizes] = None,
+    block_sizes: BlockSizes,
     interpret: Optional[bool] = None,
 ):
   """Per-sequence attention over each sequence's own ragged K/V, on TPU.
 
-  Same signature and semantics as :func:`jax_shared_attn.reference.suffix_attention`:
+  Same signature and semantics as :func:`pallas_kernels.base.suffix_attention`:
   keys past ``kv_lengths[b]`` are invisible; with ``causal`` query ``i`` sits at
   position ``kv_lengths[b] - Tq + i``. With ``prior`` (a partial result over other
   keys) the result is its exact LSE merge, fused into the kernel. Returns float32
@@ -283,9 +294,11 @@ def suffix_attention(
   if prior is not None:
     state = (fold_rows(prior[0].astype(jnp.float32), hkv),
              fold_rows(prior[1].astype(jnp.float32)[..., None], hkv)[..., 0])
-  out, lse = suffix_rows(fold_rows(q, hkv), k, v, kv_lengths, state, q_len=tq, causal=causal,
-                         scale=scale, d_out=v.shape[-1], block_sizes=block_sizes,
-                         interpret=interpret)
+  q_rows = fold_rows(q, hkv)
+  out, lse = suffix_rows(q_rows, k, v, kv_lengths, state, q_len=tq, causal=causal,
+                         scale=scale, d_out=v.shape[-1],
+                         blocks=rows_blocks(q_rows, k, v, block_sizes, state is not None),
+                         vmem_limit_bytes=block_sizes.vmem_limit_bytes, interpret=interpret)
   return unfold_rows(out, b, tq, hq), unfold_rows(lse, b, tq, hq)
 
 
@@ -301,10 +314,12 @@ def suffix_rows(
     scale: float,
     d_out: int,
     out_dtype=jnp.float32,
-    block_sizes: Optional[BlockSizes] = None,
+    blocks: Optional[SuffixBlocks],
+    vmem_limit_bytes: Optional[int] = None,
     interpret: Optional[bool] = None,
 ):
-  """The suffix kernel on folded query rows: pads, runs, slices.
+  """The suffix kernel on folded query rows with ``blocks`` (:func:`rows_blocks`): pads, runs,
+  slices.
 
   Returns ``out [Hkv, B*Tq*G, d_out]`` (``out_dtype``) and float32 natural-log
   ``lse [Hkv, B*Tq*G]``. A lane-replicated prior LSE (``[..., 128]``, as the prefix and
@@ -321,10 +336,8 @@ def suffix_rows(
     out = jnp.where((lse > -jnp.inf)[..., None], prior[0][..., :d_out], 0.0)
     return out.astype(out_dtype), lse
   rows = r // b
-  bs = block_sizes or common.default_block_sizes()
   dtype = common.compute_dtype(q_rows, k, v)
   dp = common.round_up(d, LANES)
-  blocks = suffix_blocks(b, hkv, s, rows, dp, dtype.itemsize, bs, prior is not None)
   bp, sp = common.round_up(b, blocks.batch), common.round_up(s, blocks.keys)
   qr = common.pad_to(q_rows.astype(dtype).reshape(hkv, b, rows, d), (hkv, bp, rows, dp))
   kh = common.pad_to(jnp.swapaxes(k.astype(dtype), 1, 2), (bp, hkv, sp, dp))
@@ -344,6 +357,6 @@ def suffix_rows(
   out, lse = suffix_attention_head_major(qr, kh, vh, lengths, state, causal=bool(causal),
                                          scale=scale, q_len=q_len, blocks=blocks,
                                          out_dtype=out_dtype,
-                                         vmem_limit_bytes=bs.vmem_limit_bytes,
+                                         vmem_limit_bytes=vmem_limit_bytes,
                                          interpret=interpret)
   return (out[:, :b, :, :d_out].reshape(hkv, r, d_out), lse[:, :b, :, 0].reshape(hkv, r))

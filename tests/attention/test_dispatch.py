@@ -12,10 +12,12 @@ from jax_shared_attn import dispatch as core
 from pallas_kernels.gpu import dispatch as gpu
 from pallas_kernels.gpu.config import FusedDecodeOptions
 from pallas_kernels.tpu import dispatch as tpu
+from pallas_kernels.device import DeviceInfo
 
 S = jax.ShapeDtypeStruct
 BF = jnp.bfloat16
 H100 = "NVIDIA H100 80GB HBM3"
+DEVICE = DeviceInfo.named(H100)
 
 
 def shapes(b, hq, hkv, d, p, s, tq=1, dtype=BF):
@@ -26,7 +28,8 @@ def shapes(b, hq, hkv, d, p, s, tq=1, dtype=BF):
 
 def plan(b, hq, hkv, d, p, s, tq=1, dtype=BF, family="mosaic_gpu", **kw):
   q, pk, pv, sk, _ = shapes(b, hq, hkv, d, p, s, tq, dtype)
-  return gpu.plan_shared(q, [("prefix", pk, pv, None, None)], sk, family=family, **kw)
+  return gpu.plan_shared(q, [("prefix", pk, pv, None, None)], sk, device=DEVICE, family=family,
+                         **kw)
 
 
 @pytest.mark.parametrize("family", ["mosaic_gpu", "triton"])
@@ -76,25 +79,32 @@ def test_split_plans_each_part():
   one = S((1, 1024, 1, 128), BF)
   parts = [("prefix", pk, pv, None, None), ("segments", seg, seg, None, None),
            ("segments", one, one, None, None)]
-  got = gpu.plan_shared(q, parts, sk, family="mosaic_gpu")
+  got = gpu.plan_shared(q, parts, sk, device=DEVICE, family="mosaic_gpu")
   assert got.path == "split"
   first, second, third = got.prefixes
   assert first.kernel == "mosaic" and first.triton.splits == first.mosaic.splits
   assert second is None  # several segments: the segment kernel
   assert third.kernel == "mosaic"  # one segment: the batched prefix kernel
+  assert got.segments[1] is not None and got.segments[0] is got.segments[2] is None
+  assert got.suffix is not None and got.device == DEVICE
+
+
+def prefix_plan(*args, **kw):
+  return gpu.plan_prefix(*args, device=DEVICE, **kw)
 
 
 def test_prefix_plan_kernel_choice():
-  assert gpu.plan_prefix(2048, 1, 4096, 128, BF, family="mosaic_gpu").kernel == "mosaic"
-  assert gpu.plan_prefix(2048, 1, 4000, 128, BF, family="mosaic_gpu").kernel == "triton"
-  assert gpu.plan_prefix(2048, 1, 4096, 128, jnp.float32, family="mosaic_gpu").kernel == "triton"
-  assert gpu.plan_prefix(2048, 1, 4096, 128, BF, family="mosaic_gpu",
+  assert prefix_plan(2048, 1, 4096, 128, BF, family="mosaic_gpu").kernel == "mosaic"
+  assert prefix_plan(2048, 1, 4000, 128, BF, family="mosaic_gpu").kernel == "triton"
+  assert prefix_plan(2048, 1, 4096, 128, jnp.float32, family="mosaic_gpu").kernel == "triton"
+  assert prefix_plan(2048, 1, 4096, 128, BF, family="mosaic_gpu",
                          interpret=True).kernel == "triton"
-  assert gpu.plan_prefix(2048, 1, 4096, 128, BF, family="triton").kernel == "triton"
-  assert gpu.plan_prefix(0, 1, 4096, 128, BF).kernel == "empty"
-  many = gpu.plan_prefix(16, 1, 16384, 128, BF, max_fused_prior_splits=2)
+  assert prefix_plan(2048, 1, 4096, 128, BF, family="triton").kernel == "triton"
+  assert prefix_plan(0, 1, 4096, 128, BF).kernel == "empty"
+  many = prefix_plan(16, 1, 16384, 128, BF, max_fused_prior_splits=2)
   assert many.splits > 2 and many.merge_first
-  assert not gpu.plan_prefix(16, 1, 16384, 128, BF, max_fused_prior_splits=many.splits).merge_first
+  assert not prefix_plan(16, 1, 16384, 128, BF,
+                         max_fused_prior_splits=many.splits).merge_first
 
 
 def test_alignments_follow_the_target():
@@ -128,12 +138,13 @@ def test_family_choice_and_errors():
 def test_tpu_plan_block_sizes():
   q, pk, pv, sk, _ = shapes(64, 8, 1, 128, 4096, 128)
   parts = [("prefix", pk, pv, None, None)]
-  v6e = tpu.plan(q, parts, sk, device_kind="TPU v6 lite")
-  assert v6e.chip == "v6e" and v6e.block_sizes == tpu.block_sizes(TpuConfig(chip="v6e"))
+  v6e = tpu.plan(q, parts, sk, device=DeviceInfo.named("TPU v6 lite"))
+  assert v6e.chip == "v6e" and v6e.block_sizes == tpu.block_sizes(TpuConfig(chip="v6e"), DEVICE)
   assert len(v6e.prefix_blocks) == 1
-  assert tpu.plan(q, parts, sk, config=TpuConfig(chip="v5p"), device_kind="TPU v6 lite").chip == "v5p"
-  explicit = TpuConfig(block_sizes=tpu.block_sizes(TpuConfig(chip="v5p")))
-  assert tpu.plan(q, parts, sk, config=explicit).block_sizes == explicit.block_sizes
+  assert tpu.plan(q, parts, sk, config=TpuConfig(chip="v5p"),
+                  device=DeviceInfo.named("TPU v6 lite")).chip == "v5p"
+  explicit = TpuConfig(block_sizes=tpu.block_sizes(TpuConfig(chip="v5p"), DEVICE))
+  assert tpu.plan(q, parts, sk, device=DEVICE, config=explicit).block_sizes == explicit.block_sizes
 
 
 def test_explain_for_every_target_on_a_cpu():
@@ -200,3 +211,28 @@ def test_what_is_lowered_is_what_explain_says(b, config):
       *args).mlir_module()
   for path, marker in MARKERS.items():
     assert (marker in text) == (path == got.backend.path), (path, got.backend.path)
+
+
+@pytest.mark.parametrize("impl,config", [
+    ("pallas:triton", None), ("pallas:mosaic_gpu", None),
+    ("pallas:mosaic_gpu", GpuConfig(fused_decode=False, flat_max_shared_reads=0)),
+    ("pallas:tpu", None), ("pallas:tpu", TpuConfig(chip="v6e")), ("xla", None)])
+def test_explain_is_the_plan_the_call_executes(monkeypatch, impl, config):
+  """On a CPU (the kernels interpreted): the plan each public function hands to its executor
+  equals what ``explain`` returns for the same arguments."""
+  from jax_shared_attn import api
+  seen = []
+  real = api._execute
+  monkeypatch.setattr(api, "_execute", lambda plan, call: (seen.append(plan), real(plan, call))[1])
+  q, pk, pv, sk, sv = shapes(64, 8, 1, 128, 1024, 128)
+  lv = SharedLevel(S((3, 256, 1, 128), BF), S((3, 256, 1, 128), BF), S((3,), jnp.int32),
+                   S((64,), jnp.int32))
+  kw = dict(impl=impl, config=config)
+  calls = [(shared_prefix_attention, (q, pk, pv, sk, sv)),
+           (hierarchical_attention, (q, [lv], sk, sv)),
+           (attention_with_lse, (q, sk, sv))]
+  for fn, args in calls:
+    seen.clear()
+    jax.eval_shape(lambda *a: fn(*a, **kw), *args)  # traces the executor: nothing runs
+    assert seen == [explain(fn, *args, **kw)], fn.__name__
+    assert seen[0].impl == impl and (impl == "xla") == (seen[0].backend is None)

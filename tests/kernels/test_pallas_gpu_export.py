@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import pytest
 
 from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_attention
+from pallas_kernels.device import DeviceInfo
+from pallas_kernels.gpu import merge
 from pallas_kernels.gpu import shared_mgpu_plan as fp
 from pallas_kernels.gpu.config import FusedDecodeOptions, GpuConfig, MosaicPrefixOptions
 
@@ -21,6 +23,27 @@ MOSAIC = "mosaic_gpu_v2"
 FLAT = "hydragen_flat_attention"
 MERGE = "hydragen_merge"
 S = jax.ShapeDtypeStruct
+H100 = DeviceInfo.named("NVIDIA H100 80GB HBM3")  # the configs of the kernels below are its
+MERGE_CONFIG = merge.default_config(H100)
+
+
+def fused_config(*args, **kw):
+  return fp.default_config(*args, device=H100, **kw)
+
+
+def mosaic_prefix_config(*args, **kw):
+  from pallas_kernels.gpu import prefix_mgpu as mg
+  return mg.default_config(*args, device=H100, **kw)
+
+
+def fused_decode(q, k, v, n, sk, sv, sl, *, scale, config=None):
+  """The one-kernel decode path directly, with its default config where none is given."""
+  from pallas_kernels.gpu import shared_mgpu as fm
+  if config is None:
+    b, _, hq, d = q.shape
+    g = hq // k.shape[1]
+    config = fused_config(b * g, k.shape[1], k.shape[0], sk.shape[1], g, head_dim=d)
+  return fm.fused_decode(q, k, v, n, sk, sv, sl, scale=scale, config=config, merge=MERGE_CONFIG)
 
 
 def is_flat(b, tq, hq, hkv, p, d, one_kernel=False, itemsize=2):
@@ -110,7 +133,7 @@ def _distinct_fused_cases():
   for b, (hkv, g), d, (p, s), spread in itertools.product(
       [1, 16, 1024], [(1, 8), (2, 8), (1, 16)], [64, 128], [(1024, 64), (16384, 192)],
       [True, False]):
-    cfg = fp.default_config(b * g, hkv, p, s, g, head_dim=d,
+    cfg = fused_config(b * g, hkv, p, s, g, head_dim=d,
                             options=FusedDecodeOptions(spread_suffix=spread))
     key = (min(cfg.splits, 3), cfg.cluster_merge, cfg.spread_suffix, cfg.max_concurrent_steps,
            cfg.tile_max_in_kernel, g, d)
@@ -167,7 +190,8 @@ def test_flat_path_exports_for_cuda(b, hq, hkv, d, p, s, tq, impl):
 def test_merge_kernel_exports_for_cuda(counts, lead, d, in_dtype, out_dtype):
   from pallas_kernels.gpu.merge import merge_parts
   args = [x for n in counts for x in (S((n, *lead, d), in_dtype), S((n, *lead), jnp.float32))]
-  fn = lambda *a: merge_parts(list(zip(a[::2], a[1::2])), out_dtype=out_dtype)
+  fn = lambda *a: merge_parts(list(zip(a[::2], a[1::2])), out_dtype=out_dtype,
+                              config=MERGE_CONFIG)
   text = export_cuda(fn, *args)
   assert text.count(TRITON) == 1 and MERGE in text
 
@@ -240,9 +264,8 @@ def test_fused_decode_off_switch_and_limits():
 @pytest.mark.parametrize("g", [1, 2, 4, 8, 16, 32, 64])
 def test_fused_kernel_exports_for_every_group_size(g):
   """The kernel itself takes any G dividing 64 (the dispatcher uses it for G >= 8)."""
-  from pallas_kernels.gpu import shared_mgpu as fm
   dt = jnp.bfloat16
-  fn = lambda q, k, v, n, sk, sv, sl: fm.fused_decode(q, k, v, n, sk, sv, sl, scale=0.1)
+  fn = lambda q, k, v, n, sk, sv, sl: fused_decode(q, k, v, n, sk, sv, sl, scale=0.1)
   b = 37
   text = export_cuda(fn, S((b, 1, 2 * g, 128), dt), S((256, 2, 128), dt), S((256, 2, 128), dt),
                      S((), jnp.int32), S((b, 128, 2, 128), dt), S((b, 128, 2, 128), dt),
@@ -257,16 +280,15 @@ def test_kv_slots_follow_the_shared_memory(d):
   only, and Mosaic GPU agrees. The one kernel fits three slots only since its
   LSE is stored from registers (with a staging tile it was 168 bytes over at D = 128)."""
   from pallas_kernels.gpu import prefix_mgpu as mg
-  from pallas_kernels.gpu import shared_mgpu as fm
   dt = jnp.bfloat16
   b, g, p, s = 256, 8, 2048, 128
-  fused_cfg = lambda stages=2: fp.default_config(b * g, 1, p, s, g, head_dim=d,
+  fused_cfg = lambda stages=2: fused_config(b * g, 1, p, s, g, head_dim=d,
                                                  options=FusedDecodeOptions(stages=stages))
-  prefix_cfg = lambda keys, dim, stages=2: mg.default_config(
+  prefix_cfg = lambda keys, dim, stages=2: mosaic_prefix_config(
       b * g, 1, keys, dim, options=MosaicPrefixOptions(stages=stages))
 
   def lower_fused(cfg):
-    fn = lambda q, k, v, sk, sv, n: fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1, config=cfg)
+    fn = lambda q, k, v, sk, sv, n: fused_decode(q, k, v, p, sk, sv, n, scale=0.1, config=cfg)
     return export_cuda(fn, S((b, 1, g, d), dt), S((p, 1, d), dt), S((p, 1, d), dt),
                        S((b, s, 1, d), dt), S((b, s, 1, d), dt), S((b,), jnp.int32))
 
@@ -282,7 +304,7 @@ def test_kv_slots_follow_the_shared_memory(d):
   assert (pcfg.block_kv, pcfg.max_concurrent_steps) == (128, 3)
   assert MOSAIC in lower_prefix(pcfg)
   # 8K keys per split: 192-key steps, two slots (three do not fit)
-  wide = mg.default_config(8192, 1, 16384, 128, options=MosaicPrefixOptions(stages=3))
+  wide = mosaic_prefix_config(8192, 1, 16384, 128, options=MosaicPrefixOptions(stages=3))
   assert (wide.block_kv, wide.max_concurrent_steps) == (192, 2)
   assert prefix_cfg(4096, 256, 3).max_concurrent_steps == 2
   # Four slots: the model and Mosaic GPU agree (they fit at D = 64, not at D = 128), and the
@@ -322,16 +344,15 @@ def test_fused_tile_max_in_kernel_exports_for_cuda(b, g, d, extra):
   """With ``tile_max_in_kernel`` the one kernel lowers without XLA's reduction of the suffix
   lengths before it (and with it otherwise); G < 8 (more than MAX_TILE_LOADS sequences per CTA)
   keeps the reduction."""
-  from pallas_kernels.gpu import shared_mgpu as fm
   dt, p, s = jnp.bfloat16, 1024, 128
 
   def lower(cfg):
-    fn = lambda q, k, v, sk, sv, n: fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1, config=cfg)
+    fn = lambda q, k, v, sk, sv, n: fused_decode(q, k, v, p, sk, sv, n, scale=0.1, config=cfg)
     return export_cuda(fn, S((b, 1, g, d), dt), S((p, 1, d), dt), S((p, 1, d), dt),
                        S((b, s, 1, d), dt), S((b, s, 1, d), dt), S((b,), jnp.int32))
 
-  cfg = dataclasses.replace(fp.default_config(b * g, 1, p, s, g, head_dim=d), **extra)
-  assert not fp.default_config(b * 4, 1, p, s, 4, head_dim=d).tile_max_in_kernel
+  cfg = dataclasses.replace(fused_config(b * g, 1, p, s, g, head_dim=d), **extra)
+  assert not fused_config(b * 4, 1, p, s, 4, head_dim=d).tile_max_in_kernel
   assert cfg.tile_max_in_kernel
   inside = lower(cfg)
   assert MOSAIC in inside and "stablehlo.reduce" not in inside
@@ -346,9 +367,8 @@ def test_prefix_wide_steps_and_overlap_follow_the_options(options):
   ``wide_min_keys`` keys at D <= 128 (never with 0), and overlaps exactly the 128-key steps at
   D = 128 where ``overlap`` is on (192-key steps' S, P and O do not fit in the registers; D 64
   and 256 were not measured)."""
-  from pallas_kernels.gpu import prefix_mgpu as mg
   for rows, keys, d in itertools.product([128, 8192], [1024, 4096, 16384], [64, 128, 256]):
-    cfg = mg.default_config(rows, 1, keys, d, options=options)
+    cfg = mosaic_prefix_config(rows, 1, keys, d, options=options)
     wide = (d <= 128 and options.wide_min_keys > 0
             and keys // cfg.splits >= options.wide_min_keys)
     assert (cfg.block_kv == 192) == wide, (rows, keys, d, cfg)
@@ -435,8 +455,7 @@ def test_mosaic_ir_fingerprints_tell_kernels_apart():
   every module of tools/mosaic_ir.py's list identical.)"""
   import importlib.util
   import pathlib
-  from pallas_kernels.gpu import shared_mgpu as fm
-  path = pathlib.Path(__file__).parents[1] / "tools" / "mosaic_ir.py"
+  path = pathlib.Path(__file__).parents[2] / "tools" / "mosaic_ir.py"
   spec = importlib.util.spec_from_file_location("mosaic_ir", path)
   tool = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(tool)
@@ -444,14 +463,14 @@ def test_mosaic_ir_fingerprints_tell_kernels_apart():
   b, g, d, p, s = 300, 8, 64, 384, 64
   ins = (S((b, 1, g, d), dt), S((p, 1, d), dt), S((p, 1, d), dt), S((b, s, 1, d), dt),
          S((b, s, 1, d), dt), S((b,), jnp.int32))
-  plan = lambda spread: fp.default_config(b * g, 1, p, s, g, head_dim=d,
+  plan = lambda spread: fused_config(b * g, 1, p, s, g, head_dim=d,
                                           options=FusedDecodeOptions(spread_suffix=spread))
   # A fresh function per export (jax.jit would reuse a function's trace and lowering).
-  fn = lambda cfg: lambda q, k, v, sk, sv, n: fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1,
+  fn = lambda cfg: lambda q, k, v, sk, sv, n: fused_decode(q, k, v, p, sk, sv, n, scale=0.1,
                                                               config=cfg)
   # The same function written elsewhere in this file (other source lines, other locations).
   fn2 = lambda q, k, v, sk, sv, n: (
-      fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1, config=plan(False)))
+      fused_decode(q, k, v, p, sk, sv, n, scale=0.1, config=plan(False)))
   ranges = tool.modules(fn(plan(False)), *ins)
   again = tool.modules(fn2, *ins)
   with pytest.raises(ValueError, match="not exported before"):
@@ -476,15 +495,15 @@ def test_fused_cluster_merge_exports_for_cuda(b, g, hkv, d, p, s, extra):
   dt = jnp.bfloat16
 
   def lower(cfg):
-    fn = lambda q, k, v, sk, sv, n: fm.fused_decode(q, k, v, p, sk, sv, n, scale=0.1, config=cfg)
+    fn = lambda q, k, v, sk, sv, n: fused_decode(q, k, v, p, sk, sv, n, scale=0.1, config=cfg)
     return export_cuda(fn, S((b, 1, g * hkv, d), dt), S((p, hkv, d), dt), S((p, hkv, d), dt),
                        S((b, s, hkv, d), dt), S((b, s, hkv, d), dt), S((b,), jnp.int32))
 
-  cfg = fp.default_config(b * g, hkv, p, s, g, head_dim=d)
+  cfg = fused_config(b * g, hkv, p, s, g, head_dim=d)
   assert cfg.cluster_merge == (cfg.splits == 2)
-  assert not fp.default_config(b * g, hkv, p, s, g, head_dim=d,
+  assert not fused_config(b * g, hkv, p, s, g, head_dim=d,
                                options=FusedDecodeOptions(cluster_merge=False)).cluster_merge
-  assert not fp.default_config(256 * 8, 1, 4096, 128, 8).cluster_merge  # 8 splits
+  assert not fused_config(256 * 8, 1, 4096, 128, 8).cluster_merge  # 8 splits
   cfg = dataclasses.replace(cfg, cluster_merge=True, **extra)
   assert 2 <= cfg.splits <= fp.MAX_CLUSTER_SPLITS
   inside = lower(cfg)

@@ -1,10 +1,9 @@
-"""The TPU family through the public API (impl="pallas:tpu") and get_ops' dispatch.
+"""The TPU family's ops: get_ops' choices (chip, interpret mode), gradients, edge cases.
 
-On this CPU machine ``impl="pallas:tpu"`` lowers each kernel through
-``platform_dependent``'s default branch (Pallas' HLO interpreter) with the block
-sizes a TPU of unknown kind would use (v5e's); one shape per function exceeds
-a 512-key block so block boundaries are crossed here too. Everything is compared
-with the float64 oracle of full attention over the concatenated context.
+The oracle tests of the family's primitives and of the public functions with
+``impl="pallas:tpu"`` are the shared suite's (``tests/kernels/test_families.py``). On this CPU
+machine ``impl="pallas:tpu"`` lowers each kernel through ``platform_dependent``'s default branch
+(Pallas' HLO interpreter) with the block sizes of v5e (the chip planned for without a TPU).
 """
 
 
@@ -12,99 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from jax_shared_attn import attention_with_lse, hierarchical_attention, shared_prefix_attention
+from jax_shared_attn import shared_prefix_attention
 from jax_shared_attn import ops as ops_lib
-from jax_shared_attn.testing import oracle_full, oracle_tree, rel_err
+from jax_shared_attn.testing import oracle_full, rel_err
 from pallas_kernels import tpu
-from strategies import (SEEDS, assert_close, count_case, lengths, rand, random_tree,
-                        small_jit)
-
-STATIC = ("causal", "impl", "return_lse", "scale")
-INTERPRETED = jax.default_backend() != "tpu"
-prefix_jit = small_jit(shared_prefix_attention, INTERPRETED, static_argnames=STATIC)
-tree_jit = small_jit(hierarchical_attention, INTERPRETED, static_argnames=STATIC)
-full_jit = small_jit(attention_with_lse, INTERPRETED, static_argnames=("causal", "impl", "scale"))
-
-# ((B, Tq, Hq, Hkv, D, P, S), dtype, causal): G 8/2/3/1/8, D 64/80/128/256, empty prefix,
-# empty suffix, Tq > suffix length; the last one crosses 512-key blocks (v5e sizes).
-PREFIX_CASES = (
-    ((4, 1, 8, 1, 128, 40, 9), "bfloat16", True),
-    ((3, 2, 4, 2, 80, 23, 6), "float32", True),
-    ((2, 3, 6, 2, 256, 13, 4), "float16", False),
-    ((5, 1, 4, 1, 64, 0, 7), "bfloat16", True),
-    ((4, 2, 8, 2, 128, 31, 0), "float32", True),
-    ((3, 1, 8, 1, 64, 530, 520), "bfloat16", True),
-)
-# ((B, Tq, Hq, Hkv, D, S), levels as ((N, T), ...), dtype, causal)
-TREE_CASES = (
-    ((4, 1, 8, 1, 128, 6), ((1, 9),), "bfloat16", True),
-    ((6, 2, 4, 2, 80, 4), ((1, 12), (3, 5)), "float32", True),
-    ((5, 1, 6, 2, 256, 3), ((2, 6), (4, 3), (3, 2)), "bfloat16", False),
-    ((7, 3, 16, 2, 64, 0), ((4, 7),), "float32", True),
-    ((9, 1, 8, 1, 64, 5), ((1, 530), (3, 7)), "bfloat16", True),
-)
-# ((B, Tq, Hq, Hkv, D, Tk), dtype, causal)
-FULL_CASES = (
-    ((3, 1, 8, 1, 128, 33), "bfloat16", True),
-    ((2, 3, 4, 2, 80, 12), "float32", True),
-    ((2, 4, 16, 2, 64, 0), "float32", False),
-    ((2, 2, 8, 4, 128, 700), "bfloat16", True),
-)
-
-
-@settings(max_examples=24)
-@given(data=st.data(), seed=SEEDS, case=st.sampled_from(PREFIX_CASES))
-def test_shared_prefix_attention(data, seed, case):
-  count_case("tpu_api_shared_prefix")
-  (b, tq, hq, hkv, d, p, s), dtype, causal = case
-  rng = np.random.default_rng(seed)
-  plen = data.draw(st.integers(0, p))
-  slen = lengths(data.draw, b, s)
-  q, q64 = rand(rng, (b, tq, hq, d), dtype)
-  pk, pk64 = rand(rng, (p, hkv, d), dtype)
-  pv, pv64 = rand(rng, (p, hkv, d), dtype)
-  sk, sk64 = rand(rng, (b, s, hkv, d), dtype)
-  sv, sv64 = rand(rng, (b, s, hkv, d), dtype)
-  out, lse = prefix_jit(q, pk, pv, sk, sv, prefix_length=jnp.int32(plen), suffix_lengths=slen,
-                        causal=causal, impl="pallas:tpu", return_lse=True)
-  assert out.dtype == q.dtype and lse.dtype == jnp.float32
-  ref = oracle_tree(q64, [[pk64[:plen]]] * b, [[pv64[:plen]]] * b, sk64, sv64, slen,
-                    causal=causal)
-  assert_close(out, lse, *ref, dtype)
-
-
-@settings(max_examples=20)
-@given(data=st.data(), seed=SEEDS, case=st.sampled_from(TREE_CASES))
-def test_hierarchical_attention(data, seed, case):
-  count_case("tpu_api_hierarchical")
-  (b, tq, hq, hkv, d, s), structure, dtype, causal = case
-  rng = np.random.default_rng(seed)
-  levels, seg_k, seg_v = random_tree(data.draw, rng, b, hkv, d, dtype, structure)
-  slen = lengths(data.draw, b, s)
-  q, q64 = rand(rng, (b, tq, hq, d), dtype)
-  sk, sk64 = rand(rng, (b, s, hkv, d), dtype)
-  sv, sv64 = rand(rng, (b, s, hkv, d), dtype)
-  out, lse = tree_jit(q, levels, sk, sv, suffix_lengths=slen, causal=causal, impl="pallas:tpu",
-                      return_lse=True)
-  ref = oracle_tree(q64, seg_k, seg_v, sk64, sv64, slen, causal=causal)
-  assert_close(out, lse, *ref, dtype)
-
-
-@settings(max_examples=12)
-@given(data=st.data(), seed=SEEDS, case=st.sampled_from(FULL_CASES))
-def test_attention_with_lse(data, seed, case):
-  count_case("tpu_api_full")
-  (b, tq, hq, hkv, d, tk), dtype, causal = case
-  rng = np.random.default_rng(seed)
-  kv_len = lengths(data.draw, b, tk)
-  q, q64 = rand(rng, (b, tq, hq, d), dtype)
-  k, k64 = rand(rng, (b, tk, hkv, d), dtype)
-  v, v64 = rand(rng, (b, tk, hkv, d), dtype)
-  out, lse = full_jit(q, k, v, kv_lengths=kv_len, causal=causal, impl="pallas:tpu")
-  assert_close(out, lse, *oracle_full(q64, k64, v64, kv_len, causal=causal), dtype)
+from strategies import assert_close, rand
 
 
 def test_resolve_maps_pallas_tpu_to_this_family():

@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from pallas_kernels.device import DeviceInfo
 from pallas_kernels.gpu import shared_mgpu_plan as fp
 
+H100 = DeviceInfo.named("NVIDIA H100 80GB HBM3")
 BLOCK_Q = 64  # rows per consumer warpgroup, as in the kernel
 CTA_ROWS = 2 * BLOCK_Q
 
@@ -278,7 +280,7 @@ def test_default_config_spreads_as_the_rule_or_the_options_say(spread):
   from pallas_kernels.gpu.config import FusedDecodeOptions
   options = FusedDecodeOptions(spread_suffix=spread)
   for b, p, s, g in itertools.product([16, 256, 1024], [1024, 4096, 16384], [128, 512], [8, 16]):
-    cfg = fp.default_config(b * g, 1, p, s, g, options=options)
+    cfg = fp.default_config(b * g, 1, p, s, g, device=H100, options=options)
     steps = (cfg.block_q // g) * (s // cfg.block_s)
     rule = fp.spreads(cfg.splits, p // cfg.block_kv, steps)
     assert cfg.spread_suffix == (rule if spread is None else spread), (b, p, s, g, cfg)

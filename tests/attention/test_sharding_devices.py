@@ -1,10 +1,10 @@
 """Sharded decoding on 8 CPU devices: the same tokens as one device, no gather of the shared cache.
 
 Needs ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before JAX starts, so the
-suite runs this module in a subprocess (``tests/test_sharding.py``); collected in a
+suite runs this module in a subprocess (``tests/attention/test_sharding.py``); collected in a
 1-device process it is skipped. Run it alone with::
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/test_sharding_devices.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/attention/test_sharding_devices.py
 """
 
 import json
@@ -28,7 +28,7 @@ from models.prompt_tree import PromptTree
 
 if jax.device_count() < 8 or jax.default_backend() != "cpu":
   pytest.skip("needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8); "
-              "tests/test_sharding.py runs this module in such a subprocess",
+              "tests/attention/test_sharding.py runs this module in such a subprocess",
               allow_module_level=True)
 
 MESHES = [(8, 1), (1, 8), (2, 4), (4, 2)]

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_shared_attn import attention_with_lse, merge_attention_states
-from jax_shared_attn.testing import check_attention, lse_err, oracle_full, rel_err
+from jax_shared_attn.testing import check_attention, lse_err, oracle_full, rel_err, tolerance
 from strategies import DTYPES, SEEDS, count_case, rand, small_jit
 
 part_jit = small_jit(attention_with_lse, static_argnames=("causal", "impl", "scale"))
@@ -47,7 +47,7 @@ def test_merge_of_any_split_is_full_attention(data, seed, dtype, n_parts):
 @settings(max_examples=100)
 @given(seed=SEEDS, n=st.integers(1, 6), p_empty=st.floats(0, 1))
 def test_merge_matches_float64_formula_with_empty_parts(seed, n, p_empty):
-  """The public merge (the GPU kernels' split merge: tests/test_pallas_gpu_kernels.py)."""
+  """The public merge (the GPU kernels' split merge: tests/kernels/test_pallas_gpu_kernels.py)."""
   count_case("merge_formula")
   rng = np.random.default_rng(seed)
   shape = (3, 2, 5)
@@ -65,6 +65,33 @@ def test_merge_matches_float64_formula_with_empty_parts(seed, n, p_empty):
   assert lse_err(lse, ref_lse) <= 1e-6
   empty = np.isneginf(ref_lse)
   assert np.all(np.asarray(out)[empty] == 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_merged_lse_is_float32_exact_whatever_the_dtype_of_outs(dtype):
+  """The merged LSE is float32 arithmetic on the float32 ``lses`` whatever the dtype of
+  ``outs`` (16-bit outs are not cast first, as a model's partial results may not be): within
+  a few float32 ulps of the float64 oracle; the output within the dtype's tolerance."""
+  rng = np.random.default_rng(7)
+  shape, n = (4, 3, 5), 4
+  outs64 = [rng.normal(size=shape + (16,)) for _ in range(n)]
+  lses = [np.where(rng.random(shape) < 0.2, -np.inf, rng.normal(size=shape) * 10).astype(
+      np.float32) for _ in range(n)]
+  outs = [jnp.asarray(o, dtype) for o in outs64]
+  out, lse = merge_attention_states(outs, [jnp.asarray(l) for l in lses])
+  assert out.dtype == jnp.dtype(dtype) and lse.dtype == jnp.float32
+  L = np.stack(lses).astype(np.float64)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    ref_lse = np.logaddexp.reduce(L, axis=0)
+    w = np.where(np.isneginf(L), 0.0, np.exp(L - np.where(np.isneginf(ref_lse), 0, ref_lse)))
+  ref_out = np.einsum("n...,n...d->...d", w, np.stack([f64_of(o) for o in outs]))
+  assert np.array_equal(np.isneginf(np.asarray(lse)), np.isneginf(ref_lse))
+  assert lse_err(lse, ref_lse) <= 1e-6  # float32 LSE arithmetic: a few ulps of max(1, |lse|)
+  assert rel_err(out, ref_out) <= tolerance(dtype)
+
+
+def f64_of(x):
+  return np.asarray(x.astype(jnp.float32)).astype(np.float64)  # exact from any float dtype
 
 
 def test_merge_all_empty_is_zero_and_neg_inf_with_finite_grad():

@@ -17,14 +17,16 @@ from hypothesis import strategies as st
 
 from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_attention
 from jax_shared_attn.testing import check_attention, lse_err, oracle_full, oracle_tree, rel_err, tolerance
-from pallas_kernels.gpu import prefix_attention, segment_attention, suffix_attention
-from pallas_kernels.gpu import common
+from pallas_kernels.device import DeviceInfo
+from pallas_kernels.gpu import common, merge, prefix_attention, segment_attention
 from pallas_kernels.gpu.config import FusedDecodeOptions, GpuConfig, MosaicPrefixOptions
 from pallas_kernels.gpu.merge import merge_parts
-from pallas_kernels.gpu.suffix import SuffixConfig, flat_rows
+from pallas_kernels.gpu.suffix import SuffixConfig, flat_rows, suffix_attention
 from strategies import SEEDS, count_case, lengths, rand, small_jit
 
 HAS_GPU = jax.default_backend() == "gpu"
+H100 = DeviceInfo.named("NVIDIA H100 80GB HBM3")  # the tuned device: every config below is its
+MERGE = merge.default_config(H100)
 
 # (B, Tq, Hq, Hkv, D, capacity, dtype): sizes off the block multiples, G in 1..8,
 # D 64/80/128/256, 16-bit and float32.
@@ -56,16 +58,17 @@ class TestInterpret:
     if not self.interpret and not HAS_GPU:
       pytest.skip("needs a CUDA GPU")
     jit = functools.partial(small_jit, small=self.interpret)
-    self.prefix = jit(functools.partial(prefix_attention, interpret=self.interpret),
+    self.prefix = jit(functools.partial(prefix_attention, device=H100, interpret=self.interpret),
                       static_argnames=("scale",))
-    self.suffix = jit(functools.partial(suffix_attention, interpret=self.interpret),
+    self.suffix = jit(functools.partial(suffix_attention, merge=MERGE, interpret=self.interpret),
                       static_argnames=("scale", "causal", "config"))
-    self.segment = jit(functools.partial(segment_attention, interpret=self.interpret),
+    self.segment = jit(functools.partial(segment_attention, device=H100,
+                                         interpret=self.interpret),
                        static_argnames=("scale",))
-    self.flat = jit(functools.partial(flat_rows, interpret=self.interpret),
+    self.flat = jit(functools.partial(flat_rows, merge=MERGE, interpret=self.interpret),
                     static_argnames=("q_len", "causal", "scale", "out_dtype", "config",
                                      "by_sequence"))
-    self.merge = jit(functools.partial(merge_parts, interpret=self.interpret),
+    self.merge = jit(functools.partial(merge_parts, config=MERGE, interpret=self.interpret),
                      static_argnames=("out_dtype",))
 
   def run_prefix(self, data, seed, case):
@@ -239,7 +242,8 @@ class TestInterpret:
       lens = np.array([11, 0, 1, 5, 2], np.int32)
       config = GpuConfig(flat_max_shared_reads=GpuConfig().flat_max_shared_reads if flat else 0,
                          flat_sequence_major=flat == "sequence_major")
-      plan = dispatch.plan_shared(q, [("prefix", pk, pv, 40, None)], sk, config=config)
+      plan = dispatch.plan_shared(q, [("prefix", pk, pv, 40, None)], sk, device=H100,
+                                  config=config)
       assert plan.path == ("flat" if flat else "split")
       out, lse = shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=40,
                                          suffix_lengths=lens, impl="pallas:triton",
@@ -385,10 +389,10 @@ class TestNativeFusedDecode:
     from pallas_kernels.gpu import shared_mgpu as fm
     from pallas_kernels.gpu import shared_mgpu_plan as fp
     options = self.options or FusedDecodeOptions()
-    direct = config or fp.default_config(b * (hq // hkv), hkv, p, s, hq // hkv, head_dim=d,
-                                         options=options)
+    direct = config or fp.default_config(b * (hq // hkv), hkv, p, s, hq // hkv, device=H100,
+                                         head_dim=d, options=options)
     out, lse = fm.fused_decode(q, pk, pv, jnp.int32(plen), sk, sv, jnp.asarray(lens),
-                               scale=d**-0.5, config=direct)
+                               scale=d**-0.5, config=direct, merge=MERGE)
     check(out, lse, *ref, dtype)
     if config is not None:
       return
@@ -452,7 +456,8 @@ class TestNativeFusedDecodeMergeKernel(TestNativeFusedDecode):
     from pallas_kernels.gpu import shared_mgpu_plan as fp
     case = (100, 16, 2, 128, 1024, 128)  # G = 8, 7 row tiles per KV head (the last partial)
     b, hq, hkv, d, p, s = case
-    cfg = dataclasses.replace(fp.default_config(b * hq // hkv, hkv, p, s, hq // hkv, head_dim=d),
+    cfg = dataclasses.replace(fp.default_config(b * hq // hkv, hkv, p, s, hq // hkv, device=H100,
+                                                head_dim=d),
                               splits=splits, cluster_merge=True, **extra)
     given(data=st.data(), seed=SEEDS)(settings(max_examples=4, deadline=None)(
         lambda data, seed: self.run(data, seed, case, config=cfg)))()
@@ -477,9 +482,11 @@ def test_default_configs_fit_the_shared_memory(itemsize, head_dim):
   mods = {n: importlib.import_module(f"pallas_kernels.gpu.{n}")
           for n in ("prefix", "suffix", "segment")}
   for rows in (1, 16, 1024):
-    configs = (mods["prefix"].default_config(rows, 1, 4096, head_dim, itemsize=itemsize),
-               mods["suffix"].default_config(rows, 8, 512, head_dim, itemsize=itemsize),
-               mods["segment"].default_config(rows, 2, head_dim, itemsize))
+    configs = (mods["prefix"].default_config(rows, 1, 4096, head_dim, device=H100,
+                                             itemsize=itemsize),
+               mods["suffix"].default_config(rows, 8, 512, head_dim, device=H100,
+                                             itemsize=itemsize),
+               mods["segment"].default_config(rows, 2, head_dim, itemsize, device=H100))
     for cfg in configs:
       staged = common.kv_staging_bytes(cfg.block_n, head_dim, itemsize, cfg.num_stages)
       assert staged <= common.KV_STAGING_BYTES, (cfg, staged)
@@ -499,18 +506,19 @@ def test_mosaic_prefix_step_size():
       last = 0
       for prefix in (640, 2048, 4096, 8192, 16384, 65536):
         for rows in (64, 256, 4096, 8192):
-          cfg = mg.default_config(rows, kv_heads, prefix, head_dim=d)
+          cfg = mg.default_config(rows, kv_heads, prefix, head_dim=d, device=H100)
           tiles = -(-rows // (2 * cfg.block_q)) * kv_heads
           assert mg.smem_bytes(cfg, d) <= mg.SMEM_LIMIT, (cfg, d)
           assert cfg.block_kv % 64 == 0 and cfg.max_concurrent_steps >= 2, cfg
-          assert cfg.splits == 1 or (cfg.splits * tiles <= 132
+          assert cfg.splits == 1 or (cfg.splits * tiles <= H100.cores
                                      and prefix // cfg.splits >= 4 * cfg.block_kv), (cfg, rows)
           assert cfg.block_kv <= 128 or prefix // cfg.splits > 2048, (cfg, prefix)
         assert cfg.block_kv >= last, (cfg, prefix)  # rows fixed (8192): wider with more keys
         last = cfg.block_kv
   # The option is what decides: off keeps 128-key steps, a lower threshold widens them at 2K.
-  assert mg.default_config(4096, 8, 16384, options=MosaicPrefixOptions(wide_min_keys=0)).block_kv == 128
-  assert mg.default_config(4096, 8, 2048,
+  assert mg.default_config(4096, 8, 16384, device=H100,
+                           options=MosaicPrefixOptions(wide_min_keys=0)).block_kv == 128
+  assert mg.default_config(4096, 8, 2048, device=H100,
                            options=MosaicPrefixOptions(wide_min_keys=2048)).block_kv == 192
   assert mg.supported(jnp.bfloat16, 128, 16384) and mg.supported(jnp.bfloat16, 128, 640)
   assert not mg.supported(jnp.bfloat16, 128, 700) and mg.supported(jnp.bfloat16, 256, 448)
@@ -536,7 +544,7 @@ def test_many_prefix_splits_are_merged_before_the_suffix_kernel(monkeypatch, dty
   sk, sk64 = rand(rng, (b, s, hkv, d), dtype)
   sv, sv64 = rand(rng, (b, s, hkv, d), dtype)
   lens = np.array([7, 0, 3], np.int32)
-  plan = dispatch.plan_shared(q, [("prefix", pk, pv, 83, None)], sk, config=config)
+  plan = dispatch.plan_shared(q, [("prefix", pk, pv, 83, None)], sk, device=H100, config=config)
   assert plan.path == "split" and plan.prefixes[0].merge_first
   out, lse = shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=83, suffix_lengths=lens,
                                      impl="pallas:triton", return_lse=True, config=config)

@@ -1,5 +1,5 @@
 """Sharding: the mesh spec and partition rules (in this 1-device process), and the 8-device
-tests (tests/test_sharding_devices.py) in a subprocess that starts JAX with 8 CPU devices.
+tests (tests/attention/test_sharding_devices.py) in a subprocess that starts JAX with 8 CPU devices.
 
 XLA reads the device count once, when JAX's CPU backend starts, and the rest of the suite
 runs on 1 device in the same worker processes; so the multi-device tests get their own
@@ -21,11 +21,9 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 from models import sharding as S
 from models.config import preset
 from models.llama import param_shapes
+from strategies import DEVICE_FLAGS  # also what tests/test_models_training.py imports from here
 
-ROOT = Path(__file__).resolve().parent.parent
-# Fast CPU compiles for the subprocess (LLVM -O0): the programs are tiny, compiling dominates.
-DEVICE_FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                "--xla_llvm_disable_expensive_passes=true")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -35,7 +33,7 @@ def test_eight_device_suite_in_a_subprocess():
   env.pop("PYTEST_XDIST_WORKER", None)
   proc = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-       "tests/test_sharding_devices.py"],
+       "tests/attention/test_sharding_devices.py"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
   report = proc.stdout[-8000:] + proc.stderr[-2000:]
   assert proc.returncode == 0, report

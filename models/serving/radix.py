@@ -96,7 +96,7 @@ class RadixTree:
     the prefix (lockable). Refreshes the LRU time of the path; takes no page reference.
     """
     tokens = self._tokens(tokens, "tokens")
-    node, pos, pages = self._walk(tokens, None)
+    node, pos, pages, _ = self._walk(tokens, None)
     self._hit += pos
     self._queried += int(tokens.size)
     return Match(node, _concat(pages), pos)

@@ -122,8 +122,9 @@ def plan_cascade(paths: Sequence[Sequence], own_pages: Sequence, own_lengths: Se
   """The cascade of the running sequences ``i = 0..n-1``.
 
   ``paths[i]``: the tree nodes sequence i holds, root excluded, top down (anything with
-  ``id`` and ``pages`` int[k]: :meth:`RadixTree.path` of its locked node); nodes are the same
-  ids wherever they appear. ``own_pages[i]`` int[m] and ``own_lengths[i] <= m * page_size``:
+  ``id`` and ``pages`` int[k]: :meth:`RadixTree.path` of its locked node, read after the
+  tree's last change, since a split changes paths); nodes are the same ids wherever they
+  appear. ``own_pages[i]`` int[m] and ``own_lengths[i] <= m * page_size``:
   its own keys after the path.
   """
   n = len(paths)

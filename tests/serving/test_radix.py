@@ -232,3 +232,49 @@ def test_errors_name_the_argument():
   tree.clear()
   with pytest.raises(ValueError, match="node must be a node below the root"):
     tree.lock(node)  # removed
+
+
+@settings(max_examples=150)
+@given(ps=st.sampled_from([1, 2, 4]), num_pages=st.integers(4, 24), data=st.data())
+def test_engine_like_page_accounting(ps, num_pages, data):
+  """Requests arrive (match, lock, prefill the rest, insert, own tail) and finish (unlock,
+  release own pages) under a small pool; evict when alloc fails. No page is both free and
+  owned; the tree and the running sequences own every used page; in the end all are free."""
+  pool = PagePool(num_pages, ps)
+  tree, running = RadixTree(pool), []
+  systems = [[7] * ps * 2, [8, 9] * ps, []]
+  for _ in range(data.draw(st.integers(1, 30))):
+    if running and data.draw(st.booleans()):  # a request finishes
+      node, own = running.pop(data.draw(st.integers(0, len(running) - 1)))
+      if node is not tree.root:
+        tree.unlock(node)
+      pool.decref(own)
+    else:  # a request arrives
+      prompt = data.draw(st.sampled_from(systems)) + data.draw(
+          st.lists(st.integers(0, 2), max_size=3 * ps))
+      full = len(prompt) // ps * ps
+      m = tree.match(prompt)
+      if m.num_tokens:
+        tree.lock(m.node)  # hold the match while allocating, as an engine must
+      need = (full - m.num_tokens) // ps + 1  # the new full pages and one own page
+      if pool.num_free < need:
+        tree.evict(need)
+      pages = pool.alloc(need)
+      if m.num_tokens:
+        tree.unlock(m.node)
+      if pages is None:  # preempted: nothing taken
+        continue
+      node = tree.insert(prompt[:full], np.concatenate([m.pages, pages[:-1]])).node
+      if node is not tree.root:
+        tree.lock(node)
+      running.append((node, pages[-1:]))
+    owned = [int(p) for n in tree for p in n.pages] + [int(o[0]) for _, o in running]
+    assert len(owned) == len(set(owned))
+    assert not set(owned) & set(pool._free)
+    assert set(owned) | set(pool._free) == set(range(1, num_pages))
+  for node, own in running:
+    if node is not tree.root:
+      tree.unlock(node)
+    pool.decref(own)
+  tree.clear()
+  assert pool.num_free == num_pages - 1 and tree.stats().nodes == 0

@@ -7,14 +7,17 @@ page is never cached: it lives in the sequence's own first page.
 
 Ownership: the tree holds one :class:`~models.serving.pages.PagePool` reference per page it
 owns. :meth:`RadixTree.insert` takes over the caller's reference of each page it is given.
-A running sequence does not hold references on cached pages: it :meth:`~RadixTree.lock`\\ s its
-node, which counts along the path to the root, and locked nodes are never evicted.
+A running sequence holds no references on cached pages: it locks its node
+(:meth:`RadixTree.lock` counts along the path to the root), and locked nodes are never evicted.
 
-    >>> tree = RadixTree(PagePool(64, page_size=4))
-    >>> m = tree.match(prompt)                   # cached prefix: m.pages, m.num_tokens
-    >>> new = pool.alloc(...); ...prefill...     # the remaining full pages
-    >>> m = tree.insert(prompt[:n * 4], np.concatenate([m.pages, new]))
-    >>> tree.lock(m.node)                        # ...decode...; then tree.unlock(m.node)
+A request's flow (page_size 16)::
+
+    m = tree.match(prompt)                  # the cached prefix: m.pages, m.num_tokens
+    tree.lock(m.node)                       # not evicted while we allocate
+    new = pool.alloc(len(prompt) // 16 - m.pages.size)   # None: tree.evict(...), or wait
+    ...prefill prompt[m.num_tokens:] into new and the tail into an own page...
+    r = tree.insert(prompt[:len(prompt) // 16 * 16], np.concatenate([m.pages, new]))
+    tree.lock(r.node); tree.unlock(m.node)  # decode reads r.pages; unlock r.node when done
 """
 
 import dataclasses
@@ -115,6 +118,8 @@ class RadixTree:
       raise ValueError(f"pages (shape {pages.shape}) must be int[len(tokens) // page_size] = "
                        f"int[{tokens.size / self.page_size:g}] (page_size {self.page_size})")
     pages = pages.astype(np.int32)
+    if any(self.pool.refcount(p) == 0 for p in pages):  # checked before anything changes
+      raise ValueError(f"pages {pages.tolist()} must all be allocated (the caller's references)")
     node, pos, path_pages, now = self._walk(tokens, pages)
     if pos < tokens.size:  # the rest is new: one node owns it
       child = Node(next(self._ids), tokens[pos:].copy(), pages[pos // self.page_size:].copy(),
@@ -174,7 +179,10 @@ class RadixTree:
   # -- running sequences -----------------------------------------------------------------------
 
   def lock(self, node: Node) -> None:
-    """A running sequence holds the path root..``node``: none of it can be evicted."""
+    """A running sequence holds the path root..``node``: none of it can be evicted.
+
+    Locking the root (an empty match) holds nothing, so a sequence can always lock its node.
+    """
     for n in self._path_up(node, "node"):
       n.lock_ref += 1
 
@@ -187,7 +195,8 @@ class RadixTree:
       n.lock_ref -= 1
 
   def path(self, node: Node) -> tuple[Node, ...]:
-    """The nodes from below the root down to ``node`` (the cascade planner's input)."""
+    """The nodes from below the root down to ``node`` (the cascade planner's input; () for
+    the root)."""
     return tuple(reversed(self._path_up(node, "node")))
 
   # -- eviction --------------------------------------------------------------------------------
@@ -267,8 +276,8 @@ class RadixTree:
     while isinstance(n, Node) and n.parent is not None:
       path.append(n)
       n = n.parent
-    if n is not self.root or not path:  # the root itself, a removed node, another tree's node
-      raise ValueError(f"{name} must be a node below the root of this tree, got {node!r}")
+    if n is not self.root:  # a removed node, another tree's node, not a node
+      raise ValueError(f"{name} must be a node of this tree, got {node!r}")
     return path
 
   def _key(self, tokens: np.ndarray) -> tuple:

@@ -188,7 +188,8 @@ def test_min_shared_tokens_keeps_short_segments_above_shared_ones():
                       [own_lengths[i] for i in keep], 2, CascadeConfig(min_shared_tokens=3))
   assert plan.segment_nodes == (((a.id,),),)
   assert plan.order.tolist() == [2, 0, 1, -1]
-  assert plan.own_page_table[1, :4].tolist() == b.pages.tolist() + c.pages.tolist() + own[0].tolist()
+  assert (plan.own_page_table[1, :4].tolist()
+          == b.pages.tolist() + c.pages.tolist() + own[0].tolist())
   assert plan.own_lengths[:3].tolist() == [2 + 2, 2 + 4 + 1, 2 + 2]
   # Nothing long enough: no level; padding only.
   plan = plan_cascade(paths, own, own_lengths, 2, CascadeConfig(min_shared_tokens=5))

@@ -221,17 +221,24 @@ def test_errors_name_the_argument():
     tree.insert([1, 2, 3], pool.alloc(1))
   with pytest.raises(ValueError, match="num_pages=-1 "):
     tree.evict(-1)
+  with pytest.raises(ValueError, match=r"pages \[3\] must all be allocated"):
+    tree.insert([1, 2], [3])
+  with pytest.raises(ValueError, match="page "):
+    tree.insert([1, 2], [0])
   node = tree.insert([1, 2], pool.alloc(1)).node
   with pytest.raises(ValueError, match=f"node {node.id} is not locked"):
     tree.unlock(node)
-  with pytest.raises(ValueError, match="node must be a node below the root of this tree"):
-    tree.lock(tree.root)
   other = RadixTree(PagePool(8, 2))
-  with pytest.raises(ValueError, match="node must be a node below the root of this tree"):
+  with pytest.raises(ValueError, match="node must be a node of this tree"):
     other.lock(node)
+  with pytest.raises(ValueError, match="node must be a node of this tree"):
+    tree.path("node")
   tree.clear()
-  with pytest.raises(ValueError, match="node must be a node below the root"):
+  with pytest.raises(ValueError, match="node must be a node of this tree"):
     tree.lock(node)  # removed
+  tree.lock(tree.root)  # an empty match: holds nothing
+  tree.unlock(tree.root)
+  assert tree.path(tree.root) == () and tree.root.lock_ref == 0
 
 
 @settings(max_examples=150)
@@ -246,35 +253,30 @@ def test_engine_like_page_accounting(ps, num_pages, data):
   for _ in range(data.draw(st.integers(1, 30))):
     if running and data.draw(st.booleans()):  # a request finishes
       node, own = running.pop(data.draw(st.integers(0, len(running) - 1)))
-      if node is not tree.root:
-        tree.unlock(node)
+      tree.unlock(node)
       pool.decref(own)
     else:  # a request arrives
       prompt = data.draw(st.sampled_from(systems)) + data.draw(
           st.lists(st.integers(0, 2), max_size=3 * ps))
       full = len(prompt) // ps * ps
       m = tree.match(prompt)
-      if m.num_tokens:
-        tree.lock(m.node)  # hold the match while allocating, as an engine must
+      tree.lock(m.node)  # hold the match while allocating, as an engine must
       need = (full - m.num_tokens) // ps + 1  # the new full pages and one own page
       if pool.num_free < need:
         tree.evict(need)
       pages = pool.alloc(need)
-      if m.num_tokens:
-        tree.unlock(m.node)
+      tree.unlock(m.node)
       if pages is None:  # preempted: nothing taken
         continue
       node = tree.insert(prompt[:full], np.concatenate([m.pages, pages[:-1]])).node
-      if node is not tree.root:
-        tree.lock(node)
+      tree.lock(node)
       running.append((node, pages[-1:]))
     owned = [int(p) for n in tree for p in n.pages] + [int(o[0]) for _, o in running]
     assert len(owned) == len(set(owned))
     assert not set(owned) & set(pool._free)
     assert set(owned) | set(pool._free) == set(range(1, num_pages))
   for node, own in running:
-    if node is not tree.root:
-      tree.unlock(node)
+    tree.unlock(node)
     pool.decref(own)
   tree.clear()
   assert pool.num_free == num_pages - 1 and tree.stats().nodes == 0

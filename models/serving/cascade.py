@@ -160,38 +160,31 @@ def plan_cascade(paths: Sequence[Sequence], own_pages: Sequence, own_lengths: Se
     ending[up].append(i)
 
   # Segments: maximal chains whose nodes have the same sequences below (equal counts, since
-  # the sets are nested). head -> node ids; rows in depth-first order (children by id).
-  seg_of, seg_nodes, seg_parent, seg_kids = {}, {}, {}, {}
-  order, seg_rows, seg_depth = [], {}, {}
-
-  def visit(nid, seg, depth):
+  # the sets are nested), keyed by their head node. One pre-order walk (children by id, without
+  # recursion: trees can be deep) gives the rows, depth first, and each segment's first row.
+  seg_of, seg_nodes, seg_kids, seg_rows, seg_depth, order = {}, {}, {}, {}, {}, []
+  stack = [(None, None, 0)]  # (node, the segment above it, that segment's depth + 1)
+  while stack:
+    nid, seg, depth = stack.pop()
     if nid is not None:
       if seg is not None and count[nid] == count[seg_nodes[seg][-1]]:
         seg_nodes[seg].append(nid)  # continues the chain above
       else:
-        seg_parent[nid], seg_nodes[nid], seg_kids[nid] = seg, [nid], []
-        seg_rows[nid], seg_depth[nid] = len(order), depth
+        seg_nodes[nid], seg_kids[nid], seg_rows[nid], seg_depth[nid] = [nid], [], len(order), depth
         if seg is not None:
           seg_kids[seg].append(nid)
         seg, depth = nid, depth + 1
       seg_of[nid] = seg
     order.extend(ending[nid])
-    for kid in sorted(children[nid]):
-      visit(kid, seg, depth)
+    stack.extend((kid, seg, depth) for kid in sorted(children[nid], reverse=True))
 
-  visit(None, None, 0)
-
-  # Shared: >= 2 sequences, and long enough or above another shared segment (post-order).
+  # Shared: >= 2 sequences, and long enough or above another shared segment. Segments were
+  # made parents first, so the reverse decides every segment's children before it.
   shared = {}
-
-  def decide(seg):
-    below = [decide(k) for k in seg_kids[seg]]
+  for seg in reversed(seg_nodes):
     tokens = page_size * sum(pages[nid].size for nid in seg_nodes[seg])
-    shared[seg] = count[seg] >= 2 and (tokens >= config.min_shared_tokens or any(below))
-    return shared[seg]
-
-  for top in [s for s, p in seg_parent.items() if p is None]:
-    decide(top)
+    shared[seg] = count[seg] >= 2 and (tokens >= config.min_shared_tokens
+                                       or any(shared[k] for k in seg_kids[seg]))
 
   levels = [[] for _ in range(1 + max((seg_depth[s] for s in shared if shared[s]), default=-1))]
   for seg in sorted((s for s in shared if shared[s]), key=lambda s: seg_rows[s]):

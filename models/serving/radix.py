@@ -241,11 +241,14 @@ class RadixTree:
 
   def __iter__(self) -> Iterator[Node]:
     """The nodes below the root, depth first (children in insertion order)."""
-    stack = list(reversed(self.root.children.values()))
-    while stack:
-      node = stack.pop()
-      yield node
-      stack.extend(reversed(node.children.values()))
+    return (node for node, _ in self._preorder())
+
+  def _preorder(self) -> Iterator[tuple[Node, int]]:
+    stack = [(child, 1) for child in reversed(self.root.children.values())]
+    while stack:  # no recursion: a long conversation makes a deep tree
+      node, depth = stack.pop()
+      yield node, depth
+      stack.extend((child, depth + 1) for child in reversed(node.children.values()))
 
   def stats(self) -> TreeStats:
     nodes = list(self)
@@ -258,17 +261,11 @@ class RadixTree:
   def dump(self, max_tokens: int = 8) -> str:
     """One line per node, indented by depth: id, tokens (first ``max_tokens``), pages, locks."""
     lines = [f"root (page_size {self.page_size}, version {self.version})"]
-
-    def visit(node, depth):
-      toks = node.tokens[:max_tokens].tolist()
+    for node, depth in self._preorder():
       more = "..." if node.num_tokens > max_tokens else ""
-      lines.append(f"{'  ' * depth}#{node.id} tokens={toks}{more} ({node.num_tokens}) "
-                   f"pages={node.pages.tolist()} lock={node.lock_ref} t={node.last_access}")
-      for child in node.children.values():
-        visit(child, depth + 1)
-
-    for child in self.root.children.values():
-      visit(child, 1)
+      lines.append(f"{'  ' * depth}#{node.id} tokens={node.tokens[:max_tokens].tolist()}{more} "
+                   f"({node.num_tokens}) pages={node.pages.tolist()} lock={node.lock_ref} "
+                   f"t={node.last_access}")
     return "\n".join(lines)
 
   def _path_up(self, node: Node, name: str) -> list[Node]:

@@ -131,8 +131,9 @@ def plan_cascade(paths: Sequence[Sequence], own_pages: Sequence, own_lengths: Se
   if len(own_pages) != n or len(own_lengths) != n:
     raise ValueError(f"paths, own_pages, own_lengths must have one entry per sequence, got "
                      f"{n}, {len(own_pages)}, {len(own_lengths)}")
-  if not isinstance(page_size, int) or page_size < 1:
+  if not isinstance(page_size, (int, np.integer)) or page_size < 1:
     raise ValueError(f"page_size={page_size!r} must be a positive int")
+  page_size = int(page_size)
   own = [np.asarray(p, np.int32).reshape(-1) for p in own_pages]
   for i, (p, length) in enumerate(zip(own, own_lengths)):
     if not 0 <= length <= p.size * page_size:

@@ -243,11 +243,3 @@ def test_deep_paths_and_any_node_type():
   assert plan.order.tolist() == [1, 0] and plan.lengths[0, 0] == 2000
   assert plan.own_lengths.tolist() == [1, 1001]
   assert plan.own_page_table[1, :1001].tolist() == list(range(2001, 3001)) + [9000]
-  pool = PagePool(8, 1)
-  tree = RadixTree(pool)
-  for i in range(3):
-    tree.insert(list(range(i + 1)), np.concatenate([tree.match(list(range(i))).pages,
-                                                    pool.alloc(1)]))
-  assert tree.dump().splitlines()[1:] == [
-      "  #1 tokens=[0] (1) pages=[1] lock=0 t=6", "    #2 tokens=[1] (1) pages=[2] lock=0 t=6",
-      "      #3 tokens=[2] (1) pages=[3] lock=0 t=6"]

@@ -105,8 +105,9 @@ def test_tree_matches_a_brute_force_model(scenario):
     elif op == "unlock" and locked:
       tree.unlock(locked.pop(k % len(locked)))
     elif op == "evict":
-      protected = {key for key in model for n in locked
-                   if key == tuple(sum((t.tokens.tolist() for t in tree.path(n)), []))[:len(key)]}
+      # Every page-aligned prefix of a locked node's tokens must survive.
+      held = [tuple(t for n in tree.path(node) for t in n.tokens.tolist()) for node in locked]
+      protected = {key for key in model for h in held if h[:len(key)] == key}
       times = {n.id: n.last_access for n in tree}
       freed = tree.evict(k % 10)
       after = _cached(tree)
@@ -206,6 +207,17 @@ def test_stats_and_dump():
   tree.reset()
   s = tree.stats()
   assert (s.nodes, s.queried_tokens, s.hit_rate) == (0, 0, 0.0) and pool.num_used == 0
+
+
+def test_dump_indents_by_depth():
+  pool = PagePool(8, 1)
+  tree = RadixTree(pool)
+  for i in range(3):
+    tree.insert(list(range(i + 1)), np.concatenate([tree.match(list(range(i))).pages,
+                                                    pool.alloc(1)]))
+  assert tree.dump().splitlines()[1:] == [
+      "  #1 tokens=[0] (1) pages=[1] lock=0 t=6", "    #2 tokens=[1] (1) pages=[2] lock=0 t=6",
+      "      #3 tokens=[2] (1) pages=[3] lock=0 t=6"]
 
 
 def test_errors_name_the_argument():

@@ -51,26 +51,29 @@ def _prompts(draw, ps):
   """Prompts from a few system prompts and questions over a tiny alphabet (many collisions)."""
   systems = draw(st.lists(st.lists(st.integers(0, 2), min_size=0, max_size=3 * ps),
                           min_size=1, max_size=3))
-  questions = st.lists(st.integers(0, 3), max_size=3 * ps)
-  return [draw(st.sampled_from(systems)) + draw(questions) for _ in range(draw(st.integers(1, 8)))]
+  questions = st.lists(st.integers(0, 1), max_size=4 * ps)
+  prompts = [draw(st.sampled_from(systems)) + draw(questions)
+             for _ in range(draw(st.integers(1, 8)))]
+  # Truncations of cached prompts: matches that end inside a node (splits).
+  return prompts + [p[:draw(st.integers(0, len(p)))] for p in prompts[:3]]
 
 
 @st.composite
 def _scenarios(draw):
   ps = draw(st.sampled_from([1, 2, 3]))
   prompts = _prompts(draw, ps)
-  ops = draw(st.lists(st.tuples(st.sampled_from(["insert", "insert", "match", "lock", "unlock",
-                                                 "evict"]),
+  ops = draw(st.lists(st.tuples(st.sampled_from(["insert", "insert", "match", "lock", "lock",
+                                                 "unlock", "evict"]),
                                 st.integers(0, len(prompts) - 1), st.integers(0, 40)),
-                      max_size=25))
-  return ps, prompts, ops
+                      min_size=4, max_size=25))
+  return ps, prompts, ops, draw(st.integers(3, 16))
 
 
-@settings(max_examples=200)
+@settings(max_examples=400)
 @given(scenario=_scenarios())
 def test_tree_matches_a_brute_force_model(scenario):
-  ps, prompts, ops = scenario
-  pool = PagePool(48, ps)
+  ps, prompts, ops, num_pages = scenario
+  pool = PagePool(num_pages, ps)  # small: inserts evict, and evict has work to do
   tree, model, locked = RadixTree(pool), {}, []
   for op, i, k in ops:
     prompt = prompts[i]
@@ -83,9 +86,14 @@ def test_tree_matches_a_brute_force_model(scenario):
       assert sum(n.num_tokens for n in tree.path(m.node)) == m.num_tokens if m.num_tokens else True
     if op == "insert":
       need = (full - m.num_tokens) // ps
+      tree.lock(m.node)  # the match must survive the eviction that makes room for the rest
       tree.evict(need)
+      after = _cached(tree)
+      assert set(after) <= set(model) and m.num_tokens == _longest(after, prompt, ps)
+      model = after
       new = pool.alloc(need)
-      if new is None:  # everything locked
+      tree.unlock(m.node)
+      if new is None:  # everything else locked
         continue
       # A copy computed elsewhere for some matched pages: insert releases the duplicates.
       dup = pool.alloc(min(k % 3, m.pages.size)) if pool.num_free >= 2 else np.zeros(0, np.int32)
@@ -109,12 +117,12 @@ def test_tree_matches_a_brute_force_model(scenario):
       held = [tuple(t for n in tree.path(node) for t in n.tokens.tolist()) for node in locked]
       protected = {key for key in model for h in held if h[:len(key)] == key}
       times = {n.id: n.last_access for n in tree}
-      freed = tree.evict(k % 10)
+      freed = tree.evict(k % num_pages)
       after = _cached(tree)
       assert set(after) <= set(model) and protected <= set(after)  # locked paths survive
       assert freed == len(model) - len(after)
       left = [n.last_access for n in tree if not n.children and n.lock_ref == 0]
-      assert pool.num_free >= k % 10 or not left  # stops at the target or when none is left
+      assert pool.num_free >= k % num_pages or not left  # stops at the target or when none is left
       removed = [t for i, t in times.items() if i not in {n.id for n in tree}]
       assert not removed or not left or max(removed) <= min(left)  # least recently used first
       model = after

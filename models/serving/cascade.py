@@ -93,6 +93,11 @@ class CascadePlan:
   own_lengths: np.ndarray
   segment_nodes: tuple  # per level, per segment: the tree node ids it merges (for debugging)
 
+  def __post_init__(self):
+    for value in self._fields():  # a value: its arrays cannot change under its hash
+      if isinstance(value, np.ndarray):
+        value.flags.writeable = False
+
   @property
   def plan_key(self) -> tuple[int, int, int, int, int]:
     """(batch, levels, segments, pages, own_pages): the padded sizes a device program needs."""

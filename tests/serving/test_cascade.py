@@ -142,6 +142,8 @@ def test_plan_matches_brute_force_grouping(case):
   assert B >= n and L >= plan.num_levels
   again = _plan(ps, seqs, CascadeConfig(min_shared_tokens=min_shared))
   assert again == plan and hash(again) == hash(plan) and again.plan_key == plan.plan_key
+  with pytest.raises(ValueError, match="read-only"):
+    plan.own_lengths[0] = 1
 
 
 def _chain_tree():

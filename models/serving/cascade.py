@@ -131,6 +131,13 @@ def plan_cascade(paths: Sequence[Sequence], own_pages: Sequence, own_lengths: Se
   tree's last change, since a split changes paths); nodes are the same ids wherever they
   appear. ``own_pages[i]`` int[m] and ``own_lengths[i] <= m * page_size``:
   its own keys after the path.
+
+  >>> from models.serving import PagePool, RadixTree
+  >>> pool = PagePool(16, page_size=2); tree = RadixTree(pool)
+  >>> node = tree.insert([5, 5, 6, 6], pool.alloc(2)).node      # a shared prompt, 2 pages
+  >>> plan = plan_cascade([tree.path(node)] * 2, [pool.alloc(1), pool.alloc(1)], [1, 1], 2)
+  >>> plan.page_table[0, 0].tolist(), plan.lengths[0].tolist(), plan.own_page_table.tolist()
+  ([1, 2], [4], [[3], [4]])
   """
   n = len(paths)
   if len(own_pages) != n or len(own_lengths) != n:

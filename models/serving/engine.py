@@ -1,0 +1,620 @@
+"""The serving engine: requests in, tokens out, over a paged KV cache with a prefix tree.
+
+    >>> engine = Engine(model, tokenizer, EngineConfig(page_size=16, num_pages=4096))
+    >>> outputs = engine.generate([Request(system + q, n=4, max_tokens=64) for q in questions])
+    >>> handle = engine.submit(Request(prompt, max_tokens=32))
+    >>> for new_tokens in handle: ...                        # per tick, per sample
+    >>> async for new_tokens in engine.stream(request): ...  # with engine.start()
+
+One tick (:meth:`Engine.step`): admit waiting requests while pages allow (a reserve is kept
+for the running ones); prefill one chunk of prompt tokens against the request's cached
+pages (a prompt's last token is fed by the first decode step, as in
+:func:`models.generate`); decode ``decode_steps`` steps of every running sequence in one
+device call under one cascade plan (:mod:`models.serving.cascade`); retire finished
+sequences. A prompt's full pages join the radix tree once prefilled; its last partial page
+is each sample's own first page (copied per sample). Out of pages: unlocked tree nodes are
+evicted, then the most recently admitted request is preempted (its pages freed; it is
+recomputed later and, its tokens depending only on the request, emits the same tokens).
+
+The device programs are keyed by padded sizes only (:meth:`CascadePlan.plan_key`, the
+prefill chunk and page buckets, the set of sampling rules in the batch); page ids, lengths,
+tokens and seeds are data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import itertools
+import threading
+import time
+from typing import Iterable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from models.generation.sampling import SamplingParams, sample
+from models.generation.settings import GenerationSettings
+from models.serving.cascade import plan_cascade
+from models.serving.pages import NULL_PAGE, PagePool
+from models.serving.paged_cache import PagedKVCache, empty_pools
+from models.serving.radix import RadixTree
+from models.serving.requests import (EngineConfig, Handle, Request, RequestOutput,
+                                     SampleOutput)
+
+
+class _Prompt:
+  """A request's prompt pages outside the tree (``prefix_caching=False``): a path node."""
+
+  def __init__(self, node_id: int, pages: np.ndarray):
+    self.id, self.pages = node_id, pages
+
+
+class _Seq:
+  """One sample of a running request."""
+
+  def __init__(self, req: "_Req", index: int, own_pages: list[int], own_len: int):
+    self.req, self.index = req, index
+    self.own_pages, self.own_len = own_pages, own_len
+    self.generated: list[int] = []
+    self.next_token = int(req.prompt[-1])
+    self.finish_reason: Optional[str] = None
+    self.text: Optional[str] = None
+
+
+class _Req:
+  """A request's scheduling state: waiting -> prefill -> running -> done."""
+
+  def __init__(self, handle: Handle, prompt: np.ndarray):
+    self.handle, self.request, self.prompt = handle, handle.request, prompt
+    self.context = prompt[:-1]  # prefilled; the last token is fed by the first decode step
+    self.reset()
+
+  def reset(self) -> None:
+    self.state = "waiting"
+    self.admitted = -1
+    self.match_node = None  # the tree node locked while prefilling
+    self.node = None  # the tree node (or _Prompt) every sample's path ends at
+    self.pages = np.zeros(0, np.int32)  # prompt pages: cached, then new (tail page last)
+    self.copies = np.zeros(0, np.int32)  # the tail page's copies for samples 1..n-1
+    self.prefilled = 0
+    self.cached_tokens = 0
+    self.seqs: list[_Seq] = []
+    self.finished: dict[int, SampleOutput] = {}
+
+
+class Engine:
+  """Continuous batching over a paged, prefix-cached KV cache (see the module docstring).
+
+  Args:
+    model: a :class:`models.model.llama.Llama` (one device).
+    tokenizer: a :class:`models.checkpoints.tokenizer.Tokenizer`, for text prompts, text
+      outputs and stop strings; its ``eos_id`` (else ``config.eos_token_id``) ends a sample.
+    config: an :class:`EngineConfig`.
+    settings: the attention implementation and kernel config (``impl``, ``config``) and the
+      sampler's search; the sampling rule comes from each request.
+  """
+
+  def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig(),
+               settings: GenerationSettings = GenerationSettings()):
+    if not isinstance(config, EngineConfig):
+      raise ValueError(f"config must be an EngineConfig; got {type(config).__name__}")
+    if not isinstance(settings, GenerationSettings):
+      raise ValueError(f"settings must be a GenerationSettings; got {type(settings).__name__}")
+    self.config, self.tokenizer = config, tokenizer
+    self.settings = GenerationSettings(impl=settings.impl, config=settings.config,
+                                       sampler=settings.sampler)
+    self.model_config = model.config
+    self._graphdef, self._params = nnx.split(model)
+    eos = getattr(tokenizer, "eos_id", None)
+    self.eos_id = model.config.eos_token_id if eos is None else eos
+    self.pool = PagePool(config.num_pages, config.page_size)
+    self.tree = RadixTree(self.pool) if config.prefix_caching else None
+    self._k, self._v = empty_pools(model.config, config.num_pages, config.page_size)
+    self._lock = threading.RLock()
+    self._wake = threading.Event()
+    self._ids = itertools.count()
+    self._prompt_ids = itertools.count(1)
+    self._admissions = itertools.count()
+    self._waiting: collections.deque[_Req] = collections.deque()
+    self._active: list[_Req] = []  # prefilling or running, in admission order
+    self._by_handle: dict[int, _Req] = {}
+    self._thread: Optional[threading.Thread] = None
+    self._stop = False
+    self._generated = 0
+    self._busy_s = 0.0
+    self._prompt_total = self._prompt_cached = 0
+
+  # -- submitting --------------------------------------------------------------------------------
+
+  def submit(self, request: Request) -> Handle:
+    """Queues ``request``; raises ValueError (naming the field) if it can never run."""
+    if not isinstance(request, Request):
+      raise ValueError(f"request must be a Request; got {type(request).__name__}")
+    prompt = self._check(request)
+    with self._lock:
+      handle = Handle(self, next(self._ids), request)
+      req = _Req(handle, prompt)
+      self._waiting.append(req)
+      self._by_handle[handle.request_id] = req
+    self._wake.set()
+    return handle
+
+  def _check(self, request: Request) -> np.ndarray:
+    c, mc = self.config, self.model_config
+    if isinstance(request.prompt, str):
+      if self.tokenizer is None:
+        raise ValueError("Request: prompt is text; the engine needs a tokenizer (or give ids)")
+      prompt = np.asarray(self.tokenizer.encode(request.prompt), np.int32)
+      if prompt.size == 0:
+        raise ValueError("Request: prompt encodes to no tokens")
+    else:
+      prompt = np.asarray(request.prompt, np.int64)
+      if prompt.min() < 0 or prompt.max() >= mc.vocab_size:
+        raise ValueError(f"Request: prompt token ids must lie in [0, {mc.vocab_size}) (the "
+                         f"vocabulary); got values in [{prompt.min()}, {prompt.max()}]")
+      prompt = prompt.astype(np.int32)
+    if request.stop and self.tokenizer is None:
+      raise ValueError("Request: stop strings need a tokenizer (or use stop_token_ids)")
+    if prompt.size > mc.max_position_embeddings:
+      raise ValueError(f"Request: prompt has {prompt.size} tokens; the model's context is "
+                       f"{mc.max_position_embeddings} (config.max_position_embeddings)")
+    if prompt.size + request.max_tokens > mc.max_position_embeddings:
+      raise ValueError(f"Request: max_tokens={request.max_tokens} after a prompt of "
+                       f"{prompt.size} tokens exceeds the model's context of "
+                       f"{mc.max_position_embeddings} tokens")
+    if request.n > c.max_running:
+      raise ValueError(f"Request: n={request.n} exceeds EngineConfig.max_running="
+                       f"{c.max_running}")
+    ps = c.page_size
+    full, tail = divmod(prompt.size - 1, ps)
+    worst = full + request.n * -(-(tail + request.max_tokens) // ps)
+    if worst > c.num_pages - 1:
+      raise ValueError(f"Request: n={request.n} samples of max_tokens={request.max_tokens} "
+                       f"need up to {worst} pages; the cache holds {c.num_pages - 1} "
+                       "(EngineConfig.num_pages)")
+    return prompt
+
+  def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
+    """Runs ``requests`` to completion; outputs in their order (offline batch)."""
+    requests = list(requests)
+    for i, request in enumerate(requests):  # every request checked before any runs
+      try:
+        if not isinstance(request, Request):
+          raise ValueError(f"must be a Request; got {type(request).__name__}")
+        self._check(request)
+      except ValueError as e:
+        raise ValueError(f"requests[{i}]: {e}") from None
+    handles = [self.submit(r) for r in requests]
+    while not all(h.done for h in handles):
+      self.step()
+    for h in handles:
+      if h.error is not None:
+        raise h.error
+    return [h.output for h in handles]
+
+  def cancel(self, handle: Handle) -> None:
+    """Ends ``handle``'s request now: its unfinished samples get ``"cancelled"``, its pages
+    are freed."""
+    with self._lock:
+      req = self._by_handle.get(handle.request_id)
+      if req is None or handle.done:
+        return
+      if req.state == "waiting":
+        self._waiting.remove(req)
+      else:
+        self._release(req)
+      req.state = "done"
+      for i in range(req.request.n):
+        if i not in req.finished:
+          req.finished[i] = SampleOutput(tuple(handle.tokens[i]), self._text(handle.tokens[i]),
+                                         "cancelled")
+      self._finish(req)
+
+  # -- one tick ---------------------------------------------------------------------------------
+
+  @property
+  def has_work(self) -> bool:
+    return bool(self._waiting or self._active)
+
+  def step(self) -> None:
+    """One scheduler tick: admit, prefill one chunk budget, decode, retire."""
+    with self._lock:
+      start = time.perf_counter()
+      self._admit()
+      self._prefill()
+      self._decode()
+      self._busy_s += time.perf_counter() - start
+
+  def _running_seqs(self) -> list[_Seq]:
+    return [s for r in self._active if r.state == "running" for s in r.seqs
+            if s.finish_reason is None]
+
+  def _decode_need(self, seqs: Sequence[_Seq]) -> int:
+    """New own pages the next decode call of ``seqs`` needs."""
+    ps, k = self.config.page_size, self.config.decode_steps
+    need = 0
+    for s in seqs:
+      steps = min(k, s.req.request.max_tokens - len(s.generated))
+      need += max(0, -(-(s.own_len + steps) // ps) - len(s.own_pages))
+    return need
+
+  def _free_pages(self, n: int) -> bool:
+    """``n`` free pages, evicting unlocked tree nodes if needed."""
+    if self.pool.num_free < n and self.tree is not None:
+      self.tree.evict(n)
+    return self.pool.num_free >= n
+
+  def _admit(self) -> None:
+    c, ps = self.config, self.config.page_size
+    while self._waiting:
+      req = self._waiting[0]
+      n = req.request.n
+      running = sum(r.request.n for r in self._active)
+      if running + n > c.max_running:
+        return
+      full, tail = divmod(req.context.size, ps)
+      match_node, matched = None, np.zeros(0, np.int32)
+      if self.tree is not None and full:
+        m = self.tree.match(req.context[:full * ps])
+        match_node, matched = m.node, m.pages
+        self.tree.lock(match_node)
+      need = full - matched.size + (n if tail else 0)
+      reserve = self._decode_need(self._running_seqs())
+      if not self._free_pages(need + reserve):
+        if match_node is not None:
+          self.tree.unlock(match_node)
+        if not self._active:  # cannot happen: submit checked the request fits alone
+          raise RuntimeError(f"request {req.handle.request_id} does not fit an empty cache")
+        return
+      self._waiting.popleft()
+      new = self.pool.alloc(need)
+      own = new[:need - (n - 1 if tail else 0)]
+      req.pages = np.concatenate([matched, own]).astype(np.int32)
+      req.copies = new[own.size:]
+      req.match_node = match_node
+      req.prefilled = req.cached_tokens = matched.size * ps
+      self._prompt_total += req.context.size
+      self._prompt_cached += req.cached_tokens
+      req.admitted = next(self._admissions)
+      req.state = "prefill"
+      self._active.append(req)
+
+  def _prefill(self) -> None:
+    budget = self.config.max_prefill_tokens
+    for req in [r for r in self._active if r.state == "prefill"]:
+      while req.prefilled < req.context.size and budget > 0:
+        n = min(budget, req.context.size - req.prefilled)
+        self._prefill_chunk(req, req.prefilled, n)
+        req.prefilled += n
+        budget -= n
+      if req.prefilled < req.context.size:
+        return
+      self._start_running(req)
+
+  def _prefill_chunk(self, req: _Req, start: int, n: int) -> None:
+    ps = self.config.page_size
+    t = self.config.prefill_bucket(n)
+    tokens = np.zeros((1, t), np.int32)
+    tokens[0, :n] = req.context[start:start + n]
+    width = _pow2(-(-(start + t) // ps))
+    table = np.full((1, width), NULL_PAGE, np.int32)
+    table[0, :min(width, req.pages.size)] = req.pages[:width]  # the pages this chunk reaches
+    none = np.zeros((0, 1, 1), np.int32)
+    self._k, self._v, _ = _forward(
+        self._graphdef, self._params, self._k, self._v, jnp.asarray(tokens), none,
+        np.zeros((0, 1), np.int32), np.zeros((0, 1), np.int32), table,
+        np.asarray([start], np.int32), np.asarray([start + n], np.int32),
+        *_no_sampling(1), num_steps=1, settings=self.settings, rules=())
+
+  def _start_running(self, req: _Req) -> None:
+    ps, n = self.config.page_size, req.request.n
+    full, tail = divmod(req.context.size, ps)
+    if self.tree is not None:
+      node = self.tree.root
+      if full:
+        node = self.tree.insert(req.context[:full * ps], req.pages[:full]).node
+        for _ in range(n):
+          self.tree.lock(node)
+        self.tree.unlock(req.match_node)
+      req.node = node
+    else:
+      req.node = _Prompt(-next(self._prompt_ids), req.pages[:full])
+      if full and n > 1:
+        self.pool.incref(np.tile(req.pages[:full], n - 1))  # one reference per sample
+    if tail:
+      src = int(req.pages[full])
+      for dst in req.copies:
+        self._k, self._v = _copy_page(self._k, self._v, np.int32(src), np.int32(dst))
+    firsts = [[int(req.pages[full])]] + [[int(p)] for p in req.copies] if tail else [[]] * n
+    req.seqs = [_Seq(req, i, list(firsts[i]), tail) for i in range(n)]
+    req.match_node, req.state = None, "running"
+
+  def _path(self, seq: _Seq):
+    if isinstance(seq.req.node, _Prompt):
+      return (seq.req.node,) if seq.req.node.pages.size else ()
+    return self.tree.path(seq.req.node)
+
+  def _decode(self) -> None:
+    c, ps, k = self.config, self.config.page_size, self.config.decode_steps
+    seqs = self._running_seqs()
+    while seqs:  # pages for every sequence's k steps: evict, then preempt the newest
+      need = self._decode_need(seqs)
+      if self._free_pages(need):
+        break
+      self._preempt(self._active[-1])
+      seqs = self._running_seqs()
+    if not seqs:
+      return
+    steps = [min(k, s.req.request.max_tokens - len(s.generated)) for s in seqs]
+    for s, n in zip(seqs, steps):
+      more = -(-(s.own_len + n) // ps) - len(s.own_pages)
+      if more > 0:
+        s.own_pages.extend(int(p) for p in self.pool.alloc(more))
+    plan = plan_cascade([self._path(s) for s in seqs], [s.own_pages for s in seqs],
+                        [s.own_len for s in seqs], ps, c.cascade_config())
+    levels = plan.num_levels or 0
+    page_table, seg_lengths, seg_of_seq = plan.page_table, plan.lengths, plan.segment_of_seq
+    if levels == 0:  # no shared level: the program without hierarchical attention
+      page_table, seg_lengths, seg_of_seq = page_table[:0], seg_lengths[:0], seg_of_seq[:0]
+    b = plan.order.size
+    tokens = np.zeros((b, 1), np.int32)
+    limit = np.zeros(b, np.int32)
+    seeds = np.zeros(b, np.uint32)
+    ids = np.zeros(b, np.int32)
+    first_step = np.zeros(b, np.int32)
+    rule_of = np.zeros(b, np.int32)
+    rules = tuple(sorted({s.req.request.sampling for s in seqs},
+                         key=lambda p: (p.temperature, p.top_k or 0, p.top_p or 0.0)))
+    for r, i in enumerate(plan.order):
+      if i < 0:
+        continue
+      s = seqs[i]
+      tokens[r, 0] = s.next_token
+      limit[r] = plan.own_lengths[r] + steps[i]
+      seeds[r] = np.uint32(s.req.request.seed % 2**32)
+      ids[r], first_step[r] = s.index, len(s.generated)
+      rule_of[r] = rules.index(s.req.request.sampling)
+    self._k, self._v, out = _forward(
+        self._graphdef, self._params, self._k, self._v, jnp.asarray(tokens), page_table,
+        seg_lengths, seg_of_seq, plan.own_page_table, plan.own_lengths, limit,
+        seeds, ids, first_step, rule_of, num_steps=k, settings=self.settings, rules=rules)
+    out = np.asarray(out)
+    for r, i in enumerate(plan.order):
+      if i >= 0:
+        self._accept(seqs[i], out[r, :steps[i]])
+    for req in [r for r in self._active if r.state == "running"]:
+      if all(s.finish_reason is not None for s in req.seqs):
+        self._release(req)
+        req.state = "done"
+        self._finish(req)
+
+  def _accept(self, seq: _Seq, tokens: np.ndarray) -> None:
+    """Takes a decode call's tokens for ``seq`` up to its first stop."""
+    request, handle = seq.req.request, seq.req.handle
+    for tok in tokens.tolist():
+      seq.generated.append(tok)
+      self._generated += 1
+      with handle._changed:
+        if len(seq.generated) > len(handle.tokens[seq.index]):  # not re-sent after preemption
+          handle.tokens[seq.index].append(tok)
+      reason = None
+      if (not request.ignore_eos and tok == self.eos_id) or tok in request.stop_token_ids:
+        reason = "stop"
+      elif request.stop:
+        text = self.tokenizer.decode(seq.generated)
+        cut = min((text.find(s) for s in request.stop if s in text), default=-1)
+        if cut >= 0:
+          reason, seq.text = "stop", text[:cut]
+      if reason is None and len(seq.generated) >= request.max_tokens:
+        reason = "length"
+      if reason is not None:
+        seq.finish_reason = reason
+        self._retire(seq)
+        break
+    else:
+      seq.own_len += tokens.size
+      seq.next_token = int(tokens[-1])
+    handle._notify()
+
+  def _retire(self, seq: _Seq) -> None:
+    """Frees a finished sample's own pages and its hold on the prompt."""
+    self.pool.decref(np.asarray(seq.own_pages, np.int32))
+    seq.own_pages = []
+    node = seq.req.node
+    if isinstance(node, _Prompt):
+      if node.pages.size:
+        self.pool.decref(node.pages)
+    elif node is not self.tree.root:
+      self.tree.unlock(node)
+    text = seq.text if seq.text is not None else self._text(seq.generated)
+    seq.req.finished[seq.index] = SampleOutput(tuple(seq.generated), text, seq.finish_reason)
+
+  def _release(self, req: _Req) -> None:
+    """Frees everything ``req`` holds (any state but waiting)."""
+    if req.state == "prefill":
+      self.pool.decref(np.concatenate([req.pages[req.cached_tokens // self.config.page_size:],
+                                       req.copies]).astype(np.int32))
+      if req.match_node is not None:
+        self.tree.unlock(req.match_node)
+    elif req.state == "running":
+      for s in req.seqs:
+        if s.finish_reason is None:
+          s.finish_reason = "cancelled"
+          self._retire(s)
+    if req in self._active:
+      self._active.remove(req)
+
+  def _preempt(self, req: _Req) -> None:
+    """Frees ``req``'s pages and puts it back first in the queue (recomputed later)."""
+    self._release(req)
+    self._prompt_total -= req.context.size
+    self._prompt_cached -= req.cached_tokens
+    req.reset()
+    self._waiting.appendleft(req)
+
+  def _finish(self, req: _Req) -> None:
+    handle = req.handle
+    samples = tuple(req.finished[i] for i in range(req.request.n))
+    handle.output = RequestOutput(handle.request_id, samples, int(req.prompt.size),
+                                  int(req.cached_tokens))
+    self._by_handle.pop(handle.request_id, None)
+    handle._notify()
+
+  def _text(self, tokens) -> Optional[str]:
+    return None if self.tokenizer is None else self.tokenizer.decode(list(tokens))
+
+  # -- the background loop and streaming ----------------------------------------------------------
+
+  @property
+  def running_loop(self) -> bool:
+    return self._thread is not None and self._thread.is_alive()
+
+  def start(self) -> None:
+    """Runs :meth:`step` in a background thread whenever there is work."""
+    if self.running_loop:
+      return
+    self._stop = False
+    self._thread = threading.Thread(target=self._loop, name="hydragen-engine", daemon=True)
+    self._thread.start()
+
+  def stop(self) -> None:
+    """Stops the background loop (requests in flight stay queued)."""
+    self._stop = True
+    self._wake.set()
+    if self._thread is not None:
+      self._thread.join()
+    self._thread = None
+
+  def _loop(self) -> None:
+    while not self._stop:
+      if not self.has_work:
+        self._wake.wait(timeout=0.1)
+        self._wake.clear()
+        continue
+      try:
+        self.step()
+      except Exception as e:  # a bug: every request in flight gets it, the loop goes on
+        with self._lock:
+          for req in list(self._active) + list(self._waiting):
+            self._waiting.remove(req) if req in self._waiting else self._release(req)
+            req.handle.error = e
+            req.handle._notify()
+
+  async def stream(self, request: Request):
+    """Yields per sample the new token ids as they come (an async generator).
+
+    Starts the background loop. A bad request raises its ValueError here; the engine keeps
+    serving the others. Leaving the loop early cancels the request.
+    """
+    loop = asyncio.get_running_loop()
+    self.start()
+    changed = asyncio.Event()
+    handle = self.submit(request)
+    handle._listeners.append(lambda: loop.call_soon_threadsafe(changed.set))
+    try:
+      while True:
+        new = handle.take()
+        if new is not None:
+          yield new
+          continue
+        if handle.error is not None:
+          raise handle.error
+        if handle.output is not None:
+          return
+        await changed.wait()
+        changed.clear()
+    finally:
+      if not handle.done:
+        self.cancel(handle)
+
+  # -- inspection and reset ---------------------------------------------------------------------
+
+  def stats(self) -> dict:
+    """Requests running and waiting, pages used/shared/free, prefix hit rate, tokens/s."""
+    with self._lock:
+      tree = self.tree.stats() if self.tree is not None else None
+      return dict(
+          running=len(self._active), waiting=len(self._waiting),
+          running_sequences=len(self._running_seqs()),
+          pages_used=self.pool.num_used, pages_free=self.pool.num_free,
+          pages_cached=tree.cached_pages if tree else 0,
+          pages_shared=tree.shared_pages if tree else 0,
+          prefix_hit_rate=(self._prompt_cached / self._prompt_total
+                           if self._prompt_total else 0.0),
+          generated_tokens=self._generated,
+          tokens_per_s=self._generated / self._busy_s if self._busy_s else 0.0)
+
+  def reset(self, model=None) -> None:
+    """Empties the prefix cache (and takes ``model``'s weights, if given); no request may be
+    in flight."""
+    with self._lock:
+      if self.has_work:
+        raise ValueError(f"reset: {len(self._active) + len(self._waiting)} requests are in "
+                         "flight (cancel them or let them finish)")
+      if model is not None:
+        if model.config != self.model_config:
+          raise ValueError("reset: model has another config than the engine's")
+        self._graphdef, self._params = nnx.split(model)
+      if self.tree is not None:
+        self.tree.reset()
+      self._prompt_total = self._prompt_cached = 0
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def _no_sampling(b: int):
+  return (np.zeros(b, np.uint32), np.zeros(b, np.int32), np.zeros(b, np.int32),
+          np.zeros(b, np.int32))
+
+
+def _keys(seeds, sample_ids, steps):
+  """Per row ``fold_in(fold_in(key(seed), sample_id), step)``: :func:`sampling_keys`'s rule."""
+  one = lambda s, i, t: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), i), t)
+  return jax.vmap(one)(seeds, sample_ids, steps)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("num_steps", "settings", "rules"),
+                   donate_argnums=(2, 3))
+def _forward(graphdef, params, k, v, tokens, page_table, seg_lengths, segment_of_seq,
+             own_page_table, own_lengths, write_limit, seeds, sample_ids, first_step, rule_of,
+             *, num_steps: int, settings: GenerationSettings,
+             rules: tuple[SamplingParams, ...]):
+  """``num_steps`` forward passes of ``tokens [B, T]`` over the paged cache.
+
+  With ``rules`` (decode, T = 1): each step samples row b's next token with
+  ``rules[rule_of[b]]`` and feeds it; returns ``(k, v, tokens int32 [B, num_steps])``.
+  Without (prefill): one pass that only writes K/V; returns ``(k, v, None)``.
+  """
+  model = nnx.merge(graphdef, params)
+  cache = PagedKVCache(k, v, page_table, seg_lengths, segment_of_seq, own_page_table,
+                       own_lengths, write_limit)
+  if not rules:
+    _, cache = model(tokens, cache=cache, settings=settings)
+    return cache.k, cache.v, None
+
+  def body(j, carry):
+    cache, tokens, out = carry
+    logits, cache = model(tokens, cache=cache, settings=settings)
+    keys = _keys(seeds, sample_ids, first_step + j)
+    new = jnp.zeros(tokens.shape[0], jnp.int32)
+    for i, rule in enumerate(rules):
+      new = jnp.where(rule_of == i, sample(logits[:, 0], keys, rule, settings.sampler), new)
+    out = lax.dynamic_update_slice(out, new[:, None], (0, j))
+    return cache, new[:, None], out
+
+  out = jnp.zeros((tokens.shape[0], num_steps), jnp.int32)
+  cache, _, out = lax.fori_loop(0, num_steps, body, (cache, tokens, out))
+  return cache.k, cache.v, out
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _copy_page(k, v, src, dst):
+  """Every layer's page ``src`` copied to page ``dst``."""
+  return (tuple(x.at[dst].set(x[src]) for x in k), tuple(x.at[dst].set(x[src]) for x in v))

@@ -125,7 +125,8 @@ class Engine:
     self._by_handle: dict[int, _Req] = {}
     self._thread: Optional[threading.Thread] = None
     self._stop = False
-    self._generated = 0
+    self._generated = self._preemptions = 0
+    self._decode_calls = self._cascade_calls = 0  # device calls; those with a shared level
     self._busy_s = 0.0
     self._prompt_total = self._prompt_cached = 0
 
@@ -301,7 +302,7 @@ class Engine:
     t = self.config.prefill_bucket(n)
     tokens = np.zeros((1, t), np.int32)
     tokens[0, :n] = req.context[start:start + n]
-    width = _pow2(-(-(start + t) // ps))
+    width = self.config.cascade_config().bucket("own_pages", -(-(start + t) // ps))
     table = np.full((1, width), NULL_PAGE, np.int32)
     table[0, :min(width, req.pages.size)] = req.pages[:width]  # the pages this chunk reaches
     none = np.zeros((0, 1, 1), np.int32)
@@ -361,6 +362,8 @@ class Engine:
     page_table, seg_lengths, seg_of_seq = plan.page_table, plan.lengths, plan.segment_of_seq
     if levels == 0:  # no shared level: the program without hierarchical attention
       page_table, seg_lengths, seg_of_seq = page_table[:0], seg_lengths[:0], seg_of_seq[:0]
+    self._decode_calls += 1
+    self._cascade_calls += levels > 0
     b = plan.order.size
     tokens = np.zeros((b, 1), np.int32)
     limit = np.zeros(b, np.int32)
@@ -452,6 +455,7 @@ class Engine:
   def _preempt(self, req: _Req) -> None:
     """Frees ``req``'s pages and puts it back first in the queue (recomputed later)."""
     self._release(req)
+    self._preemptions += 1
     self._prompt_total -= req.context.size
     self._prompt_cached -= req.cached_tokens
     req.reset()
@@ -546,7 +550,8 @@ class Engine:
           pages_shared=tree.shared_pages if tree else 0,
           prefix_hit_rate=(self._prompt_cached / self._prompt_total
                            if self._prompt_total else 0.0),
-          generated_tokens=self._generated,
+          generated_tokens=self._generated, preemptions=self._preemptions,
+          decode_calls=self._decode_calls, cascade_calls=self._cascade_calls,
           tokens_per_s=self._generated / self._busy_s if self._busy_s else 0.0)
 
   def reset(self, model=None) -> None:
@@ -563,10 +568,6 @@ class Engine:
       if self.tree is not None:
         self.tree.reset()
       self._prompt_total = self._prompt_cached = 0
-
-
-def _pow2(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
 
 
 def _no_sampling(b: int):

@@ -17,6 +17,8 @@ from models.generation.sampling import SamplingParams
 from models.serving.cascade import CascadeConfig
 
 FINISH_REASONS = ("stop", "length", "cancelled")
+_BUCKET_FIELDS = ("batch_buckets", "prefill_buckets", "level_buckets", "segment_buckets",
+                  "page_buckets", "own_page_buckets")
 
 
 def _positive_int(owner: str, name: str, value, minimum: int = 1) -> None:
@@ -51,6 +53,9 @@ class EngineConfig:
     batch_buckets: padded batch sizes of the decode program (None: powers of two).
     prefill_buckets: padded prefill chunk lengths (None: powers of two up to
       ``max_prefill_tokens``).
+    level_buckets, segment_buckets, page_buckets, own_page_buckets: padded sizes of the
+      cascade plan (:class:`models.serving.cascade.CascadeConfig`; None: powers of two);
+      ``own_page_buckets`` also pads a prefill chunk's page table.
   """
 
   page_size: int = 16
@@ -63,6 +68,10 @@ class EngineConfig:
   prefix_caching: bool = True
   batch_buckets: Optional[tuple[int, ...]] = None
   prefill_buckets: Optional[tuple[int, ...]] = None
+  level_buckets: Optional[tuple[int, ...]] = None
+  segment_buckets: Optional[tuple[int, ...]] = None
+  page_buckets: Optional[tuple[int, ...]] = None
+  own_page_buckets: Optional[tuple[int, ...]] = None
 
   def __post_init__(self):
     for name in ("page_size", "max_running", "max_prefill_tokens", "decode_steps"):
@@ -72,7 +81,7 @@ class EngineConfig:
     for name in ("cascade", "prefix_caching"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"EngineConfig: {name}={getattr(self, name)!r} must be a bool")
-    for name in ("batch_buckets", "prefill_buckets"):
+    for name in _BUCKET_FIELDS:
       value = getattr(self, name)
       if isinstance(value, list):
         object.__setattr__(self, name, value := tuple(value))
@@ -87,7 +96,9 @@ class EngineConfig:
   def cascade_config(self) -> CascadeConfig:
     """The planner's config: no shared level at all when ``cascade`` is False."""
     return CascadeConfig(min_shared_tokens=self.min_shared_tokens if self.cascade else 2**62,
-                         batch=self.batch_buckets)
+                         batch=self.batch_buckets, levels=self.level_buckets,
+                         segments=self.segment_buckets, pages=self.page_buckets,
+                         own_pages=self.own_page_buckets)
 
   def prefill_bucket(self, n: int) -> int:
     """The padded length of a prefill chunk of ``n`` tokens."""

@@ -25,66 +25,24 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import itertools
 import threading
 import time
 from typing import Iterable, Optional, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 
-from models.generation.sampling import SamplingParams, sample
 from models.generation.settings import GenerationSettings
+from models.serving import device
 from models.serving.cascade import plan_cascade
 from models.serving.pages import NULL_PAGE, PagePool
-from models.serving.paged_cache import PagedKVCache, empty_pools
+from models.serving.paged_cache import empty_pools
 from models.serving.radix import RadixTree
 from models.serving.requests import (EngineConfig, Handle, Request, RequestOutput,
-                                     SampleOutput)
-
-
-class _Prompt:
-  """A request's prompt pages outside the tree (``prefix_caching=False``): a path node."""
-
-  def __init__(self, node_id: int, pages: np.ndarray):
-    self.id, self.pages = node_id, pages
-
-
-class _Seq:
-  """One sample of a running request."""
-
-  def __init__(self, req: "_Req", index: int, own_pages: list[int], own_len: int):
-    self.req, self.index = req, index
-    self.own_pages, self.own_len = own_pages, own_len
-    self.generated: list[int] = []
-    self.next_token = int(req.prompt[-1])
-    self.finish_reason: Optional[str] = None
-    self.text: Optional[str] = None
-
-
-class _Req:
-  """A request's scheduling state: waiting -> prefill -> running -> done."""
-
-  def __init__(self, handle: Handle, prompt: np.ndarray):
-    self.handle, self.request, self.prompt = handle, handle.request, prompt
-    self.context = prompt[:-1]  # prefilled; the last token is fed by the first decode step
-    self.reset()
-
-  def reset(self) -> None:
-    self.state = "waiting"
-    self.admitted = -1
-    self.match_node = None  # the tree node locked while prefilling
-    self.node = None  # the tree node (or _Prompt) every sample's path ends at
-    self.pages = np.zeros(0, np.int32)  # prompt pages: cached, then new (tail page last)
-    self.copies = np.zeros(0, np.int32)  # the tail page's copies for samples 1..n-1
-    self.prefilled = 0
-    self.cached_tokens = 0
-    self.seqs: list[_Seq] = []
-    self.finished: dict[int, SampleOutput] = {}
+                                     SampleOutput, prompt_ids)
+from models.serving.state import PromptPages, Req, Seq
 
 
 class Engine:
@@ -120,9 +78,9 @@ class Engine:
     self._ids = itertools.count()
     self._prompt_ids = itertools.count(1)
     self._admissions = itertools.count()
-    self._waiting: collections.deque[_Req] = collections.deque()
-    self._active: list[_Req] = []  # prefilling or running, in admission order
-    self._by_handle: dict[int, _Req] = {}
+    self._waiting: collections.deque[Req] = collections.deque()
+    self._active: list[Req] = []  # prefilling or running, in admission order
+    self._by_handle: dict[int, Req] = {}
     self._thread: Optional[threading.Thread] = None
     self._stop = False
     self._generated = self._preemptions = 0
@@ -139,46 +97,14 @@ class Engine:
     prompt = self._check(request)
     with self._lock:
       handle = Handle(self, next(self._ids), request)
-      req = _Req(handle, prompt)
+      req = Req(handle, prompt)
       self._waiting.append(req)
       self._by_handle[handle.request_id] = req
     self._wake.set()
     return handle
 
   def _check(self, request: Request) -> np.ndarray:
-    c, mc = self.config, self.model_config
-    if isinstance(request.prompt, str):
-      if self.tokenizer is None:
-        raise ValueError("Request: prompt is text; the engine needs a tokenizer (or give ids)")
-      prompt = np.asarray(self.tokenizer.encode(request.prompt), np.int32)
-      if prompt.size == 0:
-        raise ValueError("Request: prompt encodes to no tokens")
-    else:
-      prompt = np.asarray(request.prompt, np.int64)
-      if prompt.min() < 0 or prompt.max() >= mc.vocab_size:
-        raise ValueError(f"Request: prompt token ids must lie in [0, {mc.vocab_size}) (the "
-                         f"vocabulary); got values in [{prompt.min()}, {prompt.max()}]")
-      prompt = prompt.astype(np.int32)
-    if request.stop and self.tokenizer is None:
-      raise ValueError("Request: stop strings need a tokenizer (or use stop_token_ids)")
-    if prompt.size > mc.max_position_embeddings:
-      raise ValueError(f"Request: prompt has {prompt.size} tokens; the model's context is "
-                       f"{mc.max_position_embeddings} (config.max_position_embeddings)")
-    if prompt.size + request.max_tokens > mc.max_position_embeddings:
-      raise ValueError(f"Request: max_tokens={request.max_tokens} after a prompt of "
-                       f"{prompt.size} tokens exceeds the model's context of "
-                       f"{mc.max_position_embeddings} tokens")
-    if request.n > c.max_running:
-      raise ValueError(f"Request: n={request.n} exceeds EngineConfig.max_running="
-                       f"{c.max_running}")
-    ps = c.page_size
-    full, tail = divmod(prompt.size - 1, ps)
-    worst = full + request.n * -(-(tail + request.max_tokens) // ps)
-    if worst > c.num_pages - 1:
-      raise ValueError(f"Request: n={request.n} samples of max_tokens={request.max_tokens} "
-                       f"need up to {worst} pages; the cache holds {c.num_pages - 1} "
-                       "(EngineConfig.num_pages)")
-    return prompt
+    return prompt_ids(request, self.model_config, self.config, self.tokenizer)
 
   def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
     """Runs ``requests`` to completion; outputs in their order (offline batch)."""
@@ -231,11 +157,11 @@ class Engine:
       self._decode()
       self._busy_s += time.perf_counter() - start
 
-  def _running_seqs(self) -> list[_Seq]:
+  def _running_seqs(self) -> list[Seq]:
     return [s for r in self._active if r.state == "running" for s in r.seqs
             if s.finish_reason is None]
 
-  def _decode_need(self, seqs: Sequence[_Seq]) -> int:
+  def _decode_need(self, seqs: Sequence[Seq]) -> int:
     """New own pages the next decode call of ``seqs`` needs."""
     ps, k = self.config.page_size, self.config.decode_steps
     need = 0
@@ -297,7 +223,7 @@ class Engine:
         return
       self._start_running(req)
 
-  def _prefill_chunk(self, req: _Req, start: int, n: int) -> None:
+  def _prefill_chunk(self, req: Req, start: int, n: int) -> None:
     ps = self.config.page_size
     t = self.config.prefill_bucket(n)
     tokens = np.zeros((1, t), np.int32)
@@ -306,13 +232,13 @@ class Engine:
     table = np.full((1, width), NULL_PAGE, np.int32)
     table[0, :min(width, req.pages.size)] = req.pages[:width]  # the pages this chunk reaches
     none = np.zeros((0, 1, 1), np.int32)
-    self._k, self._v, _ = _forward(
+    self._k, self._v, _ = device.forward(
         self._graphdef, self._params, self._k, self._v, jnp.asarray(tokens), none,
         np.zeros((0, 1), np.int32), np.zeros((0, 1), np.int32), table,
         np.asarray([start], np.int32), np.asarray([start + n], np.int32),
-        *_no_sampling(1), num_steps=1, settings=self.settings, rules=())
+        *device.no_sampling(1), num_steps=1, settings=self.settings, rules=())
 
-  def _start_running(self, req: _Req) -> None:
+  def _start_running(self, req: Req) -> None:
     ps, n = self.config.page_size, req.request.n
     full, tail = divmod(req.context.size, ps)
     if self.tree is not None:
@@ -324,19 +250,19 @@ class Engine:
         self.tree.unlock(req.match_node)
       req.node = node
     else:
-      req.node = _Prompt(-next(self._prompt_ids), req.pages[:full])
+      req.node = PromptPages(-next(self._prompt_ids), req.pages[:full])
       if full and n > 1:
         self.pool.incref(np.tile(req.pages[:full], n - 1))  # one reference per sample
     if tail:
       src = int(req.pages[full])
       for dst in req.copies:
-        self._k, self._v = _copy_page(self._k, self._v, np.int32(src), np.int32(dst))
+        self._k, self._v = device.copy_page(self._k, self._v, np.int32(src), np.int32(dst))
     firsts = [[int(req.pages[full])]] + [[int(p)] for p in req.copies] if tail else [[]] * n
-    req.seqs = [_Seq(req, i, list(firsts[i]), tail) for i in range(n)]
+    req.seqs = [Seq(req, i, list(firsts[i]), tail) for i in range(n)]
     req.match_node, req.state = None, "running"
 
-  def _path(self, seq: _Seq):
-    if isinstance(seq.req.node, _Prompt):
+  def _path(self, seq: Seq):
+    if isinstance(seq.req.node, PromptPages):
       return (seq.req.node,) if seq.req.node.pages.size else ()
     return self.tree.path(seq.req.node)
 
@@ -382,7 +308,7 @@ class Engine:
       seeds[r] = np.uint32(s.req.request.seed % 2**32)
       ids[r], first_step[r] = s.index, len(s.generated)
       rule_of[r] = rules.index(s.req.request.sampling)
-    self._k, self._v, out = _forward(
+    self._k, self._v, out = device.forward(
         self._graphdef, self._params, self._k, self._v, jnp.asarray(tokens), page_table,
         seg_lengths, seg_of_seq, plan.own_page_table, plan.own_lengths, limit,
         seeds, ids, first_step, rule_of, num_steps=k, settings=self.settings, rules=rules)
@@ -396,7 +322,7 @@ class Engine:
         req.state = "done"
         self._finish(req)
 
-  def _accept(self, seq: _Seq, tokens: np.ndarray) -> None:
+  def _accept(self, seq: Seq, tokens: np.ndarray) -> None:
     """Takes a decode call's tokens for ``seq`` up to its first stop."""
     request, handle = seq.req.request, seq.req.handle
     for tok in tokens.tolist():
@@ -424,12 +350,12 @@ class Engine:
       seq.next_token = int(tokens[-1])
     handle._notify()
 
-  def _retire(self, seq: _Seq) -> None:
+  def _retire(self, seq: Seq) -> None:
     """Frees a finished sample's own pages and its hold on the prompt."""
     self.pool.decref(np.asarray(seq.own_pages, np.int32))
     seq.own_pages = []
     node = seq.req.node
-    if isinstance(node, _Prompt):
+    if isinstance(node, PromptPages):
       if node.pages.size:
         self.pool.decref(node.pages)
     elif node is not self.tree.root:
@@ -437,7 +363,7 @@ class Engine:
     text = seq.text if seq.text is not None else self._text(seq.generated)
     seq.req.finished[seq.index] = SampleOutput(tuple(seq.generated), text, seq.finish_reason)
 
-  def _release(self, req: _Req) -> None:
+  def _release(self, req: Req) -> None:
     """Frees everything ``req`` holds (any state but waiting)."""
     if req.state == "prefill":
       self.pool.decref(np.concatenate([req.pages[req.cached_tokens // self.config.page_size:],
@@ -452,7 +378,7 @@ class Engine:
     if req in self._active:
       self._active.remove(req)
 
-  def _preempt(self, req: _Req) -> None:
+  def _preempt(self, req: Req) -> None:
     """Frees ``req``'s pages and puts it back first in the queue (recomputed later)."""
     self._release(req)
     self._preemptions += 1
@@ -461,7 +387,7 @@ class Engine:
     req.reset()
     self._waiting.appendleft(req)
 
-  def _finish(self, req: _Req) -> None:
+  def _finish(self, req: Req) -> None:
     handle = req.handle
     samples = tuple(req.finished[i] for i in range(req.request.n))
     handle.output = RequestOutput(handle.request_id, samples, int(req.prompt.size),
@@ -568,54 +494,3 @@ class Engine:
       if self.tree is not None:
         self.tree.reset()
       self._prompt_total = self._prompt_cached = 0
-
-
-def _no_sampling(b: int):
-  return (np.zeros(b, np.uint32), np.zeros(b, np.int32), np.zeros(b, np.int32),
-          np.zeros(b, np.int32))
-
-
-def _keys(seeds, sample_ids, steps):
-  """Per row ``fold_in(fold_in(key(seed), sample_id), step)``: :func:`sampling_keys`'s rule."""
-  one = lambda s, i, t: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), i), t)
-  return jax.vmap(one)(seeds, sample_ids, steps)
-
-
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("num_steps", "settings", "rules"),
-                   donate_argnums=(2, 3))
-def _forward(graphdef, params, k, v, tokens, page_table, seg_lengths, segment_of_seq,
-             own_page_table, own_lengths, write_limit, seeds, sample_ids, first_step, rule_of,
-             *, num_steps: int, settings: GenerationSettings,
-             rules: tuple[SamplingParams, ...]):
-  """``num_steps`` forward passes of ``tokens [B, T]`` over the paged cache.
-
-  With ``rules`` (decode, T = 1): each step samples row b's next token with
-  ``rules[rule_of[b]]`` and feeds it; returns ``(k, v, tokens int32 [B, num_steps])``.
-  Without (prefill): one pass that only writes K/V; returns ``(k, v, None)``.
-  """
-  model = nnx.merge(graphdef, params)
-  cache = PagedKVCache(k, v, page_table, seg_lengths, segment_of_seq, own_page_table,
-                       own_lengths, write_limit)
-  if not rules:
-    _, cache = model(tokens, cache=cache, settings=settings)
-    return cache.k, cache.v, None
-
-  def body(j, carry):
-    cache, tokens, out = carry
-    logits, cache = model(tokens, cache=cache, settings=settings)
-    keys = _keys(seeds, sample_ids, first_step + j)
-    new = jnp.zeros(tokens.shape[0], jnp.int32)
-    for i, rule in enumerate(rules):
-      new = jnp.where(rule_of == i, sample(logits[:, 0], keys, rule, settings.sampler), new)
-    out = lax.dynamic_update_slice(out, new[:, None], (0, j))
-    return cache, new[:, None], out
-
-  out = jnp.zeros((tokens.shape[0], num_steps), jnp.int32)
-  cache, _, out = lax.fori_loop(0, num_steps, body, (cache, tokens, out))
-  return cache.k, cache.v, out
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _copy_page(k, v, src, dst):
-  """Every layer's page ``src`` copied to page ``dst``."""
-  return (tuple(x.at[dst].set(x[src]) for x in k), tuple(x.at[dst].set(x[src]) for x in v))

@@ -13,6 +13,8 @@ import math
 import threading
 from typing import Optional, Sequence, Union
 
+import numpy as np
+
 from models.generation.sampling import SamplingParams
 from models.serving.cascade import CascadeConfig
 
@@ -178,6 +180,45 @@ class Request:
   @property
   def sampling(self) -> SamplingParams:
     return SamplingParams(float(self.temperature), self.top_k, self.top_p)
+
+
+def prompt_ids(request: Request, model_config, config: EngineConfig, tokenizer=None) -> np.ndarray:
+  """The request's prompt as int32 ids, after the checks that need the model and the engine:
+  ids in the vocabulary, prompt + ``max_tokens`` within the model's context, ``n`` and
+  ``max_tokens`` within what the cache can ever hold (a ValueError naming the field)."""
+  c, mc = config, model_config
+  if isinstance(request.prompt, str):
+    if tokenizer is None:
+      raise ValueError("Request: prompt is text; the engine needs a tokenizer (or give ids)")
+    prompt = np.asarray(tokenizer.encode(request.prompt), np.int32)
+    if prompt.size == 0:
+      raise ValueError("Request: prompt encodes to no tokens")
+  else:
+    prompt = np.asarray(request.prompt, np.int64)
+    if prompt.min() < 0 or prompt.max() >= mc.vocab_size:
+      raise ValueError(f"Request: prompt token ids must lie in [0, {mc.vocab_size}) (the "
+                       f"vocabulary); got values in [{prompt.min()}, {prompt.max()}]")
+    prompt = prompt.astype(np.int32)
+  if request.stop and tokenizer is None:
+    raise ValueError("Request: stop strings need a tokenizer (or use stop_token_ids)")
+  if prompt.size > mc.max_position_embeddings:
+    raise ValueError(f"Request: prompt has {prompt.size} tokens; the model's context is "
+                     f"{mc.max_position_embeddings} (config.max_position_embeddings)")
+  if prompt.size + request.max_tokens > mc.max_position_embeddings:
+    raise ValueError(f"Request: max_tokens={request.max_tokens} after a prompt of "
+                     f"{prompt.size} tokens exceeds the model's context of "
+                     f"{mc.max_position_embeddings} tokens")
+  if request.n > c.max_running:
+    raise ValueError(f"Request: n={request.n} exceeds EngineConfig.max_running="
+                     f"{c.max_running}")
+  ps = c.page_size
+  full, tail = divmod(prompt.size - 1, ps)
+  worst = full + request.n * -(-(tail + request.max_tokens) // ps)
+  if worst > c.num_pages - 1:
+    raise ValueError(f"Request: n={request.n} samples of max_tokens={request.max_tokens} "
+                     f"need up to {worst} pages; the cache holds {c.num_pages - 1} "
+                     "(EngineConfig.num_pages)")
+  return prompt
 
 
 @dataclasses.dataclass(frozen=True)

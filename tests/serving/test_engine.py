@@ -235,8 +235,10 @@ def test_text_prompts_and_stop_strings(model):
   text = tok.decode(oracle(model, Request(tuple(tok.encode(plain.prompt)), max_tokens=6))[0])
   stop = text[2:4]
   engine = Engine(model, tok, config=config(), settings=SETTINGS)
-  out_plain, out_stop = engine.generate(
-      [plain, Request(plain.prompt, max_tokens=6, stop=(stop,), ignore_eos=True)])
+  one_token = Request([7], n=2, max_tokens=4, temperature=1.0, seed=1)  # nothing to prefill
+  out_plain, out_stop, out_one = engine.generate(
+      [plain, Request(plain.prompt, max_tokens=6, stop=(stop,), ignore_eos=True), one_token])
+  assert got(out_one) == expected(model, one_token)
   assert out_plain.samples[0].text == text
   cut = text.find(stop)
   assert out_stop.samples[0].text == text[:cut]

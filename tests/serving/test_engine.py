@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from models.generation.loop import generate
 from models.generation.sampling import sample
@@ -179,6 +181,43 @@ def test_cascade_off_and_prefix_caching_off_give_the_same_tokens(model, changes)
   for request, out in zip(requests, engine.generate(requests)):
     assert got(out) == expected(model, request)
   assert (engine.stats()["cascade_calls"] > 0) == changes.get("cascade", True)
+  assert_drained(engine)
+
+
+SYSTEM = list(range(100, 109))
+
+
+@st.composite
+def schedules(draw):
+  """Requests over a shared system prompt or alone, random ticks, some cancelled."""
+  requests, arrivals, cancels = [], [], []
+  for i in range(draw(st.integers(2, 5))):
+    own = draw(st.lists(st.integers(0, 255), min_size=1, max_size=6))
+    prompt = SYSTEM + own if draw(st.booleans()) else own
+    sampled = draw(st.booleans())
+    requests.append(Request(prompt, n=draw(st.integers(1, 3)),
+                            max_tokens=draw(st.integers(1, 6)),
+                            temperature=0.8 if sampled else 0.0, seed=draw(st.integers(0, 9)),
+                            ignore_eos=True))
+    arrivals.append(draw(st.integers(0, 5)))
+    if draw(st.integers(0, 4)) == 0:
+      cancels.append((i, arrivals[-1] + draw(st.integers(0, 2))))
+  return requests, arrivals, cancels
+
+
+@settings(max_examples=4, deadline=None)
+@given(schedules())
+def test_random_schedules_with_cancellations(model, schedule):
+  requests, arrivals, cancels = schedule
+  engine = Engine(model, config=config(num_pages=24), settings=SETTINGS)
+  handles = run_schedule(engine, requests, arrivals, cancel_at=cancels)
+  for request, handle in zip(requests, handles):
+    samples = handle.output.samples
+    if any(s.finish_reason == "cancelled" for s in samples):
+      for sample, want in zip(samples, oracle(model, request)):
+        assert list(sample.token_ids) == want[:len(sample.token_ids)]
+    else:
+      assert got(handle.output) == expected(model, request)
   assert_drained(engine)
 
 

@@ -33,8 +33,8 @@ from flax import nnx
 from jax import lax
 
 from jax_shared_attn import attention_with_lse
-from jax_shared_attn.sharding import AttentionSharding, sharded
-from models.generation.cache import KVCache
+from jax_shared_attn.sharding import AttentionSharding
+from models.generation.cache import KVCache, per_shard
 from models.generation.settings import GenerationSettings
 from models.model.config import LlamaConfig
 from models.model.rope import apply_rope, inverse_frequencies
@@ -142,7 +142,7 @@ class Attention(nnx.Module):
         raise ValueError("settings.causal_attention runs without a mesh only")
       out = settings.causal_attention(xq, keys, values)
     elif cache is None:
-      out, _ = _per_shard(attention_with_lse, sharding)(xq, keys, values, causal=True,
+      out, _ = per_shard(attention_with_lse, sharding)(xq, keys, values, causal=True,
                                                         impl=settings.impl, config=settings.config)
     else:
       cache = (cache.write(self.layer, keys, values) if sharding is None
@@ -159,12 +159,6 @@ def _no_attention(xq: Array, keys: Array, values: Array) -> Array:
   """
   group = xq.shape[2] // keys.shape[2]
   return xq + jnp.repeat(keys + values, group, axis=2)
-
-
-def _per_shard(fn, sharding: Optional[AttentionSharding]):
-  """``fn`` itself, or on a mesh ``fn`` under shard_map: each device runs it (kernels
-  included) on its sequences x heads block, with no communication (models.parallel.sharding)."""
-  return fn if sharding is None else sharded(fn, *sharding)
 
 
 class MLP(nnx.Module):

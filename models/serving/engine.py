@@ -78,6 +78,7 @@ class Engine:
     self._ids = itertools.count()
     self._prompt_ids = itertools.count(1)
     self._admissions = itertools.count()
+    self._inbox: collections.deque[Req] = collections.deque()  # submitted, not yet drained
     self._waiting: collections.deque[Req] = collections.deque()
     self._active: list[Req] = []  # prefilling or running, in admission order
     self._by_handle: dict[int, Req] = {}
@@ -95,13 +96,17 @@ class Engine:
     if not isinstance(request, Request):
       raise ValueError(f"request must be a Request; got {type(request).__name__}")
     prompt = self._check(request)
-    with self._lock:
-      handle = Handle(self, next(self._ids), request)
-      req = Req(handle, prompt)
-      self._waiting.append(req)
-      self._by_handle[handle.request_id] = req
+    handle = Handle(self, next(self._ids), request)
+    self._inbox.append(Req(handle, prompt))  # no lock: a tick in progress does not block it
     self._wake.set()
     return handle
+
+  def _drain(self) -> None:
+    """Moves submitted requests to the waiting queue (under the lock)."""
+    while self._inbox:
+      req = self._inbox.popleft()
+      self._waiting.append(req)
+      self._by_handle[req.handle.request_id] = req
 
   def _check(self, request: Request) -> np.ndarray:
     return prompt_ids(request, self.model_config, self.config, self.tokenizer)
@@ -128,6 +133,7 @@ class Engine:
     """Ends ``handle``'s request now: its unfinished samples get ``"cancelled"``, its pages
     are freed."""
     with self._lock:
+      self._drain()
       req = self._by_handle.get(handle.request_id)
       if req is None or handle.done:
         return
@@ -146,12 +152,13 @@ class Engine:
 
   @property
   def has_work(self) -> bool:
-    return bool(self._waiting or self._active)
+    return bool(self._inbox or self._waiting or self._active)
 
   def step(self) -> None:
     """One scheduler tick: admit, prefill one chunk budget, decode, retire."""
     with self._lock:
       start = time.perf_counter()
+      self._drain()
       self._admit()
       self._prefill()
       self._decode()
@@ -469,7 +476,7 @@ class Engine:
     with self._lock:
       tree = self.tree.stats() if self.tree is not None else None
       return dict(
-          running=len(self._active), waiting=len(self._waiting),
+          running=len(self._active), waiting=len(self._waiting) + len(self._inbox),
           running_sequences=len(self._running_seqs()),
           pages_used=self.pool.num_used, pages_free=self.pool.num_free,
           pages_cached=tree.cached_pages if tree else 0,

@@ -300,6 +300,8 @@ def test_a_shared_prompt_is_stored_once_and_cancel_frees_at_once(model):
   assert stats["pages_cached"] == 3 and stats["pages_shared"] == 3
   used = stats["pages_used"]
   assert used == 3 + sum(len(s.own_pages) for r in engine._active for s in r.seqs)
+  with pytest.raises(ValueError, match="in flight"):
+    engine.reset()
   engine.cancel(first)
   assert engine.stats()["pages_used"] < used
   assert [s.finish_reason for s in first.output.samples] == ["cancelled"] * 3

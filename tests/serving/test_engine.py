@@ -381,13 +381,16 @@ def test_requests_the_engine_cannot_serve_fail_alone(model):
           t.extend(more)
       return tokens
 
-    results = await asyncio.gather(collect(good), collect(bad[3][0]), return_exceptions=True)
-    return results
+    return await asyncio.gather(collect(good), collect(bad[3][0]), collect(other),
+                                return_exceptions=True)
 
+  other = Request(list(range(1, 10)), n=2, max_tokens=4, temperature=1.0, seed=2,
+                  ignore_eos=True)
   try:
-    ok, err = asyncio.run(main())
+    ok, err, ok2 = asyncio.run(main())
   finally:
     engine.stop()
   assert isinstance(err, ValueError) and "n=" in str(err)
   assert [tuple(t) for t in ok] == [want for want, _ in expected(model, good)]
+  assert [tuple(t) for t in ok2] == [want for want, _ in expected(model, other)]
   assert_drained(engine)

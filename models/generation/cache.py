@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_shared_attn import SharedLevel
+from jax_shared_attn import SharedLevel, attention_with_lse, hierarchical_attention
+from jax_shared_attn.sharding import AttentionSharding, sharded
 from models.model.config import LlamaConfig
 
 Array = jax.Array
@@ -132,6 +133,21 @@ class KVCache:
   def advance(self, t: int) -> "KVCache":
     return dataclasses.replace(self, lengths=self.lengths + t)
 
+  def attention(self, xq: Array, layer: int, t: int, settings,
+                sharding: Optional[AttentionSharding] = None) -> Array:
+    """Causal attention of the T new queries ``xq [B, T, Hq, D]`` over the shared levels and
+    own K/V of ``layer`` (written by :meth:`write` just before)."""
+    own_k, own_v = self.k[layer], self.v[layer]  # [B, S, Hkv, D]
+    own_lengths = self.lengths + t
+    if self.levels:  # Hydragen: each shared segment attended once by all its sequences' queries
+      return per_shard(hierarchical_attention, sharding)(
+          xq, self.shared_levels(layer), own_k, own_v, suffix_lengths=own_lengths, causal=True,
+          impl=settings.impl, config=settings.config)
+    out, _ = per_shard(attention_with_lse, sharding)(xq, own_k, own_v, kv_lengths=own_lengths,
+                                                     causal=True, impl=settings.impl,
+                                                     config=settings.config)
+    return out
+
   # -- accounting -----------------------------------------------------------------------------
 
   @property
@@ -147,6 +163,12 @@ class KVCache:
   @property
   def nbytes(self) -> int:
     return self.shared_nbytes + self.own_nbytes
+
+
+def per_shard(fn, sharding: Optional[AttentionSharding]):
+  """``fn`` itself, or on a mesh ``fn`` under shard_map: each device runs it (kernels
+  included) on its sequences x heads block, with no communication (models.parallel.sharding)."""
+  return fn if sharding is None else sharded(fn, *sharding)
 
 
 def _concrete_max(lengths: Array):

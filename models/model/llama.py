@@ -16,9 +16,10 @@ decode is slower with it; GPUs and TPUs read either orientation. The embedding s
     >>> logits = model(tokens)                               # [B, T] -> float32 [B, T, vocab]
     >>> logits, cache = model(tokens, cache=cache)           # with a KV cache (models.generation.cache)
 
-With a cache, attention goes through :mod:`jax_shared_attn`: shared levels
-(the Hydragen tree) with :func:`hierarchical_attention`, or only own K/V
-(the standard baseline) with :func:`attention_with_lse`.
+With a cache, the decoder writes each layer's new K/V with ``cache.write(layer, k, v)`` and
+attends with ``cache.attention(q, layer, t, settings, sharding)``: the contiguous
+:class:`models.generation.cache.KVCache` or the serving engine's paged cache
+(:mod:`models.serving.paged_cache`).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jax_shared_attn import attention_with_lse, hierarchical_attention
-from jax_shared_attn.sharding import AttentionSharding, sharded
-from models.generation.cache import KVCache
+from jax_shared_attn import attention_with_lse
+from jax_shared_attn.sharding import AttentionSharding
+from models.generation.cache import KVCache, per_shard
 from models.generation.settings import GenerationSettings
 from models.model.config import LlamaConfig
 from models.model.rope import apply_rope, inverse_frequencies
@@ -131,7 +132,7 @@ class Attention(nnx.Module):
     self.layer = layer
     self.inv_freq = tuple(float(f) for f in inverse_frequencies(config))
 
-  def __call__(self, x: Array, positions: Array, cache: Optional[KVCache], *,
+  def __call__(self, x: Array, positions: Array, cache: Optional[Any], *,
                skip_attention: bool, settings: GenerationSettings,
                sharding: Optional[AttentionSharding] = None) -> tuple[Array, Optional[KVCache]]:
     xq = _heads_in(x, self.q_proj)  # (bs, seqlen, n_heads, head_dim)
@@ -148,12 +149,12 @@ class Attention(nnx.Module):
         raise ValueError("settings.causal_attention runs without a mesh only")
       out = settings.causal_attention(xq, keys, values)
     elif cache is None:
-      out, _ = _per_shard(attention_with_lse, sharding)(xq, keys, values, causal=True,
+      out, _ = per_shard(attention_with_lse, sharding)(xq, keys, values, causal=True,
                                                         impl=settings.impl, config=settings.config)
     else:
       cache = (cache.write(self.layer, keys, values) if sharding is None
                else write_per_shard(cache, self.layer, keys, values, sharding))
-      out = _cached_attention(xq, cache, self.layer, x.shape[1], settings, sharding)
+      out = cache.attention(xq, self.layer, x.shape[1], settings, sharding)
     return _heads_out(out, self.o_proj), cache
 
 
@@ -165,27 +166,6 @@ def _no_attention(xq: Array, keys: Array, values: Array) -> Array:
   """
   group = xq.shape[2] // keys.shape[2]
   return xq + jnp.repeat(keys + values, group, axis=2)
-
-
-def _per_shard(fn, sharding: Optional[AttentionSharding]):
-  """``fn`` itself, or on a mesh ``fn`` under shard_map: each device runs it (kernels
-  included) on its sequences x heads block, with no communication (models.parallel.sharding)."""
-  return fn if sharding is None else sharded(fn, *sharding)
-
-
-def _cached_attention(xq: Array, cache: KVCache, layer: int, t: int, settings: GenerationSettings,
-                      sharding: Optional[AttentionSharding] = None) -> Array:
-  """Causal attention of the T new queries over shared levels + own K/V (just written)."""
-  own_k, own_v = cache.k[layer], cache.v[layer]  # [B, S, Hkv, D], this layer's own buffers
-  own_lengths = cache.lengths + t
-  if cache.levels:  # Hydragen: each shared segment attended once by all its sequences' queries
-    return _per_shard(hierarchical_attention, sharding)(
-        xq, cache.shared_levels(layer), own_k, own_v, suffix_lengths=own_lengths, causal=True,
-        impl=settings.impl, config=settings.config)
-  out, _ = _per_shard(attention_with_lse, sharding)(xq, own_k, own_v, kv_lengths=own_lengths,
-                                                    causal=True, impl=settings.impl,
-                                                    config=settings.config)
-  return out
 
 
 class MLP(nnx.Module):

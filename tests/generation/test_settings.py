@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jax_shared_attn import GpuConfig
+from models.generation import cache as cache_lib
 from models.generation.loop import decode, generate, prefill
 from models.generation.sampling import SamplerConfig
 from models.generation.settings import GenerationSettings
@@ -71,7 +72,9 @@ def test_the_attention_config_reaches_jax_shared_attn(tiny, monkeypatch):
       return fn(*args, **kwargs)
     return wrapped
 
-  monkeypatch.setattr(llama, "hierarchical_attention", spy(llama.hierarchical_attention))
+  # The cache-less forward calls attention in the decoder, the cached one in KVCache.attention.
+  monkeypatch.setattr(cache_lib, "hierarchical_attention", spy(cache_lib.hierarchical_attention))
+  monkeypatch.setattr(cache_lib, "attention_with_lse", spy(cache_lib.attention_with_lse))
   monkeypatch.setattr(llama, "attention_with_lse", spy(llama.attention_with_lse))
   config = GpuConfig(backward="triton")  # a config the spy can tell from the default
   settings = GenerationSettings(temperature=0.7, impl="xla", config=config)

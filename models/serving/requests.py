@@ -1,0 +1,296 @@
+"""The serving engine's values: its configuration, a request, a request's output, a handle.
+
+    >>> config = EngineConfig(page_size=16, num_pages=2048, decode_steps=8)
+    >>> request = Request(prompt=[1, 2, 3], n=4, max_tokens=32, temperature=0.7, seed=1)
+
+Everything here is checked when it is made; errors name the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from models.generation.sampling import SamplingParams
+from models.serving.cascade import CascadeConfig
+
+FINISH_REASONS = ("stop", "length", "cancelled")
+_BUCKET_FIELDS = ("batch_buckets", "prefill_buckets", "level_buckets", "segment_buckets",
+                  "page_buckets", "own_page_buckets")
+
+
+def _positive_int(owner: str, name: str, value, minimum: int = 1) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise ValueError(f"{owner}: {name}={value!r} must be an int >= {minimum}")
+
+
+def _buckets(owner: str, name: str, value) -> None:
+  if value is None:
+    return
+  if (not isinstance(value, tuple) or not value or list(value) != sorted(value)
+      or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in value)):
+    raise ValueError(f"{owner}: {name}={value!r} must be None or an ascending tuple of ints >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """How the engine stores K/V and schedules (a frozen value).
+
+  Attributes:
+    page_size: tokens per KV page.
+    num_pages: pages in the pool (page 0 is the null page: ``num_pages - 1`` usable).
+    max_running: sequences decoding at once (a request's ``n`` samples count ``n``).
+    max_prefill_tokens: prompt tokens prefilled per tick (one chunk per device call).
+    decode_steps: decode steps per device call (one cascade plan for all of them).
+    min_shared_tokens: a segment shared by >= 2 running sequences is read once for all of
+      them from this many tokens on.
+    cascade: False: shared prompt pages are stored once but every sequence reads them as its
+      own keys (the paged-attention baseline of vLLM and SGLang decode).
+    prefix_caching: False: no radix tree; each request stores its own prompt (shared by its
+      ``n`` samples only) and frees it when done.
+    batch_buckets: padded batch sizes of the decode program (None: powers of two).
+    prefill_buckets: padded prefill chunk lengths (None: powers of two up to
+      ``max_prefill_tokens``).
+    level_buckets, segment_buckets, page_buckets, own_page_buckets: padded sizes of the
+      cascade plan (:class:`models.serving.cascade.CascadeConfig`; None: powers of two);
+      ``own_page_buckets`` also pads a prefill chunk's page table.
+  """
+
+  page_size: int = 16
+  num_pages: int = 1024
+  max_running: int = 64
+  max_prefill_tokens: int = 256
+  decode_steps: int = 8
+  min_shared_tokens: int = 16
+  cascade: bool = True
+  prefix_caching: bool = True
+  batch_buckets: Optional[tuple[int, ...]] = None
+  prefill_buckets: Optional[tuple[int, ...]] = None
+  level_buckets: Optional[tuple[int, ...]] = None
+  segment_buckets: Optional[tuple[int, ...]] = None
+  page_buckets: Optional[tuple[int, ...]] = None
+  own_page_buckets: Optional[tuple[int, ...]] = None
+
+  def __post_init__(self):
+    for name in ("page_size", "max_running", "max_prefill_tokens", "decode_steps"):
+      _positive_int("EngineConfig", name, getattr(self, name))
+    _positive_int("EngineConfig", "num_pages", self.num_pages, 2)
+    _positive_int("EngineConfig", "min_shared_tokens", self.min_shared_tokens, 0)
+    for name in ("cascade", "prefix_caching"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"EngineConfig: {name}={getattr(self, name)!r} must be a bool")
+    for name in _BUCKET_FIELDS:
+      value = getattr(self, name)
+      if isinstance(value, list):
+        object.__setattr__(self, name, value := tuple(value))
+      _buckets("EngineConfig", name, value)
+    if self.batch_buckets is not None and self.batch_buckets[-1] < self.max_running:
+      raise ValueError(f"EngineConfig: batch_buckets={self.batch_buckets} must reach "
+                       f"max_running={self.max_running}")
+    if self.prefill_buckets is not None and self.prefill_buckets[-1] < self.max_prefill_tokens:
+      raise ValueError(f"EngineConfig: prefill_buckets={self.prefill_buckets} must reach "
+                       f"max_prefill_tokens={self.max_prefill_tokens}")
+
+  def cascade_config(self) -> CascadeConfig:
+    """The planner's config: no shared level at all when ``cascade`` is False."""
+    return CascadeConfig(min_shared_tokens=self.min_shared_tokens if self.cascade else 2**62,
+                         batch=self.batch_buckets, levels=self.level_buckets,
+                         segments=self.segment_buckets, pages=self.page_buckets,
+                         own_pages=self.own_page_buckets)
+
+  def prefill_bucket(self, n: int) -> int:
+    """The padded length of a prefill chunk of ``n`` tokens."""
+    if self.prefill_buckets is None:
+      return min(1 << max(n - 1, 0).bit_length(), max(self.max_prefill_tokens, n))
+    return next(s for s in self.prefill_buckets if s >= n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One prompt and how to sample it.
+
+  Attributes:
+    prompt: token ids, or text (the engine needs a tokenizer).
+    n: samples of the prompt (they share its pages and are admitted together).
+    max_tokens: tokens to generate per sample.
+    temperature, top_p, top_k: the sampling rule (temperature 0: greedy).
+    stop: strings that end a sample once its text contains one (needs a tokenizer).
+    stop_token_ids: tokens that end a sample (kept in its output).
+    seed: the sample ``i`` token at step ``t`` depends only on (seed, i, t), as in
+      :func:`models.generate`.
+    ignore_eos: keep generating after the end-of-sequence token.
+  """
+
+  prompt: Union[str, Sequence[int]]
+  n: int = 1
+  max_tokens: int = 16
+  temperature: float = 0.0
+  top_p: Optional[float] = None
+  top_k: Optional[int] = None
+  stop: tuple[str, ...] = ()
+  stop_token_ids: tuple[int, ...] = ()
+  seed: int = 0
+  ignore_eos: bool = False
+
+  def __post_init__(self):
+    if isinstance(self.prompt, str):
+      if not self.prompt:
+        raise ValueError("Request: prompt is empty")
+    else:
+      try:
+        ids = tuple(int(t) for t in self.prompt)
+      except (TypeError, ValueError):
+        raise ValueError(f"Request: prompt must be text or a sequence of token ids; got "
+                         f"{type(self.prompt).__name__}") from None
+      if not ids:
+        raise ValueError("Request: prompt is empty: give at least one token")
+      if any(int(t) != t for t in self.prompt):
+        raise ValueError("Request: prompt token ids must be ints")
+      object.__setattr__(self, "prompt", ids)
+    _positive_int("Request", "n", self.n)
+    _positive_int("Request", "max_tokens", self.max_tokens)
+    for name in ("temperature", "top_p"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                or not math.isfinite(value)):
+        raise ValueError(f"Request: {name}={value!r} must be a finite number")
+    if self.temperature < 0:
+      raise ValueError(f"Request: temperature={self.temperature!r} must be >= 0")
+    if self.top_p is not None and not 0 < self.top_p <= 1:
+      raise ValueError(f"Request: top_p={self.top_p!r} must lie in (0, 1] or be None")
+    if self.top_k is not None:
+      _positive_int("Request", "top_k", self.top_k)
+    stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+    if any(not isinstance(s, str) or not s for s in stop):
+      raise ValueError(f"Request: stop={self.stop!r} must be non-empty strings")
+    object.__setattr__(self, "stop", stop)
+    ids = tuple(self.stop_token_ids)
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+      raise ValueError(f"Request: stop_token_ids={self.stop_token_ids!r} must be ints >= 0")
+    object.__setattr__(self, "stop_token_ids", ids)
+    if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+      raise ValueError(f"Request: seed={self.seed!r} must be an int")
+    if not isinstance(self.ignore_eos, bool):
+      raise ValueError(f"Request: ignore_eos={self.ignore_eos!r} must be a bool")
+
+  @property
+  def sampling(self) -> SamplingParams:
+    return SamplingParams(float(self.temperature), self.top_k, self.top_p)
+
+
+def prompt_ids(request: Request, model_config, config: EngineConfig, tokenizer=None) -> np.ndarray:
+  """The request's prompt as int32 ids, after the checks that need the model and the engine:
+  ids in the vocabulary, prompt + ``max_tokens`` within the model's context, ``n`` and
+  ``max_tokens`` within what the cache can ever hold (a ValueError naming the field)."""
+  c, mc = config, model_config
+  if isinstance(request.prompt, str):
+    if tokenizer is None:
+      raise ValueError("Request: prompt is text; the engine needs a tokenizer (or give ids)")
+    prompt = np.asarray(tokenizer.encode(request.prompt), np.int32)
+    if prompt.size == 0:
+      raise ValueError("Request: prompt encodes to no tokens")
+  else:
+    prompt = np.asarray(request.prompt, np.int64)
+    if prompt.min() < 0 or prompt.max() >= mc.vocab_size:
+      raise ValueError(f"Request: prompt token ids must lie in [0, {mc.vocab_size}) (the "
+                       f"vocabulary); got values in [{prompt.min()}, {prompt.max()}]")
+    prompt = prompt.astype(np.int32)
+  if request.stop and tokenizer is None:
+    raise ValueError("Request: stop strings need a tokenizer (or use stop_token_ids)")
+  if prompt.size > mc.max_position_embeddings:
+    raise ValueError(f"Request: prompt has {prompt.size} tokens; the model's context is "
+                     f"{mc.max_position_embeddings} (config.max_position_embeddings)")
+  if prompt.size + request.max_tokens > mc.max_position_embeddings:
+    raise ValueError(f"Request: max_tokens={request.max_tokens} after a prompt of "
+                     f"{prompt.size} tokens exceeds the model's context of "
+                     f"{mc.max_position_embeddings} tokens")
+  if request.n > c.max_running:
+    raise ValueError(f"Request: n={request.n} exceeds EngineConfig.max_running="
+                     f"{c.max_running}")
+  ps = c.page_size
+  full, tail = divmod(prompt.size - 1, ps)
+  worst = full + request.n * -(-(tail + request.max_tokens) // ps)
+  if worst > c.num_pages - 1:
+    raise ValueError(f"Request: n={request.n} samples of max_tokens={request.max_tokens} "
+                     f"need up to {worst} pages; the cache holds {c.num_pages - 1} "
+                     "(EngineConfig.num_pages)")
+  return prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+  """One sample: its tokens (a stop token or EOS kept), text (with a tokenizer; cut before a
+  stop string), and why it ended: ``"stop"``, ``"length"`` or ``"cancelled"``."""
+  token_ids: tuple[int, ...]
+  text: Optional[str]
+  finish_reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+  """A finished request: its samples, its prompt's length, and the prompt tokens whose K/V
+  came from the prefix cache."""
+  request_id: int
+  samples: tuple[SampleOutput, ...]
+  prompt_tokens: int
+  cached_tokens: int
+
+
+class Handle:
+  """A submitted request: iterate it for new tokens, or read :attr:`output` when done.
+
+  Iterating yields one tuple per tick that produced tokens: per sample, its new token ids.
+  Without a running engine loop (:meth:`Engine.start`) iteration drives :meth:`Engine.step`.
+  """
+
+  def __init__(self, engine, request_id: int, request: Request):
+    self.engine, self.request_id, self.request = engine, request_id, request
+    self.tokens: list[list[int]] = [[] for _ in range(request.n)]
+    self.output: Optional[RequestOutput] = None
+    self.error: Optional[BaseException] = None
+    self._sent = [0] * request.n
+    self._changed = threading.Condition()
+    self._listeners = []
+
+  @property
+  def done(self) -> bool:
+    return self.output is not None or self.error is not None
+
+  def _notify(self) -> None:
+    with self._changed:
+      self._changed.notify_all()
+    for listener in list(self._listeners):
+      listener()
+
+  def take(self) -> Optional[tuple[tuple[int, ...], ...]]:
+    """The tokens not yet taken, per sample (None if there are none)."""
+    with self._changed:
+      new = tuple(tuple(t[s:]) for t, s in zip(self.tokens, self._sent))
+      self._sent = [len(t) for t in self.tokens]
+    return new if any(new) else None
+
+  def __iter__(self):
+    while True:
+      new = self.take()
+      if new is not None:
+        yield new
+        continue
+      if self.error is not None:
+        raise self.error
+      if self.output is not None:
+        return
+      if self.engine.running_loop:
+        with self._changed:
+          self._changed.wait(timeout=0.1)
+      else:
+        self.engine.step()
+
+  def result(self) -> RequestOutput:
+    """The output, running the engine (or waiting for its loop) until the request is done."""
+    for _ in self:
+      pass
+    return self.output

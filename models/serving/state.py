@@ -1,0 +1,54 @@
+"""The scheduler's per-request state (host side): a request, its samples, its prompt's pages.
+
+A request moves waiting -> prefill (its prompt pages allocated, the cached ones locked) ->
+running (one :class:`Seq` per sample, each holding the prompt through its tree node and its
+own pages) -> done. Preemption resets it to waiting.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from models.serving.requests import Handle, SampleOutput
+
+
+class PromptPages:
+  """A request's prompt pages outside the tree (``prefix_caching=False``): a path node."""
+
+  def __init__(self, node_id: int, pages: np.ndarray):
+    self.id, self.pages = node_id, pages
+
+
+class Seq:
+  """One sample of a running request."""
+
+  def __init__(self, req: "Req", index: int, own_pages: list[int], own_len: int):
+    self.req, self.index = req, index
+    self.own_pages, self.own_len = own_pages, own_len
+    self.generated: list[int] = []
+    self.next_token = int(req.prompt[-1])
+    self.finish_reason: Optional[str] = None
+    self.text: Optional[str] = None
+
+
+class Req:
+  """A request's scheduling state: waiting -> prefill -> running -> done."""
+
+  def __init__(self, handle: Handle, prompt: np.ndarray):
+    self.handle, self.request, self.prompt = handle, handle.request, prompt
+    self.context = prompt[:-1]  # prefilled; the last token is fed by the first decode step
+    self.reset()
+
+  def reset(self) -> None:
+    self.state = "waiting"
+    self.admitted = -1
+    self.match_node = None  # the tree node locked while prefilling
+    self.node = None  # the tree node (or PromptPages) every sample's path ends at
+    self.pages = np.zeros(0, np.int32)  # prompt pages: cached, then new (tail page last)
+    self.copies = np.zeros(0, np.int32)  # the tail page's copies for samples 1..n-1
+    self.prefilled = 0
+    self.cached_tokens = 0
+    self.seqs: list[Seq] = []
+    self.finished: dict[int, SampleOutput] = {}

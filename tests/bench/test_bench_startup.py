@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("gguf", reason="the tiny GGUF is written with the gguf package")
 
 from models.bench.startup import run_startup_bench  # noqa: E402
-from test_gguf_reader import write_tiny_llama_gguf  # noqa: E402
+from gguf_writer import write_tiny_llama_gguf  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -16,7 +16,7 @@ from models.checkpoints.loading import (_hf_name, from_pretrained, gguf_config, 
                             model_from_tensors, unpermute_rope_rows)
 from models.checkpoints.tokenizer import Tokenizer, _bytes_to_unicode  # noqa: E402
 from model_checks import smollm2_gguf
-from test_loading import llama_cpp_permute  # noqa: E402
+from gguf_writer import Q, write_tiny_llama_gguf  # noqa: E402
 
 
 def oracle_fields(reader) -> dict:
@@ -76,7 +76,6 @@ def write_test_gguf(path, tensors: dict, alignment: int = 32):
   w.close()
 
 
-Q = gguf.GGMLQuantizationType
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1]  # Q5_*: gguf's fallback
 
 
@@ -187,63 +186,6 @@ def test_smollm2_loads_as_through_the_gguf_package():
   model, tokenizer = check_against_oracle(smollm2_gguf())
   assert tokenizer.chat_template is not None and tokenizer.eos_id == 2
   assert len(tokenizer.backend.get_vocab()) == 49152
-
-
-def write_tiny_llama_gguf(path, kind: str = "Q8_0", seed: int = 2) -> str:
-  """The tiny preset with random weights, written as llama.cpp's converter writes a Llama
-  (q/k rows permuted, an untied output; control and user-defined tokens, merges, a chat
-  template), its matrices in ``kind``."""
-  config = preset("tiny")
-  params = flat_params(random_init(config, seed=seed))
-  kind = Q[kind]
-  names = {"model.embed_tokens.weight": "token_embd.weight",
-           "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-  layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-           "mlp.down_proj": "ffn_down"}
-  w = gguf.GGUFWriter(str(path), "llama")
-  w.add_name("tiny")
-  w.add_block_count(config.num_layers)
-  w.add_context_length(config.max_position_embeddings)
-  w.add_embedding_length(config.hidden_size)
-  w.add_feed_forward_length(config.intermediate_size)
-  w.add_head_count(config.num_heads)
-  w.add_head_count_kv(config.num_kv_heads)
-  w.add_layer_norm_rms_eps(config.rms_norm_eps)
-  w.add_tokenizer_model("gpt2")
-  w.add_tokenizer_pre("default")
-  spelling = _bytes_to_unicode()
-  tokens = [spelling[b] for b in range(250)] + ["<|end|>", "<|start|>", "Ġt", "he", "Ġthe", "ab"]
-  w.add_token_list(tokens)
-  w.add_token_types([1] * 250 + [3, 3, 1, 1, 1, 4])
-  w.add_token_merges(["Ġ t", "h e", "Ġt he"])
-  w.add_eos_token_id(250)
-  w.add_bos_token_id(251)
-  w.add_chat_template("{{ messages[0]['content'] }}")
-  for name, x in hf_tensors(params, config).items():
-    if name.startswith("model.layers."):
-      i, rest = name[len("model.layers."):].split(".", 1)
-      module = rest[:-len(".weight")]
-      if module in ("self_attn.q_proj", "self_attn.k_proj"):
-        x = llama_cpp_permute(x, config.num_heads if module.endswith("q_proj")
-                              else config.num_kv_heads)
-      name = f"blk.{i}.{layer[module]}.weight"
-    else:
-      name = names[name]
-    x = np.ascontiguousarray(x, np.float32)
-    if x.ndim == 1:
-      w.add_tensor(name, x)
-    elif kind == Q.F16:
-      w.add_tensor(name, x.astype(np.float16))
-    else:
-      w.add_tensor(name, gguf.quants.quantize(x, kind), raw_dtype=kind)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
-  return str(path)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "F16"])

@@ -15,6 +15,7 @@ from models.checkpoints.loading import (from_pretrained, hf_name_map, hf_tensors
                             unpermute_rope_rows)
 from models.checkpoints.tokenizer import Tokenizer, _bytes_to_unicode
 from model_checks import hf_logits, make_hf_llama, rel_err, run, smollm2_gguf, token_ids
+from gguf_writer import llama_cpp_permute
 
 
 def same_params(a, b) -> bool:
@@ -54,12 +55,6 @@ def test_orbax_round_trip(tmp_path):
   assert half.config.dtype == "bfloat16"
   np.testing.assert_array_equal(np.asarray(half.norm.weight[...]),
                                 np.asarray(model.norm.weight[...]).astype(jnp.bfloat16))
-
-
-def llama_cpp_permute(w, n_head):
-  """convert_hf_to_gguf.py's LlamaModel.permute (transformers rows -> llama.cpp rows)."""
-  return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-          .swapaxes(1, 2).reshape(w.shape))
 
 
 @pytest.mark.parametrize("n_head", [1, 3, 8])

@@ -26,7 +26,7 @@ kernels' or XLA's) in a ``jax.custom_vjp`` whose backward is this one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,11 +48,16 @@ class BackwardConfig:
   :mod:`pallas_kernels.gpu.cudnn`, for the parts it supports when the returned LSE
   gets no cotangent; the Triton kernels for the rest), or None: the family's own
   (Triton for the GPU families, Mosaic TPU for ``pallas:tpu``, XLA for ``xla``).
+  ``kernel_tiles``: the Pallas kernels' tiles as planned
+  (:attr:`jax_shared_attn.dispatch.Plan.backward_tiles`): a
+  :class:`pallas_kernels.gpu.backward.BackwardKernelConfig` for "triton" and "cudnn", the rows
+  per tile (int) for "tpu"; None: the kernels' defaults for the head dimension.
   """
 
   block_rows: int = 256
   block_keys: int = 256
   kernels: Optional[str] = None
+  kernel_tiles: Any = None
 
   def __post_init__(self):
     for name in ("block_rows", "block_keys"):
@@ -100,14 +105,17 @@ def part_grads(q: Array, do: Array, lse: Array, delta: Array, k: Array, v: Array
   """
   if config.kernels == "triton":
     from pallas_kernels.gpu import backward as gpu_backward  # deferred: kernels are optional
+    tiles = config.kernel_tiles or gpu_backward.default_config(q.shape[-1])
     return gpu_backward.part_grads(q, do, lse, delta, k, v, scale=scale, row_seg=row_seg,
                                    key_seg=key_seg, lengths=lengths, causal=causal, group=group,
-                                   tq=tq, sparse=row_seg is not None)
+                                   tq=tq, sparse=row_seg is not None, config=tiles)
   if config.kernels == "tpu":
     from pallas_kernels.tpu import backward as tpu_backward
+    from pallas_kernels.tpu import tuned as tpu_tuned
+    rows = config.kernel_tiles or tpu_tuned.BACKWARD_BLOCK_ROWS
     return tpu_backward.part_grads(q, do, lse, delta, k, v, scale=scale, row_seg=row_seg,
                                    key_seg=key_seg, lengths=lengths, causal=causal, group=group,
-                                   tq=tq)
+                                   tq=tq, block_rows=rows)
   z, h, r, d = q.shape
   nk, dv_dim = k.shape[1], v.shape[-1]
 

@@ -127,6 +127,10 @@ class Plan:
       :class:`pallas_kernels.tpu.dispatch.TpuPlan`), None for "xla".
     backward: the kernels ``jax.grad`` runs (:class:`jax_shared_attn.backward.BackwardConfig`'s
       ``kernels``): "xla", "triton", "cudnn" or "tpu".
+    backward_tiles: the backward kernels' tiles: a
+      :class:`pallas_kernels.gpu.backward.BackwardKernelConfig` ("triton", "cudnn": the parts
+      cuDNN does not take), the rows per tile for "tpu", None for "xla" (whose tiles are
+      :class:`jax_shared_attn.backward.BackwardConfig`'s).
     reasons: why, in words (the core's, then the family's).
   """
 
@@ -136,6 +140,7 @@ class Plan:
   device: Optional[DeviceInfo] = None
   backend: Any = None
   backward: str = "xla"
+  backward_tiles: Any = None
   reasons: tuple[str, ...] = ()
 
   def __str__(self) -> str:
@@ -193,5 +198,12 @@ def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
     bplan = gpu_dispatch.plan_shared(q, parts, suffix_k, device=device, family=family,
                                      config=config)
   backward, why_backward = _backward_kernels(family, backend, device, config)
-  return Plan(fn, name, backend, device, bplan, backward,
+  if family == "tpu":
+    from pallas_kernels.tpu import tuned as tpu_tuned
+    tiles = tpu_tuned.BACKWARD_BLOCK_ROWS
+  else:
+    from pallas_kernels.gpu import backward as gpu_backward
+    tiles = gpu_backward.default_config(q.shape[-1])
+  why_backward += f"; tiles {tiles}"
+  return Plan(fn, name, backend, device, bplan, backward, tiles,
               tuple(reasons) + tuple(bplan.reasons) + (why_backward,))

@@ -62,7 +62,7 @@ def executor(plan: dispatch.Plan, config=None) -> AttentionOps:
   call, ``config`` that call's): the family's entry points bound to the plan's kernel configs,
   with the plan's backward."""
   from jax_shared_attn import backward
-  bconfig = backward.BackwardConfig(kernels=plan.backward)
+  bconfig = backward.BackwardConfig(kernels=plan.backward, kernel_tiles=plan.backward_tiles)
   if plan.impl == "xla":
     return differentiable(XLA_OPS, bconfig)
   family = plan.impl.split(":", 1)[1]

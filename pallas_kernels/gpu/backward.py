@@ -207,7 +207,7 @@ def _calls(lens, row_info, key_info, q, do, lse2, delta, k, v, *, mode, causal, 
 
 def part_grads(q, do, lse, delta, k, v, *, scale: float, row_seg=None, key_seg=None,
                lengths=None, causal: bool = False, group: int = 1, tq: int = 1,
-               sparse: bool = False, config: BackwardKernelConfig | None = None,
+               sparse: bool = False, config: BackwardKernelConfig,
                interpret: bool | None = None):
   """dQ, dK, dV of one part (float32), same contract as the XLA ``part_grads``.
 
@@ -215,7 +215,8 @@ def part_grads(q, do, lse, delta, k, v, *, scale: float, row_seg=None, key_seg=N
   merged LSE, -inf for rows with no key); ``k, v [Z, K, H, D]``. Give
   ``row_seg [R], key_seg [K]`` (int32, ``"segments"`` visibility; ``sparse``
   skips tiles where no row meets a key) or ``lengths [Z]`` with ``causal``,
-  ``group`` (G) and ``tq`` (``"suffix"`` visibility).
+  ``group`` (G) and ``tq`` (``"suffix"`` visibility). ``config``: the planned tiles
+  (:func:`default_config`), clamped to the part's rows and keys.
   """
   z, h, r, d = q.shape
   nk = k.shape[1]
@@ -224,7 +225,6 @@ def part_grads(q, do, lse, delta, k, v, *, scale: float, row_seg=None, key_seg=N
             jnp.zeros(v.shape, jnp.float32))
   mode = "segments" if row_seg is not None else "suffix"
   dp = common.padded_head_dim(d)
-  config = default_config(d) if config is None else config
   br = min(config.block_rows, max(common.MIN_DOT, common.next_pow2(r)))
   bk = min(config.block_keys, max(common.MIN_DOT, common.next_pow2(nk)))
   cfg = dataclasses.replace(config, block_rows=br, block_keys=bk)

@@ -171,9 +171,10 @@ def _calls(lens, row_info, key_info, q, do, lse, delta, k, v, *, interpret, mode
 
 def part_grads(q, do, lse, delta, k, v, *, scale: float, row_seg=None, key_seg=None,
                lengths=None, causal: bool = False, group: int = 1, tq: int = 1,
-               block_rows: int = 128, interpret: Optional[bool] = None):
+               block_rows: int, interpret: Optional[bool] = None):
   """dQ, dK, dV of one part (float32): the contract of
-  :func:`jax_shared_attn.backward.part_grads` (``[Z, H, R, D]`` rows, ``[Z, K, H, D]`` keys)."""
+  :func:`jax_shared_attn.backward.part_grads` (``[Z, H, R, D]`` rows, ``[Z, K, H, D]`` keys);
+  ``block_rows``: the planned row tile (:data:`pallas_kernels.tpu.tuned.BACKWARD_BLOCK_ROWS`)."""
   z, h, r, d = q.shape
   nk = k.shape[1]
   if r == 0 or nk == 0:

@@ -46,3 +46,6 @@ def chip_of_device_kind(kind: str) -> str:
   if "v5" in kind:
     return "v5e" if ("lite" in kind or "v5e" in kind) else "v5p"
   return DEFAULT_CHIP
+
+# Rows per tile of the backward kernels (pallas_kernels.tpu.backward), every chip.
+BACKWARD_BLOCK_ROWS = 128

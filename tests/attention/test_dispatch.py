@@ -236,3 +236,39 @@ def test_explain_is_the_plan_the_call_executes(monkeypatch, impl, config):
     jax.eval_shape(lambda *a: fn(*a, **kw), *args)  # traces the executor: nothing runs
     assert seen == [explain(fn, *args, **kw)], fn.__name__
     assert seen[0].impl == impl and (impl == "xla") == (seen[0].backend is None)
+
+
+@pytest.mark.parametrize("impl", ["pallas:triton", "pallas:tpu"])
+def test_the_backward_runs_the_plans_tiles(monkeypatch, impl):
+  """The backward kernels take their tiles from the plan (no default chosen inside them): a
+  plan with other tiles reaches every kernel call of ``jax.grad``."""
+  import dataclasses
+
+  from jax_shared_attn import api
+  from pallas_kernels.gpu import backward as gpu_backward
+  from pallas_kernels.tpu import backward as tpu_backward
+  gpu_tiles = gpu_backward.BackwardKernelConfig(16, 32, num_warps=2)
+  module, tiles, key = ((gpu_backward, gpu_tiles, "config") if impl == "pallas:triton"
+                        else (tpu_backward, 32, "block_rows"))
+  real_plan, real_grads = core.plan, module.part_grads
+  planned, seen = [], []
+
+  def plan(*args, **kwargs):
+    planned.append(real_plan(*args, **kwargs))
+    return dataclasses.replace(planned[-1], backward_tiles=tiles)
+
+  def part_grads(*args, **kwargs):
+    seen.append(kwargs[key])
+    return real_grads(*args, **kwargs)
+
+  monkeypatch.setattr(api.dispatch, "plan", plan)
+  monkeypatch.setattr(module, "part_grads", part_grads)
+  k = jax.random.split(jax.random.key(0), 5)
+  q = jax.random.normal(k[0], (2, 1, 4, 16))
+  pk, pv = (jax.random.normal(x, (8, 2, 16)) for x in k[1:3])
+  sk, sv = (jax.random.normal(x, (2, 4, 2, 16)) for x in k[3:5])
+  loss = lambda q, pk: shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=8,
+                                               impl=impl).sum()
+  jax.eval_shape(jax.grad(loss, argnums=(0, 1)), q, pk)
+  assert planned and planned[0].backward_tiles not in (None, tiles)
+  assert seen and all(t == tiles for t in seen), seen

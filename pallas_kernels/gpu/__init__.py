@@ -1,5 +1,7 @@
 """GPU kernel family (Pallas): Triton kernels for any CUDA GPU, Mosaic GPU on Hopper.
 
+The entry points (``shared.py``; :func:`get_ops` binds them):
+
 ``prefix_attention``   batched prefix attention, rows = B * Tq * G per KV head
                        on the tensor cores (Triton ``tl.dot``, or on Hopper a
                        wgmma/TMA Mosaic GPU kernel), key splits for small batches.
@@ -26,12 +28,10 @@ import functools
 from pallas_kernels.base import AttentionOps
 from pallas_kernels.device import DeviceInfo
 from pallas_kernels.gpu.config import FusedDecodeOptions, GpuConfig, MosaicPrefixOptions
-from pallas_kernels.gpu.shared import (prefix_attention, run_plan, segment_attention,
-                                       shared_attention, suffix_attention)
 
-__all__ = ["AttentionOps", "FusedDecodeOptions", "GpuConfig", "MosaicPrefixOptions", "get_ops",
-           "prefix_attention", "run_plan", "segment_attention", "shared_attention",
-           "suffix_attention"]
+# The entry points live in pallas_kernels.gpu.shared; importing this package (for its config,
+# e.g. from a CPU-only program) does not load the Triton and Mosaic GPU stacks.
+__all__ = ["AttentionOps", "FusedDecodeOptions", "GpuConfig", "MosaicPrefixOptions", "get_ops"]
 
 
 def get_ops(interpret: bool | None = None, mosaic: bool = False,
@@ -46,6 +46,9 @@ def get_ops(interpret: bool | None = None, mosaic: bool = False,
   is; the other entries plan each call themselves. ``interpret=None`` picks native vs
   interpret mode when lowering.
   """
+  from pallas_kernels.gpu.shared import (prefix_attention, segment_attention, shared_attention,
+                                         suffix_attention)
+
   if config is not None and not isinstance(config, GpuConfig):
     raise TypeError(f"pallas_kernels.gpu.get_ops: config must be a GpuConfig or None; got "
                     f"{type(config).__name__}")

@@ -16,7 +16,9 @@ and returns 2 (``--debug``: the traceback instead). Ctrl-C returns 130.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from models.bench import compare, decode, sampler, sharded, startup, train, tree
@@ -90,7 +92,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prog = args.prog
     if extra:
       raise UsageError(f"unrecognized arguments: {' '.join(extra)}")
-    return int(args.handler(args) or 0)
+    interrupted = []
+    status = _run_noting_sigint(args, interrupted)
+    if interrupted:  # a Ctrl-C whose KeyboardInterrupt Python swallowed (e.g. in a GC callback)
+      raise KeyboardInterrupt
+    return status
   except KeyboardInterrupt:
     if debug:
       raise
@@ -104,6 +110,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       return 130
     print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
     return 2
+
+
+def _run_noting_sigint(args: argparse.Namespace, interrupted: list) -> int:
+  """``args.handler(args)``, with SIGINT noted in ``interrupted`` as well as raised: Python
+  drops a KeyboardInterrupt raised inside a callback it calls (the garbage collector's, a
+  host callback's), and the command would then end as if never interrupted."""
+  if (threading.current_thread() is not threading.main_thread()
+      or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    return int(args.handler(args) or 0)  # SIGINT ignored or handled by the caller: leave it
+
+  def on_sigint(signum, frame):
+    interrupted.append(signum)
+    raise KeyboardInterrupt
+
+  previous = signal.signal(signal.SIGINT, on_sigint)
+  try:
+    return int(args.handler(args) or 0)
+  finally:
+    signal.signal(signal.SIGINT, previous)
 
 
 def _one_line(e: Exception) -> str:

@@ -166,3 +166,27 @@ def test_ctrl_c_exits_130_without_a_traceback(tiny_dir):
   err = err.decode()
   assert proc.returncode == 130, err[-2000:]
   assert "Traceback" not in err and err.strip().endswith("hydragen generate: interrupted")
+
+
+def test_a_ctrl_c_python_swallowed_still_interrupts():
+  """SIGINT whose KeyboardInterrupt never reaches the command (Python drops it inside a GC or
+  host callback) is still noted: the command ends as interrupted."""
+  import argparse
+
+  from models.cli import app
+
+  def handler(args):
+    try:
+      os.kill(os.getpid(), signal.SIGINT)
+      sum(range(1000))  # the signal's handler runs here, at the next bytecodes
+    except KeyboardInterrupt:  # as a callback's caller would drop it
+      pass
+    return 0
+
+  interrupted = []
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    assert app._run_noting_sigint(argparse.Namespace(handler=handler), interrupted) == 0
+  finally:
+    signal.signal(signal.SIGINT, previous)
+  assert interrupted == [signal.SIGINT]

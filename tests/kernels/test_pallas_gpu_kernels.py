@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from jax_shared_attn import SharedLevel, hierarchical_attention, shared_prefix_attention
 from jax_shared_attn.testing import check_attention, lse_err, oracle_full, oracle_tree, rel_err, tolerance
 from pallas_kernels.device import DeviceInfo
-from pallas_kernels.gpu import common, merge, prefix_attention, segment_attention
+from pallas_kernels.gpu import common, merge
 from pallas_kernels.gpu.config import FusedDecodeOptions, GpuConfig, MosaicPrefixOptions
 from pallas_kernels.gpu.merge import merge_parts
+from pallas_kernels.gpu.shared import prefix_attention, segment_attention
 from pallas_kernels.gpu.suffix import SuffixConfig, flat_rows, suffix_attention
 from strategies import SEEDS, count_case, lengths, rand, small_jit
 

@@ -6,6 +6,8 @@ Public API (see README.md and each docstring for the math and shapes):
 * :func:`merge_attention_states`: exact n-way LSE merge of partial results.
 * :func:`shared_prefix_attention`: one shared prefix + per-sequence suffixes.
 * :class:`SharedLevel`, :func:`hierarchical_attention`: a tree of shared segments.
+* :class:`PagedLevel`, :func:`paged_attention`: the same tree over page pools (a serving
+  engine's KV cache), the pages read in place by the GPU kernels; forward only.
 * :func:`sharded`, :class:`AttentionSharding`: any of the three above run per shard of a
   device mesh under ``shard_map`` (batch x heads blocks, no communication).
 * :class:`GpuConfig`, :class:`TpuConfig` (``config=`` of the three): the kernel families'
@@ -13,8 +15,8 @@ Public API (see README.md and each docstring for the math and shapes):
   :class:`DeviceInfo` it is planned for (docs/configuration.md).
 """
 
-from jax_shared_attn.api import (SharedLevel, attention_with_lse, explain, hierarchical_attention,
-                                 shared_prefix_attention)
+from jax_shared_attn.api import (PagedLevel, SharedLevel, attention_with_lse, explain,
+                                 hierarchical_attention, paged_attention, shared_prefix_attention)
 from jax_shared_attn.config import (BlockSizes, FusedDecodeOptions, GpuConfig,
                                     MosaicPrefixOptions, TpuConfig)
 from jax_shared_attn.dispatch import Plan
@@ -24,7 +26,7 @@ from jax_shared_attn.sharding import AttentionSharding, sharded
 from pallas_kernels.device import DeviceInfo
 
 __all__ = ["AttentionOps", "AttentionSharding", "BlockSizes", "DeviceInfo", "FusedDecodeOptions",
-           "GpuConfig", "IMPLS", "MosaicPrefixOptions", "Plan", "SharedLevel", "TpuConfig",
-           "attention_with_lse", "explain", "hierarchical_attention", "merge_attention_states",
-           "shared_prefix_attention", "sharded"]
+           "GpuConfig", "IMPLS", "MosaicPrefixOptions", "PagedLevel", "Plan", "SharedLevel",
+           "TpuConfig", "attention_with_lse", "explain", "hierarchical_attention",
+           "merge_attention_states", "paged_attention", "shared_prefix_attention", "sharded"]
 __version__ = "0.1.0"

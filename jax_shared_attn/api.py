@@ -11,6 +11,7 @@ merge formula.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from typing import Any, Callable, Optional, Sequence
 
@@ -123,6 +124,7 @@ class _Call:
   impl: str
   config: Any
   return_lse: bool = True
+  page_table: Any = None  # paged_attention: own pages [B, O]; suffix_k/suffix_v are the pools
 
 
 def _prepare_full(q, k, v, *, kv_lengths=None, causal=False, scale=None, impl="auto",
@@ -137,10 +139,12 @@ def _prepare_full(q, k, v, *, kv_lengths=None, causal=False, scale=None, impl="a
 def _run(call: _Call):
   """Plans ``call`` once (the plan :func:`explain` returns) and executes it."""
   return _execute(dispatch.plan(call.fn, call.q, call.parts, call.suffix_k, impl=call.impl,
-                                config=call.config), call)
+                                config=call.config, page_table=call.page_table), call)
 
 
 def _execute(plan: dispatch.Plan, call: _Call):
+  if call.page_table is not None:
+    return _execute_paged(plan, call)
   ops = ops_lib.executor(plan, call.config)
   # need_lse=False (the LSE not returned) tells the backward that it gets no cotangent
   if call.parts is None:
@@ -297,17 +301,154 @@ def _prepare_tree(q, levels, suffix_k, suffix_v, *, suffix_lengths=None, causal=
                return_lse)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedLevel:
+  """One shared level of :func:`paged_attention`: segments stored in pages of the pools.
+
+  Attributes:
+    page_table: int32 ``[S, P]``: segment s's pages in token order (entries past its length
+      are ignored; any valid page id, e.g. 0).
+    lengths: int32 ``[S]``: segment s holds ``lengths[s] <= P * page_size`` tokens.
+    segment_of_seq: int32 ``[B]``: the segment sequence b continues at this level, -1 for none.
+  """
+
+  page_table: Array
+  lengths: Array
+  segment_of_seq: Array
+
+
+def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array,
+                    kv_lengths: Array, *, levels: Sequence[PagedLevel] = (), causal: bool = True,
+                    scale: Optional[float] = None, impl: str = "auto", return_lse: bool = False,
+                    config=None):
+  """Exact attention over a tree of shared segments plus per-sequence keys, all stored in
+  page pools (a serving engine's KV cache), read in place.
+
+  Sequence b's context is, for each level in order, the segment ``levels[l].segment_of_seq[b]``
+  (skipped where -1), then its own keys: the first ``kv_lengths[b]`` tokens of its pages
+  ``page_table[b]``. Each segment is attended once by the queries of every sequence that
+  continues it (:func:`hierarchical_attention`'s decomposition); the parts are merged by LSE.
+  On GPUs the segment and suffix kernels read the pages through the tables (no copy); the
+  "xla" path (and the TPU family) gather the pages into contiguous buffers first. Forward
+  only: ``jax.grad`` of it is an error (differentiate :func:`hierarchical_attention`).
+
+  Args:
+    q: ``[B, Tq, Hq, D]``: the last Tq tokens of each sequence's own keys.
+    k_pages, v_pages: ``[pages, page_size, Hkv, D]``.
+    page_table: int32 ``[B, O]``: sequence b's own pages in token order.
+    kv_lengths: int ``[B]``, ``<= O * page_size``: own tokens of sequence b, this call's Tq
+      included (causal: query i sits at own position ``kv_lengths[b] - Tq + i``).
+    levels: :class:`PagedLevel` per shared level (may be empty).
+    causal, scale, impl, return_lse, config: as in :func:`shared_prefix_attention`.
+
+  Page ids are not range-checked inside a traced program (an id outside ``[0, pages)`` reads
+  clamped rows); concrete tables are checked.
+  """
+  return _run(_prepare_paged(q, k_pages, v_pages, page_table, kv_lengths, levels=levels,
+                             causal=causal, scale=scale, impl=impl, return_lse=return_lse,
+                             config=config))
+
+
+def _check_table(fn: str, name: str, table, shape_doc: str, rows: Optional[int],
+                 pages: int) -> Array:
+  _checks.check_rank(fn, name, table, 2, shape_doc)
+  if not jnp.issubdtype(table.dtype, jnp.integer):
+    raise TypeError(f"{fn}: {name} must be an integer array {shape_doc}; got {table.dtype}")
+  if rows is not None and table.shape[0] != rows:
+    raise ValueError(f"{fn}: {name} must have {rows} rows ({shape_doc}); got "
+                     f"{_checks.shape_str(table.shape)}")
+  if _checks.is_concrete(table) and table.size:
+    lo, hi = int(jnp.min(table)), int(jnp.max(table))
+    if lo < 0 or hi >= pages:
+      raise ValueError(f"{fn}: {name} holds page ids in [{lo}, {hi}]; the pools have {pages} "
+                       f"pages (ids 0..{pages - 1})")
+  return jnp.asarray(table, jnp.int32)
+
+
+def _prepare_paged(q, k_pages, v_pages, page_table, kv_lengths, *, levels=(), causal=True,
+                   scale=None, impl="auto", return_lse=False, config=None) -> _Call:
+  fn = "paged_attention"
+  b, _, hq, d = _check_query(fn, q)
+  _checks.check_rank(fn, "k_pages", k_pages, 4, "[pages, page_size, Hkv, D]")
+  _checks.check_kv_pair(fn, "k_pages", k_pages, "v_pages", v_pages)
+  pages, page_size, hkv, kd = k_pages.shape
+  _checks.check_same(fn, "the head dims (last axis)", q=d, k_pages=kd)
+  _checks.check_heads(fn, "q", hq, "k_pages", hkv)
+  _checks.check_float_dtypes(fn, q=q, k_pages=k_pages, v_pages=v_pages)
+  table = _check_table(fn, "page_table", page_table, "[B, O]", b, pages)
+  lengths = _checks.lengths_array(fn, "kv_lengths", kv_lengths, (b,), table.shape[1] * page_size,
+                                  "page_table.shape[1] * page_size")
+  if isinstance(levels, PagedLevel):
+    levels = [levels]
+  parts = []
+  for i, level in enumerate(levels):
+    name = f"levels[{i}]"
+    if not isinstance(level, PagedLevel):
+      raise TypeError(f"{fn}: {name} must be a PagedLevel; got {type(level).__name__}")
+    t = _check_table(fn, f"{name}.page_table", level.page_table, "[S, P]", None, pages)
+    if t.shape[0] < 1:
+      raise ValueError(f"{fn}: {name}.page_table must hold at least one segment (S >= 1)")
+    seg_lengths = _checks.lengths_array(fn, f"{name}.lengths", level.lengths, (t.shape[0],),
+                                        t.shape[1] * page_size,
+                                        f"{name}.page_table.shape[1] * page_size")
+    nodes = _check_level_nodes(fn, name, "segment_of_seq", level.segment_of_seq, b, t.shape[0])
+    parts.append((t, seg_lengths, nodes))
+  scale = _checks.check_scale(fn, scale, d)
+  return _Call(fn, q, parts, k_pages, v_pages, lengths, bool(causal), scale, impl, config,
+               return_lse, page_table=table)
+
+
+def _check_level_nodes(fn: str, name: str, field: str, nodes, b: int, n: int) -> Array:
+  if not hasattr(nodes, "dtype") or not jnp.issubdtype(nodes.dtype, jnp.integer):
+    raise TypeError(f"{fn}: {name}.{field} must be an integer array [B]; got "
+                    f"{getattr(nodes, 'dtype', type(nodes).__name__)}")
+  if tuple(nodes.shape) != (b,):
+    raise ValueError(f"{fn}: {name}.{field} must have shape [{b}] (one entry per sequence); "
+                     f"got {_checks.shape_str(nodes.shape)}")
+  if _checks.is_concrete(nodes) and nodes.size:
+    lo, hi = int(jnp.min(nodes)), int(jnp.max(nodes))
+    if lo < -1 or hi >= n:
+      raise ValueError(f"{fn}: {name}.{field} must lie in [-1, {n - 1}] ({n} segments); got "
+                       f"values in [{lo}, {hi}]")
+  return jnp.asarray(nodes, jnp.int32)
+
+
+def _execute_paged(plan: dispatch.Plan, call: _Call):
+  """Runs a paged plan: the family's paged entry (or its primitives on the gathered pages),
+  forward only."""
+  ops = ops_lib.executor(plan, call.config, forward_only=True)
+  paged = ops.paged_attention
+  if paged is None:
+    paged = functools.partial(ops_lib.gathered_paged_attention, ops=ops)
+
+  @jax.custom_vjp
+  def run(q, k_pages, v_pages, parts, table, lengths):
+    return paged(q, k_pages, v_pages, parts, table, lengths, causal=call.causal,
+                 scale=call.scale)
+
+  def no_backward(*_):
+    raise ValueError("paged_attention is forward only (it serves page pools); differentiate "
+                     "hierarchical_attention over contiguous buffers instead")
+
+  run.defvjp(lambda *args: (run(*args), None), no_backward)
+  out, lse = run(call.q, call.suffix_k, call.suffix_v, call.parts, call.page_table, call.lengths)
+  out = out.astype(call.q.dtype)
+  return (out, lse) if call.return_lse else out
+
+
 _PREPARE = types.MappingProxyType({attention_with_lse: _prepare_full,
                                    shared_prefix_attention: _prepare_prefix,
-                                   hierarchical_attention: _prepare_tree})
+                                   hierarchical_attention: _prepare_tree,
+                                   paged_attention: _prepare_paged})
 
 
 def explain(fn: Callable, *args, platform: Optional[str] = None,
             device_kind: Optional[str] = None, **kwargs) -> dispatch.Plan:
   """The plan ``fn(*args, **kwargs)`` would run, and why, without running it.
 
-  ``fn`` is :func:`attention_with_lse`, :func:`shared_prefix_attention` or
-  :func:`hierarchical_attention`; the arguments are the call's own (arrays or
+  ``fn`` is :func:`attention_with_lse`, :func:`shared_prefix_attention`,
+  :func:`hierarchical_attention` or :func:`paged_attention`; the arguments are the call's own (arrays or
   ``jax.ShapeDtypeStruct``s; ``impl=`` and ``config=`` included). ``platform`` ("cpu", "gpu",
   "tpu"; None: the default backend) and ``device_kind`` (e.g. ``"NVIDIA H100 80GB HBM3"``,
   ``"TPU v5 lite"``; None: the default device's) let a CPU show what a GPU or TPU would run.
@@ -318,8 +459,9 @@ def explain(fn: Callable, *args, platform: Optional[str] = None,
     >>> print(plan)  # the kernel path (flat / fused_decode / split), configs and reasons
   """
   if fn not in _PREPARE:
-    raise ValueError(f"explain: fn must be attention_with_lse, shared_prefix_attention or "
-                     f"hierarchical_attention; got {getattr(fn, '__name__', fn)!r}")
+    raise ValueError(f"explain: fn must be attention_with_lse, shared_prefix_attention, "
+                     f"hierarchical_attention or paged_attention; got "
+                     f"{getattr(fn, '__name__', fn)!r}")
   found = []
   # Array keywords (the lengths) are traced like the positional arguments: shapes only.
   arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape") and hasattr(v, "dtype")}
@@ -328,7 +470,8 @@ def explain(fn: Callable, *args, platform: Optional[str] = None,
   def trace(xs, kw):
     call = _PREPARE[fn](*xs, **kw, **static)
     found.append(dispatch.plan(call.fn, call.q, call.parts, call.suffix_k, impl=call.impl,
-                               config=call.config, platform=platform, device_kind=device_kind))
+                               config=call.config, platform=platform, device_kind=device_kind,
+                               page_table=call.page_table))
     return 0
 
   jax.eval_shape(trace, args, arrays)  # shapes only: nothing runs

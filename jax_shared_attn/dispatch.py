@@ -126,7 +126,8 @@ class Plan:
     backend: the family's plan (:class:`pallas_kernels.gpu.dispatch.GpuPlan`,
       :class:`pallas_kernels.tpu.dispatch.TpuPlan`), None for "xla".
     backward: the kernels ``jax.grad`` runs (:class:`jax_shared_attn.backward.BackwardConfig`'s
-      ``kernels``): "xla", "triton", "cudnn" or "tpu".
+      ``kernels``): "xla", "triton", "cudnn" or "tpu"; "none" for ``paged_attention``, which is
+      forward only.
     backward_tiles: the backward kernels' tiles: a
       :class:`pallas_kernels.gpu.backward.BackwardKernelConfig` ("triton", "cudnn": the parts
       cuDNN does not take), the rows per tile for "tpu", None for "xla" (whose tiles are
@@ -168,16 +169,24 @@ def _backward_kernels(family: str, backend: str, device: DeviceInfo, config) -> 
 
 
 def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
-         platform: Optional[str] = None, device_kind: Optional[str] = None) -> Plan:
+         platform: Optional[str] = None, device_kind: Optional[str] = None,
+         page_table=None) -> Plan:
   """The plan for a call with query ``q``, shared ``parts`` (None: no shared part, as
   ``attention_with_lse``) and ``suffix_k``: shapes and dtypes only. ``platform`` and
-  ``device_kind`` (None: the default backend and its device) name the target."""
+  ``device_kind`` (None: the default backend and its device) name the target.
+
+  ``page_table`` (``[B, O]``): a call over page pools (``paged_attention``): ``suffix_k`` is the
+  key pool ``[pages, page_size, Hkv, D]`` and ``parts`` the levels' ``(table [S, P], lengths,
+  segment_of_seq)``."""
   backend = _platform(fn, platform)
   family = choose_family(impl, fn, platform, device_kind)
   check_config(fn, family, config)
   why_impl = f"impl={impl!r} on {backend}" + (f" ({device_kind})" if device_kind else "")
+  paged = page_table is not None
   if family == "xla":
-    return Plan(fn, "xla", backend, reasons=(f"{why_impl}: pure JAX (XLA)",))
+    why = ((f"{why_impl}: pure JAX (XLA)",) + (("the pages gathered into contiguous buffers, "
+                                               "then the XLA primitives",) if paged else ()))
+    return Plan(fn, "xla", backend, reasons=why, backward="xla" if not paged else "none")
   name = f"pallas:{family}"
   reasons = [f"{why_impl}: the {name} kernels"]
   native = {"triton": "gpu", "mosaic_gpu": "gpu", "tpu": "tpu"}[family]
@@ -187,7 +196,16 @@ def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
                    + (" (Triton: Mosaic GPU has none)" if family == "mosaic_gpu" else ""))
   reasons.append(f"planned for {device.device_kind} ({device.cores} "
                  f"{'SMs' if native == 'gpu' else 'TensorCores'})")
-  if family == "tpu":
+  if paged and family == "tpu":  # the TPU kernels on the gathered pages
+    from pallas_kernels.tpu import dispatch as tpu_dispatch
+    gathered, suffix = _gathered_shapes(parts, suffix_k, page_table)
+    bplan = tpu_dispatch.plan(q, gathered, suffix, device=device, config=config)
+    reasons.append("the pages gathered into contiguous buffers, then the TPU kernels")
+  elif paged:
+    from pallas_kernels.gpu import dispatch as gpu_dispatch
+    bplan = gpu_dispatch.plan_paged(q, [t for t, _, _ in parts], suffix_k, page_table,
+                                    device=device, family=family)
+  elif family == "tpu":
     from pallas_kernels.tpu import dispatch as tpu_dispatch
     bplan = tpu_dispatch.plan(q, parts or (), suffix_k, device=device, config=config)
   elif parts is None:
@@ -197,6 +215,9 @@ def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
     from pallas_kernels.gpu import dispatch as gpu_dispatch
     bplan = gpu_dispatch.plan_shared(q, parts, suffix_k, device=device, family=family,
                                      config=config)
+  if paged:
+    return Plan(fn, name, backend, device, bplan, "none", None,
+                tuple(reasons) + tuple(bplan.reasons) + ("forward only (no backward)",))
   backward, why_backward = _backward_kernels(family, backend, device, config)
   if family == "tpu":
     from pallas_kernels.tpu import tuned as tpu_tuned
@@ -207,3 +228,16 @@ def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
   why_backward += f"; tiles {tiles}"
   return Plan(fn, name, backend, device, bplan, backward, tiles,
               tuple(reasons) + tuple(bplan.reasons) + (why_backward,))
+
+
+def _gathered_shapes(levels, k_pages, page_table):
+  """The contiguous buffers' shapes once the pages are gathered: the levels as ``("segments",
+  k [S, P * page_size, Hkv, D], v, lengths, nodes)`` parts, and the own keys ``[B, O *
+  page_size, Hkv, D]``."""
+  ps, rest = k_pages.shape[1], tuple(k_pages.shape[2:])
+
+  def buf(table):
+    return jax.ShapeDtypeStruct((table.shape[0], table.shape[1] * ps) + rest, k_pages.dtype)
+
+  parts = [("segments", buf(t), buf(t), lengths, nodes) for t, lengths, nodes in levels]
+  return parts, buf(page_table)

@@ -36,6 +36,8 @@ from __future__ import annotations
 from jax_shared_attn import dispatch
 from jax_shared_attn.dispatch import IMPLS  # noqa: F401  (re-exported)
 from pallas_kernels.base import XLA_OPS, AttentionOps, reference_shared_attention  # noqa: F401
+from pallas_kernels.base import gather_pages
+from pallas_kernels.base import paged_attention as base_paged_attention
 
 
 def differentiable(ops: AttentionOps, backward_config=None) -> AttentionOps:
@@ -43,6 +45,7 @@ def differentiable(ops: AttentionOps, backward_config=None) -> AttentionOps:
   from jax_shared_attn import backward
   config = backward.BackwardConfig() if backward_config is None else backward_config
   return backward.differentiable(ops, reference_shared_attention, config)
+
 
 
 def segment_alignment(impl: str = "auto") -> int:
@@ -57,14 +60,29 @@ def suffix_alignment(impl: str = "auto", rows_per_seq: int = 1, config=None) -> 
   return dispatch.suffix_alignment(impl, rows_per_seq, config, segment=segment_alignment(impl))
 
 
-def executor(plan: dispatch.Plan, config=None) -> AttentionOps:
-  """The differentiable ops that execute ``plan`` (:func:`jax_shared_attn.dispatch.plan` of one
-  call, ``config`` that call's): the family's entry points bound to the plan's kernel configs,
-  with the plan's backward."""
+def gathered_paged_attention(q, k_pages, v_pages, levels, page_table, kv_lengths, *, causal,
+                             scale, ops: AttentionOps):
+  """``paged_attention`` of a family without a paged entry: the pages gathered into contiguous
+  buffers, then the family's whole decomposition (``ops.shared_attention``) where it has one,
+  else :func:`pallas_kernels.base.paged_attention` from its primitives."""
+  if ops.shared_attention is None:
+    return base_paged_attention(q, k_pages, v_pages, levels, page_table, kv_lengths,
+                                causal=causal, scale=scale, ops=ops)
+  parts = [("segments", gather_pages(k_pages, t), gather_pages(v_pages, t), lengths, nodes)
+           for t, lengths, nodes in levels]
+  return ops.shared_attention(q, parts, gather_pages(k_pages, page_table),
+                              gather_pages(v_pages, page_table), kv_lengths=kv_lengths,
+                              causal=causal, scale=scale)
+
+
+def executor(plan: dispatch.Plan, config=None, forward_only: bool = False) -> AttentionOps:
+  """The ops that execute ``plan`` (:func:`jax_shared_attn.dispatch.plan` of one call,
+  ``config`` that call's): the family's entry points bound to the plan's kernel configs, with
+  the plan's backward (``forward_only``: the family's ops as they are, no backward)."""
   from jax_shared_attn import backward
-  bconfig = backward.BackwardConfig(kernels=plan.backward, kernel_tiles=plan.backward_tiles)
   if plan.impl == "xla":
-    return differentiable(XLA_OPS, bconfig)
+    return XLA_OPS if forward_only else differentiable(
+        XLA_OPS, backward.BackwardConfig(kernels=plan.backward, kernel_tiles=plan.backward_tiles))
   family = plan.impl.split(":", 1)[1]
   if family == "tpu":
     from pallas_kernels import tpu
@@ -72,7 +90,10 @@ def executor(plan: dispatch.Plan, config=None) -> AttentionOps:
   else:
     from pallas_kernels import gpu
     ops = gpu.get_ops(mosaic=family == "mosaic_gpu", config=config, plan=plan.backend)
-  return differentiable(ops, bconfig)
+  if forward_only:
+    return ops
+  return differentiable(ops, backward.BackwardConfig(kernels=plan.backward,
+                                                     kernel_tiles=plan.backward_tiles))
 
 
 def resolve(impl: str, fn: str, config=None) -> AttentionOps:

@@ -7,6 +7,8 @@ none. It holds
   ``prefix_attention``, ``segment_attention``, ``suffix_attention`` and the whole
   decomposition built from any family's primitives, ``reference_shared_attention``;
 * the exact LSE merge ``merge_states``;
+* attention over page pools (the serving engine's KV cache), ``paged_attention``, as the
+  gathered pages run through the decomposition;
 * :class:`AttentionOps`, the interface of a kernel family;
 * :class:`AttentionShape`, the bytes and FLOPs of a call (the floors of the benchmarks and of
   the TPU performance model).
@@ -242,6 +244,33 @@ def reference_shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, caus
                               scale=scale, prior=prior)
 
 
+def gather_pages(pool: Array, table: Array) -> Array:
+  """``pool [pages, page_size, Hkv, D]`` read through ``table int[N, P]``: ``[N, P * page_size,
+  Hkv, D]``, entry n's pages in token order."""
+  n, p = table.shape
+  return pool[table].reshape((n, p * pool.shape[1]) + pool.shape[2:])
+
+
+def paged_attention(q, k_pages, v_pages, levels, page_table, kv_lengths, *, causal, scale,
+                    ops: Optional["AttentionOps"] = None) -> State:
+  """Attention over page pools, the reference (and the "xla" family's path): the pages
+  gathered into contiguous buffers, then :func:`reference_shared_attention` from ``ops``'
+  primitives (default: this module's).
+
+  ``k_pages, v_pages [pages, page_size, Hkv, D]`` hold every sequence's keys. ``levels``: per
+  shared level ``(table int[S, P], lengths int[S], segment_of_seq int[B])``: segment s is the
+  first ``lengths[s]`` tokens of its pages ``table[s]``, and sequence b continues segment
+  ``segment_of_seq[b]`` (-1: none). Then sequence b's own keys: the first ``kv_lengths[b]``
+  tokens of its pages ``page_table[b]`` (``[B, O]``), causal inside them as in
+  :func:`suffix_attention`.
+  """
+  parts = [("segments", gather_pages(k_pages, t), gather_pages(v_pages, t), lengths, nodes)
+           for t, lengths, nodes in levels]
+  return reference_shared_attention(q, parts, gather_pages(k_pages, page_table),
+                                    gather_pages(v_pages, page_table), kv_lengths=kv_lengths,
+                                    causal=causal, scale=scale, ops=ops)
+
+
 class AttentionOps(NamedTuple):
   """An implementation of the three primitives (the functions of this module are the "xla" one).
 
@@ -252,6 +281,10 @@ class AttentionOps(NamedTuple):
   node_of_seq)``, to keep intermediates in its own layout and fuse merges.
   The differentiable ops the public API builds also take ``need_lse`` (static) on
   ``shared_attention`` and ``suffix_attention``: False returns ``(out, None)``.
+
+  ``paged_attention`` (optional, forward only): the decomposition over page pools, with
+  :func:`paged_attention`'s signature (without ``ops``); None: the pages are gathered and the
+  family's primitives run on the gathered buffers.
   """
 
   name: str
@@ -259,6 +292,7 @@ class AttentionOps(NamedTuple):
   segment_attention: Callable[..., Any]
   suffix_attention: Callable[..., Any]
   shared_attention: Callable[..., Any] | None = None
+  paged_attention: Callable[..., Any] | None = None
 
 
 XLA_OPS = AttentionOps("xla", prefix_attention, segment_attention, suffix_attention)

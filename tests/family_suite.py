@@ -16,7 +16,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_shared_attn import attention_with_lse, hierarchical_attention, shared_prefix_attention
+from jax_shared_attn import (PagedLevel, attention_with_lse, hierarchical_attention,
+                             paged_attention, shared_prefix_attention)
 from jax_shared_attn import ops as ops_lib
 from jax_shared_attn.testing import check_attention, oracle_full, oracle_tree
 from strategies import SEEDS, assert_close, count_case, lengths, rand, random_tree, small_jit
@@ -25,6 +26,7 @@ STATIC = ("causal", "impl", "return_lse", "scale")
 prefix_jit = small_jit(shared_prefix_attention, static_argnames=STATIC)
 tree_jit = small_jit(hierarchical_attention, static_argnames=STATIC)
 full_jit = small_jit(attention_with_lse, static_argnames=("causal", "impl", "scale"))
+paged_jit = small_jit(paged_attention, static_argnames=STATIC)
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,6 +62,15 @@ FULL_CASES = (
     ((2, 4, 16, 2, 64, 0), "float32", False),
     ((2, 2, 8, 4, 128, 700), "bfloat16", True),
 )
+# ((B, Tq, Hq, Hkv, D, page_size, own pages O), levels as ((S, P), ...), dtype, causal): page
+# pools with shuffled page ids; a page size that is not a power of two; a segment crossing
+# 512 keys; no levels; Tq > own length.
+PAGED_CASES = (
+    ((5, 1, 8, 1, 128, 16, 3), ((1, 4),), "bfloat16", True),
+    ((6, 2, 4, 2, 80, 4, 4), ((2, 3), (3, 2)), "float32", True),
+    ((4, 3, 16, 2, 64, 6, 2), (), "float16", True),
+    ((3, 1, 8, 2, 64, 64, 2), ((1, 9), (2, 1)), "bfloat16", False),
+)
 # ((B, Tq, Hq, Hkv, D, keys), dtype): the primitives' cases.
 PRIMITIVE_CASES = (
     ((3, 1, 8, 1, 128, 37), "bfloat16"),
@@ -72,7 +83,7 @@ class FamilySuite:
   """Oracle tests of one kernel family; a subclass sets ``IMPL`` (and may scale ``EXAMPLES``)."""
 
   IMPL = None
-  EXAMPLES = dict(prefix=24, tree=20, full=12, primitive=4)
+  EXAMPLES = dict(prefix=24, tree=20, full=12, primitive=4, paged=12)
 
   # -- the primitives, through the family's AttentionOps --------------------------------------
 
@@ -176,3 +187,43 @@ class FamilySuite:
     out, lse = full_jit(
         q, k, v, kv_lengths=kv_len, causal=causal, impl=self.IMPL)
     assert_close(out, lse, *oracle_full(q64, k64, v64, kv_len, causal=causal), dtype)
+
+  def test_paged_attention(self):
+    settings(max_examples=self.EXAMPLES["paged"], deadline=None)(given(
+        data=st.data(), seed=SEEDS, case=st.sampled_from(PAGED_CASES))(self._paged))()
+
+  def _paged(self, data, seed, case):
+    count_case(f"family_paged[{self.IMPL}]")
+    (b, tq, hq, hkv, d, ps, o), structure, dtype, causal = case
+    rng = np.random.default_rng(seed)
+    n_pages = 1 + b * o + sum(n * p for n, p in structure)
+    k, k64 = rand(rng, (n_pages, ps, hkv, d), dtype)
+    v, v64 = rand(rng, (n_pages, ps, hkv, d), dtype)
+    ids = iter(rng.permutation(n_pages))  # every table a random set of distinct pages
+
+    def table(rows, width):
+      return np.array([[next(ids) for _ in range(width)] for _ in range(rows)], np.int32)
+
+    def tokens(x64, pages, length):  # float64 [length, Hkv, D] of a page list
+      return x64[pages].reshape(-1, hkv, d)[:length]
+
+    levels, seg_k, seg_v = [], [[] for _ in range(b)], [[] for _ in range(b)]
+    for n, p in structure:
+      t, lens = table(n, p), lengths(data.draw, n, p * ps)
+      nodes = np.asarray(data.draw(st.lists(st.integers(-1, n - 1), min_size=b, max_size=b)),
+                         np.int32)
+      levels.append(PagedLevel(jnp.asarray(t), jnp.asarray(lens), jnp.asarray(nodes)))
+      for i, node in enumerate(nodes):
+        if node >= 0:
+          seg_k[i].append(tokens(k64, t[node], lens[node]))
+          seg_v[i].append(tokens(v64, t[node], lens[node]))
+    own = table(b, o)
+    own_len = lengths(data.draw, b, o * ps)
+    q, q64 = rand(rng, (b, tq, hq, d), dtype)
+    sk64 = np.stack([tokens(k64, own[i], o * ps) for i in range(b)])
+    sv64 = np.stack([tokens(v64, own[i], o * ps) for i in range(b)])
+    out, lse = paged_jit(q, k, v, jnp.asarray(own), jnp.asarray(own_len), levels=levels,
+                         causal=causal, impl=self.IMPL, return_lse=True)
+    assert out.dtype == q.dtype and lse.dtype == jnp.float32
+    ref = oracle_tree(q64, seg_k, seg_v, sk64, sv64, own_len, causal=causal)
+    assert_close(out, lse, *ref, dtype)

@@ -11,6 +11,8 @@ The entry points (``shared.py``; :func:`get_ops` binds them):
 ``shared_attention``   the whole decomposition in the folded row layout (``shared.py``); on
                        Hopper, decoding with one shared prefix runs prefix and suffixes in ONE
                        Mosaic GPU kernel (``shared_mgpu``).
+``paged_attention``    the decomposition over page pools (the serving engine's cache): the
+                       segment and suffix kernels read the pages in place.
 ``sampler.py``         not attention: the top-p draw's passes over the logits in one kernel
                        (noise, candidates, sums; used by ``models.generation.sampling``).
 ``config.py``          :class:`GpuConfig`, the choices a call passes (static under jit).
@@ -46,8 +48,8 @@ def get_ops(interpret: bool | None = None, mosaic: bool = False,
   is; the other entries plan each call themselves. ``interpret=None`` picks native vs
   interpret mode when lowering.
   """
-  from pallas_kernels.gpu.shared import (prefix_attention, segment_attention, shared_attention,
-                                         suffix_attention)
+  from pallas_kernels.gpu.shared import (paged_attention, prefix_attention, segment_attention,
+                                         shared_attention, suffix_attention)
 
   if config is not None and not isinstance(config, GpuConfig):
     raise TypeError(f"pallas_kernels.gpu.get_ops: config must be a GpuConfig or None; got "
@@ -58,7 +60,8 @@ def get_ops(interpret: bool | None = None, mosaic: bool = False,
   name = "pallas:mosaic_gpu" if mosaic else "pallas:triton"
   bind = functools.partial
   suffix_plan = plan if plan is not None and plan.path == "suffix" else None
-  shared_plan = plan if plan is not None and plan.path != "suffix" else None
+  paged_plan = plan if plan is not None and plan.path == "paged" else None
+  shared_plan = plan if plan is not None and plan.path not in ("suffix", "paged") else None
   return AttentionOps(
       name,
       bind(prefix_attention, device=device, mosaic=mosaic, config=config, interpret=interpret),
@@ -66,4 +69,5 @@ def get_ops(interpret: bool | None = None, mosaic: bool = False,
       bind(suffix_attention, device=device, plan=suffix_plan, interpret=interpret),
       bind(shared_attention, device=device, mosaic=mosaic, config=config, plan=shared_plan,
            interpret=interpret),
+      bind(paged_attention, device=device, plan=paged_plan, interpret=interpret),
   )

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +73,34 @@ def load(ref, mask):
   if mask is None:
     return plgpu.load(ref)
   return plgpu.load(ref, mask=mask, other=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pages:
+  """How a kernel finds one sequence's (or segment's) keys in a page pool: key ``j`` is row
+  ``table[base + j // page_size] * page_size + j % page_size`` of the pool ``[pages *
+  page_size, Dp]`` (one KV head's view). ``table_ref`` is the flat page table ``[N * width]``
+  (``width`` pages per entry), ``base = entry * width``."""
+
+  table_ref: Any
+  base: Any
+  page_size: int
+  width: int
+
+
+def load_pages(ref, start, block_n: int, mask, pages: Pages):
+  """K or V rows of keys ``[start, start + block_n)`` read in place from a page pool ``ref
+  [pages * page_size, Dp]`` through ``pages`` (one gathered load; keys past the table's width
+  read its last entry and must be masked). ``mask`` as :func:`load`'s, broadcast to the tile."""
+  keys = start + jnp.arange(block_n)
+  slot = jnp.minimum(keys // pages.page_size, pages.width - 1)
+  page = plgpu.load(pages.table_ref.at[pages.base + slot])
+  rows = page * pages.page_size + keys % pages.page_size
+  dp = ref.shape[-1]
+  view = ref.at[rows[:, None], jnp.arange(dp)[None, :]]
+  if mask is None:
+    return plgpu.load(view)
+  return plgpu.load(view, mask=jnp.broadcast_to(mask, (block_n, dp)), other=0.0)
 
 
 def fold_rows(q: jax.Array, hkv: int) -> jax.Array:

@@ -7,6 +7,8 @@ config; the kernels (:mod:`pallas_kernels.gpu.shared`) only execute it.
   kernel, the one-kernel decode path (Hopper), or the shared parts' kernels then the suffix
   kernel ("split"), with every kernel's config.
 - :func:`plan_suffix`: attention without a shared part (the suffix kernel alone).
+- :func:`plan_paged`: attention over page pools (``paged_attention``): per shared level the
+  segment kernel, then the suffix kernel, both reading pages in place.
 - :func:`plan_prefix`: a shared prefix's kernel, Mosaic GPU (Hopper) or Triton, and its configs.
 - :func:`segment_alignment`, :func:`suffix_alignment`: the buffer multiples that let a cache
   reach the Hopper kernels.
@@ -36,7 +38,7 @@ from pallas_kernels.gpu.prefix import default_config as triton_prefix_config
 from pallas_kernels.gpu.suffix import MAX_ROWS, SuffixConfig, flat_config
 
 FAMILIES = ("triton", "mosaic_gpu")
-PATHS = ("suffix", "flat", "fused_decode", "split")
+PATHS = ("suffix", "flat", "fused_decode", "split", "paged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +67,9 @@ class GpuPlan:
     family: "mosaic_gpu" or "triton".
     path: "suffix" (no shared part: the suffix kernel alone), "flat" (one Triton kernel, shared
       then own keys per sequence), "fused_decode" (one Mosaic GPU kernel, prefix and suffixes),
-      or "split" (the shared parts' kernels, then the suffix kernel merging their states in its
-      epilogue).
+      "split" (the shared parts' kernels, then the suffix kernel merging their states in its
+      epilogue), or "paged" (as "split", over page pools: the segment kernel per level and the
+      suffix kernel read the pages in place).
     device: the device planned for (its SM count sizes every grid).
     merge: the merge kernel's config (key splits merged after a kernel).
     flat: the flat kernel's config (path "flat").
@@ -76,9 +79,9 @@ class GpuPlan:
       for CUDA (the Triton kernels, interpreted: Mosaic GPU has no interpret mode).
     prefixes: per shared part, its :class:`PrefixPlan`, or None for a tree level of several
       segments (path "split").
-    segments: per shared part, the segment kernel's config where it runs, else None (path
-      "split").
-    suffix: the suffix kernel's config (paths "suffix" and "split").
+    segments: per shared part, the segment kernel's config where it runs, else None (paths
+      "split" and "paged").
+    suffix: the suffix kernel's config (paths "suffix", "split" and "paged").
     reasons: why, in words.
   """
 
@@ -277,6 +280,33 @@ def plan_split(q, parts, suffix_k, *, device: DeviceInfo, family: str = "triton"
                  reasons=tuple(reasons) + (
                      "the shared parts' kernels, then the suffix kernel merging their states "
                      f"in its epilogue: {suffix}",) + per_part)
+
+
+def plan_paged(q, level_tables, k_pages, page_table, *, device: DeviceInfo,
+               family: str = "triton") -> GpuPlan:
+  """The plan for ``q [B, Tq, Hq, D]`` over page pools ``k_pages [pages, page_size, Hkv, D]``:
+  per shared level (its page table ``[S, P]`` in ``level_tables``) the segment kernel, then the
+  suffix kernel over each sequence's own pages (``page_table [B, O]``), the levels' states merged
+  in its epilogue. Both Triton kernels read the pages in place; the Mosaic GPU kernels stream
+  contiguous TMA blocks, so the mosaic_gpu family runs the same kernels."""
+  _check_family(family)
+  b, tq, hq, d = q.shape
+  page_size, hkv = k_pages.shape[1], k_pages.shape[2]
+  m = tq * (hq // hkv)
+  itemsize = jnp.dtype(k_pages.dtype).itemsize
+  segments = tuple(segment_lib.default_config(b * m, t.shape[0], d, itemsize, device=device)
+                   for t in level_tables)
+  suffix = suffix_lib.default_config(b, hkv, page_table.shape[1] * page_size, d, rows=m,
+                                     device=device, itemsize=itemsize)
+  reasons = [f"pages of {page_size} tokens read in place through the page tables (Triton "
+             f"kernels" + ("; the Mosaic GPU kernels read contiguous buffers only)"
+                           if family == "mosaic_gpu" else ")")]
+  reasons += [f"level {i}: {t.shape[0]} segment(s) of up to {t.shape[1]} pages: the segment "
+              f"kernel: {sc}" for i, (t, sc) in enumerate(zip(level_tables, segments))]
+  reasons.append(f"own pages (up to {page_table.shape[1]} per sequence): the suffix kernel, the "
+                 f"levels merged in its epilogue: {suffix}")
+  return GpuPlan(family, "paged", device, merge_lib.default_config(device), segments=segments,
+                 suffix=suffix, reasons=tuple(reasons))
 
 
 def segment_alignment(family: str) -> int:

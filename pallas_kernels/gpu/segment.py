@@ -49,15 +49,18 @@ def default_config(rows: int, segments: int, head_dim: int, itemsize: int = 2, *
                        num_stages=t.num_stages)
 
 
-def _kernel(tile_node_ref, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float,
-            head_dim: int, block_n: int):
-  # tile_node_ref: [tiles] int32; len_ref: [N]; q_ref: [block_m, Dp]; k_ref/v_ref: [N, T, Dp]
+def _kernel(tile_node_ref, len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int,
+            block_n: int, page_size: int | None, width: int):
+  # tile_node_ref: [tiles] int32; len_ref: [N]; q_ref: [block_m, Dp]; k_ref/v_ref: [N, T, Dp],
+  # or with ``page_size`` the pools [pages * page_size, Dp] and refs[0] the page table [N * width]
+  o_ref, lse_ref = refs[-2:]
   tile = pl.program_id(0)
   node = tile_node_ref[tile]
   bm, dp = q_ref.shape
   d_ok = jnp.arange(dp) < head_dim
   kv_len = jnp.where(node >= 0, len_ref[jnp.maximum(node, 0)], 0)
   seg = jnp.maximum(node, 0)
+  pages = common.Pages(refs[0], seg * width, page_size, width) if page_size else None
   q = common.load(q_ref, d_ok[None, :])
   qk_scale = scale * common.LOG2E
 
@@ -65,8 +68,12 @@ def _kernel(tile_node_ref, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scal
     start = j * block_n
     keys = start + jnp.arange(block_n)
     kv_mask = d_ok[None, :] & (keys < kv_len)[:, None] if masked else d_ok[None, :]
-    k = common.load(k_ref.at[seg, pl.ds(start, block_n), :], kv_mask)
-    v = common.load(v_ref.at[seg, pl.ds(start, block_n), :], kv_mask)
+    if pages is None:
+      k = common.load(k_ref.at[seg, pl.ds(start, block_n), :], kv_mask)
+      v = common.load(v_ref.at[seg, pl.ds(start, block_n), :], kv_mask)
+    else:
+      k = common.load_pages(k_ref, start, block_n, kv_mask, pages)
+      v = common.load_pages(v_ref, start, block_n, kv_mask, pages)
     s = common.dot(q, k, trans_b=True) * qk_scale
     if masked:
       s = jnp.where((keys < kv_len)[None, :], s, -jnp.inf)
@@ -83,12 +90,18 @@ def _kernel(tile_node_ref, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scal
   lse_ref[...] = lse
 
 
-def _call(tile_node, lengths, q_tiles, k, v, *, scale, cfg: SegmentConfig, head_dim: int,
-          interpret: bool):
+def _call(tile_node, lengths, q_tiles, k, v, *table, scale, cfg: SegmentConfig, head_dim: int,
+          page_size: int | None, interpret: bool):
   hkv, tiles, bm, dp = q_tiles.shape
-  n, t = k.shape[:2]
-  kernel = functools.partial(_kernel, scale=scale, head_dim=head_dim, block_n=cfg.block_n)
-  kv_spec = pl.BlockSpec((n, t, None, dp), lambda i, h: (0, 0, h, 0))
+  n = lengths.shape[0]
+  width = table[0].shape[0] // n if table else 0
+  kernel = functools.partial(_kernel, scale=scale, head_dim=head_dim, block_n=cfg.block_n,
+                             page_size=page_size, width=width)
+  if page_size is None:
+    kv_spec = pl.BlockSpec((n, k.shape[1], None, dp), lambda i, h: (0, 0, h, 0))
+  else:  # the pools as [pages * page_size, Hkv, D]: rows are found through the table
+    kv_spec = pl.BlockSpec((k.shape[0], None, dp), lambda i, h: (0, h, 0))
+  table_specs = [pl.BlockSpec(table[0].shape, lambda i, h: (0,))] if table else []
   return pl.pallas_call(
       kernel,
       grid=(tiles, hkv),
@@ -96,7 +109,7 @@ def _call(tile_node, lengths, q_tiles, k, v, *, scale, cfg: SegmentConfig, head_
           pl.BlockSpec((tiles,), lambda i, h: (0,)),
           pl.BlockSpec((n,), lambda i, h: (0,)),
           pl.BlockSpec((None, None, bm, dp), lambda i, h: (h, i, 0, 0)),
-          kv_spec, kv_spec,
+          kv_spec, kv_spec, *table_specs,
       ],
       out_specs=[
           pl.BlockSpec((None, None, bm, dp), lambda i, h: (h, i, 0, 0)),
@@ -108,8 +121,8 @@ def _call(tile_node, lengths, q_tiles, k, v, *, scale, cfg: SegmentConfig, head_
       ],
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
-      name="hydragen_segment_attention",
-  )(tile_node, lengths, q_tiles, k, v)
+      name="hydragen_paged_segment_attention" if table else "hydragen_segment_attention",
+  )(tile_node, lengths, q_tiles, k, v, *table)
 
 
 def tile_layout(node_of_seq: jax.Array, n: int, rows_per_seq: int, block_m: int):
@@ -158,19 +171,30 @@ def tile_layout(node_of_seq: jax.Array, n: int, rows_per_seq: int, block_m: int)
 
 def segment_rows(
     q_rows: jax.Array,  # [Hkv, B * M, D], M = Tq * G rows per sequence
-    k: jax.Array,  # [N, T, Hkv, D]
-    v: jax.Array,  # [N, T, Hkv, D]
+    k: jax.Array,  # [N, T, Hkv, D], or with page_table the pool [pages, page_size, Hkv, D]
+    v: jax.Array,  # the same shape as k
     *,
     rows_per_seq: int,
     lengths: jax.Array,  # int32 [N]
     node_of_seq: jax.Array,  # int32 [B]
     scale: float,
     config: SegmentConfig,
+    page_table: jax.Array | None = None,  # int32 [N, P]: segment n's pages in token order
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """One tree level in the folded row layout: float32 ``out [Hkv, R, D]``, ``lse [Hkv, R]``."""
+  """One tree level in the folded row layout: float32 ``out [Hkv, R, D]``, ``lse [Hkv, R]``.
+
+  With ``page_table``, ``k`` and ``v`` are page pools and segment n's token j is at page
+  ``page_table[n, j // page_size]``, offset ``j % page_size``: the kernel reads the pages in
+  place (one gathered load per key step)."""
   hkv, r, d = q_rows.shape
-  n, t = k.shape[:2]
+  if page_table is None:
+    n, t = k.shape[:2]
+    page_size, table = None, ()
+  else:
+    n, t = page_table.shape[0], page_table.shape[1] * k.shape[1]
+    page_size, table = k.shape[1], (jnp.asarray(page_table, jnp.int32).reshape(-1),)
+    k, v = (x.reshape((-1,) + x.shape[2:]) for x in (k, v))
   b = node_of_seq.shape[0]
   if t == 0 or r == 0:
     return jnp.zeros((hkv, r, d), jnp.float32), jnp.full((hkv, r), -jnp.inf, jnp.float32)
@@ -181,8 +205,8 @@ def segment_rows(
   rows = jnp.pad(q_rows, ((0, 0), (0, 1), (0, dp - d)))  # row R is the zero row for padding
   q_tiles = rows[:, jnp.where(gather >= 0, gather, b * rows_per_seq)]
   q_tiles = q_tiles.reshape(hkv, tiles, cfg.block_m, dp)
-  call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d)
-  out, lse = common.run(call, tile_node, jnp.asarray(lengths, jnp.int32), q_tiles, k, v,
+  call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, page_size=page_size)
+  out, lse = common.run(call, tile_node, jnp.asarray(lengths, jnp.int32), q_tiles, k, v, *table,
                          interpret=interpret)
   has = slot_of_row >= 0
   idx = jnp.maximum(slot_of_row, 0)

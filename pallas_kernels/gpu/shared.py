@@ -133,6 +133,32 @@ def run_plan(plan: dispatch.GpuPlan, q, parts, suffix_k, suffix_v, *, kv_lengths
                 scale=scale, interpret=interpret)
 
 
+def paged_attention(q, k_pages, v_pages, levels, page_table, kv_lengths, *, causal, scale,
+                    plan: dispatch.GpuPlan | None = None, device: DeviceInfo | None = None,
+                    interpret=None):
+  """Attention over page pools (see :func:`pallas_kernels.base.paged_attention`): runs ``plan``
+  (path "paged") where given, else the plan for these shapes on ``device``. Returns ``out [B,
+  Tq, Hq, D]`` in q's dtype and natural-log ``lse [B, Tq, Hq]``."""
+  if plan is None:
+    plan = dispatch.plan_paged(q, [t for t, _, _ in levels], k_pages, page_table,
+                               device=device or DeviceInfo.for_target("gpu"))
+  b, tq, hq, d = q.shape
+  hkv = k_pages.shape[2]
+  m = tq * (hq // hkv)
+  q_rows = common.fold_rows(q, hkv)  # [Hkv, B * M, D]
+  priors = []
+  for (table, lengths, nodes), seg_cfg in zip(levels, plan.segments):
+    out, lse = segment_rows(q_rows, k_pages, v_pages, rows_per_seq=m, lengths=lengths,
+                            node_of_seq=nodes, scale=scale, config=seg_cfg, page_table=table,
+                            interpret=interpret)
+    priors.append((out.reshape(1, hkv, b, m, d), lse.reshape(1, hkv, b, m)))
+  out, lse = suffix_rows(q_rows.reshape(hkv, b, m, d), k_pages, v_pages, kv_lengths, priors,
+                         q_len=tq, causal=causal, scale=scale, out_dtype=q.dtype,
+                         config=plan.suffix, merge=plan.merge, by_sequence=True,
+                         page_table=page_table, interpret=interpret)
+  return common.unfold_seq_rows(out, tq), common.unfold_seq_rows(lse, tq)
+
+
 def _split(plan, q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, interpret):
   """The shared parts' kernels, then the suffix kernel merging their states in its epilogue."""
   b, tq, hq, d = q.shape

@@ -90,16 +90,22 @@ def _merge2(out, lse, p_out, p_lse):
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, rows: int,
             q_len: int, group: int, causal: bool, block_n: int, keys_per_split: int,
-            prior_splits: tuple[int, ...], lead: bool):
+            prior_splits: tuple[int, ...], lead: bool, page_size: int | None = None,
+            width: int = 0):
   # len_ref: [B] int32; q_ref: [Mp, Dp] (a tile of one sequence's rows for one KV head);
-  # k_ref/v_ref: [S, Dp]; with ``lead``: lead_len_ref [1], lead_k_ref/lead_v_ref [P, Dp];
+  # k_ref/v_ref: [S, Dp], or with ``page_size`` the pools [pages * page_size, Dp] followed by
+  # the page table [B * width]; with ``lead``: lead_len_ref [1], lead_k_ref/lead_v_ref [P, Dp];
   # then per prior: out [n, Mp, Dp], lse [n, Mp]; then o_ref, lse_ref.
+  b, tile, split = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  pages = None
+  if page_size is not None:
+    pages = common.Pages(refs[0], b * width, page_size, width)
+    refs = refs[1:]
   if lead:
     lead_len_ref, lead_k_ref, lead_v_ref = refs[:3]
     refs = refs[3:]
   prior_refs = refs[:2 * len(prior_splits)]
   o_ref, lse_ref = refs[2 * len(prior_splits):]
-  b, tile, split = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   mp, dp = q_ref.shape
   row = tile * mp + jnp.arange(mp)  # row index within the sequence: t * G + g
   row_ok = row < rows
@@ -109,14 +115,18 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
   q = common.load(q_ref, q_mask if rows % mp or d_mask is not None else None)
   qk_scale = scale * common.LOG2E
 
-  def step(j, carry, masked, kref, vref, lo, hi, limit):
+  def step(j, carry, masked, kref, vref, lo, hi, limit, paged):
     start = lo + j * block_n
     keys = start + jnp.arange(block_n)
     kv_mask = d_mask
     if masked:
       kv_mask = (keys < hi)[:, None] if d_mask is None else (keys < hi)[:, None] & d_mask
-    k = common.load(kref.at[pl.ds(start, block_n), :], kv_mask)
-    v = common.load(vref.at[pl.ds(start, block_n), :], kv_mask)
+    if paged is None:
+      k = common.load(kref.at[pl.ds(start, block_n), :], kv_mask)
+      v = common.load(vref.at[pl.ds(start, block_n), :], kv_mask)
+    else:
+      k = common.load_pages(kref, start, block_n, kv_mask, paged)
+      v = common.load_pages(vref, start, block_n, kv_mask, paged)
     s = common.dot(q, k, trans_b=True) * qk_scale
     if masked:
       visible = (keys < hi)[None, :]
@@ -125,10 +135,10 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
       s = jnp.where(visible, s, -jnp.inf)
     return common.online_softmax_step(carry, s, v, masked_s=masked)
 
-  def stream(carry, kref, vref, lo, hi, n_full, limit=None):
+  def stream(carry, kref, vref, lo, hi, n_full, limit=None, paged=None):
     """Keys [lo, hi) of one K/V: ``n_full`` unmasked blocks, then the masked rest."""
     n_keys = jnp.maximum(hi - lo, 0)
-    kw = dict(kref=kref, vref=vref, lo=lo, hi=hi, limit=limit)
+    kw = dict(kref=kref, vref=vref, lo=lo, hi=hi, limit=limit, paged=paged)
     carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False, **kw), carry)
     return lax.fori_loop(n_full, pl.cdiv(n_keys, block_n),
                          functools.partial(step, masked=True, **kw), carry)
@@ -152,7 +162,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
     hi = jnp.minimum(hi, kv_len - q_len + (tile * mp + mp - 1) // group + 1)
     visible_to_all = kv_len - q_len + (tile * mp) // group + 1
   n_full = jnp.clip(jnp.minimum(hi, visible_to_all) - lo, 0, None) // block_n
-  carry = stream(carry, k_ref, v_ref, lo, hi, n_full, limit if causal else None)
+  carry = stream(carry, k_ref, v_ref, lo, hi, n_full, limit if causal else None, pages)
   out, lse = common.finalize(*carry)
   # Fused LSE merge with the shared parts (every split of every prior), in registers.
   for i, n in enumerate(prior_splits):
@@ -168,16 +178,21 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
 
 def _call(lengths, q_rows, k, v, *rest, scale, cfg: SuffixConfig, head_dim: int, q_len: int,
           group: int, causal: bool, out_dtype, lead: bool, interpret: bool,
-          by_sequence: bool = False, q_by_sequence: bool = False):
+          by_sequence: bool = False, q_by_sequence: bool = False,
+          page_size: int | None = None):
   # by_sequence: out [splits, B, Hkv, M, D] (lse [splits, B, Hkv, M]) instead of
   # [splits, Hkv, B, M, D]; with Tq = 1 that is [B, Hq, D] as it is: no transpose after.
   # q_by_sequence: q_rows is [B, Hkv, M, D] (with Tq = 1, q itself reshaped) instead of
   # [Hkv, B, M, D].
+  # page_size: k and v are the pools [pages * page_size, Hkv, D] and the page table
+  # [B * width] follows them; sequence b's key j is in its page j // page_size.
   if q_by_sequence:
     b, hkv, m, _ = q_rows.shape
   else:
     hkv, b, m, _ = q_rows.shape
-  s = k.shape[1]
+  table, rest = (rest[:1], rest[1:]) if page_size is not None else ((), rest)
+  width = table[0].shape[0] // b if table else 0
+  s = width * page_size if table else k.shape[1]
   lead_args, priors = (rest[:3], rest[3:]) if lead else ((), rest)
   # Decode (few rows): one tile of all rows. Prefill (Tq * G rows): flash-attention row tiles.
   mp = max(common.MIN_DOT, common.next_pow2(m)) if m <= MAX_ROWS else PREFILL_ROWS
@@ -189,12 +204,18 @@ def _call(lengths, q_rows, k, v, *rest, scale, cfg: SuffixConfig, head_dim: int,
   lead_dims = (b, hkv) if by_sequence else (hkv, b)
   kernel = functools.partial(
       _kernel, scale=scale, head_dim=head_dim, rows=m, q_len=q_len, group=group, causal=causal,
-      block_n=cfg.block_n, keys_per_split=keys_per_split, prior_splits=prior_splits, lead=lead)
-  kv_spec = pl.BlockSpec((None, s, None, dp), lambda i, h, t, j: (i, 0, h, 0))
+      block_n=cfg.block_n, keys_per_split=keys_per_split, prior_splits=prior_splits, lead=lead,
+      page_size=page_size, width=width)
+  if table:  # every program sees the whole pool of its KV head; rows come from the table
+    kv_spec = pl.BlockSpec((k.shape[0], None, dp), lambda i, h, t, j: (0, h, 0))
+  else:
+    kv_spec = pl.BlockSpec((None, s, None, dp), lambda i, h, t, j: (i, 0, h, 0))
   in_specs = [pl.BlockSpec((b,), lambda i, h, t, j: (0,)),
               pl.BlockSpec((None, None, mp, dp),
                            (lambda i, h, t, j: (i, h, t, 0)) if q_by_sequence
                            else (lambda i, h, t, j: (h, i, t, 0))), kv_spec, kv_spec]
+  if table:
+    in_specs.append(pl.BlockSpec(table[0].shape, lambda i, h, t, j: (0,)))
   if lead:  # the shared K/V: the same block for every sequence
     lead_spec = pl.BlockSpec((lead_args[1].shape[0], None, dp), lambda i, h, t, j: (0, h, 0))
     in_specs += [pl.BlockSpec((1,), lambda i, h, t, j: (0,)), lead_spec, lead_spec]
@@ -219,14 +240,15 @@ def _call(lengths, q_rows, k, v, *rest, scale, cfg: SuffixConfig, head_dim: int,
       ],
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
-      name="hydragen_flat_attention" if lead else "hydragen_suffix_attention",
-  )(lengths, q_rows, k, v, *lead_args, *priors)
+      name=("hydragen_flat_attention" if lead else
+            "hydragen_paged_suffix_attention" if table else "hydragen_suffix_attention"),
+  )(lengths, q_rows, k, v, *table, *lead_args, *priors)
 
 
 def suffix_rows(
     q_rows: jax.Array,  # [Hkv, B, M, D], M = Tq * G rows per sequence
-    k: jax.Array,  # [B, S, Hkv, D]
-    v: jax.Array,  # [B, S, Hkv, D]
+    k: jax.Array,  # [B, S, Hkv, D], or with page_table the pool [pages, page_size, Hkv, D]
+    v: jax.Array,  # the same shape as k
     lengths: jax.Array,  # int32 [B]
     priors: list[tuple[jax.Array, jax.Array]],  # [(out [n, Hkv, B, M, D], lse [n, Hkv, B, M])]
     *,
@@ -237,6 +259,7 @@ def suffix_rows(
     config: SuffixConfig,
     merge: MergeConfig,
     by_sequence: bool = False,
+    page_table: jax.Array | None = None,  # int32 [B, O]: sequence b's pages in token order
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Suffix attention in the folded row layout, every prior state merged in.
@@ -245,9 +268,19 @@ def suffix_rows(
   ``by_sequence``, ``out [B, Hkv, M, D]`` and ``lse [B, Hkv, M]``: in decoding (``M = G``) that is
   ``[B, 1, Hq, D]`` reshaped, so the kernel writes the final layout (with one key split; with
   several, the merge writes it).
+
+  With ``page_table``, ``k`` and ``v`` are page pools and sequence b's own key j is at page
+  ``page_table[b, j // page_size]``, offset ``j % page_size``, read in place.
   """
   hkv, b, m, d = q_rows.shape
-  s = k.shape[1]
+  page_size, table = None, ()
+  if page_table is not None:
+    page_size = k.shape[1]
+    table = (jnp.asarray(page_table, jnp.int32).reshape(-1),)
+    s = page_table.shape[1] * page_size
+    k, v = (x.reshape((-1,) + x.shape[2:]) for x in (k, v))
+  else:
+    s = k.shape[1]
   group = m // q_len
 
   def layout(out, lse):  # [Hkv, B, ...] -> the layout asked for
@@ -265,8 +298,8 @@ def suffix_rows(
   flat = [x for pr in priors for x in pr] if fused else []
   call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, q_len=q_len, group=group,
                            causal=causal, out_dtype=out_dtype if fused else jnp.float32,
-                           lead=False, by_sequence=by_sequence and fused)
-  out, lse = common.run(call, jnp.asarray(lengths, jnp.int32), q_rows, k, v, *flat,
+                           lead=False, by_sequence=by_sequence and fused, page_size=page_size)
+  out, lse = common.run(call, jnp.asarray(lengths, jnp.int32), q_rows, k, v, *table, *flat,
                          interpret=interpret)
   if fused:  # the kernel wrote the layout asked for
     return out[0], lse[0]

@@ -17,7 +17,7 @@ class TestXla(FamilySuite):
 
 class TestTriton(FamilySuite):
   IMPL = "pallas:triton"
-  EXAMPLES = dict(prefix=8, tree=6, full=4, primitive=3)  # interpreted: fewer, the same cases
+  EXAMPLES = dict(prefix=8, tree=6, full=4, primitive=3, paged=5)  # interpreted: fewer cases
 
 
 @pytest.mark.skipif(jax.default_backend() not in ("cpu", "tpu"),

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_shared_attn import _checks, dispatch
 from jax_shared_attn import ops as ops_lib
@@ -359,7 +360,8 @@ def _check_table(fn: str, name: str, table, shape_doc: str, rows: Optional[int],
     raise ValueError(f"{fn}: {name} must have {rows} rows ({shape_doc}); got "
                      f"{_checks.shape_str(table.shape)}")
   if _checks.is_concrete(table) and table.size:
-    lo, hi = int(jnp.min(table)), int(jnp.max(table))
+    host = np.asarray(table)
+    lo, hi = int(host.min()), int(host.max())
     if lo < 0 or hi >= pages:
       raise ValueError(f"{fn}: {name} holds page ids in [{lo}, {hi}]; the pools have {pages} "
                        f"pages (ids 0..{pages - 1})")
@@ -407,7 +409,8 @@ def _check_level_nodes(fn: str, name: str, field: str, nodes, b: int, n: int) ->
     raise ValueError(f"{fn}: {name}.{field} must have shape [{b}] (one entry per sequence); "
                      f"got {_checks.shape_str(nodes.shape)}")
   if _checks.is_concrete(nodes) and nodes.size:
-    lo, hi = int(jnp.min(nodes)), int(jnp.max(nodes))
+    host = np.asarray(nodes)
+    lo, hi = int(host.min()), int(host.max())
     if lo < -1 or hi >= n:
       raise ValueError(f"{fn}: {name}.{field} must lie in [-1, {n - 1}] ({n} segments); got "
                        f"values in [{lo}, {hi}]")

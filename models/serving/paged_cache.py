@@ -5,17 +5,16 @@ page: padding reads it and padded writes land in it). A step's arrays say what e
 running sequence, in the cascade plan's depth-first order) reads and where its new tokens go:
 
 - shared levels (:class:`models.serving.cascade.CascadePlan`): ``page_table [L, S, P]``,
-  ``seg_lengths [L, S]``, ``segment_of_seq [L, B]``; each segment's pages are gathered once
-  into ``[S, P * page_size, Hkv, D]`` and attended by the queries of all rows that read it;
+  ``seg_lengths [L, S]``, ``segment_of_seq [L, B]``; each segment is read once for the queries
+  of all rows that continue it;
 - own keys: ``own_page_table [B, O]`` and ``own_lengths [B]`` (tokens before this step's);
   new token t of row b is position ``own_lengths[b] + t`` of its own keys, written to page
   ``own_page_table[b, p // page_size]`` at offset ``p % page_size`` if ``p < write_limit[b]``
   (else to the null page: padding tokens, padding rows, steps past a row's budget).
 
-Attention gathers the pages into contiguous buffers and calls
-:func:`jax_shared_attn.hierarchical_attention` (or :func:`jax_shared_attn.attention_with_lse`
-without shared levels), so whatever ``settings.impl`` selects runs after the gather. The
-decoder sees the same two methods as :class:`models.generation.cache.KVCache`:
+Attention is :func:`jax_shared_attn.paged_attention` with ``settings.impl`` and
+``settings.config``: on GPUs its kernels read the pages in place; the XLA path (a CPU) gathers
+them first. The decoder sees the same two methods as :class:`models.generation.cache.KVCache`:
 ``write(layer, k, v)`` and ``attention(q, layer, t, settings, sharding)``.
 """
 
@@ -27,7 +26,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jax_shared_attn import SharedLevel, attention_with_lse, hierarchical_attention
+from jax_shared_attn import PagedLevel, paged_attention
 from models.model.config import LlamaConfig
 from models.serving.pages import NULL_PAGE
 
@@ -90,26 +89,11 @@ class PagedKVCache:
     """Causal attention of ``xq [B, T, Hq, D]`` over the shared levels and own keys."""
     if sharding is not None:
       raise ValueError("PagedKVCache runs without a mesh only (sharding must be None)")
-    own_k = _gather(self.k[layer], self.own_page_table)  # [B, O * page_size, Hkv, D]
-    own_v = _gather(self.v[layer], self.own_page_table)
-    own_lengths = self.own_lengths + t
-    if self.page_table.shape[0] == 0:
-      out, _ = attention_with_lse(xq, own_k, own_v, kv_lengths=own_lengths, causal=True,
-                                  impl=settings.impl, config=settings.config)
-      return out
-    levels = [SharedLevel(_gather(self.k[layer], self.page_table[l]),
-                          _gather(self.v[layer], self.page_table[l]),
-                          self.seg_lengths[l], self.segment_of_seq[l])
+    levels = [PagedLevel(self.page_table[l], self.seg_lengths[l], self.segment_of_seq[l])
               for l in range(self.page_table.shape[0])]
-    return hierarchical_attention(xq, levels, own_k, own_v, suffix_lengths=own_lengths,
-                                  causal=True, impl=settings.impl, config=settings.config)
-
-
-def _gather(pool: Array, table: Array) -> Array:
-  """``pool [num_pages, ps, Hkv, D]`` read through ``table int[N, P]`` -> ``[N, P * ps, Hkv, D]``."""
-  n, p = table.shape
-  pages = pool[table]  # [N, P, ps, Hkv, D]
-  return pages.reshape((n, p * pool.shape[1]) + pool.shape[2:])
+    return paged_attention(xq, self.k[layer], self.v[layer], self.own_page_table,
+                           self.own_lengths + t, levels=levels, causal=True,
+                           impl=settings.impl, config=settings.config)
 
 
 def empty_pools(config: LlamaConfig, num_pages: int, page_size: int, dtype=None):

@@ -1,0 +1,266 @@
+"""``hydragen bench engine``: the serving engine on offline workloads, cascade on and off.
+
+Workloads (token ids drawn at random; every request runs to its ``max_tokens``, EOS ignored):
+
+* ``relay`` (RelayAttention's): ``--requests`` requests, each a system prompt of
+  ``--system-prompt`` tokens shared by all, then its own user input of ``--input`` tokens,
+  answered with ``--output`` tokens; all submitted at once.
+* ``rollouts`` (RL sampling): ``--prompts`` prompts of ``--prompt-len`` tokens x ``--samples``
+  samples, each sample's ``max_tokens`` drawn in ``--output-range``.
+
+Modes, each run in this process on the same model and requests:
+
+* ``cascade``: the engine as it ships (shared segments read once per step);
+* ``no-cascade``: prefix pages cached and stored once, but every sequence reads them as its
+  own keys (what vLLM and SGLang do in decode);
+* ``no-sharing``: no prefix cache (each request stores and reads its own prompt);
+* ``static``: :func:`models.generate` on batches of ``--max-running`` sequences (prompts known
+  up front; every batch decodes to its longest sample).
+
+Each engine mode first serves a short warm-up of the same shapes (compiling its programs),
+then the workload, timed on the host clock: requests/s, generated tokens/s, decode calls, and
+the attention floors of one decode step at the batch the engine ran (per-sequence reads vs
+cascade; :class:`pallas_kernels.base.AttentionShape`, this run's copy bandwidth and matmul
+rate). Writes JSON and Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from models.bench import common
+
+HELP = "The serving engine on offline workloads: cascade vs no cascade vs no sharing vs static."
+MODES = ("cascade", "no-cascade", "no-sharing", "static")
+
+
+def configure(d: argparse.ArgumentParser) -> None:
+  d.add_argument("--model", default="llama-3-8b", help="a preset name (random weights)")
+  d.add_argument("--workload", default="relay", choices=("relay", "rollouts"))
+  d.add_argument("--requests", type=int, default=1000, help="relay: requests")
+  d.add_argument("--system-prompt", type=int, default=2048, help="relay: shared tokens")
+  d.add_argument("--input", type=int, default=64, help="relay: user tokens per request")
+  d.add_argument("--output", type=int, default=128, help="relay: tokens per answer")
+  d.add_argument("--prompts", type=int, default=64, help="rollouts: prompts")
+  d.add_argument("--samples", type=int, default=16, help="rollouts: samples per prompt")
+  d.add_argument("--prompt-len", type=int, default=1024, help="rollouts: tokens per prompt")
+  d.add_argument("--output-range", type=common.ints, default=[64, 1024],
+                 help="rollouts: max_tokens drawn uniformly in [lo, hi]")
+  d.add_argument("--modes", default=",".join(MODES))
+  d.add_argument("--max-running", type=int, default=1024)
+  d.add_argument("--page-size", type=int, default=16)
+  d.add_argument("--num-pages", type=int, default=0, help="0: what the device memory allows")
+  d.add_argument("--decode-steps", type=int, default=16)
+  d.add_argument("--max-prefill-tokens", type=int, default=4096)
+  d.add_argument("--impl", default="auto")
+  d.add_argument("--seed", type=int, default=0)
+  d.add_argument("--out", default="runs/engine")
+  d.set_defaults(handler=_run)
+
+
+def requests_of(args, vocab: int):
+  """The workload's requests (token ids, deterministic in ``args.seed``)."""
+  import numpy as np
+
+  from models.serving import Request
+
+  rng = np.random.default_rng(args.seed)
+  ids = lambda n: [int(t) for t in rng.integers(1, vocab, n)]
+  if args.workload == "relay":
+    system = ids(args.system_prompt)
+    return [Request(system + ids(args.input), max_tokens=args.output, ignore_eos=True, seed=i)
+            for i in range(args.requests)]
+  lo, hi = args.output_range
+  out = []
+  for i in range(args.prompts):
+    prompt = ids(args.prompt_len)
+    for j in range(args.samples):  # one request per sample: each its own max_tokens
+      out.append(Request(prompt, max_tokens=int(rng.integers(lo, hi + 1)), ignore_eos=True,
+                         seed=i * args.samples + j))
+  return out
+
+
+def _engine_config(args, mode: str, config):
+  from models.serving import EngineConfig
+
+  num_pages = args.num_pages or _pages_that_fit(config, args.page_size)
+  buckets = _buckets(args.max_running)
+  return EngineConfig(page_size=args.page_size, num_pages=num_pages,
+                      max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
+                      decode_steps=args.decode_steps, cascade=mode == "cascade",
+                      prefix_caching=mode != "no-sharing", batch_buckets=buckets,
+                      prefill_buckets=_pow2_up_to(args.max_prefill_tokens), level_buckets=(1, 2),
+                      segment_buckets=(1, 2, 4))
+
+
+def _pow2_up_to(n: int) -> tuple[int, ...]:
+  """Prefill chunk buckets: powers of two from 64, then ``n``."""
+  out = [b for b in (2 ** i for i in range(6, 30)) if b < n]
+  return tuple(out) + (n,)
+
+
+def _buckets(n: int) -> tuple[int, ...]:
+  out, b = [], 64
+  while b < n:
+    out.append(b)
+    b *= 4
+  return tuple(out) + (n,)
+
+
+def _pages_that_fit(config, page_size: int) -> int:
+  """Pages for 70% of the device memory left after the weights."""
+  import jax
+
+  stats = jax.devices()[0].memory_stats() or {}
+  free = int(stats.get("bytes_limit", 8 * 2**30)) - int(stats.get("bytes_in_use", 0))
+  per_page = (2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim
+              * config.param_dtype.itemsize)
+  return max(64, int(0.7 * free) // per_page)
+
+
+def _warmup(args, requests):
+  """A few requests of the workload's shapes: every program the timed run needs compiles."""
+  import dataclasses
+  n = min(len(requests), args.max_running)
+  return [dataclasses.replace(r, seed=r.seed + 10**6) for r in requests[:n]]
+
+
+def run_engine(model, args, mode: str, requests) -> dict:
+  from models.generation.settings import GenerationSettings
+  from models.serving import Engine
+
+  engine = Engine(model, None, _engine_config(args, mode, model.config),
+                  GenerationSettings(impl=args.impl))
+  t0 = time.perf_counter()
+  engine.generate(_warmup(args, requests))
+  warm_s = time.perf_counter() - t0
+  engine.reset()
+  before = engine.stats()
+  t0 = time.perf_counter()
+  outputs = engine.generate(requests)
+  seconds = time.perf_counter() - t0
+  stats = engine.stats()
+  tokens = sum(len(s.token_ids) for o in outputs for s in o.samples)
+  return dict(mode=mode, seconds=seconds, warmup_s=warm_s, requests_per_s=len(requests) / seconds,
+              tokens_per_s=tokens / seconds, tokens=tokens,
+              decode_calls=stats.get("decode_calls", 0) - before.get("decode_calls", 0),
+              prefix_hit_rate=stats.get("prefix_hit_rate"), preemptions=stats.get("preemptions"))
+
+
+def run_static(model, args, requests) -> dict:
+  import jax
+
+  from models.generation.loop import generate
+  from models.generation.settings import GenerationSettings
+
+  settings = GenerationSettings(impl=args.impl)
+  batches = [requests[i:i + args.max_running] for i in range(0, len(requests), args.max_running)]
+
+  def one(batch):
+    prompts = [list(r.prompt) for r in batch]
+    longest = max(r.max_tokens for r in batch)
+    return generate(model, prompts, num_samples=1, max_new_tokens=longest, settings=settings,
+                    seed=args.seed)
+
+  jax.block_until_ready(one(batches[0]))  # compiles (the last batch may compile once more)
+  t0 = time.perf_counter()
+  for batch in batches:
+    jax.block_until_ready(one(batch))
+  seconds = time.perf_counter() - t0
+  tokens = sum(r.max_tokens for r in requests)  # useful tokens (a batch decodes to its longest)
+  return dict(mode="static", seconds=seconds, requests_per_s=len(requests) / seconds,
+              tokens_per_s=tokens / seconds, tokens=tokens)
+
+
+def floors(args, config, bw: float, rate: float) -> dict:
+  """One decode step's attention floors (all layers) at ``max_running`` sequences."""
+  from pallas_kernels.base import AttentionShape
+
+  if args.workload == "relay":
+    shared, own = args.system_prompt, args.input + args.output // 2
+  else:
+    shared, own = args.prompt_len, sum(args.output_range) // 4
+  shape = AttentionShape(args.max_running, shared, own, config.num_heads, config.num_kv_heads,
+                         config.head_dim)
+  layers = config.num_layers
+  off = shape.per_sequence_floor_s(bw, rate) * layers
+  on = shape.floor_s(bw, rate) * layers
+  return dict(batch=args.max_running, shared=shared, own=own,
+              no_cascade_GB=shape.per_sequence_bytes() * layers / 1e9,
+              cascade_GB=shape.shared_bytes() * layers / 1e9,
+              cascade_TFLOP=shape.flops() * layers / 1e12,
+              floor_no_cascade_ms=off * 1e3, floor_cascade_ms=on * 1e3, floor_ratio=off / on)
+
+
+def _run(args: argparse.Namespace) -> int:
+  import jax.numpy as jnp
+
+  from models.bench import timing
+  from models.bench.decode import device_random_init
+  from models.model.config import preset
+
+  os.makedirs(args.out, exist_ok=True)
+  config = preset(args.model)
+  model = device_random_init(config, seed=0)
+  requests = requests_of(args, config.vocab_size)
+  bw, rate = _ceilings()
+  info = common.stamp(model=args.model, workload=args.workload, impl=args.impl,
+                      requests=len(requests), max_running=args.max_running,
+                      page_size=args.page_size, decode_steps=args.decode_steps,
+                      bandwidth_GBps=bw / 1e9, matmul_TFLOPs=rate / 1e12,
+                      floors=floors(args, config, bw, rate),
+                      **({"system_prompt": args.system_prompt, "input": args.input,
+                          "output": args.output} if args.workload == "relay" else
+                         {"prompts": args.prompts, "samples": args.samples,
+                          "prompt_len": args.prompt_len, "output_range": args.output_range}))
+  rows = []
+  for mode in args.modes.split(","):
+    if mode not in MODES:
+      raise SystemExit(f"--modes: {mode!r} is not one of {MODES}")
+    row = run_static(model, args, requests) if mode == "static" else \
+        run_engine(model, args, mode, requests)
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    common.write_json(os.path.join(args.out, f"engine-{args.workload}.json"), info, rows)
+  text = _markdown(rows, info)
+  common.write_text(os.path.join(args.out, f"engine-{args.workload}.md"), text)
+  print(text)
+  return 0
+
+
+def _ceilings() -> tuple[float, float]:
+  """This run's copy bandwidth and bf16 matmul rate (small probes on a CPU)."""
+  import jax
+  import jax.numpy as jnp
+
+  from models.bench import timing
+
+  if jax.default_backend() == "cpu":
+    return timing.copy_bandwidth(2**24, trials=3), timing.matmul_rate(512, jnp.bfloat16, trials=3)
+  return timing.copy_bandwidth(), timing.matmul_rate(8192, jnp.bfloat16)
+
+
+def _markdown(rows, info) -> str:
+  f = info["floors"]
+  base = {r["mode"]: r for r in rows}
+  head = (f"Engine, {info['workload']} workload, {info['model']} (random bf16), {info['device']}, "
+          f"{info['date']}: {info['requests']} requests, max running {info['max_running']}, "
+          f"pages of {info['page_size']}, {info['decode_steps']} decode steps per call. "
+          f"Attention floors of one decode step at {f['batch']} sequences ({f['shared']} shared "
+          f"+ ~{f['own']} own tokens): no cascade {f['no_cascade_GB']:.0f} GB, "
+          f"{f['floor_no_cascade_ms']:.1f} ms; cascade {f['cascade_GB']:.0f} GB and "
+          f"{f['cascade_TFLOP']:.1f} TFLOP, {f['floor_cascade_ms']:.1f} ms: ratio "
+          f"{f['floor_ratio']:.2f}.\n\n"
+          "| mode | seconds | requests/s | tokens/s | vs no-sharing | vs no-cascade |\n"
+          "|---|---:|---:|---:|---:|---:|\n")
+  lines = []
+  for r in rows:
+    ns = base.get("no-sharing", {}).get("tokens_per_s")
+    nc = base.get("no-cascade", {}).get("tokens_per_s")
+    ratio = lambda x: f"{r['tokens_per_s'] / x:.2f}" if x else "-"
+    lines.append(f"| {r['mode']} | {r['seconds']:.1f} | {r['requests_per_s']:.2f} | "
+                 f"{r['tokens_per_s']:.0f} | {ratio(ns)} | {ratio(nc)} |")
+  return head + "\n".join(lines) + "\n"

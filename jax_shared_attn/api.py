@@ -466,8 +466,12 @@ def explain(fn: Callable, *args, platform: Optional[str] = None,
                      f"hierarchical_attention or paged_attention; got "
                      f"{getattr(fn, '__name__', fn)!r}")
   found = []
-  # Array keywords (the lengths) are traced like the positional arguments: shapes only.
-  arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape") and hasattr(v, "dtype")}
+  # Array keywords (the lengths, the levels) are traced like the positional arguments.
+  def is_array_tree(v):  # an array, or a pytree of arrays such as a list of levels
+    leaves = jax.tree.leaves(v)
+    return bool(leaves) and all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves)
+
+  arrays = {k: v for k, v in kwargs.items() if is_array_tree(v)}
   static = {k: v for k, v in kwargs.items() if k not in arrays}
 
   def trace(xs, kw):

@@ -294,8 +294,11 @@ def plan_paged(q, level_tables, k_pages, page_table, *, device: DeviceInfo,
   page_size, hkv = k_pages.shape[1], k_pages.shape[2]
   m = tq * (hq // hkv)
   itemsize = jnp.dtype(k_pages.dtype).itemsize
-  segments = tuple(segment_lib.default_config(b * m, t.shape[0], d, itemsize, device=device)
-                   for t in level_tables)
+  segments = tuple(
+      segment_lib.with_key_splits(segment_lib.default_config(b * m, t.shape[0], d, itemsize,
+                                                             device=device),
+                                  b * m, t.shape[0], hkv, t.shape[1] * page_size, device=device)
+      for t in level_tables)
   suffix = suffix_lib.default_config(b, hkv, page_table.shape[1] * page_size, d, rows=m,
                                      device=device, itemsize=itemsize)
   reasons = [f"pages of {page_size} tokens read in place through the page tables (Triton "

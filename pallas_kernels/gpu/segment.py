@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.base import merge_states
 from pallas_kernels.base import segment_attention as segment_attention_reference  # noqa: F401  (the reference of this kernel)
 from pallas_kernels.device import DeviceInfo
 from pallas_kernels.gpu import common, tuned
@@ -34,6 +35,18 @@ class SegmentConfig:
   block_n: int
   num_warps: int
   num_stages: int
+  splits: int = 1  # key splits per segment: partial states merged by the caller
+
+
+def with_key_splits(cfg: SegmentConfig, rows: int, segments: int, kv_heads: int, keys: int, *,
+                    device: DeviceInfo, min_steps: int = 4) -> SegmentConfig:
+  """``cfg`` with the segments' keys split so that about two programs run per SM: the row
+  tiles alone (``~rows / block_m + segments`` per KV head) cannot fill the machine when few
+  queries share a long segment. Each split keeps at least ``min_steps`` key steps."""
+  programs = (pl.cdiv(rows, cfg.block_m) + segments) * kv_heads
+  splits = max(1, min(pl.cdiv(2 * device.cores, programs),
+                      keys // (min_steps * cfg.block_n)))
+  return dataclasses.replace(cfg, splits=splits)
 
 
 def default_config(rows: int, segments: int, head_dim: int, itemsize: int = 2, *,
@@ -50,7 +63,7 @@ def default_config(rows: int, segments: int, head_dim: int, itemsize: int = 2, *
 
 
 def _kernel(tile_node_ref, len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int,
-            block_n: int, page_size: int | None, width: int):
+            block_n: int, page_size: int | None, width: int, keys_per_split: int | None):
   # tile_node_ref: [tiles] int32; len_ref: [N]; q_ref: [block_m, Dp]; k_ref/v_ref: [N, T, Dp],
   # or with ``page_size`` the pools [pages * page_size, Dp] and refs[0] the page table [N * width]
   o_ref, lse_ref = refs[-2:]
@@ -81,10 +94,18 @@ def _kernel(tile_node_ref, len_ref, q_ref, k_ref, v_ref, *refs, scale: float, he
 
   carry = (jnp.zeros((bm, dp), jnp.float32), jnp.full((bm,), -jnp.inf, jnp.float32),
            jnp.zeros((bm,), jnp.float32))
-  n_full = kv_len // block_n
-  carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-  carry = lax.fori_loop(n_full, pl.cdiv(kv_len, block_n), functools.partial(step, masked=True),
-                        carry)
+  if keys_per_split is None:
+    n_full = kv_len // block_n
+    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(n_full, pl.cdiv(kv_len, block_n),
+                          functools.partial(step, masked=True), carry)
+  else:  # this program's key split: blocks [lo, hi) of the segment's valid keys
+    lo = pl.program_id(2) * (keys_per_split // block_n)
+    n_blocks = pl.cdiv(jnp.clip(kv_len - lo * block_n, 0, keys_per_split), block_n)
+    n_full = jnp.clip(kv_len // block_n - lo, 0, n_blocks)
+    carry = lax.fori_loop(lo, lo + n_full, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(lo + n_full, lo + n_blocks, functools.partial(step, masked=True),
+                          carry)
   out, lse = common.finalize(*carry)
   plgpu.store(o_ref, out.astype(o_ref.dtype), mask=d_ok[None, :])
   lse_ref[...] = lse
@@ -95,30 +116,39 @@ def _call(tile_node, lengths, q_tiles, k, v, *table, scale, cfg: SegmentConfig, 
   hkv, tiles, bm, dp = q_tiles.shape
   n = lengths.shape[0]
   width = table[0].shape[0] // n if table else 0
+  capacity = width * page_size if table else k.shape[1]
+  keys_per_split = None
+  if cfg.splits > 1:
+    keys_per_split = pl.cdiv(pl.cdiv(capacity, cfg.splits), cfg.block_n) * cfg.block_n
   kernel = functools.partial(_kernel, scale=scale, head_dim=head_dim, block_n=cfg.block_n,
-                             page_size=page_size, width=width)
+                             page_size=page_size, width=width, keys_per_split=keys_per_split)
+  if cfg.splits == 1:  # grid (tiles, Hkv): the programs of the unsplit kernel as they were
+    grid, ix = (tiles, hkv), lambda f: (lambda i, h: f(i, h, 0))
+    out_shape = [(hkv, tiles, bm, dp), (hkv, tiles, bm)]
+    o_block, o_map = (None, None, bm, dp), lambda i, h, j: (h, i, 0, 0)
+    l_block, l_map = (None, None, bm), lambda i, h, j: (h, i, 0)
+  else:  # grid (tiles, Hkv, splits): one partial state per split
+    grid, ix = (tiles, hkv, cfg.splits), lambda f: f
+    out_shape = [(cfg.splits, hkv, tiles, bm, dp), (cfg.splits, hkv, tiles, bm)]
+    o_block, o_map = (None, None, None, bm, dp), lambda i, h, j: (j, h, i, 0, 0)
+    l_block, l_map = (None, None, None, bm), lambda i, h, j: (j, h, i, 0)
   if page_size is None:
-    kv_spec = pl.BlockSpec((n, k.shape[1], None, dp), lambda i, h: (0, 0, h, 0))
+    kv_spec = pl.BlockSpec((n, k.shape[1], None, dp), ix(lambda i, h, j: (0, 0, h, 0)))
   else:  # the pools as [pages * page_size, Hkv, D]: rows are found through the table
-    kv_spec = pl.BlockSpec((k.shape[0], None, dp), lambda i, h: (0, h, 0))
-  table_specs = [pl.BlockSpec(table[0].shape, lambda i, h: (0,))] if table else []
+    kv_spec = pl.BlockSpec((k.shape[0], None, dp), ix(lambda i, h, j: (0, h, 0)))
+  table_specs = [pl.BlockSpec(table[0].shape, ix(lambda i, h, j: (0,)))] if table else []
   return pl.pallas_call(
       kernel,
-      grid=(tiles, hkv),
+      grid=grid,
       in_specs=[
-          pl.BlockSpec((tiles,), lambda i, h: (0,)),
-          pl.BlockSpec((n,), lambda i, h: (0,)),
-          pl.BlockSpec((None, None, bm, dp), lambda i, h: (h, i, 0, 0)),
+          pl.BlockSpec((tiles,), ix(lambda i, h, j: (0,))),
+          pl.BlockSpec((n,), ix(lambda i, h, j: (0,))),
+          pl.BlockSpec((None, None, bm, dp), ix(lambda i, h, j: (h, i, 0, 0))),
           kv_spec, kv_spec, *table_specs,
       ],
-      out_specs=[
-          pl.BlockSpec((None, None, bm, dp), lambda i, h: (h, i, 0, 0)),
-          pl.BlockSpec((None, None, bm), lambda i, h: (h, i, 0)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((hkv, tiles, bm, dp), jnp.float32),
-          jax.ShapeDtypeStruct((hkv, tiles, bm), jnp.float32),
-      ],
+      out_specs=[pl.BlockSpec(o_block, ix(o_map)), pl.BlockSpec(l_block, ix(l_map))],
+      out_shape=[jax.ShapeDtypeStruct(out_shape[0], jnp.float32),
+                 jax.ShapeDtypeStruct(out_shape[1], jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name="hydragen_paged_segment_attention" if table else "hydragen_segment_attention",
@@ -182,7 +212,8 @@ def segment_rows(
     page_table: jax.Array | None = None,  # int32 [N, P]: segment n's pages in token order
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """One tree level in the folded row layout: float32 ``out [Hkv, R, D]``, ``lse [Hkv, R]``.
+  """One tree level in the folded row layout: float32 ``out [splits, Hkv, R, D]``, ``lse
+  [splits, Hkv, R]``, one partial state per key split (``config.splits``) to merge by LSE.
 
   With ``page_table``, ``k`` and ``v`` are page pools and segment n's token j is at page
   ``page_table[n, j // page_size]``, offset ``j % page_size``: the kernel reads the pages in
@@ -197,7 +228,8 @@ def segment_rows(
     k, v = (x.reshape((-1,) + x.shape[2:]) for x in (k, v))
   b = node_of_seq.shape[0]
   if t == 0 or r == 0:
-    return jnp.zeros((hkv, r, d), jnp.float32), jnp.full((hkv, r), -jnp.inf, jnp.float32)
+    return (jnp.zeros((config.splits, hkv, r, d), jnp.float32),
+            jnp.full((config.splits, hkv, r), -jnp.inf, jnp.float32))
   cfg = config
   dp = common.padded_head_dim(d)
   tile_node, gather, slot_of_row = tile_layout(node_of_seq, n, rows_per_seq, cfg.block_m)
@@ -208,10 +240,11 @@ def segment_rows(
   call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, page_size=page_size)
   out, lse = common.run(call, tile_node, jnp.asarray(lengths, jnp.int32), q_tiles, k, v, *table,
                          interpret=interpret)
+  splits = cfg.splits
   has = slot_of_row >= 0
   idx = jnp.maximum(slot_of_row, 0)
-  out = jnp.where(has[None, :, None], out.reshape(hkv, -1, dp)[:, idx, :d], 0.0)
-  lse = jnp.where(has[None, :], lse.reshape(hkv, -1)[:, idx], -jnp.inf)
+  out = jnp.where(has[None, None, :, None], out.reshape(splits, hkv, -1, dp)[:, :, idx, :d], 0.0)
+  lse = jnp.where(has[None, None, :], lse.reshape(splits, hkv, -1)[:, :, idx], -jnp.inf)
   return out, lse
 
 
@@ -232,4 +265,5 @@ def segment_attention(
   out, lse = segment_rows(common.fold_rows(q, hkv), k, v, rows_per_seq=tq * (hq // hkv),
                           lengths=lengths, node_of_seq=node_of_seq, scale=scale, config=config,
                           interpret=interpret)
+  out, lse = merge_states(list(out), list(lse)) if config.splits > 1 else (out[0], lse[0])
   return common.unfold_rows(out, b, tq), common.unfold_rows(lse, b, tq)

@@ -150,8 +150,8 @@ def paged_attention(q, k_pages, v_pages, levels, page_table, kv_lengths, *, caus
   for (table, lengths, nodes), seg_cfg in zip(levels, plan.segments):
     out, lse = segment_rows(q_rows, k_pages, v_pages, rows_per_seq=m, lengths=lengths,
                             node_of_seq=nodes, scale=scale, config=seg_cfg, page_table=table,
-                            interpret=interpret)
-    priors.append((out.reshape(1, hkv, b, m, d), lse.reshape(1, hkv, b, m)))
+                            interpret=interpret)  # every key split a prior of the suffix kernel
+    priors.append((out.reshape(-1, hkv, b, m, d), lse.reshape(-1, hkv, b, m)))
   out, lse = suffix_rows(q_rows.reshape(hkv, b, m, d), k_pages, v_pages, kv_lengths, priors,
                          q_len=tq, causal=causal, scale=scale, out_dtype=q.dtype,
                          config=plan.suffix, merge=plan.merge, by_sequence=True,
@@ -179,7 +179,6 @@ def _split(plan, q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, int
     else:
       out, lse = segment_rows(q_rows, k, v, rows_per_seq=m, lengths=lengths, node_of_seq=nodes,
                               scale=scale, config=seg_cfg, interpret=interpret)
-      out, lse = out[None], lse[None]
     if prefix_plan is not None and prefix_plan.merge_first:
       out, lse = merge_parts([(out, lse)], out_dtype=jnp.float32, config=plan.merge,
                              interpret=interpret)

@@ -1,9 +1,9 @@
-"""The engine's device programs: forward passes over the paged cache (prefill chunks and
-``num_steps`` decode steps with sampling) and the copy of a page.
+"""The engine's device programs: a prefill pass over the paged cache (several requests' chunks,
+one per row), ``num_steps`` decode steps with sampling, and the copy of a page.
 
-Every program is keyed by shapes (the padded sizes of the plan and the chunk) and by static
-values (the settings, the step count, the set of sampling rules in the batch); page ids,
-lengths, tokens and seeds are data.
+Every program is keyed by shapes (the padded sizes of the plan and the chunks) and by static
+values (the settings, the step count); page ids, lengths, tokens, seeds and each row's
+sampling rule (:class:`models.serving.sampling.RowRules`) are data.
 """
 
 from __future__ import annotations
@@ -12,18 +12,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import lax
 
-from models.generation.sampling import SamplingParams, sample
 from models.generation.settings import GenerationSettings
 from models.serving.paged_cache import PagedKVCache
-
-
-def no_sampling(b: int):
-  return (np.zeros(b, np.uint32), np.zeros(b, np.int32), np.zeros(b, np.int32),
-          np.zeros(b, np.int32))
+from models.serving.sampling import RowRules, sample_rows
 
 
 def keys_of(seeds, sample_ids, steps):
@@ -32,32 +26,42 @@ def keys_of(seeds, sample_ids, steps):
   return jax.vmap(one)(seeds, sample_ids, steps)
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("num_steps", "settings", "rules"),
-                   donate_argnums=(2, 3))
-def forward(graphdef, params, k, v, tokens, page_table, seg_lengths, segment_of_seq,
-             own_page_table, own_lengths, write_limit, seeds, sample_ids, first_step, rule_of,
-             *, num_steps: int, settings: GenerationSettings,
-             rules: tuple[SamplingParams, ...]):
-  """``num_steps`` forward passes of ``tokens [B, T]`` over the paged cache.
+def _no_levels(b: int):
+  return jnp.zeros((0, 1, 1), jnp.int32), jnp.zeros((0, 1), jnp.int32), jnp.zeros((0, b),
+                                                                                  jnp.int32)
 
-  With ``rules`` (decode, T = 1): each step samples row b's next token with
-  ``rules[rule_of[b]]`` and feeds it; returns ``(k, v, tokens int32 [B, num_steps])``.
-  Without (prefill): one pass that only writes K/V; returns ``(k, v, None)``.
-  """
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("settings",),
+                   donate_argnums=(2, 3))
+def prefill(graphdef, params, k, v, tokens, page_table, start, end, *,
+            settings: GenerationSettings):
+  """Writes the K/V of ``tokens [R, T]``: row r's chunk at positions ``start[r] + t`` of the
+  pages ``page_table [R, W]`` (each row its own request; positions ``>= end[r]``, the padding,
+  are not stored); attention reads each row's own pages only. Returns ``(k, v)``."""
+  model = nnx.merge(graphdef, params)
+  cache = PagedKVCache(k, v, *_no_levels(tokens.shape[0]), page_table, start, end)
+  _, cache = model(tokens, cache=cache, settings=settings)
+  return cache.k, cache.v
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("num_steps", "settings"),
+                   donate_argnums=(2, 3))
+def decode(graphdef, params, k, v, tokens, page_table, seg_lengths, segment_of_seq,
+           own_page_table, own_lengths, write_limit, rules: RowRules, seeds, sample_ids,
+           first_step, *, num_steps: int, settings: GenerationSettings):
+  """``num_steps`` decode steps of ``tokens [B, 1]`` over the paged cache (the cascade plan's
+  arrays: :class:`PagedKVCache`); row b samples by its rule in ``rules`` with the key of
+  (``seeds[b]``, ``sample_ids[b]``, ``first_step[b] + step``) and feeds the token back.
+  Returns ``(k, v, tokens int32 [B, num_steps])``."""
   model = nnx.merge(graphdef, params)
   cache = PagedKVCache(k, v, page_table, seg_lengths, segment_of_seq, own_page_table,
                        own_lengths, write_limit)
-  if not rules:
-    _, cache = model(tokens, cache=cache, settings=settings)
-    return cache.k, cache.v, None
 
   def body(j, carry):
     cache, tokens, out = carry
     logits, cache = model(tokens, cache=cache, settings=settings)
     keys = keys_of(seeds, sample_ids, first_step + j)
-    new = jnp.zeros(tokens.shape[0], jnp.int32)
-    for i, rule in enumerate(rules):
-      new = jnp.where(rule_of == i, sample(logits[:, 0], keys, rule, settings.sampler), new)
+    new = sample_rows(logits[:, 0], keys, rules, settings.sampler)
     out = lax.dynamic_update_slice(out, new[:, None], (0, j))
     return cache, new[:, None], out
 

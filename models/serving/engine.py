@@ -7,8 +7,8 @@
     >>> async for new_tokens in engine.stream(request): ...  # with engine.start()
 
 One tick (:meth:`Engine.step`): admit waiting requests while pages allow (a reserve is kept
-for the running ones); prefill one chunk of prompt tokens against the request's cached
-pages (a prompt's last token is fed by the first decode step, as in
+for the running ones); prefill chunks of prompt tokens (several requests' in one device
+call, each attending its own cached pages) (a prompt's last token is fed by the first decode step, as in
 :func:`models.generate`); decode ``decode_steps`` steps of every running sequence in one
 device call under one cascade plan (:mod:`models.serving.cascade`); retire finished
 sequences. A prompt's full pages join the radix tree once prefilled; its last partial page
@@ -17,8 +17,8 @@ evicted, then the most recently admitted request is preempted (its pages freed; 
 recomputed later and, its tokens depending only on the request, emits the same tokens).
 
 The device programs are keyed by padded sizes only (:meth:`CascadePlan.plan_key`, the
-prefill chunk and page buckets, the set of sampling rules in the batch); page ids, lengths,
-tokens and seeds are data.
+prefill rows, chunk and page buckets); page ids, lengths, tokens, seeds and each row's
+sampling rule are data.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from models.serving.paged_cache import empty_pools
 from models.serving.radix import RadixTree
 from models.serving.requests import (EngineConfig, Handle, Request, RequestOutput,
                                      SampleOutput, prompt_ids)
+from models.serving.sampling import RowRules
 from models.serving.state import PromptPages, Req, Seq
 
 
@@ -86,6 +87,7 @@ class Engine:
     self._stop = False
     self._generated = self._preemptions = 0
     self._decode_calls = self._cascade_calls = 0  # device calls; those with a shared level
+    self._prefill_calls = 0
     self._busy_s = 0.0
     self._prompt_total = self._prompt_cached = 0
 
@@ -219,31 +221,46 @@ class Engine:
       self._active.append(req)
 
   def _prefill(self) -> None:
-    budget = self.config.max_prefill_tokens
-    for req in [r for r in self._active if r.state == "prefill"]:
-      while req.prefilled < req.context.size and budget > 0:
-        n = min(budget, req.context.size - req.prefilled)
-        self._prefill_chunk(req, req.prefilled, n)
-        req.prefilled += n
+    """Up to ``max_prefill_tokens`` prompt tokens: one chunk per request in admission order
+    (the next one only once the one before is done); chunks of one padded length run in one
+    device call, a row each."""
+    budget, chunks = self.config.max_prefill_tokens, []
+    prefilling = [r for r in self._active if r.state == "prefill"]
+    for req in prefilling:
+      n = min(budget, req.context.size - req.prefilled)
+      if n > 0:
+        chunks.append((req, req.prefilled, n))
         budget -= n
+      if req.prefilled + n < req.context.size:
+        break
+    groups = collections.defaultdict(list)
+    for chunk in chunks:
+      groups[self.config.prefill_bucket(chunk[2])].append(chunk)
+    for t, group in sorted(groups.items()):
+      self._prefill_rows(group, t)
+    for req, _, n in chunks:
+      req.prefilled += n
+    for req in prefilling:
       if req.prefilled < req.context.size:
         return
       self._start_running(req)
 
-  def _prefill_chunk(self, req: Req, start: int, n: int) -> None:
-    ps = self.config.page_size
-    t = self.config.prefill_bucket(n)
-    tokens = np.zeros((1, t), np.int32)
-    tokens[0, :n] = req.context[start:start + n]
-    width = self.config.cascade_config().bucket("own_pages", -(-(start + t) // ps))
-    table = np.full((1, width), NULL_PAGE, np.int32)
-    table[0, :min(width, req.pages.size)] = req.pages[:width]  # the pages this chunk reaches
-    none = np.zeros((0, 1, 1), np.int32)
-    self._k, self._v, _ = device.forward(
-        self._graphdef, self._params, self._k, self._v, jnp.asarray(tokens), none,
-        np.zeros((0, 1), np.int32), np.zeros((0, 1), np.int32), table,
-        np.asarray([start], np.int32), np.asarray([start + n], np.int32),
-        *device.no_sampling(1), num_steps=1, settings=self.settings, rules=())
+  def _prefill_rows(self, chunks: Sequence[tuple[Req, int, int]], t: int) -> None:
+    """One device call: row r writes chunk (req, start, n) padded to ``t`` tokens."""
+    ps, cascade = self.config.page_size, self.config.cascade_config()
+    rows = cascade.bucket("batch", len(chunks))
+    width = cascade.bucket("own_pages", max(-(-(start + t) // ps) for _, start, _ in chunks))
+    tokens = np.zeros((rows, t), np.int32)
+    table = np.full((rows, width), NULL_PAGE, np.int32)
+    start, end = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    for r, (req, s, n) in enumerate(chunks):
+      tokens[r, :n] = req.context[s:s + n]
+      table[r, :min(width, req.pages.size)] = req.pages[:width]  # the pages this chunk reaches
+      start[r], end[r] = s, s + n
+    self._prefill_calls += 1
+    self._k, self._v = device.prefill(self._graphdef, self._params, self._k, self._v,
+                                      jnp.asarray(tokens), table, start, end,
+                                      settings=self.settings)
 
   def _start_running(self, req: Req) -> None:
     ps, n = self.config.page_size, req.request.n
@@ -303,9 +320,7 @@ class Engine:
     seeds = np.zeros(b, np.uint32)
     ids = np.zeros(b, np.int32)
     first_step = np.zeros(b, np.int32)
-    rule_of = np.zeros(b, np.int32)
-    rules = tuple(sorted({s.req.request.sampling for s in seqs},
-                         key=lambda p: (p.temperature, p.top_k or 0, p.top_p or 0.0)))
+    rules = RowRules.of([seqs[i].req.request.sampling if i >= 0 else None for i in plan.order])
     for r, i in enumerate(plan.order):
       if i < 0:
         continue
@@ -314,11 +329,10 @@ class Engine:
       limit[r] = plan.own_lengths[r] + steps[i]
       seeds[r] = np.uint32(s.req.request.seed % 2**32)
       ids[r], first_step[r] = s.index, len(s.generated)
-      rule_of[r] = rules.index(s.req.request.sampling)
-    self._k, self._v, out = device.forward(
+    self._k, self._v, out = device.decode(
         self._graphdef, self._params, self._k, self._v, jnp.asarray(tokens), page_table,
-        seg_lengths, seg_of_seq, plan.own_page_table, plan.own_lengths, limit,
-        seeds, ids, first_step, rule_of, num_steps=k, settings=self.settings, rules=rules)
+        seg_lengths, seg_of_seq, plan.own_page_table, plan.own_lengths, limit, rules,
+        seeds, ids, first_step, num_steps=k, settings=self.settings)
     out = np.asarray(out)
     for r, i in enumerate(plan.order):
       if i >= 0:
@@ -485,6 +499,7 @@ class Engine:
                            if self._prompt_total else 0.0),
           generated_tokens=self._generated, preemptions=self._preemptions,
           decode_calls=self._decode_calls, cascade_calls=self._cascade_calls,
+          prefill_calls=self._prefill_calls,
           tokens_per_s=self._generated / self._busy_s if self._busy_s else 0.0)
 
   def reset(self, model=None) -> None:

@@ -9,9 +9,11 @@ sampling rule (:class:`models.serving.sampling.RowRules`) are data.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
@@ -26,9 +28,9 @@ def keys_of(seeds, sample_ids, steps):
   return jax.vmap(one)(seeds, sample_ids, steps)
 
 
-def _no_levels(b: int):
-  return jnp.zeros((0, 1, 1), jnp.int32), jnp.zeros((0, 1), jnp.int32), jnp.zeros((0, b),
-                                                                                  jnp.int32)
+def no_levels(b: int):
+  """The cascade arrays of a step without shared levels (one shape for every such step)."""
+  return np.zeros((0, 1, 1), np.int32), np.zeros((0, 1), np.int32), np.zeros((0, b), np.int32)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("settings",),
@@ -39,7 +41,7 @@ def prefill(graphdef, params, k, v, tokens, page_table, start, end, *,
   pages ``page_table [R, W]`` (each row its own request; positions ``>= end[r]``, the padding,
   are not stored); attention reads each row's own pages only. Returns ``(k, v)``."""
   model = nnx.merge(graphdef, params)
-  cache = PagedKVCache(k, v, *_no_levels(tokens.shape[0]), page_table, start, end)
+  cache = PagedKVCache(k, v, *no_levels(tokens.shape[0]), page_table, start, end)
   _, cache = model(tokens, cache=cache, settings=settings)
   return cache.k, cache.v
 
@@ -74,3 +76,52 @@ def decode(graphdef, params, k, v, tokens, page_table, seg_lengths, segment_of_s
 def copy_page(k, v, src, dst):
   """Every layer's page ``src`` copied to page ``dst``."""
   return (tuple(x.at[dst].set(x[src]) for x in k), tuple(x.at[dst].set(x[src]) for x in v))
+
+
+def _sizes(buckets, largest: int) -> list[int]:
+  """The padded sizes a bucket field allows up to the one that holds ``largest``."""
+  if buckets is None:
+    return [1 << i for i in range(max(largest - 1, 0).bit_length() + 1)]
+  top = next((s for s in buckets if s >= largest), buckets[-1])
+  return [s for s in buckets if s <= top]
+
+
+def program_shapes(config, max_context: int):
+  """(prefill, decode): the padded shapes of every program the engine can run.
+
+  prefill: ``(rows, chunk, page-table width)``; decode: ``(batch, levels, segments, pages,
+  own pages)`` (levels 0: no shared level). ``max_context``: the model's context (bounds the
+  page tables). The level, segment and page buckets must be set when ``cascade`` is on
+  (powers of two have no bound there).
+  """
+  c, ps = config, config.page_size
+  if c.cascade and None in (c.level_buckets, c.segment_buckets, c.page_buckets):
+    raise ValueError("warmup: EngineConfig.level_buckets, segment_buckets and page_buckets "
+                     "must be set (with cascade on, powers of two have no bound)")
+  batch = _sizes(c.batch_buckets, c.max_running)
+  chunks = _sizes(c.prefill_buckets, c.max_prefill_tokens)
+  own = _sizes(c.own_page_buckets, -(-(max_context + chunks[-1]) // ps))
+  prefill = list(itertools.product(batch, chunks, own))
+  levels = [(0, 1, 1)]
+  if c.cascade:
+    levels += list(itertools.product(c.level_buckets, c.segment_buckets, c.page_buckets))
+  decode = [(b, *lsp, o) for b, lsp, o in itertools.product(batch, levels, own)]
+  return prefill, decode
+
+
+def warm_up(graphdef, params, k, v, config, max_context: int, settings: GenerationSettings):
+  """Runs every program of :func:`program_shapes` once on the null page (compiling it);
+  returns ``(k, v, programs)``."""
+  prefill_shapes, decode_shapes = program_shapes(config, max_context)
+  zeros = lambda *shape: np.zeros(shape, np.int32)
+  for rows, t, width in prefill_shapes:
+    k, v = prefill(graphdef, params, k, v, jnp.asarray(zeros(rows, t)), zeros(rows, width),
+                   zeros(rows), zeros(rows), settings=settings)
+  for b, levels, segments, pages, own in decode_shapes:
+    cascade = ((zeros(levels, segments, pages), zeros(levels, segments),
+                np.full((levels, b), -1, np.int32)) if levels else no_levels(b))
+    k, v, _ = decode(graphdef, params, k, v, jnp.asarray(zeros(b, 1)), *cascade, zeros(b, own),
+                     zeros(b), zeros(b), RowRules.of([None] * b), np.zeros(b, np.uint32),
+                     zeros(b), zeros(b), num_steps=config.decode_steps, settings=settings)
+  k, v = copy_page(k, v, np.int32(0), np.int32(0))
+  return k, v, len(prefill_shapes) + len(decode_shapes) + 1

@@ -311,7 +311,7 @@ class Engine:
     levels = plan.num_levels or 0
     page_table, seg_lengths, seg_of_seq = plan.page_table, plan.lengths, plan.segment_of_seq
     if levels == 0:  # no shared level: the program without hierarchical attention
-      page_table, seg_lengths, seg_of_seq = page_table[:0], seg_lengths[:0], seg_of_seq[:0]
+      page_table, seg_lengths, seg_of_seq = device.no_levels(plan.order.size)
     self._decode_calls += 1
     self._cascade_calls += levels > 0
     b = plan.order.size
@@ -482,6 +482,19 @@ class Engine:
     finally:
       if not handle.done:
         self.cancel(handle)
+
+  def warmup(self) -> int:
+    """Compiles every device program the buckets allow (:func:`device.program_shapes`), each
+    run once on the null page, so that serving compiles nothing; returns how many.
+
+    Needs the level, segment and page buckets set (with ``cascade`` on); the count is the
+    product of the buckets' sizes, so keep them few.
+    """
+    with self._lock:
+      self._k, self._v, programs = device.warm_up(
+          self._graphdef, self._params, self._k, self._v, self.config,
+          self.model_config.max_position_embeddings, self.settings)
+    return programs
 
   # -- inspection and reset ---------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import os
 import threading
 import time
 from typing import Iterable, Optional, Sequence
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.generation.compile_cache import CompileCache
 from models.generation.settings import GenerationSettings
 from models.serving import device
 from models.serving.cascade import plan_cascade
@@ -56,10 +58,15 @@ class Engine:
     config: an :class:`EngineConfig`.
     settings: the attention implementation and kernel config (``impl``, ``config``) and the
       sampler's search; the sampling rule comes from each request.
+    compile_cache: a folder for the persistent compilation cache
+      (:class:`models.generation.compile_cache.CompileCache`: every program stored), so that
+      another process with the same model shapes, config and code loads the engine's programs
+      instead of compiling them; its hits are in :meth:`stats`. None: JAX's own setting.
   """
 
   def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig(),
-               settings: GenerationSettings = GenerationSettings()):
+               settings: GenerationSettings = GenerationSettings(),
+               compile_cache: Optional[str] = None):
     if not isinstance(config, EngineConfig):
       raise ValueError(f"config must be an EngineConfig; got {type(config).__name__}")
     if not isinstance(settings, GenerationSettings):
@@ -68,6 +75,9 @@ class Engine:
     self.settings = GenerationSettings(impl=settings.impl, config=settings.config,
                                        sampler=settings.sampler)
     self.model_config = model.config
+    self.compile_cache = None
+    if compile_cache is not None:
+      self.compile_cache = _use_compile_cache(compile_cache)
     self._graphdef, self._params = nnx.split(model)
     eos = getattr(tokenizer, "eos_id", None)
     self.eos_id = model.config.eos_token_id if eos is None else eos
@@ -513,6 +523,8 @@ class Engine:
           generated_tokens=self._generated, preemptions=self._preemptions,
           decode_calls=self._decode_calls, cascade_calls=self._cascade_calls,
           prefill_calls=self._prefill_calls,
+          compile_cache_hits=self.compile_cache.hits if self.compile_cache else 0,
+          compile_cache_requests=self.compile_cache.requests if self.compile_cache else 0,
           tokens_per_s=self._generated / self._busy_s if self._busy_s else 0.0)
 
   def reset(self, model=None) -> None:
@@ -529,3 +541,17 @@ class Engine:
       if self.tree is not None:
         self.tree.reset()
       self._prompt_total = self._prompt_cached = 0
+
+
+def _use_compile_cache(path: str) -> CompileCache:
+  """Points JAX's persistent compilation cache at ``path`` (counting its hits from now on)."""
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+
+  if not isinstance(path, str) or not path:
+    raise ValueError(f"compile_cache={path!r} must be a folder name (or None)")
+  previous = jax.config.jax_compilation_cache_dir
+  cache = CompileCache(os.path.expanduser(path))
+  if cache.path is not None and cache.path != previous:
+    compilation_cache.reset_cache()  # a cache opened on another folder would stay in use
+  return cache.__enter__()

@@ -338,7 +338,7 @@ class Engine:
       tokens[r, 0] = s.next_token
       limit[r] = plan.own_lengths[r] + steps[i]
       seeds[r] = np.uint32(s.req.request.seed % 2**32)
-      ids[r], first_step[r] = s.index, len(s.generated)
+      ids[r], first_step[r] = s.req.request.sample_offset + s.index, len(s.generated)
     self._k, self._v, out = device.decode(
         self._graphdef, self._params, self._k, self._v, jnp.asarray(tokens), page_table,
         seg_lengths, seg_of_seq, plan.own_page_table, plan.own_lengths, limit, rules,

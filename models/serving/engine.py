@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Iterable, Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -62,11 +63,15 @@ class Engine:
       (:class:`models.generation.compile_cache.CompileCache`: every program stored), so that
       another process with the same model shapes, config and code loads the engine's programs
       instead of compiling them; its hits are in :meth:`stats`. None: JAX's own setting.
+    mesh: tensor parallel over a device mesh (:func:`models.parallel.sharding.make_mesh`:
+      ``(1, m)``, ``"auto"`` or a Mesh whose "data" axis is 1): weights by the rules of
+      :mod:`models.parallel.sharding`, the page pools split by KV head over "model"
+      (:class:`device.HeadShardedPagedKVCache`). None: one device.
   """
 
   def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig(),
                settings: GenerationSettings = GenerationSettings(),
-               compile_cache: Optional[str] = None):
+               compile_cache: Optional[str] = None, mesh=None):
     if not isinstance(config, EngineConfig):
       raise ValueError(f"config must be an EngineConfig; got {type(config).__name__}")
     if not isinstance(settings, GenerationSettings):
@@ -78,12 +83,15 @@ class Engine:
     self.compile_cache = None
     if compile_cache is not None:
       self.compile_cache = _use_compile_cache(compile_cache)
-    self._graphdef, self._params = nnx.split(model)
+    self.mesh = None if mesh is None else _engine_mesh(mesh)
+    self._graphdef, self._params = self._place(model)
     eos = getattr(tokenizer, "eos_id", None)
     self.eos_id = model.config.eos_token_id if eos is None else eos
     self.pool = PagePool(config.num_pages, config.page_size)
     self.tree = RadixTree(self.pool) if config.prefix_caching else None
-    self._k, self._v = empty_pools(model.config, config.num_pages, config.page_size)
+    self._k, self._v = empty_pools(self._placed_config, config.num_pages, config.page_size)
+    if self.mesh is not None:
+      self._k, self._v = jax.device_put((self._k, self._v), device.pool_sharding(self.mesh))
     self._lock = threading.RLock()
     self._wake = threading.Event()
     self._ids = itertools.count()
@@ -119,6 +127,14 @@ class Engine:
       req = self._inbox.popleft()
       self._waiting.append(req)
       self._by_handle[req.handle.request_id] = req
+
+  def _place(self, model):
+    """``model``'s graph and weights, on the mesh's shards if there is one."""
+    if self.mesh is not None:
+      from models.parallel.sharding import shard_model
+      model = shard_model(model, self.mesh)
+    self._placed_config = model.config  # KV heads replicated where the model axis needs it
+    return nnx.split(model)
 
   def _check(self, request: Request) -> np.ndarray:
     return prompt_ids(request, self.model_config, self.config, self.tokenizer)
@@ -270,7 +286,7 @@ class Engine:
     self._prefill_calls += 1
     self._k, self._v = device.prefill(self._graphdef, self._params, self._k, self._v,
                                       jnp.asarray(tokens), table, start, end,
-                                      settings=self.settings)
+                                      settings=self.settings, mesh=self.mesh)
 
   def _start_running(self, req: Req) -> None:
     ps, n = self.config.page_size, req.request.n
@@ -342,7 +358,7 @@ class Engine:
     self._k, self._v, out = device.decode(
         self._graphdef, self._params, self._k, self._v, jnp.asarray(tokens), page_table,
         seg_lengths, seg_of_seq, plan.own_page_table, plan.own_lengths, limit, rules,
-        seeds, ids, first_step, num_steps=k, settings=self.settings)
+        seeds, ids, first_step, num_steps=k, settings=self.settings, mesh=self.mesh)
     out = np.asarray(out)
     for r, i in enumerate(plan.order):
       if i >= 0:
@@ -503,7 +519,7 @@ class Engine:
     with self._lock:
       self._k, self._v, programs = device.warm_up(
           self._graphdef, self._params, self._k, self._v, self.config,
-          self.model_config.max_position_embeddings, self.settings)
+          self.model_config.max_position_embeddings, self.settings, self.mesh)
     return programs
 
   # -- inspection and reset ---------------------------------------------------------------------
@@ -535,9 +551,9 @@ class Engine:
         raise ValueError(f"reset: {len(self._active) + len(self._waiting)} requests are in "
                          "flight (cancel them or let them finish)")
       if model is not None:
-        if model.config != self.model_config:
+        if model.config not in (self.model_config, self._placed_config):
           raise ValueError("reset: model has another config than the engine's")
-        self._graphdef, self._params = nnx.split(model)
+        self._graphdef, self._params = self._place(model)
       if self.tree is not None:
         self.tree.reset()
       self._prompt_total = self._prompt_cached = 0
@@ -545,7 +561,6 @@ class Engine:
 
 def _use_compile_cache(path: str) -> CompileCache:
   """Points JAX's persistent compilation cache at ``path`` (counting its hits from now on)."""
-  import jax
   from jax.experimental.compilation_cache import compilation_cache
 
   if not isinstance(path, str) or not path:
@@ -555,3 +570,15 @@ def _use_compile_cache(path: str) -> CompileCache:
   if cache.path is not None and cache.path != previous:
     compilation_cache.reset_cache()  # a cache opened on another folder would stay in use
   return cache.__enter__()
+
+
+def _engine_mesh(mesh):
+  """The engine's mesh: any spec :func:`make_mesh` takes, with a "data" axis of 1 (the rows of
+  a step share the page pools, so they are not split)."""
+  from models.parallel.mesh import DATA, make_mesh
+
+  mesh = make_mesh((1, jax.device_count()) if mesh == "auto" else mesh)
+  if mesh.shape[DATA] != 1:
+    raise ValueError(f"mesh: the engine runs tensor parallel only; its data axis must be 1, "
+                     f"got {dict(mesh.shape)}")
+  return mesh

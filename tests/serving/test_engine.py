@@ -392,6 +392,30 @@ def test_prefill_chunks_of_several_requests_share_a_device_call(model):
   assert_drained(engine)
 
 
+@pytest.mark.slow
+def test_tensor_parallel_engine_in_a_subprocess():
+  """tests/serving/test_engine_mesh.py on 4 CPU devices (the flag must precede JAX's start)."""
+  import os
+  import re
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  from strategies import DEVICE_FLAGS
+  root = Path(__file__).resolve().parents[2]
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + DEVICE_FLAGS).strip())
+  env.pop("PYTEST_XDIST_WORKER", None)
+  proc = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+       "tests/serving/test_engine_mesh.py"],
+      cwd=root, env=env, capture_output=True, text=True, timeout=900)
+  report = proc.stdout[-6000:] + proc.stderr[-2000:]
+  assert proc.returncode == 0, report
+  summary = proc.stdout.strip().splitlines()[-1]
+  assert re.search(r"\b3 passed", summary) and "skipped" not in summary, report
+
+
 # -- errors -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -226,6 +226,16 @@ def prompt_ids(request: Request, model_config, config: EngineConfig, tokenizer=N
     raise ValueError(f"Request: n={request.n} samples of max_tokens={request.max_tokens} "
                      f"need up to {worst} pages; the cache holds {c.num_pages - 1} "
                      "(EngineConfig.num_pages)")
+  if c.own_page_buckets is not None:
+    # A row's own page table: the prompt pages in no shared level and its own tokens; a
+    # prefill chunk's: the pages up to its padded end.
+    context = prompt.size - 1
+    chunk = c.prefill_bucket(min(context, c.max_prefill_tokens)) if context else 0
+    need = max(full + -(-(tail + request.max_tokens) // ps), -(-(context + chunk - 1) // ps))
+    if need > c.own_page_buckets[-1]:
+      raise ValueError(f"Request: a prompt of {prompt.size} tokens with max_tokens="
+                       f"{request.max_tokens} needs page tables of up to {need} pages; the "
+                       f"largest of EngineConfig.own_page_buckets is {c.own_page_buckets[-1]}")
   return prompt
 
 

@@ -443,6 +443,7 @@ def test_requests_the_engine_cannot_serve_fail_alone(model):
   bad = [(Request([1] * 1025), "prompt"), (Request([1] * 1000, max_tokens=100), "max_tokens"),
          (Request([1, 256]), "prompt"), (Request([1, 2], n=9), "n"),
          (Request([1, 2], n=4, max_tokens=60), "max_tokens"), (Request("text"), "tokenizer"),
+         (Request([1] * 40, max_tokens=30), "own_page_buckets"),
          (Request([1, 2], stop=("x",)), "stop")]
   handle = engine.submit(good)
   for request, field in bad:

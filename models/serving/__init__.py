@@ -4,8 +4,9 @@ Host side (pure Python + NumPy): ``pages`` (a page allocator with reference coun
 ``radix`` (the prefix cache: a radix tree over token ids whose nodes own whole pages, LRU
 eviction of unlocked leaves) and ``cascade`` (each decode step's plan: shared segments by
 level, each sequence's own pages, padded to buckets). Device side: ``paged_cache`` (the
-per-layer page pools and the attention over them). ``requests`` (the engine's values) and
-``engine`` (the scheduler and its device programs). See DESIGN.md, "Serving", and
+per-layer page pools and the attention over them), ``device`` (the prefill and decode
+programs, the warm-up's shapes), ``sampling`` (per-row sampling rules as data). ``requests``
+(the engine's values) and ``engine`` (the scheduler). See DESIGN.md, "Serving", and
 docs/serving.md.
 """
 
@@ -15,7 +16,8 @@ from models.serving.pages import NULL_PAGE, PagePool, PoolStats
 from models.serving.paged_cache import PagedKVCache
 from models.serving.radix import Match, Node, RadixTree, TreeStats
 from models.serving.requests import EngineConfig, Handle, Request, RequestOutput, SampleOutput
+from models.serving.sampling import RowRules, sample_rows
 
 __all__ = ["CascadeConfig", "CascadePlan", "plan_cascade", "NULL_PAGE", "PagePool", "PoolStats",
            "Match", "Node", "RadixTree", "TreeStats", "Engine", "EngineConfig", "Handle",
-           "Request", "RequestOutput", "SampleOutput", "PagedKVCache"]
+           "Request", "RequestOutput", "SampleOutput", "PagedKVCache", "RowRules", "sample_rows"]

@@ -1,29 +1,37 @@
-"""The engine's device programs: forward passes over the paged cache (prefill chunks and
-``num_steps`` decode steps with sampling) and the copy of a page.
+"""The engine's device programs: a prefill pass over the paged cache (several requests' chunks,
+one per row), ``num_steps`` decode steps with sampling, and the copy of a page.
 
-Every program is keyed by shapes (the padded sizes of the plan and the chunk) and by static
-values (the settings, the step count, the set of sampling rules in the batch); page ids,
-lengths, tokens and seeds are data.
+Every program is keyed by shapes (the padded sizes of the plan and the chunks) and by static
+values (the settings, the step count, the mesh); page ids, lengths, tokens, seeds and each
+row's sampling rule (:class:`models.serving.sampling.RowRules`) are data.
+
+On a mesh (tensor parallel: the "model" axis), the weights lie by the rules of
+:mod:`models.parallel.sharding`, the page pools ``[num_pages, page_size, Hkv, D]`` are split
+over their KV heads, and :class:`HeadShardedPagedKVCache` writes and attends per shard under
+``shard_map`` (every device its own KV heads and their query heads: no communication); the
+logits are gathered before sampling, so every device draws the same tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models.generation.sampling import SamplingParams, sample
+from jax_shared_attn.sharding import shard_map
+
 from models.generation.settings import GenerationSettings
+from models.parallel.mesh import MODEL
 from models.serving.paged_cache import PagedKVCache
-
-
-def no_sampling(b: int):
-  return (np.zeros(b, np.uint32), np.zeros(b, np.int32), np.zeros(b, np.int32),
-          np.zeros(b, np.int32))
+from models.serving.sampling import RowRules, sample_rows
 
 
 def keys_of(seeds, sample_ids, steps):
@@ -32,32 +40,94 @@ def keys_of(seeds, sample_ids, steps):
   return jax.vmap(one)(seeds, sample_ids, steps)
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("num_steps", "settings", "rules"),
-                   donate_argnums=(2, 3))
-def forward(graphdef, params, k, v, tokens, page_table, seg_lengths, segment_of_seq,
-             own_page_table, own_lengths, write_limit, seeds, sample_ids, first_step, rule_of,
-             *, num_steps: int, settings: GenerationSettings,
-             rules: tuple[SamplingParams, ...]):
-  """``num_steps`` forward passes of ``tokens [B, T]`` over the paged cache.
+_DATA_FIELDS = [f.name for f in dataclasses.fields(PagedKVCache)]
+HEADS = P(None, None, MODEL, None)  # pools [pages, ps, Hkv, D] and q/k/v [B, T, H, D]
 
-  With ``rules`` (decode, T = 1): each step samples row b's next token with
-  ``rules[rule_of[b]]`` and feeds it; returns ``(k, v, tokens int32 [B, num_steps])``.
-  Without (prefill): one pass that only writes K/V; returns ``(k, v, None)``.
-  """
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=_DATA_FIELDS,
+                   meta_fields=["mesh"])
+@dataclasses.dataclass(frozen=True)
+class HeadShardedPagedKVCache(PagedKVCache):
+  """:class:`PagedKVCache` with pools split over ``mesh``'s "model" axis by KV head: each
+  device writes and attends its own heads (``shard_map``); page tables are replicated."""
+
+  mesh: Optional[Mesh] = None
+
+  def _tables(self):
+    return (self.page_table, self.seg_lengths, self.segment_of_seq, self.own_page_table,
+            self.own_lengths, self.write_limit)
+
+  def write(self, layer: int, k_new, v_new) -> "HeadShardedPagedKVCache":
+    def local(k, v, k_new, v_new, *tables):
+      shard = PagedKVCache((k,), (v,), *tables).write(0, k_new, v_new)
+      return shard.k[0], shard.v[0]
+
+    whole = (P(),) * 6
+    k_layer, v_layer = shard_map(local, self.mesh, (HEADS,) * 4 + whole, (HEADS, HEADS))(
+        self.k[layer], self.v[layer], k_new, v_new, *self._tables())
+    k, v = list(self.k), list(self.v)
+    k[layer], v[layer] = k_layer, v_layer
+    return dataclasses.replace(self, k=tuple(k), v=tuple(v))
+
+  def attention(self, xq, layer: int, t: int, settings, sharding=None):
+    if sharding is not None:
+      raise ValueError("HeadShardedPagedKVCache carries its mesh: sharding must be None")
+
+    def local(xq, k, v, *tables):
+      return PagedKVCache((k,), (v,), *tables).attention(xq, 0, t, settings)
+
+    return shard_map(local, self.mesh, (HEADS,) * 3 + (P(),) * 6, HEADS)(
+        xq, self.k[layer], self.v[layer], *self._tables())
+
+
+def _cache(mesh: Optional[Mesh], *arrays) -> PagedKVCache:
+  return PagedKVCache(*arrays) if mesh is None else HeadShardedPagedKVCache(*arrays, mesh=mesh)
+
+
+def pool_sharding(mesh: Mesh) -> NamedSharding:
+  """Where a page pool ``[num_pages, page_size, Hkv, D]`` lies on ``mesh``: KV heads on "model"."""
+  return NamedSharding(mesh, HEADS)
+
+
+def no_levels(b: int):
+  """The cascade arrays of a step without shared levels (one shape for every such step)."""
+  return np.zeros((0, 1, 1), np.int32), np.zeros((0, 1), np.int32), np.zeros((0, b), np.int32)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("settings", "mesh"),
+                   donate_argnums=(2, 3))
+def prefill(graphdef, params, k, v, tokens, page_table, start, end, *,
+            settings: GenerationSettings, mesh: Optional[Mesh] = None):
+  """Writes the K/V of ``tokens [R, T]``: row r's chunk at positions ``start[r] + t`` of the
+  pages ``page_table [R, W]`` (each row its own request; positions ``>= end[r]``, the padding,
+  are not stored); attention reads each row's own pages only. Returns ``(k, v)``."""
   model = nnx.merge(graphdef, params)
-  cache = PagedKVCache(k, v, page_table, seg_lengths, segment_of_seq, own_page_table,
-                       own_lengths, write_limit)
-  if not rules:
-    _, cache = model(tokens, cache=cache, settings=settings)
-    return cache.k, cache.v, None
+  cache = _cache(mesh, k, v, *no_levels(tokens.shape[0]), page_table, start, end)
+  _, cache = model(tokens, cache=cache, settings=settings)
+  return cache.k, cache.v
+
+
+@functools.partial(jax.jit, static_argnums=0,
+                   static_argnames=("num_steps", "settings", "mesh"), donate_argnums=(2, 3))
+def decode(graphdef, params, k, v, tokens, page_table, seg_lengths, segment_of_seq,
+           own_page_table, own_lengths, write_limit, rules: RowRules, seeds, sample_ids,
+           first_step, *, num_steps: int, settings: GenerationSettings,
+           mesh: Optional[Mesh] = None):
+  """``num_steps`` decode steps of ``tokens [B, 1]`` over the paged cache (the cascade plan's
+  arrays: :class:`PagedKVCache`); row b samples by its rule in ``rules`` with the key of
+  (``seeds[b]``, ``sample_ids[b]``, ``first_step[b] + step``) and feeds the token back.
+  Returns ``(k, v, tokens int32 [B, num_steps])``."""
+  model = nnx.merge(graphdef, params)
+  cache = _cache(mesh, k, v, page_table, seg_lengths, segment_of_seq, own_page_table,
+                 own_lengths, write_limit)
 
   def body(j, carry):
     cache, tokens, out = carry
     logits, cache = model(tokens, cache=cache, settings=settings)
+    if mesh is not None:  # the whole vocabulary on every device: one draw, the same everywhere
+      logits = lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
     keys = keys_of(seeds, sample_ids, first_step + j)
-    new = jnp.zeros(tokens.shape[0], jnp.int32)
-    for i, rule in enumerate(rules):
-      new = jnp.where(rule_of == i, sample(logits[:, 0], keys, rule, settings.sampler), new)
+    new = sample_rows(logits[:, 0], keys, rules, settings.sampler)
     out = lax.dynamic_update_slice(out, new[:, None], (0, j))
     return cache, new[:, None], out
 
@@ -70,3 +140,54 @@ def forward(graphdef, params, k, v, tokens, page_table, seg_lengths, segment_of_
 def copy_page(k, v, src, dst):
   """Every layer's page ``src`` copied to page ``dst``."""
   return (tuple(x.at[dst].set(x[src]) for x in k), tuple(x.at[dst].set(x[src]) for x in v))
+
+
+def _sizes(buckets, largest: int) -> list[int]:
+  """The padded sizes a bucket field allows up to the one that holds ``largest``."""
+  if buckets is None:
+    return [1 << i for i in range(max(largest - 1, 0).bit_length() + 1)]
+  top = next((s for s in buckets if s >= largest), buckets[-1])
+  return [s for s in buckets if s <= top]
+
+
+def program_shapes(config, max_context: int):
+  """(prefill, decode): the padded shapes of every program the engine can run.
+
+  prefill: ``(rows, chunk, page-table width)``; decode: ``(batch, levels, segments, pages,
+  own pages)`` (levels 0: no shared level). ``max_context``: the model's context (bounds the
+  page tables). The level, segment and page buckets must be set when ``cascade`` is on
+  (powers of two have no bound there).
+  """
+  c, ps = config, config.page_size
+  if c.cascade and None in (c.level_buckets, c.segment_buckets, c.page_buckets):
+    raise ValueError("warmup: EngineConfig.level_buckets, segment_buckets and page_buckets "
+                     "must be set (with cascade on, powers of two have no bound)")
+  batch = _sizes(c.batch_buckets, c.max_running)
+  chunks = _sizes(c.prefill_buckets, c.max_prefill_tokens)
+  own = _sizes(c.own_page_buckets, -(-(max_context + chunks[-1]) // ps))
+  prefill = list(itertools.product(batch, chunks, own))
+  levels = [(0, 1, 1)]
+  if c.cascade:
+    levels += list(itertools.product(c.level_buckets, c.segment_buckets, c.page_buckets))
+  decode = [(b, *lsp, o) for b, lsp, o in itertools.product(batch, levels, own)]
+  return prefill, decode
+
+
+def warm_up(graphdef, params, k, v, config, max_context: int, settings: GenerationSettings,
+            mesh: Optional[Mesh] = None):
+  """Runs every program of :func:`program_shapes` once on the null page (compiling it);
+  returns ``(k, v, programs)``."""
+  prefill_shapes, decode_shapes = program_shapes(config, max_context)
+  zeros = lambda *shape: np.zeros(shape, np.int32)
+  for rows, t, width in prefill_shapes:
+    k, v = prefill(graphdef, params, k, v, jnp.asarray(zeros(rows, t)), zeros(rows, width),
+                   zeros(rows), zeros(rows), settings=settings, mesh=mesh)
+  for b, levels, segments, pages, own in decode_shapes:
+    cascade = ((zeros(levels, segments, pages), zeros(levels, segments),
+                np.full((levels, b), -1, np.int32)) if levels else no_levels(b))
+    k, v, _ = decode(graphdef, params, k, v, jnp.asarray(zeros(b, 1)), *cascade, zeros(b, own),
+                     zeros(b), zeros(b), RowRules.of([None] * b), np.zeros(b, np.uint32),
+                     zeros(b), zeros(b), num_steps=config.decode_steps, settings=settings,
+                     mesh=mesh)
+  k, v = copy_page(k, v, np.int32(0), np.int32(0))
+  return k, v, len(prefill_shapes) + len(decode_shapes) + 1

@@ -7,8 +7,8 @@
     >>> async for new_tokens in engine.stream(request): ...  # with engine.start()
 
 One tick (:meth:`Engine.step`): admit waiting requests while pages allow (a reserve is kept
-for the running ones); prefill one chunk of prompt tokens against the request's cached
-pages (a prompt's last token is fed by the first decode step, as in
+for the running ones); prefill chunks of prompt tokens (several requests' in one device
+call, each attending its own cached pages) (a prompt's last token is fed by the first decode step, as in
 :func:`models.generate`); decode ``decode_steps`` steps of every running sequence in one
 device call under one cascade plan (:mod:`models.serving.cascade`); retire finished
 sequences. A prompt's full pages join the radix tree once prefilled; its last partial page
@@ -17,8 +17,8 @@ evicted, then the most recently admitted request is preempted (its pages freed; 
 recomputed later and, its tokens depending only on the request, emits the same tokens).
 
 The device programs are keyed by padded sizes only (:meth:`CascadePlan.plan_key`, the
-prefill chunk and page buckets, the set of sampling rules in the batch); page ids, lengths,
-tokens and seeds are data.
+prefill rows, chunk and page buckets); page ids, lengths, tokens, seeds and each row's
+sampling rule are data.
 """
 
 from __future__ import annotations
@@ -26,14 +26,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import os
 import threading
 import time
 from typing import Iterable, Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.generation.compile_cache import CompileCache
 from models.generation.settings import GenerationSettings
 from models.serving import device
 from models.serving.cascade import plan_cascade
@@ -42,6 +45,7 @@ from models.serving.paged_cache import empty_pools
 from models.serving.radix import RadixTree
 from models.serving.requests import (EngineConfig, Handle, Request, RequestOutput,
                                      SampleOutput, prompt_ids)
+from models.serving.sampling import RowRules
 from models.serving.state import PromptPages, Req, Seq
 
 
@@ -55,10 +59,19 @@ class Engine:
     config: an :class:`EngineConfig`.
     settings: the attention implementation and kernel config (``impl``, ``config``) and the
       sampler's search; the sampling rule comes from each request.
+    compile_cache: a folder for the persistent compilation cache
+      (:class:`models.generation.compile_cache.CompileCache`: every program stored), so that
+      another process with the same model shapes, config and code loads the engine's programs
+      instead of compiling them; its hits are in :meth:`stats`. None: JAX's own setting.
+    mesh: tensor parallel over a device mesh (:func:`models.parallel.sharding.make_mesh`:
+      ``(1, m)``, ``"auto"`` or a Mesh whose "data" axis is 1): weights by the rules of
+      :mod:`models.parallel.sharding`, the page pools split by KV head over "model"
+      (:class:`device.HeadShardedPagedKVCache`). None: one device.
   """
 
   def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig(),
-               settings: GenerationSettings = GenerationSettings()):
+               settings: GenerationSettings = GenerationSettings(),
+               compile_cache: Optional[str] = None, mesh=None):
     if not isinstance(config, EngineConfig):
       raise ValueError(f"config must be an EngineConfig; got {type(config).__name__}")
     if not isinstance(settings, GenerationSettings):
@@ -67,12 +80,18 @@ class Engine:
     self.settings = GenerationSettings(impl=settings.impl, config=settings.config,
                                        sampler=settings.sampler)
     self.model_config = model.config
-    self._graphdef, self._params = nnx.split(model)
+    self.compile_cache = None
+    if compile_cache is not None:
+      self.compile_cache = _use_compile_cache(compile_cache)
+    self.mesh = None if mesh is None else _engine_mesh(mesh)
+    self._graphdef, self._params = self._place(model)
     eos = getattr(tokenizer, "eos_id", None)
     self.eos_id = model.config.eos_token_id if eos is None else eos
     self.pool = PagePool(config.num_pages, config.page_size)
     self.tree = RadixTree(self.pool) if config.prefix_caching else None
-    self._k, self._v = empty_pools(model.config, config.num_pages, config.page_size)
+    self._k, self._v = empty_pools(self._placed_config, config.num_pages, config.page_size)
+    if self.mesh is not None:
+      self._k, self._v = jax.device_put((self._k, self._v), device.pool_sharding(self.mesh))
     self._lock = threading.RLock()
     self._wake = threading.Event()
     self._ids = itertools.count()
@@ -86,6 +105,7 @@ class Engine:
     self._stop = False
     self._generated = self._preemptions = 0
     self._decode_calls = self._cascade_calls = 0  # device calls; those with a shared level
+    self._prefill_calls = 0
     self._busy_s = 0.0
     self._prompt_total = self._prompt_cached = 0
 
@@ -107,6 +127,14 @@ class Engine:
       req = self._inbox.popleft()
       self._waiting.append(req)
       self._by_handle[req.handle.request_id] = req
+
+  def _place(self, model):
+    """``model``'s graph and weights, on the mesh's shards if there is one."""
+    if self.mesh is not None:
+      from models.parallel.sharding import shard_model
+      model = shard_model(model, self.mesh)
+    self._placed_config = model.config  # KV heads replicated where the model axis needs it
+    return nnx.split(model)
 
   def _check(self, request: Request) -> np.ndarray:
     return prompt_ids(request, self.model_config, self.config, self.tokenizer)
@@ -219,31 +247,46 @@ class Engine:
       self._active.append(req)
 
   def _prefill(self) -> None:
-    budget = self.config.max_prefill_tokens
-    for req in [r for r in self._active if r.state == "prefill"]:
-      while req.prefilled < req.context.size and budget > 0:
-        n = min(budget, req.context.size - req.prefilled)
-        self._prefill_chunk(req, req.prefilled, n)
-        req.prefilled += n
+    """Up to ``max_prefill_tokens`` prompt tokens: one chunk per request in admission order
+    (the next one only once the one before is done); chunks of one padded length run in one
+    device call, a row each."""
+    budget, chunks = self.config.max_prefill_tokens, []
+    prefilling = [r for r in self._active if r.state == "prefill"]
+    for req in prefilling:
+      n = min(budget, req.context.size - req.prefilled)
+      if n > 0:
+        chunks.append((req, req.prefilled, n))
         budget -= n
+      if req.prefilled + n < req.context.size:
+        break
+    groups = collections.defaultdict(list)
+    for chunk in chunks:
+      groups[self.config.prefill_bucket(chunk[2])].append(chunk)
+    for t, group in sorted(groups.items()):
+      self._prefill_rows(group, t)
+    for req, _, n in chunks:
+      req.prefilled += n
+    for req in prefilling:
       if req.prefilled < req.context.size:
         return
       self._start_running(req)
 
-  def _prefill_chunk(self, req: Req, start: int, n: int) -> None:
-    ps = self.config.page_size
-    t = self.config.prefill_bucket(n)
-    tokens = np.zeros((1, t), np.int32)
-    tokens[0, :n] = req.context[start:start + n]
-    width = self.config.cascade_config().bucket("own_pages", -(-(start + t) // ps))
-    table = np.full((1, width), NULL_PAGE, np.int32)
-    table[0, :min(width, req.pages.size)] = req.pages[:width]  # the pages this chunk reaches
-    none = np.zeros((0, 1, 1), np.int32)
-    self._k, self._v, _ = device.forward(
-        self._graphdef, self._params, self._k, self._v, jnp.asarray(tokens), none,
-        np.zeros((0, 1), np.int32), np.zeros((0, 1), np.int32), table,
-        np.asarray([start], np.int32), np.asarray([start + n], np.int32),
-        *device.no_sampling(1), num_steps=1, settings=self.settings, rules=())
+  def _prefill_rows(self, chunks: Sequence[tuple[Req, int, int]], t: int) -> None:
+    """One device call: row r writes chunk (req, start, n) padded to ``t`` tokens."""
+    ps, cascade = self.config.page_size, self.config.cascade_config()
+    rows = cascade.bucket("batch", len(chunks))
+    width = cascade.bucket("own_pages", max(-(-(start + t) // ps) for _, start, _ in chunks))
+    tokens = np.zeros((rows, t), np.int32)
+    table = np.full((rows, width), NULL_PAGE, np.int32)
+    start, end = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    for r, (req, s, n) in enumerate(chunks):
+      tokens[r, :n] = req.context[s:s + n]
+      table[r, :min(width, req.pages.size)] = req.pages[:width]  # the pages this chunk reaches
+      start[r], end[r] = s, s + n
+    self._prefill_calls += 1
+    self._k, self._v = device.prefill(self._graphdef, self._params, self._k, self._v,
+                                      jnp.asarray(tokens), table, start, end,
+                                      settings=self.settings, mesh=self.mesh)
 
   def _start_running(self, req: Req) -> None:
     ps, n = self.config.page_size, req.request.n
@@ -294,7 +337,7 @@ class Engine:
     levels = plan.num_levels or 0
     page_table, seg_lengths, seg_of_seq = plan.page_table, plan.lengths, plan.segment_of_seq
     if levels == 0:  # no shared level: the program without hierarchical attention
-      page_table, seg_lengths, seg_of_seq = page_table[:0], seg_lengths[:0], seg_of_seq[:0]
+      page_table, seg_lengths, seg_of_seq = device.no_levels(plan.order.size)
     self._decode_calls += 1
     self._cascade_calls += levels > 0
     b = plan.order.size
@@ -303,9 +346,7 @@ class Engine:
     seeds = np.zeros(b, np.uint32)
     ids = np.zeros(b, np.int32)
     first_step = np.zeros(b, np.int32)
-    rule_of = np.zeros(b, np.int32)
-    rules = tuple(sorted({s.req.request.sampling for s in seqs},
-                         key=lambda p: (p.temperature, p.top_k or 0, p.top_p or 0.0)))
+    rules = RowRules.of([seqs[i].req.request.sampling if i >= 0 else None for i in plan.order])
     for r, i in enumerate(plan.order):
       if i < 0:
         continue
@@ -313,12 +354,11 @@ class Engine:
       tokens[r, 0] = s.next_token
       limit[r] = plan.own_lengths[r] + steps[i]
       seeds[r] = np.uint32(s.req.request.seed % 2**32)
-      ids[r], first_step[r] = s.index, len(s.generated)
-      rule_of[r] = rules.index(s.req.request.sampling)
-    self._k, self._v, out = device.forward(
+      ids[r], first_step[r] = s.req.request.sample_offset + s.index, len(s.generated)
+    self._k, self._v, out = device.decode(
         self._graphdef, self._params, self._k, self._v, jnp.asarray(tokens), page_table,
-        seg_lengths, seg_of_seq, plan.own_page_table, plan.own_lengths, limit,
-        seeds, ids, first_step, rule_of, num_steps=k, settings=self.settings, rules=rules)
+        seg_lengths, seg_of_seq, plan.own_page_table, plan.own_lengths, limit, rules,
+        seeds, ids, first_step, num_steps=k, settings=self.settings, mesh=self.mesh)
     out = np.asarray(out)
     for r, i in enumerate(plan.order):
       if i >= 0:
@@ -469,6 +509,19 @@ class Engine:
       if not handle.done:
         self.cancel(handle)
 
+  def warmup(self) -> int:
+    """Compiles every device program the buckets allow (:func:`device.program_shapes`), each
+    run once on the null page, so that serving compiles nothing; returns how many.
+
+    Needs the level, segment and page buckets set (with ``cascade`` on); the count is the
+    product of the buckets' sizes, so keep them few.
+    """
+    with self._lock:
+      self._k, self._v, programs = device.warm_up(
+          self._graphdef, self._params, self._k, self._v, self.config,
+          self.model_config.max_position_embeddings, self.settings, self.mesh)
+    return programs
+
   # -- inspection and reset ---------------------------------------------------------------------
 
   def stats(self) -> dict:
@@ -485,6 +538,9 @@ class Engine:
                            if self._prompt_total else 0.0),
           generated_tokens=self._generated, preemptions=self._preemptions,
           decode_calls=self._decode_calls, cascade_calls=self._cascade_calls,
+          prefill_calls=self._prefill_calls,
+          compile_cache_hits=self.compile_cache.hits if self.compile_cache else 0,
+          compile_cache_requests=self.compile_cache.requests if self.compile_cache else 0,
           tokens_per_s=self._generated / self._busy_s if self._busy_s else 0.0)
 
   def reset(self, model=None) -> None:
@@ -495,9 +551,34 @@ class Engine:
         raise ValueError(f"reset: {len(self._active) + len(self._waiting)} requests are in "
                          "flight (cancel them or let them finish)")
       if model is not None:
-        if model.config != self.model_config:
+        if model.config not in (self.model_config, self._placed_config):
           raise ValueError("reset: model has another config than the engine's")
-        self._graphdef, self._params = nnx.split(model)
+        self._graphdef, self._params = self._place(model)
       if self.tree is not None:
         self.tree.reset()
       self._prompt_total = self._prompt_cached = 0
+
+
+def _use_compile_cache(path: str) -> CompileCache:
+  """Points JAX's persistent compilation cache at ``path`` (counting its hits from now on)."""
+  from jax.experimental.compilation_cache import compilation_cache
+
+  if not isinstance(path, str) or not path:
+    raise ValueError(f"compile_cache={path!r} must be a folder name (or None)")
+  previous = jax.config.jax_compilation_cache_dir
+  cache = CompileCache(os.path.expanduser(path))
+  if cache.path is not None and cache.path != previous:
+    compilation_cache.reset_cache()  # a cache opened on another folder would stay in use
+  return cache.__enter__()
+
+
+def _engine_mesh(mesh):
+  """The engine's mesh: any spec :func:`make_mesh` takes, with a "data" axis of 1 (the rows of
+  a step share the page pools, so they are not split)."""
+  from models.parallel.mesh import DATA, make_mesh
+
+  mesh = make_mesh((1, jax.device_count()) if mesh == "auto" else mesh)
+  if mesh.shape[DATA] != 1:
+    raise ValueError(f"mesh: the engine runs tensor parallel only; its data axis must be 1, "
+                     f"got {dict(mesh.shape)}")
+  return mesh

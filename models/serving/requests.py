@@ -123,6 +123,9 @@ class Request:
     seed: the sample ``i`` token at step ``t`` depends only on (seed, i, t), as in
       :func:`models.generate`.
     ignore_eos: keep generating after the end-of-sequence token.
+    sample_offset: sample ``i`` draws as sample ``sample_offset + i`` of the seed (so that
+      requests can continue one numbering, as :func:`models.generate` numbers all the
+      samples of its prompts: prompt j's first sample is the sum of the counts before it).
   """
 
   prompt: Union[str, Sequence[int]]
@@ -135,6 +138,7 @@ class Request:
   stop_token_ids: tuple[int, ...] = ()
   seed: int = 0
   ignore_eos: bool = False
+  sample_offset: int = 0
 
   def __post_init__(self):
     if isinstance(self.prompt, str):
@@ -176,6 +180,10 @@ class Request:
       raise ValueError(f"Request: seed={self.seed!r} must be an int")
     if not isinstance(self.ignore_eos, bool):
       raise ValueError(f"Request: ignore_eos={self.ignore_eos!r} must be a bool")
+    _positive_int("Request", "sample_offset", self.sample_offset, 0)
+    if self.sample_offset + self.n > 2**31:
+      raise ValueError(f"Request: sample_offset={self.sample_offset} + n={self.n} must stay "
+                       "below 2**31 (int32 sample ids)")
 
   @property
   def sampling(self) -> SamplingParams:
@@ -218,6 +226,16 @@ def prompt_ids(request: Request, model_config, config: EngineConfig, tokenizer=N
     raise ValueError(f"Request: n={request.n} samples of max_tokens={request.max_tokens} "
                      f"need up to {worst} pages; the cache holds {c.num_pages - 1} "
                      "(EngineConfig.num_pages)")
+  if c.own_page_buckets is not None:
+    # A row's own page table: the prompt pages in no shared level and its own tokens; a
+    # prefill chunk's: the pages up to its padded end.
+    context = prompt.size - 1
+    chunk = c.prefill_bucket(min(context, c.max_prefill_tokens)) if context else 0
+    need = max(full + -(-(tail + request.max_tokens) // ps), -(-(context + chunk - 1) // ps))
+    if need > c.own_page_buckets[-1]:
+      raise ValueError(f"Request: a prompt of {prompt.size} tokens with max_tokens="
+                       f"{request.max_tokens} needs page tables of up to {need} pages; the "
+                       f"largest of EngineConfig.own_page_buckets is {c.own_page_buckets[-1]}")
   return prompt
 
 

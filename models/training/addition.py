@@ -83,8 +83,13 @@ def reward(completion: str, answer: int) -> float:
 def run(model, tokenizer, *, steps: int, num_prompts: int, group_size: int,
         max_new_tokens: int, learning_rate: float, kl_coef: float = 0.0, seed: int = 0,
         eval_problems: int = 32, log: Optional[Callable[[str], None]] = print,
-        on_step: Optional[Callable[[dict], None]] = None) -> dict:
-  """Trains ``model`` for ``steps`` GRPO steps; returns the record written to rewards.json."""
+        on_step: Optional[Callable[[dict], None]] = None, engine_config=None) -> dict:
+  """Trains ``model`` for ``steps`` GRPO steps; returns the record written to rewards.json.
+
+  ``engine_config``: an :class:`models.serving.EngineConfig`: the rollouts come from a serving
+  engine (:func:`models.training.rollouts.engine_rollouts`, the same tokens as ``generate``;
+  the engine takes the new weights after each step); None: from ``generate``.
+  """
   import jax
   from flax import nnx
 
@@ -103,6 +108,10 @@ def run(model, tokenizer, *, steps: int, num_prompts: int, group_size: int,
   reference = nnx.split(model)[1] if kl_coef > 0 else None
   state = init_train_state(model, optimizer)
   eval_set = problems(np.random.default_rng(seed + 10_000), eval_problems)
+  engine = None
+  if engine_config is not None:
+    from models.serving import Engine
+    engine = Engine(model, tokenizer, engine_config)
 
   def accuracy(model) -> float:  # greedy, one sample per evaluation problem
     out = np.asarray(generate(model, [encode(p) for p in eval_set], max_new_tokens=max_new_tokens,
@@ -115,6 +124,7 @@ def run(model, tokenizer, *, steps: int, num_prompts: int, group_size: int,
                                       group_size=group_size, max_new_tokens=max_new_tokens,
                                       learning_rate=learning_rate, kl_coef=kl_coef, seed=seed,
                                       eval_problems=eval_problems, backend=jax.default_backend(),
+                                      rollouts="engine" if engine is not None else "generate",
                                       dtype=model.config.dtype))
   record["eval_before"] = accuracy(model) if eval_problems else None
   log(f"greedy accuracy before: {record['eval_before']}")
@@ -122,15 +132,21 @@ def run(model, tokenizer, *, steps: int, num_prompts: int, group_size: int,
     start = time.perf_counter()
     batch_problems = problems(rng, num_prompts)
     tree = problem_tree([encode(p) for p in batch_problems], shared, group_size)
-    completions = np.asarray(generate(state.model(), tree, max_new_tokens=max_new_tokens,
-                                      temperature=config.temperature, eos_id=tokenizer.eos_id,
-                                      seed=seed * 100_003 + step))
+    rollout = dict(max_new_tokens=max_new_tokens, temperature=config.temperature,
+                   eos_id=tokenizer.eos_id, seed=seed * 100_003 + step)
+    if engine is None:
+      completions = np.asarray(generate(state.model(), tree, **rollout))
+    else:
+      from models.training.rollouts import engine_rollouts
+      completions = engine_rollouts(engine, tree, **rollout)
     texts = [tokenizer.decode(row) for row in completions]
     rewards = np.asarray([reward(t, batch_problems[i // group_size].answer)
                           for i, t in enumerate(texts)], np.float32)
     sampled = time.perf_counter()
     batch = make_batch(tree, completions, rewards, config, model.config)
     state, metrics = train_step(state, batch, config, optimizer=optimizer, reference=reference)
+    if engine is not None:
+      engine.reset(model=state.model())
     metrics = {k: float(v) for k, v in metrics.items()}
     row = dict(step=step, mean_reward=float(rewards.mean()), loss=metrics["loss"],
                kl=metrics["kl"], grad_norm=metrics["grad_norm"],
@@ -187,6 +203,9 @@ def configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--eval-problems", type=int, default=32,
                  help="problems (a fixed draw) for greedy accuracy before and after (0: none)")
+  p.add_argument("--engine", action="store_true",
+                 help="draw the rollouts from the serving engine (models.serving.Engine, "
+                 "reset with the new weights after each step) instead of generate")
   p.add_argument("--out", required=True, help="folder for rewards.json and rewards.png")
   p.set_defaults(handler=main_args)
 
@@ -207,11 +226,17 @@ def main_args(args: argparse.Namespace) -> int:
                group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                learning_rate=args.lr, kl_coef=args.kl_coef, seed=args.seed,
                eval_problems=args.eval_problems, log=lambda s: print(s, flush=True),
-               on_step=write)
+               on_step=write, engine_config=_engine_config(args) if args.engine else None)
   write(record)
   plot(record, os.path.join(args.out, "rewards.png"))
   print(f"wrote {args.out}/rewards.json and rewards.png")
   return 0
+
+
+def _engine_config(args: argparse.Namespace):
+  """An engine that holds a step's rollouts at once."""
+  from models.serving import EngineConfig
+  return EngineConfig(max_running=args.prompts * args.group_size, max_prefill_tokens=512)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

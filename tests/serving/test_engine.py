@@ -312,9 +312,6 @@ def test_a_shared_prompt_is_stored_once_and_cancel_frees_at_once(model):
 # -- compiles ---------------------------------------------------------------------------------------
 
 def test_a_second_workload_of_the_same_shapes_compiles_nothing(model):
-  events = []
-  names = ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_trace_duration")
-  listener = lambda event, duration, **kw: events.append(event) if event in names else None
   engine = Engine(model, config=config(), settings=SETTINGS)
 
   def run(seed):
@@ -328,13 +325,95 @@ def test_a_second_workload_of_the_same_shapes_compiles_nothing(model):
 
   run(0)
   before = engine.stats()["generated_tokens"]
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with count_compiles() as events:
     run(1)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   assert events == []
   assert engine.stats()["generated_tokens"] == 2 * before > 0
+
+
+def count_compiles():
+  """A context manager collecting the compile events (tracing, XLA compiles) inside it."""
+  import contextlib
+
+  names = ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_trace_duration")
+
+  @contextlib.contextmanager
+  def counting():
+    events = []
+    listener = lambda event, duration, **kw: events.append(event) if event in names else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+      yield events
+    finally:
+      jax.monitoring.unregister_event_duration_listener(listener)
+
+  return counting()
+
+
+MIXES = [dict(), dict(temperature=1.0), dict(temperature=0.7, top_k=3),
+         dict(temperature=1.2, top_p=0.8), dict(temperature=0.9, top_k=20, top_p=0.6),
+         dict(temperature=0.5, top_k=1)]
+
+
+def test_new_sampling_mixes_compile_nothing_and_draw_each_requests_tokens(model):
+  """Warmed up on greedy requests only, the engine runs any mix of temperature, top-k and
+  top-p with the programs it has (each row's rule is data), and every request gets the
+  tokens of its rule alone."""
+  def requests(seed, mixes):
+    rng = np.random.default_rng(seed)
+    return [Request(r.prompt, n=r.n, max_tokens=r.max_tokens, seed=int(rng.integers(0, 100)),
+                    ignore_eos=True, **mixes[int(rng.integers(0, len(mixes)))])
+            for r in workload(np.random.default_rng(5))]
+
+  engine = Engine(model, config=config(), settings=SETTINGS)
+  run_schedule(engine, requests(0, MIXES[:1]), [0, 0, 1, 2, 2, 3])
+  engine.reset()
+  mixed = requests(1, MIXES[1:])
+  assert len({r.sampling for r in mixed}) >= 3
+  with count_compiles() as events:
+    handles = run_schedule(engine, mixed, [0, 0, 1, 2, 2, 3])
+  assert events == []
+  for request, handle in zip(mixed, handles):
+    assert got(handle.output) == expected(model, request)
+  assert_drained(engine)
+
+
+def test_prefill_chunks_of_several_requests_share_a_device_call(model):
+  rng = np.random.default_rng(4)
+  requests = [Request(rng.integers(0, 256, int(rng.integers(2, 9))).tolist(), max_tokens=3,
+                      ignore_eos=True, **MIXES[i % len(MIXES)]) for i in range(6)]
+  engine = Engine(model, config=config(max_prefill_tokens=16, prefill_buckets=(4, 8, 16)),
+                  settings=SETTINGS)
+  outs = engine.generate(requests)
+  for request, out in zip(requests, outs):
+    assert got(out) == expected(model, request)
+  # 6 prompts of 1..7 context tokens, at most 16 per tick: fewer calls than chunks.
+  assert engine.stats()["prefill_calls"] < len(requests)
+  assert_drained(engine)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_engine_in_a_subprocess():
+  """tests/serving/test_engine_mesh.py on 4 CPU devices (the flag must precede JAX's start)."""
+  import os
+  import re
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  from strategies import DEVICE_FLAGS
+  root = Path(__file__).resolve().parents[2]
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + DEVICE_FLAGS).strip())
+  env.pop("PYTEST_XDIST_WORKER", None)
+  proc = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+       "tests/serving/test_engine_mesh.py"],
+      cwd=root, env=env, capture_output=True, text=True, timeout=900)
+  report = proc.stdout[-6000:] + proc.stderr[-2000:]
+  assert proc.returncode == 0, report
+  summary = proc.stdout.strip().splitlines()[-1]
+  assert re.search(r"\b3 passed", summary) and "skipped" not in summary, report
 
 
 # -- errors -----------------------------------------------------------------------------------------
@@ -364,6 +443,7 @@ def test_requests_the_engine_cannot_serve_fail_alone(model):
   bad = [(Request([1] * 1025), "prompt"), (Request([1] * 1000, max_tokens=100), "max_tokens"),
          (Request([1, 256]), "prompt"), (Request([1, 2], n=9), "n"),
          (Request([1, 2], n=4, max_tokens=60), "max_tokens"), (Request("text"), "tokenizer"),
+         (Request([1] * 40, max_tokens=30), "own_page_buckets"),
          (Request([1, 2], stop=("x",)), "stop")]
   handle = engine.submit(good)
   for request, field in bad:

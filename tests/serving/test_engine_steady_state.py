@@ -1,0 +1,58 @@
+"""The serving engine in steady state: after :meth:`Engine.warmup`, 1,000 requests (random
+prompts sharing system prompts and topics, n 1-2, mixed sampling rules, random arrivals)
+compile nothing, and a sample of them gets the tokens of each request alone."""
+
+import numpy as np
+from test_engine import MIXES, SETTINGS, assert_drained, count_compiles, expected, got, model  # noqa: F401
+
+from models.serving import Engine, EngineConfig, Request
+
+CONFIG = EngineConfig(page_size=4, num_pages=160, max_running=16, max_prefill_tokens=32,
+                      decode_steps=4, min_shared_tokens=4, batch_buckets=(16,),
+                      prefill_buckets=(8, 32), level_buckets=(2,), segment_buckets=(8,),
+                      page_buckets=(4,), own_page_buckets=(4, 16))
+
+
+def requests(rng, num):
+  systems = [rng.integers(0, 256, 8).tolist() for _ in range(3)]
+  topics = [rng.integers(0, 256, 4).tolist() for _ in range(4)]
+  out = []
+  for _ in range(num):
+    kind = int(rng.integers(0, 3))
+    prompt = [] if kind == 2 else list(systems[int(rng.integers(0, 3))])
+    if kind == 1:
+      prompt += topics[int(rng.integers(0, 4))]
+    prompt += rng.integers(0, 256, int(rng.integers(1, 5))).tolist()
+    out.append(Request(prompt, n=int(rng.integers(1, 3)), max_tokens=int(rng.integers(1, 5)),
+                       seed=int(rng.integers(0, 2**31)), ignore_eos=True,
+                       **MIXES[int(rng.integers(0, len(MIXES)))]))
+  return out
+
+
+def run(engine, rng, reqs):
+  """Submits the requests in random bursts of 0-12 per tick; runs until all are done."""
+  handles, i = [], 0
+  while i < len(reqs) or engine.has_work:
+    burst = int(rng.integers(0, 13))
+    handles += [engine.submit(r) for r in reqs[i:i + burst]]
+    i += burst
+    engine.step()
+  return handles
+
+
+def test_a_thousand_requests_compile_nothing_after_warm_up(model):
+  rng = np.random.default_rng(0)
+  engine = Engine(model, config=CONFIG, settings=SETTINGS)
+  # prefill: 16 rows x chunks (8, 32) x widths (4, 16); decode: 16 rows x (no level, 2 x 8
+  # x 4) x own pages (4, 16); the page copy.
+  assert engine.warmup() == 4 + 4 + 1
+  reqs = requests(rng, 1000)
+  with count_compiles() as events:
+    handles = run(engine, rng, reqs)
+  assert events == []
+  stats = engine.stats()
+  assert 0 < stats["cascade_calls"] < stats["decode_calls"]
+  assert stats["prefix_hit_rate"] > 0.3
+  for j in rng.choice(len(reqs), 40, replace=False):
+    assert got(handles[j].output) == expected(model, reqs[j]), j
+  assert_drained(engine)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 from models.bench import common
@@ -137,6 +138,7 @@ def run_engine(model, args, mode: str, requests) -> dict:
   t0 = time.perf_counter()
   engine.generate(_warmup(args, requests))
   warm_s = time.perf_counter() - t0
+  print(f"[{mode}] warm-up {warm_s:.1f} s", file=sys.stderr, flush=True)
   engine.reset()
   before = engine.stats()
   t0 = time.perf_counter()
@@ -204,7 +206,9 @@ def _run(args: argparse.Namespace) -> int:
 
   os.makedirs(args.out, exist_ok=True)
   config = preset(args.model)
+  t0 = time.perf_counter()
   model = device_random_init(config, seed=0)
+  print(f"model {args.model}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
   requests = requests_of(args, config.vocab_size)
   bw, rate = _ceilings()
   info = common.stamp(model=args.model, workload=args.workload, impl=args.impl,

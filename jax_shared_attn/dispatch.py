@@ -204,7 +204,7 @@ def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
   elif paged:
     from pallas_kernels.gpu import dispatch as gpu_dispatch
     bplan = gpu_dispatch.plan_paged(q, [t for t, _, _ in parts], suffix_k, page_table,
-                                    device=device, family=family)
+                                    device=device, family=family, config=config)
   elif family == "tpu":
     from pallas_kernels.tpu import dispatch as tpu_dispatch
     bplan = tpu_dispatch.plan(q, parts or (), suffix_k, device=device, config=config)

@@ -8,7 +8,8 @@ config; the kernels (:mod:`pallas_kernels.gpu.shared`) only execute it.
   kernel ("split"), with every kernel's config.
 - :func:`plan_suffix`: attention without a shared part (the suffix kernel alone).
 - :func:`plan_paged`: attention over page pools (``paged_attention``): per shared level the
-  segment kernel, then the suffix kernel, both reading pages in place.
+  prefix kernel on the gathered segment or the segment kernel reading pages in place, then the
+  suffix kernel reading each sequence's own pages in place.
 - :func:`plan_prefix`: a shared prefix's kernel, Mosaic GPU (Hopper) or Triton, and its configs.
 - :func:`segment_alignment`, :func:`suffix_alignment`: the buffer multiples that let a cache
   reach the Hopper kernels.
@@ -68,8 +69,7 @@ class GpuPlan:
     path: "suffix" (no shared part: the suffix kernel alone), "flat" (one Triton kernel, shared
       then own keys per sequence), "fused_decode" (one Mosaic GPU kernel, prefix and suffixes),
       "split" (the shared parts' kernels, then the suffix kernel merging their states in its
-      epilogue), or "paged" (as "split", over page pools: the segment kernel per level and the
-      suffix kernel read the pages in place).
+      epilogue), or "paged" (as "split", over page pools: :func:`plan_paged`).
     device: the device planned for (its SM count sizes every grid).
     merge: the merge kernel's config (key splits merged after a kernel).
     flat: the flat kernel's config (path "flat").
@@ -78,7 +78,7 @@ class GpuPlan:
     fallback: path "fused_decode": the "split" plan that runs where the program is not lowered
       for CUDA (the Triton kernels, interpreted: Mosaic GPU has no interpret mode).
     prefixes: per shared part, its :class:`PrefixPlan`, or None for a tree level of several
-      segments (path "split").
+      segments (paths "split" and "paged").
     segments: per shared part, the segment kernel's config where it runs, else None (paths
       "split" and "paged").
     suffix: the suffix kernel's config (paths "suffix", "split" and "paged").
@@ -283,33 +283,51 @@ def plan_split(q, parts, suffix_k, *, device: DeviceInfo, family: str = "triton"
 
 
 def plan_paged(q, level_tables, k_pages, page_table, *, device: DeviceInfo,
-               family: str = "triton") -> GpuPlan:
-  """The plan for ``q [B, Tq, Hq, D]`` over page pools ``k_pages [pages, page_size, Hkv, D]``:
-  per shared level (its page table ``[S, P]`` in ``level_tables``) the segment kernel, then the
-  suffix kernel over each sequence's own pages (``page_table [B, O]``), the levels' states merged
-  in its epilogue. Both Triton kernels read the pages in place; the Mosaic GPU kernels stream
-  contiguous TMA blocks, so the mosaic_gpu family runs the same kernels."""
+               family: str = "triton", interpret: Optional[bool] = None,
+               config: Optional[GpuConfig] = None) -> GpuPlan:
+  """The plan for ``q [B, Tq, Hq, D]`` over page pools ``k_pages [pages, page_size, Hkv, D]``,
+  the levels' page tables ``[S, P]`` in ``level_tables``, each sequence's own pages
+  ``page_table [B, O]``. Per level: one segment (a system prompt) is gathered into a
+  contiguous buffer, padded to :func:`segment_alignment`, for the batched prefix kernel
+  (:func:`plan_prefix`: key splits, Mosaic GPU on Hopper), one copy of the segment that the
+  prefix product's time dwarfs; several segments are read in place by the segment kernel,
+  its keys split to fill the machine. Then the suffix kernel reads the own pages in place and
+  merges every level's states in its epilogue."""
   _check_family(family)
+  config = GpuConfig() if config is None else config
   b, tq, hq, d = q.shape
   page_size, hkv = k_pages.shape[1], k_pages.shape[2]
   m = tq * (hq // hkv)
   itemsize = jnp.dtype(k_pages.dtype).itemsize
-  segments = tuple(
-      segment_lib.with_key_splits(segment_lib.default_config(b * m, t.shape[0], d, itemsize,
-                                                             device=device),
-                                  b * m, t.shape[0], hkv, t.shape[1] * page_size, device=device)
-      for t in level_tables)
+  prefixes, segments, reasons = [], [], []
+  for i, t in enumerate(level_tables):
+    keys = t.shape[1] * page_size
+    if t.shape[0] == 1:
+      keys += -keys % segment_alignment(family)
+      pp = plan_prefix(b * m, hkv, keys, d, q.dtype, device=device, kv_itemsize=itemsize,
+                       family=family, interpret=interpret, options=config.prefix,
+                       max_fused_prior_splits=config.max_fused_prior_splits)
+      prefixes.append(pp)
+      segments.append(None)
+      reasons.append(f"level {i}: one segment of up to {t.shape[1]} pages, gathered into "
+                     f"{keys} contiguous keys for the prefix kernel")
+      reasons += [f"level {i}: {r}" for r in pp.reasons]
+    else:
+      sc = segment_lib.with_key_splits(
+          segment_lib.default_config(b * m, t.shape[0], d, itemsize, device=device),
+          b * m, t.shape[0], hkv, keys, device=device)
+      prefixes.append(None)
+      segments.append(sc)
+      reasons.append(f"level {i}: {t.shape[0]} segments of up to {t.shape[1]} pages read in "
+                     f"place by the segment kernel: {sc}")
   suffix = suffix_lib.default_config(b, hkv, page_table.shape[1] * page_size, d, rows=m,
                                      device=device, itemsize=itemsize)
-  reasons = [f"pages of {page_size} tokens read in place through the page tables (Triton "
-             f"kernels" + ("; the Mosaic GPU kernels read contiguous buffers only)"
-                           if family == "mosaic_gpu" else ")")]
-  reasons += [f"level {i}: {t.shape[0]} segment(s) of up to {t.shape[1]} pages: the segment "
-              f"kernel: {sc}" for i, (t, sc) in enumerate(zip(level_tables, segments))]
-  reasons.append(f"own pages (up to {page_table.shape[1]} per sequence): the suffix kernel, the "
-                 f"levels merged in its epilogue: {suffix}")
-  return GpuPlan(family, "paged", device, merge_lib.default_config(device), segments=segments,
-                 suffix=suffix, reasons=tuple(reasons))
+  reasons.append(f"own pages (up to {page_table.shape[1]} of {page_size} tokens per sequence) "
+                 f"read in place by the suffix kernel, the levels merged in its epilogue: "
+                 f"{suffix}")
+  return GpuPlan(family, "paged", device, merge_lib.default_config(device),
+                 prefixes=tuple(prefixes), segments=tuple(segments), suffix=suffix,
+                 reasons=tuple(reasons))
 
 
 def segment_alignment(family: str) -> int:

@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.base import gather_pages
 from pallas_kernels.device import DeviceInfo
 from pallas_kernels.gpu import common, dispatch
 from pallas_kernels.gpu.config import GpuConfig
@@ -137,30 +138,35 @@ def paged_attention(q, k_pages, v_pages, levels, page_table, kv_lengths, *, caus
                     plan: dispatch.GpuPlan | None = None, device: DeviceInfo | None = None,
                     interpret=None):
   """Attention over page pools (see :func:`pallas_kernels.base.paged_attention`): runs ``plan``
-  (path "paged") where given, else the plan for these shapes on ``device``. Returns ``out [B,
-  Tq, Hq, D]`` in q's dtype and natural-log ``lse [B, Tq, Hq]``."""
+  (path "paged", :func:`pallas_kernels.gpu.dispatch.plan_paged`) where given, else the plan for
+  these shapes on ``device``. A level of one segment has its pages gathered (one copy of the
+  segment) for the batched prefix kernel; a level of several segments is read in place by the
+  segment kernel; every sequence's own pages are read in place by the suffix kernel. Returns
+  ``out [B, Tq, Hq, D]`` in q's dtype and natural-log ``lse [B, Tq, Hq]``."""
   if plan is None:
     plan = dispatch.plan_paged(q, [t for t, _, _ in levels], k_pages, page_table,
                                device=device or DeviceInfo.for_target("gpu"))
-  b, tq, hq, d = q.shape
-  hkv = k_pages.shape[2]
-  m = tq * (hq // hkv)
-  q_rows = common.fold_rows(q, hkv)  # [Hkv, B * M, D]
-  priors = []
-  for (table, lengths, nodes), seg_cfg in zip(levels, plan.segments):
-    out, lse = segment_rows(q_rows, k_pages, v_pages, rows_per_seq=m, lengths=lengths,
-                            node_of_seq=nodes, scale=scale, config=seg_cfg, page_table=table,
-                            interpret=interpret)  # every key split a prior of the suffix kernel
-    priors.append((out.reshape(-1, hkv, b, m, d), lse.reshape(-1, hkv, b, m)))
-  out, lse = suffix_rows(q_rows.reshape(hkv, b, m, d), k_pages, v_pages, kv_lengths, priors,
-                         q_len=tq, causal=causal, scale=scale, out_dtype=q.dtype,
-                         config=plan.suffix, merge=plan.merge, by_sequence=True,
-                         page_table=page_table, interpret=interpret)
-  return common.unfold_seq_rows(out, tq), common.unfold_seq_rows(lse, tq)
+  align = dispatch.segment_alignment(plan.family)
+  parts = []
+  for (table, lengths, nodes), prefix_plan in zip(levels, plan.prefixes):
+    if prefix_plan is None:
+      parts.append(("pages", table, None, lengths, nodes))
+      continue
+    keys = table.shape[1] * k_pages.shape[1]
+    pad = ((0, 0), (0, -keys % align), (0, 0), (0, 0))
+    k, v = (jnp.pad(gather_pages(x, table), pad) for x in (k_pages, v_pages))
+    parts.append(("segments", k, v, lengths, nodes))
+  return _split(plan, q, parts, k_pages, v_pages, kv_lengths=kv_lengths, causal=causal,
+                scale=scale, interpret=interpret, page_table=page_table)
 
 
-def _split(plan, q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, interpret):
-  """The shared parts' kernels, then the suffix kernel merging their states in its epilogue."""
+def _split(plan, q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, interpret,
+           page_table=None):
+  """The shared parts' kernels, then the suffix kernel merging their states in its epilogue.
+
+  With ``page_table``, ``suffix_k, suffix_v`` are page pools, the suffix kernel reads each
+  sequence's own pages in place, and a part ``("pages", table, None, lengths, nodes)`` is a
+  tree level whose segments the segment kernel reads in place from the pools."""
   b, tq, hq, d = q.shape
   hkv = suffix_k.shape[2]
   m = tq * (hq // hkv)
@@ -176,6 +182,10 @@ def _split(plan, q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, int
                                        plan=prefix_plan, interpret=interpret)
       mine = jnp.repeat(nodes == 0, m)  # [B * M]
       lse = jnp.where(mine[None, None, :], lse, -jnp.inf)
+    elif kind == "pages":  # k is the level's page table
+      out, lse = segment_rows(q_rows, suffix_k, suffix_v, rows_per_seq=m, lengths=lengths,
+                              node_of_seq=nodes, scale=scale, config=seg_cfg, page_table=k,
+                              interpret=interpret)
     else:
       out, lse = segment_rows(q_rows, k, v, rows_per_seq=m, lengths=lengths, node_of_seq=nodes,
                               scale=scale, config=seg_cfg, interpret=interpret)
@@ -188,5 +198,5 @@ def _split(plan, q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, int
   out, lse = suffix_rows(q_rows.reshape(hkv, b, m, d), suffix_k, suffix_v, kv_lengths, priors,
                          q_len=tq, causal=causal, scale=scale, out_dtype=q.dtype,
                          config=plan.suffix, merge=plan.merge, by_sequence=True,
-                         interpret=interpret)
+                         page_table=page_table, interpret=interpret)
   return common.unfold_seq_rows(out, tq), common.unfold_seq_rows(lse, tq)

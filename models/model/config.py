@@ -244,6 +244,20 @@ PRESETS: dict[str, LlamaConfig] = {
                                  num_kv_heads=40, intermediate_size=13824, rms_norm_eps=1e-5,
                                  rope_theta=1e6, max_position_embeddings=16384, bos_token_id=1,
                                  eos_token_id=2, name="codellama-13b"),
+    "mistral-7b-v0.3": LlamaConfig(vocab_size=32768, hidden_size=4096, num_layers=32,
+                                   num_heads=32, num_kv_heads=8, intermediate_size=14336,
+                                   rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=32768,
+                                   bos_token_id=1, eos_token_id=2, name="mistral-7b-v0.3"),
+    "qwen2.5-0.5b": LlamaConfig(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
+                                num_kv_heads=2, intermediate_size=4864, rms_norm_eps=1e-6,
+                                rope_theta=1e6, max_position_embeddings=32768,
+                                tie_word_embeddings=True, qkv_bias=True, eos_token_id=151643,
+                                name="qwen2.5-0.5b"),
+    "qwen3-0.6b": LlamaConfig(vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16,
+                              num_kv_heads=8, head_dim=128, intermediate_size=3072,
+                              rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+                              tie_word_embeddings=True, qk_norm=True, bos_token_id=151643,
+                              eos_token_id=151645, name="qwen3-0.6b"),
 }
 
 

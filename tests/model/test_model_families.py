@@ -122,13 +122,18 @@ def test_training_logprobs_under_a_tree_equal_the_plain_model(loaded, case):
   comp = rng.integers(0, v, (tree.num_samples, 4)).astype(np.int32)
   comp[1, 2:] = -1
   got = np.asarray(nnx.jit(completion_logprobs)(model, prompt_arrays(tree), jnp.asarray(comp)))
+  # The oracle: each sample's whole sequence as its own right-padded row (causal: the padding
+  # is unseen), nothing shared.
+  seqs = [tree.prompt(b) + [int(c) for c in comp[b] if c >= 0] for b in range(tree.num_samples)]
+  rows = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+  for b, seq in enumerate(seqs):
+    rows[b, :len(seq)] = seq
+  logp = np.asarray(jax.nn.log_softmax(run(model, jnp.asarray(rows)), axis=-1))
   for b in range(tree.num_samples):
-    prompt = tree.prompt(b)
-    seq = prompt + [int(c) for c in comp[b] if c >= 0]
-    logp = jax.nn.log_softmax(run(model, jnp.asarray([seq]))[0], axis=-1)
-    for t, c in enumerate(comp[b]):
-      want = 0.0 if c < 0 else float(logp[len(prompt) - 1 + t, c])
-      assert abs(got[b, t] - want) < 2e-5, (b, t, got[b, t], want)
+    start = len(tree.prompt(b)) - 1
+    want = [0.0 if c < 0 else logp[b, start + t, c] for t, c in enumerate(comp[b])]
+    np.testing.assert_allclose(got[b], want, atol=2e-5, rtol=0, err_msg=f"sample {b}")
+  assert got.min() < -3  # not a near-uniform distribution
 
 
 def test_unsupported_and_windowed_checkpoints_get_one_clear_error(tmp_path):

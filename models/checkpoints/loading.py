@@ -544,8 +544,9 @@ def _sharded_target(target, config: LlamaConfig, mesh):
         visit(value, path + ".")
         continue
       spec = sharding_lib.param_spec(path, config, mesh)
-      if (path.endswith(("k_proj", "v_proj"))
-          and sharding_lib.kv_replication(value.shape[1], mesh.shape[sharding_lib.MODEL]) > 1):
+      axis = sharding_lib.kv_head_axis(path)
+      if (axis is not None and sharding_lib.kv_replication(
+          value.shape[axis], mesh.shape[sharding_lib.MODEL]) > 1):
         spec = sharding_lib.P()
       node[key] = jax.ShapeDtypeStruct(value.shape, value.dtype,
                                        sharding=sharding_lib.NamedSharding(mesh, spec))

@@ -102,8 +102,9 @@ def gguf_family(architecture: Any) -> Family:
 
 
 def check_no_window(family: Family, hf: Mapping[str, Any]) -> None:
-  """Raises :class:`Unsupported` when ``config.json`` asks for sliding-window attention that can hide a
-  key from a query (a window shorter than ``max_position_embeddings``): not supported yet."""
+  """Raises :class:`Unsupported` when ``config.json`` asks for sliding-window attention that can
+  hide a key from a query (a window shorter than ``max_position_embeddings``): not supported
+  yet."""
   window = hf.get("sliding_window")
   if family.window_keys is None or window is None:
     return

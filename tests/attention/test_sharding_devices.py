@@ -254,7 +254,8 @@ def write_hf_dir(path, model, model_type="llama"):
   path.mkdir()
   save_file(tensors, str(path / "model.safetensors"))
   (path / "config.json").write_text(json.dumps(dict(
-      model_type=model_type, _name_or_path=c.name, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+      model_type=model_type, _name_or_path=c.name, vocab_size=c.vocab_size,
+      hidden_size=c.hidden_size,
       num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
       num_key_value_heads=c.num_kv_heads, intermediate_size=c.intermediate_size,
       head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,

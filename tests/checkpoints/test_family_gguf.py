@@ -16,8 +16,8 @@ LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-         "lm_head.weight": "output.weight"}
+NAMES = {"model.embed_tokens.weight": "token_embd.weight",
+         "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
 
 def write_gguf(path, hf, arch: str, *, quantized: bool = False):
@@ -98,7 +98,8 @@ def test_qwen_gguf_matches_transformers(tmp_path, arch, fields):
   ref = hf_logits(hf, ids)
   model, tokenizer, config = from_pretrained(write_gguf(tmp_path / "f32.gguf", hf, arch))
   assert (config.qkv_bias, config.qk_norm) == (arch == "qwen2", arch == "qwen3")
-  assert config.tie_word_embeddings == (arch == "qwen2") and config.head_dim == (32 if arch == "qwen3" else 16)
+  assert config.tie_word_embeddings == (arch == "qwen2")
+  assert config.head_dim == (32 if arch == "qwen3" else 16)
   err = rel_err(run(model, jnp.asarray(ids)), ref)
   assert err < 1e-4, err
   # Q8_0 matrices: equal to transformers running the same weights rounded by gguf's own

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.checkpoints.loading import CheckpointError, from_pretrained, hf_tensors, model_from_tensors
+from models.checkpoints.loading import (CheckpointError, from_pretrained, hf_tensors,
+                                        model_from_tensors)
 from models.generation.loop import generate
 from models.generation.prompt_tree import PromptTree
 from models.model.llama import build, flat_params
@@ -65,7 +66,8 @@ def test_the_family_parameters_are_used(loaded):
     params = flat_params(model)
     for path in params:
       if path.split(".self_attn.")[-1] in names:
-        params[path] = jnp.zeros_like(params[path]) if "bias" in path else jnp.ones_like(params[path])
+        x = params[path]
+        params[path] = jnp.zeros_like(x) if "bias" in path else jnp.ones_like(x)
     ids = token_ids(model.config.vocab_size)
     assert rel_err(run(build(model.config, params), jnp.asarray(ids)), hf_logits(hf, ids)) > 1e-2
 
@@ -79,7 +81,8 @@ def test_checkpoint_tensors_round_trip(loaded):
     tensors = hf_tensors(params, model.config)
     theirs = {k: v.shape for k, v in hf.state_dict().items() if k != "lm_head.weight" or
               not model.config.tie_word_embeddings}
-    assert {k: tuple(v.shape) for k, v in tensors.items()} == {k: tuple(s) for k, s in theirs.items()}
+    assert ({k: tuple(v.shape) for k, v in tensors.items()}
+            == {k: tuple(s) for k, s in theirs.items()})
     back = flat_params(model_from_tensors(model.config, tensors))
     for path, value in params.items():
       np.testing.assert_array_equal(np.asarray(back[path]), np.asarray(value), err_msg=path)
@@ -105,8 +108,9 @@ def test_greedy_tokens_hydragen_equal_standard_and_transformers(loaded, case):
             for attention in ("hydragen", "standard")}
   np.testing.assert_array_equal(tokens["hydragen"], tokens["standard"])
   for rows, prompt in ((slice(0, 2), prompts[0]), (slice(2, 3), prompts[1])):
+    want = hf_greedy(hf, prompt, new)
     np.testing.assert_array_equal(tokens["hydragen"][rows],
-                                  np.broadcast_to(hf_greedy(hf, prompt, new), (rows.stop - rows.start, new)))
+                                  np.broadcast_to(want, (rows.stop - rows.start, new)))
 
 
 @pytest.mark.parametrize("case", ["qwen2", "qwen3"])

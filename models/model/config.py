@@ -170,8 +170,8 @@ class LlamaConfig:
     families.check_no_window(family, hf)
     for flag in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases are its family's own
       if hf.get(flag):
-        raise ValueError(f"LlamaConfig.from_hf: {flag}=true is not supported ({family.name} "
-                         f"with biases on every projection)")
+        raise ValueError(f"LlamaConfig.from_hf: {flag}=true is not supported ({family.name} with "
+                         f"biases on every projection; only Qwen2's q/k/v biases are)")
     if hf.get("hidden_act", "silu") != "silu":
       raise ValueError(f"LlamaConfig.from_hf: hidden_act must be 'silu'; got {hf['hidden_act']!r}")
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})

@@ -22,10 +22,18 @@ def rel_err(x, ref) -> float:
   return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
-def make_hf_llama(path, seed=0, dtype="float32", **overrides):
-  """Writes a random tiny transformers Llama (safetensors) to ``path``; returns the torch model.
+# family -> transformers' (config class, causal-LM class)
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+              "mistral": ("MistralConfig", "MistralForCausalLM"),
+              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
-  Weights are redrawn with a larger spread than transformers' init (std 0.02)
+
+def make_hf_llama(path, seed=0, dtype="float32", family="llama", **overrides):
+  """Writes a random tiny transformers model of ``family`` (safetensors; default Llama) to
+  ``path``; returns the torch model.
+
+  Weights (biases too) are redrawn with a larger spread than transformers' init (std 0.02)
   so that attention is far from uniform and every RoPE frequency matters.
   """
   torch = pytest.importorskip("torch")
@@ -35,7 +43,8 @@ def make_hf_llama(path, seed=0, dtype="float32", **overrides):
                 rms_norm_eps=1e-5)
   fields.update(overrides)
   torch.manual_seed(seed)
-  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
+  config_cls, model_cls = (getattr(transformers, name) for name in HF_CLASSES[family])
+  model = model_cls(config_cls(**fields)).eval()
   with torch.no_grad():
     for name, p in model.named_parameters():
       if name.endswith("norm.weight"):

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from models.parallel import sharding as sharding_lib
+from models.model import families
 from models.model.config import LlamaConfig
 from models.model.llama import CHECKPOINT_PERMS, Llama, build, flat_params
 from models.checkpoints.tokenizer import Tokenizer
@@ -120,7 +121,7 @@ class LazyTensor:
 
 def from_pretrained(path: str, *, dtype: Optional[str] = None, progress: bool = False,
                     mesh=None) -> Pretrained:
-  """Loads a Llama-family model, its tokenizer and config from local files.
+  """Loads a model (any family of :mod:`models.model.families`), its tokenizer and config.
 
   Args:
     path: one of
@@ -141,7 +142,8 @@ def from_pretrained(path: str, *, dtype: Optional[str] = None, progress: bool = 
     checkpoint has none.
 
   Raises:
-    CheckpointError: ``path`` is missing, unreadable or not a valid checkpoint.
+    CheckpointError: ``path`` is missing, unreadable or not a valid checkpoint, or its
+      architecture is not one of :mod:`models.model.families` (the message lists them).
   """
   path = os.fspath(path)
   if not os.path.exists(path):
@@ -151,6 +153,8 @@ def from_pretrained(path: str, *, dtype: Optional[str] = None, progress: bool = 
     return _from_pretrained(path, dtype=dtype, progress=progress, mesh=mesh)
   except CheckpointError:
     raise
+  except families.Unsupported as e:  # readable, but not a model we run: say which ones we do
+    raise CheckpointError(f"{path}: {e}") from e
   except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
     # gguf, safetensors and json report a damaged file in their own words; name the file.
     raise _unreadable(path, e) from e
@@ -206,6 +210,12 @@ def _layer_slots(c: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], tuple[
   slots = {f"{path}.weight": (path, view, CHECKPOINT_PERMS[path]) for path, view in views.items()}
   for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
     slots[norm] = (norm, (h,), (0,))
+  if c.qkv_bias:  # the file's [H * D] as our [H, D]
+    for x, heads in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
+      slots[f"self_attn.{x}_proj.bias"] = (f"self_attn.{x}_bias", (heads, d), (0, 1))
+  if c.qk_norm:
+    for norm in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+      slots[norm] = (norm, (d,), (0,))
   return slots
 
 
@@ -230,7 +240,8 @@ def hf_tensors(params: Mapping[str, Any], config: LlamaConfig) -> dict[str, np.n
   for name, slot in hf_name_map(config).items():
     x = np.asarray(params[slot.path]).transpose(np.argsort(slot.perm))  # the file's view
     rows = x.shape[0] * x.shape[1] if slot.perm == (2, 0, 1) else x.shape[0]
-    out[name] = np.ascontiguousarray(x.reshape(rows, -1) if x.ndim > 1 else x)
+    out[name] = np.ascontiguousarray(x.reshape(-1) if name.endswith(".bias")
+                                     else x.reshape(rows, -1) if x.ndim > 1 else x)
   return out
 
 
@@ -337,16 +348,17 @@ _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3
 }
 
 
 def gguf_config(fields: Mapping[str, Any], *, has_output: bool,
                 rope_freq_factors=None) -> LlamaConfig:
-  """The LlamaConfig a GGUF's ``{arch}.*`` metadata describes."""
+  """The LlamaConfig a GGUF's ``{arch}.*`` metadata describes (``general.architecture``: one
+  of :mod:`models.model.families`' GGUF architectures)."""
   arch = fields.get("general.architecture")
-  if arch != "llama":
-    raise ValueError(f"load_gguf: general.architecture must be 'llama'; got {arch!r}")
-  get = lambda key, default=None: fields.get(f"llama.{key}", default)
+  family = families.gguf_family(arch)
+  get = lambda key, default=None: fields.get(f"{arch}.{key}", default)
   heads = int(get("attention.head_count"))
   hidden = int(get("embedding_length"))
   vocab = get("vocab_size") or len(fields["tokenizer.ggml.tokens"])
@@ -365,7 +377,8 @@ def gguf_config(fields: Mapping[str, Any], *, has_output: bool,
       rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
       rope_freq_factors=rope_freq_factors,
       max_position_embeddings=int(get("context_length", 4096)),
-      tie_word_embeddings=not has_output, dtype="float32",
+      tie_word_embeddings=not has_output, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
+      dtype="float32",
       bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
       eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
       name=str(fields.get("general.name", "")))
@@ -400,12 +413,13 @@ def load_gguf(path: str, *, dtype: Optional[str] = None, progress: bool = False,
     freq_factors = tuple(np.asarray(_dequantize(by_name.pop("rope_freqs.weight")), np.float64))
   config = gguf_config(file.fields, has_output="output.weight" in by_name,
                        rope_freq_factors=freq_factors)
+  permuted = families.gguf_family(file.fields["general.architecture"]).gguf_rope_permuted
 
   def tensors():  # dequantized one at a time, each placed before the next is read
     for t in _iter_progress(by_name.values(), progress, "loading tensors", total=len(by_name)):
       name = _hf_name(t.name)
       read, rows = functools.partial(_dequantize_block, t), None
-      if name.endswith(("q_proj.weight", "k_proj.weight")):  # blocks are whole heads
+      if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):  # whole heads
         read = functools.partial(_unpermuted_block, read, config.head_dim)
         rows = _unpermuted_rows(t.data.shape[0], config.head_dim)
       whole = lambda transpose, t=t, rows=rows: _dequantize(t, transpose=transpose, rows=rows)
@@ -418,10 +432,10 @@ def load_gguf(path: str, *, dtype: Optional[str] = None, progress: bool = False,
 def _hf_name(gguf_name: str) -> str:
   if gguf_name in _GGUF_NAMES:
     return _GGUF_NAMES[gguf_name]
-  m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+  m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
   if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
-    raise ValueError(f"load_gguf: unexpected tensor {gguf_name!r} for a llama model")
-  return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.weight"
+    raise ValueError(f"load_gguf: unexpected tensor {gguf_name!r}")
+  return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
 def _dequantize_block(t, rows: slice, cols: Optional[slice] = None) -> np.ndarray:
@@ -531,8 +545,9 @@ def _sharded_target(target, config: LlamaConfig, mesh):
         visit(value, path + ".")
         continue
       spec = sharding_lib.param_spec(path, config, mesh)
-      if (path.endswith(("k_proj", "v_proj"))
-          and sharding_lib.kv_replication(value.shape[1], mesh.shape[sharding_lib.MODEL]) > 1):
+      axis = sharding_lib.kv_head_axis(path)
+      if (axis is not None and sharding_lib.kv_replication(
+          value.shape[axis], mesh.shape[sharding_lib.MODEL]) > 1):
         spec = sharding_lib.P()
       node[key] = jax.ShapeDtypeStruct(value.shape, value.dtype,
                                        sharding=sharding_lib.NamedSharding(mesh, spec))

@@ -29,6 +29,8 @@ CHATML_FALLBACK = (
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2 and Qwen3: Llama 3's split with every digit on its own.
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 _PRE_SPLITS = {
     "smollm": (r"\p{N}", _GPT2_SPLIT),
     "gpt2": (_GPT2_SPLIT,),
@@ -36,6 +38,7 @@ _PRE_SPLITS = {
     "llama3": (_LLAMA3_SPLIT,),
     "llama-v3": (_LLAMA3_SPLIT,),
     "llama-bpe": (_LLAMA3_SPLIT,),
+    "qwen2": (_QWEN2_SPLIT,),
 }
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types

@@ -1,2 +1,3 @@
-"""The model: ``config`` (LlamaConfig, presets), ``rope`` (rotary embeddings), ``llama`` (the
-NNX decoder, built from arrays or drawn at random)."""
+"""The model: ``config`` (LlamaConfig, presets), ``families`` (the architectures it runs and how
+checkpoints name them), ``rope`` (rotary embeddings), ``llama`` (the NNX decoder, built from
+arrays or drawn at random)."""

@@ -1,9 +1,10 @@
-"""The Llama architecture's hyperparameters, and named presets.
+"""The decoder's hyperparameters, and named presets.
 
-One frozen (hashable) dataclass covers Llama 2, Llama 3.x, CodeLlama and
-SmolLM2: they differ only in sizes, RoPE base and scaling, the GQA ratio and
-whether the output projection is tied to the embedding. ``LlamaConfig`` is
-hashable so that it can be a static argument of ``jax.jit``.
+One frozen (hashable) dataclass covers Llama 2, Llama 3.x, CodeLlama, SmolLM2, Mistral
+(without a sliding window), Qwen2, Qwen2.5 and Qwen3: they differ in sizes, RoPE base and
+scaling, the GQA ratio, whether the output projection is tied to the embedding, and two
+values of the attention (``qkv_bias``, ``qk_norm``; the families: :mod:`models.model.families`).
+``LlamaConfig`` is hashable so that it can be a static argument of ``jax.jit``.
 
     >>> cfg = preset("llama-3-8b")                    # the shape only; weights come from loading
     >>> cfg = cfg.replace(dtype="bfloat16", max_position_embeddings=32768)
@@ -17,6 +18,8 @@ import json
 from typing import Any, Mapping, Optional
 
 import jax.numpy as jnp
+
+from models.model import families
 
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_KINDS = ("linear", "llama3")
@@ -64,7 +67,10 @@ class LlamaConfig:
       floats), as llama.cpp stores Llama 3.1 scaling (``rope_freqs.weight``).
     max_position_embeddings: the context length; generation refuses to go
       beyond it (raise it with :meth:`replace` for benchmarks on random weights).
-    tie_word_embeddings: the output projection is the embedding (SmolLM2).
+    tie_word_embeddings: the output projection is the embedding (SmolLM2, small Qwens).
+    qkv_bias: the q, k and v projections add a bias (Qwen2, Qwen2.5).
+    qk_norm: an RMSNorm over ``head_dim`` (weights ``[head_dim]``, ``rms_norm_eps``) on every
+      query and key head before RoPE (Qwen3).
     dtype: parameter and activation dtype, one of ``DTYPES``; logits are
       always float32.
     bos_token_id, eos_token_id: informational (the tokenizer is authoritative).
@@ -84,6 +90,8 @@ class LlamaConfig:
   rope_freq_factors: Optional[tuple[float, ...]] = None
   max_position_embeddings: int = 4096
   tie_word_embeddings: bool = False
+  qkv_bias: bool = False
+  qk_norm: bool = False
   dtype: str = "float32"
   bos_token_id: Optional[int] = None
   eos_token_id: Optional[int] = None
@@ -121,6 +129,10 @@ class LlamaConfig:
     """Parameter count (the tied output projection counted once)."""
     d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
     attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    if self.qkv_bias:
+      attn += self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
+    if self.qk_norm:
+      attn += 2 * self.head_dim
     per_layer = attn + 3 * d * f + 2 * d
     return self.num_layers * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
 
@@ -147,14 +159,19 @@ class LlamaConfig:
   def from_hf(cls, hf: Mapping[str, Any], **overrides: Any) -> "LlamaConfig":
     """From a Hugging Face ``config.json`` dict (transformers 4.x or 5.x spelling).
 
+    The family comes from ``model_type``/``architectures``
+    (:func:`models.model.families.hf_family`: an unsupported one raises
+    :class:`models.model.families.Unsupported`, listing the supported ones; so does a
+    sliding window shorter than ``max_position_embeddings``).
     transformers 5 writes ``rope_parameters = {"rope_type", "rope_theta", ...}``;
     older files write ``rope_theta`` and ``rope_scaling = {"type"|"rope_type", ...}``.
     """
-    if hf.get("model_type", "llama") not in ("llama", "mistral"):
-      raise ValueError(f"LlamaConfig.from_hf: model_type must be 'llama'; got {hf['model_type']!r}")
-    for flag in ("attention_bias", "mlp_bias"):
+    family = families.hf_family(hf)
+    families.check_no_window(family, hf)
+    for flag in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases are its family's own
       if hf.get(flag):
-        raise ValueError(f"LlamaConfig.from_hf: {flag}=true is not supported (Llama has no biases)")
+        raise ValueError(f"LlamaConfig.from_hf: {flag}=true is not supported ({family.name} with "
+                         f"biases on every projection; only Qwen2's q/k/v biases are)")
     if hf.get("hidden_act", "silu") != "silu":
       raise ValueError(f"LlamaConfig.from_hf: hidden_act must be 'silu'; got {hf['hidden_act']!r}")
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -187,6 +204,8 @@ class LlamaConfig:
         rope_scaling=scaling,
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=family.qkv_bias,
+        qk_norm=family.qk_norm,
         dtype=torch_dtype if torch_dtype in DTYPES else "float32",
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
@@ -225,6 +244,20 @@ PRESETS: dict[str, LlamaConfig] = {
                                  num_kv_heads=40, intermediate_size=13824, rms_norm_eps=1e-5,
                                  rope_theta=1e6, max_position_embeddings=16384, bos_token_id=1,
                                  eos_token_id=2, name="codellama-13b"),
+    "mistral-7b-v0.3": LlamaConfig(vocab_size=32768, hidden_size=4096, num_layers=32,
+                                   num_heads=32, num_kv_heads=8, intermediate_size=14336,
+                                   rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=32768,
+                                   bos_token_id=1, eos_token_id=2, name="mistral-7b-v0.3"),
+    "qwen2.5-0.5b": LlamaConfig(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
+                                num_kv_heads=2, intermediate_size=4864, rms_norm_eps=1e-6,
+                                rope_theta=1e6, max_position_embeddings=32768,
+                                tie_word_embeddings=True, qkv_bias=True, eos_token_id=151643,
+                                name="qwen2.5-0.5b"),
+    "qwen3-0.6b": LlamaConfig(vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16,
+                              num_kv_heads=8, head_dim=128, intermediate_size=3072,
+                              rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+                              tie_word_embeddings=True, qk_norm=True, bos_token_id=151643,
+                              eos_token_id=151645, name="qwen3-0.6b"),
 }
 
 

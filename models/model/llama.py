@@ -1,6 +1,8 @@
 """The Llama decoder in Flax NNX: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
 
-Covers Llama 2, Llama 3.x, CodeLlama and SmolLM2 (see :mod:`models.model.config`).
+Covers Llama 2, Llama 3.x, CodeLlama, SmolLM2, Mistral, Qwen2/2.5 (``config.qkv_bias``: q/k/v
+biases ``q_bias [Hq, D]``, ...) and Qwen3 (``config.qk_norm``: ``q_norm``/``k_norm``, RMSNorm
+over each head before RoPE); see :mod:`models.model.config` and :mod:`models.model.families`.
 Layout ``[batch, seq, heads, head_dim]``; parameters and activations in
 ``config.dtype``; RMSNorm statistics, RoPE angles and the logits in float32.
 
@@ -129,6 +131,14 @@ class Attention(nnx.Module):
     self.k_proj = _normal(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), dt)
     self.v_proj = _normal(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), dt)
     self.o_proj = _normal(rngs, (c.num_heads, c.head_dim, c.hidden_size), dt)
+    if c.qkv_bias:  # [H, D]: added to the projection's output heads
+      self.q_bias = _normal(rngs, (c.num_heads, c.head_dim), dt)
+      self.k_bias = _normal(rngs, (c.num_kv_heads, c.head_dim), dt)
+      self.v_bias = _normal(rngs, (c.num_kv_heads, c.head_dim), dt)
+    if c.qk_norm:  # one weight [D] shared by the heads
+      self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, abstract=rngs is None)
+      self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, abstract=rngs is None)
+    self.qkv_bias, self.qk_norm = c.qkv_bias, c.qk_norm
     self.layer = layer
     self.inv_freq = tuple(float(f) for f in inverse_frequencies(config))
 
@@ -140,6 +150,10 @@ class Attention(nnx.Module):
     x_k, x_v = _unshared(x, 2) if rows >= SEPARATE_PROJECTIONS_MIN_ROWS else (x, x)
     keys = _heads_in(x_k, self.k_proj)  # (bs, seqlen, n_kv_heads, head_dim)
     values = _heads_in(x_v, self.v_proj)
+    if self.qkv_bias:
+      xq, keys, values = xq + self.q_bias[...], keys + self.k_bias[...], values + self.v_bias[...]
+    if self.qk_norm:
+      xq, keys = self.q_norm(xq), self.k_norm(keys)
     inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
     xq, keys = apply_rope(xq, positions, inv_freq), apply_rope(keys, positions, inv_freq)
     if skip_attention:

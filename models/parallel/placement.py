@@ -13,7 +13,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from models.model.config import LlamaConfig
 from models.parallel.mesh import MODEL, MeshSpec, make_mesh
-from models.parallel.rules import (check_batch, kv_replication, param_spec, sharded_config,
+from models.parallel.rules import (check_batch, kv_head_axis, kv_replication, param_spec,
+                                   sharded_config,
                                    state_shardings)
 
 
@@ -32,10 +33,11 @@ def place_param(path: str, value: Any, config: LlamaConfig, mesh: Mesh, dtype=No
     value, xp = np.asarray(value), np
   if value.dtype != dtype:
     value = value.astype(dtype)
-  if path.endswith(("self_attn.k_proj", "self_attn.v_proj")):  # [hidden, Hkv, D]
-    r = kv_replication(value.shape[1], mesh.shape[MODEL])
+  axis = kv_head_axis(path)
+  if axis is not None:  # k_proj [hidden, Hkv, D], k_bias [Hkv, D], ...
+    r = kv_replication(value.shape[axis], mesh.shape[MODEL])
     if r > 1:
-      value = xp.repeat(value, r, axis=1)  # head j of the result is original head j // r
+      value = xp.repeat(value, r, axis=axis)  # head j of the result is original head j // r
   return jax.device_put(value, NamedSharding(mesh, param_spec(path, config, mesh)))
 
 
@@ -52,9 +54,9 @@ def place_param_from(path: str, shape: Sequence[int], read, config: LlamaConfig,
   """
   dtype = jnp.dtype(config.param_dtype if dtype is None else dtype)
   shape = tuple(int(n) for n in shape)
-  r = (kv_replication(shape[1], mesh.shape[MODEL])  # [hidden, Hkv, D]
-       if path.endswith(("self_attn.k_proj", "self_attn.v_proj")) else 1)
-  global_shape = shape if r == 1 else (shape[0], shape[1] * r) + shape[2:]
+  axis = kv_head_axis(path)  # k_proj [hidden, Hkv, D], k_bias [Hkv, D], ...
+  r = 1 if axis is None else kv_replication(shape[axis], mesh.shape[MODEL])
+  global_shape = shape if r == 1 else shape[:axis] + (shape[axis] * r,) + shape[axis + 1:]
 
   blocks = {}  # devices holding the same block (replicas over "data") read it once
 
@@ -65,11 +67,11 @@ def place_param_from(path: str, shape: Sequence[int], read, config: LlamaConfig,
       if r == 1:
         x = np.asarray(read(index))
       else:  # replicated head j is original head j // r
-        lo, hi = index[1].start, index[1].stop
+        lo, hi = index[axis].start, index[axis].stop
         first = lo // r
-        x = np.repeat(np.asarray(read((index[0], slice(first, -(-hi // r))) + index[2:])), r,
-                      axis=1)
-        x = x[:, lo - first * r:hi - first * r]
+        heads = index[:axis] + (slice(first, -(-hi // r)),) + index[axis + 1:]
+        x = np.repeat(np.asarray(read(heads)), r, axis=axis)
+        x = np.take(x, np.arange(lo - first * r, hi - first * r), axis=axis)
       blocks[key] = x.astype(dtype, copy=False)
     return blocks[key]
 

@@ -23,11 +23,17 @@ PARAM_RULES = (
     ("self_attn.k_proj", P(None, MODEL, None)),
     ("self_attn.v_proj", P(None, MODEL, None)),
     ("self_attn.o_proj", P(MODEL, None, None)),
+    ("self_attn.q_bias", P(MODEL, None)),  # [Hq, D] (Qwen2)
+    ("self_attn.k_bias", P(MODEL, None)),
+    ("self_attn.v_bias", P(MODEL, None)),
     ("mlp.gate_proj", P(None, MODEL)),
     ("mlp.up_proj", P(None, MODEL)),
     ("mlp.down_proj", P(MODEL, None)),
-    ("norm.weight", P()),  # input_layernorm, post_attention_layernorm, the final norm
+    ("norm.weight", P()),  # input_layernorm, post_attention_layernorm, the final norm, q/k norms
 )
+# Parameters holding KV heads, and their head axis (repeated there: kv_replication).
+KV_HEAD_AXIS = {"self_attn.k_proj": 1, "self_attn.v_proj": 1,  # [hidden, Hkv, D]
+                "self_attn.k_bias": 0, "self_attn.v_bias": 0}  # [Hkv, D]
 VOCAB_PARAMS = ("embed_tokens", "lm_head")
 
 
@@ -40,6 +46,11 @@ def kv_replication(num_kv_heads: int, model_size: int) -> int:
   multiple of ``Hkv`` (each shard holds one KV head).
   """
   return math.lcm(num_kv_heads, model_size) // num_kv_heads
+
+
+def kv_head_axis(path: str):
+  """The KV-head axis of parameter ``path``, or None when it holds no KV heads."""
+  return next((axis for suffix, axis in KV_HEAD_AXIS.items() if path.endswith(suffix)), None)
 
 
 def sharded_config(config: LlamaConfig, mesh: Mesh) -> LlamaConfig:

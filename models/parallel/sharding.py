@@ -19,10 +19,12 @@ parameter / array              shape                 PartitionSpec
 ``q_proj``                     ``[hidden, Hq, D]``   ``(None, "model", None)``
 ``k_proj``, ``v_proj``         ``[hidden, Hkv', D]`` ``(None, "model", None)``
 ``o_proj``                     ``[Hq, D, hidden]``   ``("model", None, None)``
+``q_bias`` (Qwen2)             ``[Hq, D]``           ``("model", None)``
+``k_bias``, ``v_bias``         ``[Hkv', D]``         ``("model", None)``
 ``gate_proj``, ``up_proj``     ``[hidden, F]``       ``(None, "model")``
 ``down_proj``                  ``[F, hidden]``       ``("model", None)``
 ``embed_tokens``, ``lm_head``  ``[V, hidden]``       ``("model", None)`` (vocab-parallel; replicated if ``V % m``)
-norms                          ``[hidden]``          replicated
+norms                          ``[hidden]``, ``[D]`` replicated
 own K/V (per layer)            ``[B, S, Hkv', D]``   ``("data", None, "model", None)``
 shared segment K/V (per layer) ``[N, T, Hkv', D]``   ``(None, None, "model", None)``: replicated over data
 lengths, node_of_seq, tokens   ``[B]``               ``("data",)``
@@ -73,7 +75,7 @@ from models.parallel.per_shard import sample_on_mesh, write_per_shard  # noqa: F
 from models.parallel.placement import (place_param, place_param_from, shard_model,  # noqa: F401
                                        shard_state)
 from models.parallel.rules import (PARAM_RULES, VOCAB_PARAMS, attention_sharding,  # noqa: F401
-                                   cache_shardings, check_batch, kv_replication,
+                                   cache_shardings, check_batch, kv_head_axis, kv_replication,
                                    own_kv_sharding, param_spec, rows_sharding,
                                    shared_kv_sharding, sharded_config, state_shardings,
                                    vocab_spec)

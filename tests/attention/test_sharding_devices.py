@@ -244,7 +244,7 @@ def test_kv_heads_are_replicated_consistently_and_said(model, caplog):
 
 # -- loading into shards --------------------------------------------------------------------------
 
-def write_hf_dir(path, model):
+def write_hf_dir(path, model, model_type="llama"):
   """A transformers-style checkpoint (config.json + model.safetensors) of ``model``."""
   from safetensors.numpy import save_file
 
@@ -254,7 +254,8 @@ def write_hf_dir(path, model):
   path.mkdir()
   save_file(tensors, str(path / "model.safetensors"))
   (path / "config.json").write_text(json.dumps(dict(
-      model_type="llama", _name_or_path=c.name, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+      model_type=model_type, _name_or_path=c.name, vocab_size=c.vocab_size,
+      hidden_size=c.hidden_size,
       num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
       num_key_value_heads=c.num_kv_heads, intermediate_size=c.intermediate_size,
       head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
@@ -276,6 +277,44 @@ def test_loading_places_each_tensor_on_its_shards(model, tmp_path):
   restored = from_pretrained(str(tmp_path / "orbax"), mesh=mesh).model
   expected = flat_params(want)
   for candidate in (loaded, drawn, restored):
+    assert candidate.config == want.config
+    for path, x in flat_params(candidate).items():
+      spec = S.param_spec(path, want.config, mesh)
+      assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), (path, x.sharding)
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(expected[path]), err_msg=path)
+
+
+def test_family_parameters_are_sharded_and_loaded_into_shards(tmp_path):
+  """q/k/v biases (Qwen2; KV heads repeated with their projections' on (1, 8)) and q/k norms
+  (Qwen3): sharded logits and greedy tokens equal one device's; a qwen2 checkpoint and its
+  orbax copy load straight into the shards."""
+  from models.checkpoints.loading import from_pretrained, save_pretrained
+
+  base = random_init(CONFIG.replace(qkv_bias=True, qk_norm=True), seed=5, std=0.12)
+  ids = jnp.asarray(np.array([prompt_of(11, 6)] * 8, np.int32))
+  ref, ref_tokens = base(ids), np.asarray(generate(base, TREE, max_new_tokens=NEW))
+  for shape in ((2, 4), (1, 8)):
+    mesh = S.make_mesh(shape)
+    on_mesh = S.shard_model(base, mesh)
+    r = on_mesh.config.num_kv_heads // CONFIG.num_kv_heads
+    np.testing.assert_array_equal(np.asarray(on_mesh.layers[0].self_attn.k_bias[...]),
+                                  np.repeat(np.asarray(base.layers[0].self_attn.k_bias[...]), r, 0))
+    logits = jax.jit(lambda i: on_mesh(i, sharding=S.attention_sharding(mesh)))(ids)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), rtol=1e-5, atol=1e-5)
+  # Greedy tokens with the replicated KV heads (and biases) of (1, 8).
+  np.testing.assert_array_equal(
+      np.asarray(generate(on_mesh, TREE, max_new_tokens=NEW, mesh=S.make_mesh((1, 8)))), ref_tokens)
+  qwen2 = random_init(CONFIG.replace(qkv_bias=True), seed=6, std=0.12)
+  write_hf_dir(tmp_path / "hf", qwen2, model_type="qwen2")
+  save_pretrained(str(tmp_path / "orbax"), qwen2)
+  mesh = S.make_mesh((1, 8))
+  want = S.shard_model(qwen2, mesh)
+  with jax.transfer_guard_host_to_device("disallow"):
+    loaded = from_pretrained(str(tmp_path / "hf"), mesh=mesh).model
+  restored = from_pretrained(str(tmp_path / "orbax"), mesh=mesh).model
+  expected = flat_params(want)
+  assert any(path.endswith("k_bias") for path in expected)
+  for candidate in (loaded, restored):
     assert candidate.config == want.config
     for path, x in flat_params(candidate).items():
       spec = S.param_spec(path, want.config, mesh)

@@ -1,4 +1,5 @@
-"""LlamaConfig: presets, transformers config.json (both spellings), JSON round trip, errors."""
+"""LlamaConfig: presets, transformers config.json (both spellings, every family), JSON round
+trip, errors."""
 
 import json
 
@@ -9,7 +10,9 @@ from models.model.config import PRESETS, LlamaConfig, RopeScaling, preset
 
 @pytest.mark.parametrize("name, params", [("llama-2-7b", 6.74e9), ("llama-3-8b", 8.03e9),
                                           ("codellama-7b", 6.74e9), ("codellama-13b", 13.0e9),
-                                          ("smollm2-135m", 134.5e6)])
+                                          ("smollm2-135m", 134.5e6),
+                                          ("mistral-7b-v0.3", 7.25e9),
+                                          ("qwen2.5-0.5b", 0.49e9), ("qwen3-0.6b", 0.6e9)])
 def test_presets_have_the_published_sizes(name, params):
   assert abs(preset(name).num_params / params - 1) < 0.01
 
@@ -59,3 +62,52 @@ def test_bad_fields_are_named():
     preset("tiny", hidden_size=0)
   with pytest.raises(ValueError, match="name must be one of"):
     preset("llama-9")
+
+
+def test_from_hf_reads_each_family():
+  """model_type (or, without it, architectures) picks the family and its attention values."""
+  for hf, family in ((dict(HF, model_type="qwen2"), "qwen2"),
+                     (dict(HF, model_type=None, architectures=["Qwen3ForCausalLM"]), "qwen3"),
+                     (dict(HF, model_type="mistral", sliding_window=None), "mistral"),
+                     ({k: v for k, v in HF.items() if k != "model_type"}, "llama")):
+    hf = {k: v for k, v in hf.items() if v is not None}
+    config = LlamaConfig.from_hf(hf)
+    assert (config.qkv_bias, config.qk_norm) == (family == "qwen2", family == "qwen3"), family
+    assert hash(config) == hash(LlamaConfig.from_dict(json.loads(config.to_json())))
+
+
+@pytest.mark.parametrize("changes, windowed", [
+    (dict(model_type="mistral", sliding_window=4096, max_position_embeddings=32768), True),
+    (dict(model_type="mistral", sliding_window=512), False),  # as long as the context
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1),
+     True),  # layer 1 of 2 is windowed
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=2),
+     False),  # no layer from max_window_layers on
+    (dict(model_type="qwen2", use_sliding_window=False, sliding_window=64), False),
+    (dict(model_type="qwen3", sliding_window=64,
+          layer_types=["full_attention", "sliding_attention"]), True),
+    (dict(model_type="qwen3", sliding_window=64, use_sliding_window=True,
+          layer_types=["full_attention", "full_attention"]), False),
+])
+def test_sliding_windows_are_refused_where_they_hide_keys(changes, windowed):
+  from models.model.families import Unsupported
+  if not windowed:
+    LlamaConfig.from_hf(dict(HF, **changes))
+    return
+  with pytest.raises(Unsupported, match=f"sliding_window={changes['sliding_window']} < "
+                     "max_position_embeddings=.*not supported yet"):
+    LlamaConfig.from_hf(dict(HF, **changes))
+
+
+@pytest.mark.parametrize("changes", [
+    dict(model_type="gemma2"),
+    dict(model_type="qwen2", architectures=["Qwen2ForSequenceClassification"]),
+    dict(model_type=None, architectures=["BloomForCausalLM"]),
+])
+def test_an_unsupported_architecture_gets_one_error_listing_the_families(changes):
+  from models.model.families import Unsupported
+  hf = {k: v for k, v in dict(HF, **changes).items() if v is not None}
+  with pytest.raises(Unsupported, match=r"is not supported; supported: LlamaForCausalLM "
+                     r"\(model_type llama.*MistralForCausalLM.*Qwen2ForCausalLM \(model_type "
+                     r"qwen2, GGUF qwen2: Qwen2, Qwen2.5\); Qwen3ForCausalLM"):
+    LlamaConfig.from_hf(hf)

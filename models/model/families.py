@@ -1,0 +1,127 @@
+"""The model families the decoder runs, and how a checkpoint names them.
+
+Every family is the Llama decoder with at most two extra pieces, each a field of
+:class:`models.model.config.LlamaConfig`: ``qkv_bias`` (biases on the q, k and v projections:
+Qwen2, Qwen2.5) and ``qk_norm`` (an RMSNorm over ``head_dim`` of every query and key head
+before RoPE: Qwen3). Mistral without a sliding window is Llama. A Hugging Face ``config.json``
+names its family by ``model_type`` (and ``architectures``); a GGUF file by
+``general.architecture`` (llama.cpp's names: Mistral is written as ``llama``).
+
+    >>> hf_family({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}).name
+    'qwen2'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One architecture: how checkpoints name it and what it adds to Llama.
+
+  Attributes:
+    name: our name (``"qwen2"``); also transformers' ``model_type``.
+    architectures: transformers' causal-LM class names in ``config.json``.
+    gguf_architecture: llama.cpp's ``general.architecture``, or None (no GGUF of its own).
+    qkv_bias: the q, k and v projections have biases.
+    qk_norm: RMSNorm (weights ``[head_dim]``) on each query and key head before RoPE.
+    gguf_rope_permuted: llama.cpp's converter permutes the q/k rows (its RoPE pairs adjacent
+      dimensions for this architecture); loading undoes it.
+    window_keys: how ``config.json`` turns a sliding window on: ``"always"`` (a non-null
+      ``sliding_window``), ``"per_layer"`` (``layer_types``, or ``use_sliding_window`` from
+      ``max_window_layers`` on), None (the family has no window).
+    models: the published models it covers (for messages and docs).
+  """
+
+  name: str
+  architectures: tuple[str, ...]
+  gguf_architecture: Optional[str]
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  gguf_rope_permuted: bool = False
+  window_keys: Optional[str] = None
+  models: str = ""
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", ("LlamaForCausalLM",), "llama", gguf_rope_permuted=True,
+           models="Llama 2, Llama 3.x, CodeLlama, SmolLM2"),
+    Family("mistral", ("MistralForCausalLM",), None, gguf_rope_permuted=True,
+           window_keys="always", models="Mistral without a sliding window"),
+    Family("qwen2", ("Qwen2ForCausalLM",), "qwen2", qkv_bias=True, window_keys="per_layer",
+           models="Qwen2, Qwen2.5"),
+    Family("qwen3", ("Qwen3ForCausalLM",), "qwen3", qk_norm=True, window_keys="per_layer",
+           models="Qwen3"),
+)
+BY_NAME = {f.name: f for f in FAMILIES}
+
+
+class Unsupported(ValueError):
+  """A checkpoint the decoder cannot run: an architecture no family covers (the message lists
+  the supported ones), or a sliding window."""
+
+
+def supported() -> str:
+  """One line naming every family, its transformers class and its GGUF architecture."""
+  parts = []
+  for f in FAMILIES:
+    gguf = f"GGUF {f.gguf_architecture}" if f.gguf_architecture else "GGUF as llama"
+    parts.append(f"{f.architectures[0]} (model_type {f.name}, {gguf}: {f.models})")
+  return "; ".join(parts)
+
+
+def hf_family(hf: Mapping[str, Any]) -> Family:
+  """The family of a transformers ``config.json`` (by ``model_type``, else ``architectures``;
+  without either, Llama). Every class in ``architectures`` must be the family's causal LM."""
+  model_type, archs = hf.get("model_type"), list(hf.get("architectures") or ())
+  if model_type is not None:
+    family = BY_NAME.get(model_type)
+  elif archs:
+    family = next((f for f in FAMILIES if archs[0] in f.architectures), None)
+  else:
+    family = BY_NAME["llama"]
+  if family is None or any(a not in family.architectures for a in archs):
+    raise Unsupported(
+        f"config.json: model_type {model_type!r} with architectures {archs} is not supported; "
+        f"supported: {supported()}")
+  return family
+
+
+def gguf_family(architecture: Any) -> Family:
+  """The family of a GGUF file's ``general.architecture``."""
+  family = next((f for f in FAMILIES if f.gguf_architecture == architecture), None)
+  if family is None:
+    raise Unsupported(
+        f"GGUF: general.architecture {architecture!r} is not supported; supported: "
+        + ", ".join(f"{f.gguf_architecture} ({f.models}"
+                    + (", Mistral" if f.name == "llama" else "") + ")"
+                    for f in FAMILIES if f.gguf_architecture))
+  return family
+
+
+def check_no_window(family: Family, hf: Mapping[str, Any]) -> None:
+  """Raises :class:`Unsupported` when ``config.json`` asks for sliding-window attention that can
+  hide a key from a query (a window shorter than ``max_position_embeddings``): not supported
+  yet."""
+  window = hf.get("sliding_window")
+  if family.window_keys is None or window is None:
+    return
+  layers = int(hf["num_hidden_layers"])
+  if family.window_keys == "always":
+    windowed = list(range(layers))
+  elif hf.get("layer_types") is not None:
+    windowed = [i for i, kind in enumerate(hf["layer_types"]) if kind == "sliding_attention"]
+  elif hf.get("use_sliding_window"):
+    windowed = list(range(int(hf.get("max_window_layers", 0)), layers))
+  else:
+    windowed = []
+  max_positions = int(hf.get("max_position_embeddings", 2048))
+  # A query at position i sees keys j with i - j < window: with window >= max positions, all.
+  if windowed and int(window) < max_positions:
+    raise Unsupported(
+        f"config.json: sliding_window={int(window)} < max_position_embeddings={max_positions} "
+        f"on {len(windowed)} of {layers} layers ({family.name}): sliding-window attention is not "
+        f"supported yet; only checkpoints without a window (or with one of at least "
+        f"max_position_embeddings) load")

@@ -64,7 +64,8 @@ def executor(plan: dispatch.Plan, config=None) -> AttentionOps:
   from jax_shared_attn import backward
   bconfig = backward.BackwardConfig(kernels=plan.backward, kernel_tiles=plan.backward_tiles)
   if plan.impl == "xla":
-    return differentiable(XLA_OPS, bconfig)
+    from pallas_kernels import xla
+    return differentiable(xla.get_ops(plan.backend), bconfig)
   family = plan.impl.split(":", 1)[1]
   if family == "tpu":
     from pallas_kernels import tpu
@@ -82,7 +83,8 @@ def resolve(impl: str, fn: str, config=None) -> AttentionOps:
   family = dispatch.choose_family(impl, fn)
   dispatch.check_config(fn, family, config)
   if family == "xla":
-    return differentiable(XLA_OPS)
+    from pallas_kernels import xla
+    return differentiable(xla.get_ops(config if isinstance(config, xla.XlaConfig) else None))
   import pallas_kernels
 
   # Interpret mode vs native kernel is decided when lowering (platform_dependent).

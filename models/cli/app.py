@@ -21,7 +21,7 @@ import sys
 import threading
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from models.bench import compare, decode, sampler, sharded, startup, train, tree
+from models.bench import compare, decode, memory, sampler, sharded, startup, train, tree
 from models.cli import generate
 from models.errors import UsageError
 from models.training import addition
@@ -41,12 +41,13 @@ COMMANDS: dict[str, Command] = {
     "bench sharded": Command(sharded.HELP, sharded.configure),
     "bench train": Command(train.HELP, train.configure),
     "bench startup": Command(startup.HELP, startup.configure),
+    "bench memory": Command(memory.HELP, memory.configure),
     "train grpo": Command(addition.HELP, addition.configure),
 }
 
 # Help of the command groups (the first word of a nested command's name).
 GROUPS = {"bench": "Benchmarks: hydragen bench decode | tree | sampler | compare | sharded | "
-                   "train | startup.",
+                   "train | startup | memory.",
           "train": "Fine-tuning: hydragen train grpo."}
 
 

@@ -16,12 +16,13 @@ tree levels, suffix) one after another over one running state, with no merge ste
 per-part output. The reference these must equal stays the plain formula of
 :mod:`pallas_kernels.base`.
 
-The row blocks of the shared parts are the ``B * Tq`` query tokens of all sequences (their
-rows ``B * Tq * G`` per KV head, as in the reference); the suffix's are
-``ceil(block_rows / Tq)`` sequences' whole queries, or ``block_rows`` queries of one
-sequence. The last block of rows or keys is moved back to fit inside the array instead of
-padding it: keys it shares with the block before are masked, rows it shares keep the value
-already written.
+A row block is ``block_rows // Tq`` sequences' whole queries (decoding: up to ``block_rows``
+sequences), or ``block_rows`` queries of one sequence, in every part: a shared part's keys meet
+all the block's rows, ``bz * bt * G`` per KV head, in one product (the prefix is read once per
+row block, never copied per sequence). The last block of rows or keys is moved back to fit
+inside the array instead of padding it: keys it shares with the block before are masked, rows
+it shares keep the value already written. The backward (:func:`tiled_attention_grads`) runs
+the same tiles from the merged residuals.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class XlaConfig:
   """The XLA family's forward tile (``config=`` of the public API with ``impl="xla"``).
 
   Attributes:
-    block_rows: query tokens per tile, every head of each (a shared part's tokens of all
-      sequences; the suffix's, whole sequences where ``Tq <= block_rows``).
+    block_rows: query tokens per tile, every head of each (whole sequences where
+      ``Tq <= block_rows``).
     block_keys: keys per tile.
 
   A tile's float32 scores take ``block_rows * Hq * block_keys * 4`` bytes (8 MiB at 32 query

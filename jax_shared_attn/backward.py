@@ -108,7 +108,7 @@ def part_grads(q: Array, do: Array, lse: Array, delta: Array, k: Array, v: Array
   if row_seg is not None:
     visible = lambda zs, rs, keys: (row_seg[rs][:, None] == key_seg[keys][None, :])[None]
   else:
-    visible = xla._suffix_visible(lengths, tq, causal, group)
+    visible = xla.suffix_visible(lengths, tq, causal, group)
   dq, dk, dv = xla.tiled_attention_grads(nat(q), nat(do), nat(lse), nat(delta), k, v, visible,
                                          scale=scale, block_rows=config.block_rows,
                                          block_keys=config.block_keys)

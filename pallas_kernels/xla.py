@@ -310,9 +310,10 @@ def _shared_part(kind: str, k: Array, v: Array, lengths: Array, nodes: Optional[
   return flat(k), flat(v), visible
 
 
-def _suffix_visible(kv_lengths: Array, tq: int, causal: bool, group: int = 1) -> Callable:
-  """Row ``t`` of sequence ``z`` (query ``t // group``) sees key j iff ``j < kv_lengths[z]``
-  and, causal, ``j <= kv_lengths[z] - tq + t // group``."""
+def suffix_visible(kv_lengths: Array, tq: int, causal: bool, group: int = 1) -> Callable:
+  """The ``visible`` of :func:`tiled_attention` for each sequence's own keys: row ``t`` of
+  sequence ``z`` (query ``t // group``) sees key j iff ``j < kv_lengths[z]`` and, causal,
+  ``j <= kv_lengths[z] - tq + t // group``."""
 
   def visible(zs, ts, keys):
     n = kv_lengths[zs][:, None, None]
@@ -348,7 +349,7 @@ def suffix_attention(q: Array, k: Array, v: Array, *, kv_lengths: Array, causal:
                      scale: float, prior: Optional[State] = None,
                      config: XlaConfig = XlaConfig()) -> State:
   """:func:`pallas_kernels.base.suffix_attention` over tiles; ``prior`` starts the softmax."""
-  return _tiled(q, k, v, _suffix_visible(kv_lengths, q.shape[1], causal), scale=scale,
+  return _tiled(q, k, v, suffix_visible(kv_lengths, q.shape[1], causal), scale=scale,
                 prior=prior, config=config)
 
 
@@ -403,6 +404,6 @@ def decomposition_grads(q: Array, parts, suffix_k: Optional[Array], suffix_v: Op
     part_out.append((dk.reshape(k.shape), dv.reshape(v.shape)))
   suffix = None
   if suffix_k is not None:
-    dq, dk, dv = grads(suffix_k, suffix_v, _suffix_visible(kv_lengths, tq, causal), dq)
+    dq, dk, dv = grads(suffix_k, suffix_v, suffix_visible(kv_lengths, tq, causal), dq)
     suffix = (dk, dv)
   return dq, part_out, suffix

@@ -10,15 +10,15 @@ Public API (see README.md and each docstring for the math and shapes):
   engine's KV cache), the pages read in place by the GPU kernels; forward only.
 * :func:`sharded`, :class:`AttentionSharding`: any of the three above run per shard of a
   device mesh under ``shard_map`` (batch x heads blocks, no communication).
-* :class:`GpuConfig`, :class:`TpuConfig` (``config=`` of the three): the kernel families'
-  choices as values; :func:`explain`: the :class:`Plan` a call runs and why, for the
+* :class:`GpuConfig`, :class:`TpuConfig`, :class:`XlaConfig` (``config=`` of the three): the
+  kernel families' choices as values; :func:`explain`: the :class:`Plan` a call runs and why, for the
   :class:`DeviceInfo` it is planned for (docs/configuration.md).
 """
 
 from jax_shared_attn.api import (PagedLevel, SharedLevel, attention_with_lse, explain,
                                  hierarchical_attention, paged_attention, shared_prefix_attention)
 from jax_shared_attn.config import (BlockSizes, FusedDecodeOptions, GpuConfig,
-                                    MosaicPrefixOptions, TpuConfig)
+                                    MosaicPrefixOptions, TpuConfig, XlaConfig)
 from jax_shared_attn.dispatch import Plan
 from jax_shared_attn.merge import merge_attention_states
 from jax_shared_attn.ops import IMPLS, AttentionOps
@@ -27,6 +27,6 @@ from pallas_kernels.device import DeviceInfo
 
 __all__ = ["AttentionOps", "AttentionSharding", "BlockSizes", "DeviceInfo", "FusedDecodeOptions",
            "GpuConfig", "IMPLS", "MosaicPrefixOptions", "PagedLevel", "Plan", "SharedLevel",
-           "TpuConfig", "attention_with_lse", "explain", "hierarchical_attention",
+           "TpuConfig", "XlaConfig", "attention_with_lse", "explain", "hierarchical_attention",
            "merge_attention_states", "paged_attention", "shared_prefix_attention", "sharded"]
 __version__ = "0.1.0"

@@ -97,7 +97,8 @@ def attention_with_lse(q: Array, k: Array, v: Array, *, kv_lengths: Optional[Arr
     scale: score scale, default ``D ** -0.5``.
     impl: ``"auto"``, ``"xla"`` or a Pallas family (see :mod:`jax_shared_attn.ops`).
     config: the kernel family's choices, a ``GpuConfig`` or ``TpuConfig`` (hashable: pass it
-      as a static argument under jit); None: the defaults. Ignored by ``"xla"``.
+      as a static argument under jit); None: the defaults. ``"xla"`` takes an ``XlaConfig``
+      (its tiles) and ignores the others.
 
   Returns:
     ``out [B, Tq, Hq, D]`` in q's dtype and float32 ``lse [B, Tq, Hq]``,

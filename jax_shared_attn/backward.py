@@ -16,8 +16,8 @@ so no part needs its own ``(O_i, L_i)`` and nothing is recomputed through the
 merge. A shared part's dK/dV is ONE reduction over all the rows that read it
 (rows folded as in the forward: ``B * Tq * G`` per KV head); only the suffix
 is per sequence. Every product runs on ``block_rows x block_keys`` tiles
-(``lax.scan`` over row blocks, then key blocks): no score tensor larger than a
-tile exists. Rows with no visible key (``L = -inf``) get zero gradients.
+(loops over row blocks, then key blocks: :mod:`pallas_kernels.xla` on the XLA path): no score
+tensor larger than a tile exists. Rows with no visible key (``L = -inf``) get zero gradients.
 
 :func:`with_chunked_backward` wraps any forward of the decomposition (the
 kernels' or XLA's) in a ``jax.custom_vjp`` whose backward is this one.
@@ -30,9 +30,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from jax_shared_attn.reference import _precision
+from pallas_kernels import xla
 
 Array = jax.Array
 
@@ -41,8 +40,9 @@ Array = jax.Array
 class BackwardConfig:
   """How the backward runs.
 
-  ``block_rows x block_keys``: the XLA path's tile per KV head. ``kernels``:
-  ``"xla"`` (chunked ``lax.scan``), ``"triton"`` / ``"tpu"`` (the Pallas kernels
+  ``block_rows x block_keys``: the XLA path's tile per KV head (query rows x keys, every KV
+  head at once). ``kernels``: ``"xla"`` (:func:`pallas_kernels.xla.tiled_attention_grads`),
+  ``"triton"`` / ``"tpu"`` (the Pallas kernels
   of :mod:`pallas_kernels.gpu.backward` / :mod:`pallas_kernels.tpu.backward`,
   interpreted off their platform), ``"cudnn"`` (cuDNN's attention backward,
   :mod:`pallas_kernels.gpu.cudnn`, for the parts it supports when the returned LSE
@@ -67,19 +67,6 @@ class BackwardConfig:
     if self.kernels not in (None, "xla", "triton", "tpu", "cudnn"):
       raise ValueError(f"BackwardConfig: kernels must be None, 'xla', 'triton', 'tpu' or "
                        f"'cudnn'; got {self.kernels!r}")
-
-
-def _pad_to(x: Array, axis: int, size: int) -> Array:
-  pad = size - x.shape[axis]
-  if pad == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, pad)
-  return jnp.pad(x, widths)
-
-
-def _cdiv(a: int, b: int) -> int:
-  return -(-a // b)
 
 
 def part_grads(q: Array, do: Array, lse: Array, delta: Array, k: Array, v: Array, *,
@@ -116,74 +103,16 @@ def part_grads(q: Array, do: Array, lse: Array, delta: Array, k: Array, v: Array
     return tpu_backward.part_grads(q, do, lse, delta, k, v, scale=scale, row_seg=row_seg,
                                    key_seg=key_seg, lengths=lengths, causal=causal, group=group,
                                    tq=tq, block_rows=rows)
-  z, h, r, d = q.shape
-  nk, dv_dim = k.shape[1], v.shape[-1]
-
-  def visible(rows, keys):  # [Z or 1, 1, br, bk]
-    if row_seg is not None:
-      rs = row_seg[jnp.minimum(rows, r - 1)]
-      ks = key_seg[jnp.minimum(keys, nk - 1)]
-      return (rs[:, None] == ks[None, :])[None, None]
-    n = lengths[:, None, None, None]
-    ok = keys[None, None, None, :] < n
-    if causal:
-      ok = ok & (keys[None, None, None, :] <= n - tq + (rows // group)[None, None, :, None])
-    return ok
-
-  br = min(config.block_rows, max(r, 1))
-  bk = min(config.block_keys, max(nk, 1))
-  rp, kp = _cdiv(r, br) * br, _cdiv(nk, bk) * bk
-  if r == 0 or nk == 0:
-    return (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
-            jnp.zeros(v.shape, jnp.float32))
-  cdt = q.dtype
-  prec = _precision(cdt)
-  finite = jnp.isfinite(lse)
-  lse = jnp.where(finite, lse, 0.0)
-
-  def blocks(x, axis, size, b):  # [..., size, ...] -> [n, ..., b, ...]
-    x = _pad_to(x, axis, size)
-    x = x.reshape(x.shape[:axis] + (size // b, b) + x.shape[axis + 1:])
-    return jnp.moveaxis(x, axis, 0)
-
-  qb, dob = blocks(q, 2, rp, br), blocks(do.astype(cdt), 2, rp, br)
-  lb, db, fb = blocks(lse, 2, rp, br), blocks(delta, 2, rp, br), blocks(finite, 2, rp, br)
-  kb, vb = blocks(k, 1, kp, bk), blocks(v.astype(cdt), 1, kp, bk)
-  key_starts = jnp.arange(kp // bk, dtype=jnp.int32) * bk
-
-  def row_block(acc, xs):
-    q_i, do_i, l_i, d_i, f_i, r0 = xs
-    rows = r0 + jnp.arange(br, dtype=jnp.int32)
-
-    def key_block(dq, ys):
-      k_j, v_j, k0 = ys
-      keys = k0 + jnp.arange(bk, dtype=jnp.int32)
-      s = jnp.einsum("zhrd,zkhd->zhrk", q_i, k_j, precision=prec,
-                     preferred_element_type=jnp.float32) * scale
-      mask = visible(rows, keys) & (keys < nk)[None, None, None, :] & f_i[..., None]
-      p = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - l_i[..., None]), 0.0)
-      dv_j = jnp.einsum("zhrk,zhrd->zkhd", p.astype(cdt), do_i, precision=prec,
-                        preferred_element_type=jnp.float32)
-      dp = jnp.einsum("zhrd,zkhd->zhrk", do_i, v_j, precision=prec,
-                      preferred_element_type=jnp.float32)
-      ds = (p * (dp - d_i[..., None])).astype(cdt)
-      dq = dq + jnp.einsum("zhrk,zkhd->zhrd", ds, k_j, precision=prec,
-                           preferred_element_type=jnp.float32)
-      dk_j = jnp.einsum("zhrk,zhrd->zkhd", ds, q_i, precision=prec,
-                        preferred_element_type=jnp.float32)
-      return dq, (dk_j, dv_j)
-
-    dq0 = jnp.zeros((z, h, br, d), jnp.float32)
-    dq, (dk, dv) = lax.scan(key_block, dq0, (kb, vb, key_starts))
-    return (acc[0] + dk, acc[1] + dv), dq
-
-  acc0 = (jnp.zeros((kp // bk, z, bk, h, d), jnp.float32),
-          jnp.zeros((kp // bk, z, bk, h, dv_dim), jnp.float32))
-  row_starts = jnp.arange(rp // br, dtype=jnp.int32) * br
-  (dk, dv), dq = lax.scan(row_block, acc0, (qb, dob, lb, db, fb, row_starts))
-  dq = jnp.moveaxis(dq, 0, 2).reshape(z, h, rp, d)[:, :, :r] * scale
-  unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(z, kp, h, x.shape[-1])[:, :nk]
-  return dq, unblock(dk) * scale, unblock(dv)
+  # The XLA tiles (pallas_kernels.xla) on the rows as [Z, R, H, D]: Z problems of R queries.
+  nat = lambda x: jnp.moveaxis(x, 1, 2)
+  if row_seg is not None:
+    visible = lambda zs, rs, keys: (row_seg[rs][:, None] == key_seg[keys][None, :])[None]
+  else:
+    visible = xla.suffix_visible(lengths, tq, causal, group)
+  dq, dk, dv = xla.tiled_attention_grads(nat(q), nat(do), nat(lse), nat(delta), k, v, visible,
+                                         scale=scale, block_rows=config.block_rows,
+                                         block_keys=config.block_keys)
+  return nat(dq), dk, dv
 
 
 def _shared_rows(x: Array, hkv: int) -> Array:
@@ -252,6 +181,11 @@ def decomposition_grads(q: Array, parts: Sequence[tuple], suffix_k: Optional[Arr
         delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
     return delta
 
+  if config.kernels in (None, "xla"):  # one dQ accumulated in place, in q's own layout
+    return xla.decomposition_grads(q, parts, suffix_k, suffix_v, kv_lengths=kv_lengths,
+                                   causal=causal, scale=scale, lse=lse, delta=get_delta(),
+                                   dout=dout, block_rows=config.block_rows,
+                                   block_keys=config.block_keys)
   dq = jnp.zeros(q.shape, jnp.float32)
   part_out = []
   for kind, k, v, lengths, nodes in parts:

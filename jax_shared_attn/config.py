@@ -2,7 +2,7 @@
 docs/configuration.md."""
 
 from pallas_kernels.config import (BlockSizes, Config, FusedDecodeOptions, GpuConfig,
-                                   MosaicPrefixOptions, TpuConfig)
+                                   MosaicPrefixOptions, TpuConfig, XlaConfig)
 
 __all__ = ["BlockSizes", "Config", "FusedDecodeOptions", "GpuConfig", "MosaicPrefixOptions",
-           "TpuConfig"]
+           "TpuConfig", "XlaConfig"]

@@ -67,12 +67,13 @@ def choose_family(impl: str, fn: str = "attention", platform: Optional[str] = No
 
 
 def check_config(fn: str, family: str, config) -> None:
-  """``config`` must be None or the family's config class (ignored by "xla")."""
+  """``config`` must be None or the family's config class ("xla" takes an ``XlaConfig`` and
+  ignores the others, so that ``impl="auto"`` on a CPU runs a GPU or TPU config's call)."""
   if config is None:
     return
-  from pallas_kernels.config import GpuConfig, TpuConfig
-  if not isinstance(config, (GpuConfig, TpuConfig)):
-    raise TypeError(f"{fn}: config must be a GpuConfig, a TpuConfig or None; got "
+  from pallas_kernels.config import GpuConfig, TpuConfig, XlaConfig
+  if not isinstance(config, (GpuConfig, TpuConfig, XlaConfig)):
+    raise TypeError(f"{fn}: config must be a GpuConfig, a TpuConfig, an XlaConfig or None; got "
                     f"{type(config).__name__}")
   want = {"triton": GpuConfig, "mosaic_gpu": GpuConfig, "tpu": TpuConfig}.get(family)
   if want is not None and not isinstance(config, want):
@@ -124,7 +125,8 @@ class Plan:
     device: the :class:`~pallas_kernels.device.DeviceInfo` the kernels are planned for (None
       for "xla").
     backend: the family's plan (:class:`pallas_kernels.gpu.dispatch.GpuPlan`,
-      :class:`pallas_kernels.tpu.dispatch.TpuPlan`), None for "xla".
+      :class:`pallas_kernels.tpu.dispatch.TpuPlan`); for "xla" its forward tiles, a
+      :class:`pallas_kernels.xla.XlaConfig`.
     backward: the kernels ``jax.grad`` runs (:class:`jax_shared_attn.backward.BackwardConfig`'s
       ``kernels``): "xla", "triton", "cudnn" or "tpu"; "none" for ``paged_attention``, which is
       forward only.
@@ -184,9 +186,15 @@ def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
   why_impl = f"impl={impl!r} on {backend}" + (f" ({device_kind})" if device_kind else "")
   paged = page_table is not None
   if family == "xla":
-    why = ((f"{why_impl}: pure JAX (XLA)",) + (("the pages gathered into contiguous buffers, "
-                                               "then the XLA primitives",) if paged else ()))
-    return Plan(fn, "xla", backend, reasons=why, backward="xla" if not paged else "none")
+    from pallas_kernels.xla import XlaConfig
+    tiles = config if isinstance(config, XlaConfig) else XlaConfig()
+    why = (f"{why_impl}: pure JAX (XLA)",
+           f"forward: online softmax over tiles of {tiles.block_rows} query tokens x "
+           f"{tiles.block_keys} keys ({tiles})")
+    if paged:
+      why += ("the pages gathered into contiguous buffers first",)
+    return Plan(fn, "xla", backend, backend=tiles, reasons=why,
+                backward="none" if paged else "xla")
   name = f"pallas:{family}"
   reasons = [f"{why_impl}: the {name} kernels"]
   native = {"triton": "gpu", "mosaic_gpu": "gpu", "tpu": "tpu"}[family]

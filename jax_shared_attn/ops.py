@@ -1,15 +1,16 @@
 """Choosing the implementation (``impl=``) behind the public attention API.
 
 An implementation is an :class:`AttentionOps`: the three primitives of
-:mod:`jax_shared_attn.reference` with the same signatures. ``"xla"`` is that
-module itself; the Pallas families live in :mod:`pallas_kernels` and are
-imported only when asked for (data flows one way: API -> kernels).
+:mod:`jax_shared_attn.reference` with the same signatures. ``"xla"`` is
+:mod:`pallas_kernels.xla` (the same math as an online softmax over tiles, ``XlaConfig``); the
+Pallas families live in :mod:`pallas_kernels` and are imported only when asked for (data
+flows one way: API -> kernels).
 
 ``impl`` values:
 
 ``"auto"``           the fastest correct path for the default backend: Pallas
                      kernels on GPU and TPU, ``"xla"`` on CPU.
-``"xla"``            pure JAX (any backend, differentiable).
+``"xla"``            pure JAX over tiles (any backend, differentiable).
 ``"pallas"``         the Pallas family for the backend: on a Hopper GPU (sm_90)
                      ``"pallas:mosaic_gpu"``, on other GPUs ``"pallas:triton"``,
                      on a TPU ``"pallas:tpu"``; an error on CPU.
@@ -21,10 +22,10 @@ imported only when asked for (data flows one way: API -> kernels).
 ``"pallas:tpu"``     the TPU (Mosaic) kernels; interpret mode when lowered for a
                      CPU, native when lowered (or exported) for a TPU.
 
-``config`` (a :class:`pallas_kernels.gpu.config.GpuConfig` or
-:class:`pallas_kernels.tpu.config.TpuConfig`, None for the defaults) travels with
-the ops the family returns; which kernels a call runs is decided by the family's
-``dispatch`` module (:mod:`jax_shared_attn.dispatch` shows it, ``explain``).
+``config`` (a :class:`pallas_kernels.gpu.config.GpuConfig`,
+:class:`pallas_kernels.tpu.config.TpuConfig` or :class:`pallas_kernels.xla.XlaConfig`, None for
+the defaults) travels with the ops the family returns; which kernels a call runs is decided by
+the family's ``dispatch`` module (:mod:`jax_shared_attn.dispatch` shows it, ``explain``).
 
 Every implementation, ``"xla"`` included, is wrapped so that ``jax.grad``
 runs the chunked backward of :mod:`jax_shared_attn.backward` from the merged
@@ -81,8 +82,10 @@ def executor(plan: dispatch.Plan, config=None, forward_only: bool = False) -> At
   the plan's backward (``forward_only``: the family's ops as they are, no backward)."""
   from jax_shared_attn import backward
   if plan.impl == "xla":
-    return XLA_OPS if forward_only else differentiable(
-        XLA_OPS, backward.BackwardConfig(kernels=plan.backward, kernel_tiles=plan.backward_tiles))
+    from pallas_kernels import xla
+    ops = xla.get_ops(plan.backend)
+    return ops if forward_only else differentiable(
+        ops, backward.BackwardConfig(kernels=plan.backward, kernel_tiles=plan.backward_tiles))
   family = plan.impl.split(":", 1)[1]
   if family == "tpu":
     from pallas_kernels import tpu
@@ -103,7 +106,8 @@ def resolve(impl: str, fn: str, config=None) -> AttentionOps:
   family = dispatch.choose_family(impl, fn)
   dispatch.check_config(fn, family, config)
   if family == "xla":
-    return differentiable(XLA_OPS)
+    from pallas_kernels import xla
+    return differentiable(xla.get_ops(config if isinstance(config, xla.XlaConfig) else None))
   import pallas_kernels
 
   # Interpret mode vs native kernel is decided when lowering (platform_dependent).

@@ -3,7 +3,8 @@
 This module is the bottom of the package graph: every implementation imports it, it imports
 none. It holds
 
-* the pure-JAX primitives (the "xla" family and the reference every kernel must equal):
+* the pure-JAX reference primitives, the plain formula every family must equal (the "xla"
+  family, :mod:`pallas_kernels.xla`, computes the same over tiles):
   ``prefix_attention``, ``segment_attention``, ``suffix_attention`` and the whole
   decomposition built from any family's primitives, ``reference_shared_attention``;
 * the exact LSE merge ``merge_states``;
@@ -272,7 +273,7 @@ def paged_attention(q, k_pages, v_pages, levels, page_table, kv_lengths, *, caus
 
 
 class AttentionOps(NamedTuple):
-  """An implementation of the three primitives (the functions of this module are the "xla" one).
+  """An implementation of the three primitives (:data:`XLA_OPS`: this module's reference ones).
 
   ``shared_attention`` is optional: a family may compute the whole
   decomposition itself, ``shared_attention(q, parts, suffix_k, suffix_v, *,
@@ -295,6 +296,7 @@ class AttentionOps(NamedTuple):
   paged_attention: Callable[..., Any] | None = None
 
 
+# The reference primitives as ops: whole score tensors, the tests' autodiff reference.
 XLA_OPS = AttentionOps("xla", prefix_attention, segment_attention, suffix_attention)
 
 

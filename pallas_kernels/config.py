@@ -1,4 +1,4 @@
-"""The configuration classes of both kernel families, in one place."""
+"""The configuration classes of the kernel families (GPU, TPU, XLA), in one place."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from typing import Union
 from pallas_kernels.gpu.config import FusedDecodeOptions, GpuConfig, MosaicPrefixOptions
 from pallas_kernels.tpu.common import BlockSizes
 from pallas_kernels.tpu.config import TpuConfig
+from pallas_kernels.xla import XlaConfig
 
-Config = Union[GpuConfig, TpuConfig]
+Config = Union[GpuConfig, TpuConfig, XlaConfig]
 
 __all__ = ["BlockSizes", "Config", "FusedDecodeOptions", "GpuConfig", "MosaicPrefixOptions",
-           "TpuConfig"]
+           "TpuConfig", "XlaConfig"]

@@ -22,17 +22,17 @@ from jax_shared_attn import ops as ops_lib
 from jax_shared_attn.testing import check_attention, oracle_full, oracle_tree
 from strategies import SEEDS, assert_close, count_case, lengths, rand, random_tree, small_jit
 
-STATIC = ("causal", "impl", "return_lse", "scale")
+STATIC = ("causal", "impl", "return_lse", "scale", "config")
 prefix_jit = small_jit(shared_prefix_attention, static_argnames=STATIC)
 tree_jit = small_jit(hierarchical_attention, static_argnames=STATIC)
-full_jit = small_jit(attention_with_lse, static_argnames=("causal", "impl", "scale"))
+full_jit = small_jit(attention_with_lse, static_argnames=("causal", "impl", "scale", "config"))
 paged_jit = small_jit(paged_attention, static_argnames=STATIC)
 
 
 @functools.lru_cache(maxsize=None)
-def primitives(impl: str):
-  """The family's three primitives, jitted once per family."""
-  ops = ops_lib.resolve(impl, "test")
+def primitives(impl: str, config=None):
+  """The family's three primitives, jitted once per family and config."""
+  ops = ops_lib.resolve(impl, "test", config)
   return (small_jit(ops.prefix_attention, static_argnames="scale"),
           small_jit(ops.segment_attention, static_argnames="scale"),
           small_jit(ops.suffix_attention, static_argnames=("causal", "scale")))
@@ -80,9 +80,11 @@ PRIMITIVE_CASES = (
 
 
 class FamilySuite:
-  """Oracle tests of one kernel family; a subclass sets ``IMPL`` (and may scale ``EXAMPLES``)."""
+  """Oracle tests of one kernel family; a subclass sets ``IMPL`` (and may scale ``EXAMPLES`` and
+  set ``CONFIG``, the family's ``config=``)."""
 
   IMPL = None
+  CONFIG = None
   EXAMPLES = dict(prefix=24, tree=20, full=12, primitive=4, paged=12)
 
   # -- the primitives, through the family's AttentionOps --------------------------------------
@@ -96,7 +98,7 @@ class FamilySuite:
     count_case(f"family_primitives[{self.IMPL}]")
     (b, tq, hq, hkv, d, n_keys), dtype = case
     rng = np.random.default_rng(seed)
-    prefix, segment, suffix = primitives(self.IMPL)
+    prefix, segment, suffix = primitives(self.IMPL, self.CONFIG)
     scale = d**-0.5
     q, q64 = rand(rng, (b, tq, hq, d), dtype)
     pk, pk64 = rand(rng, (n_keys, hkv, d), dtype)
@@ -148,7 +150,7 @@ class FamilySuite:
     sv, sv64 = rand(rng, (b, s, hkv, d), dtype)
     out, lse = prefix_jit(
         q, pk, pv, sk, sv, prefix_length=jnp.int32(plen), suffix_lengths=slen, causal=causal,
-        impl=self.IMPL, return_lse=True)
+        impl=self.IMPL, return_lse=True, config=self.CONFIG)
     assert out.dtype == q.dtype and lse.dtype == jnp.float32
     ref = oracle_tree(q64, [[pk64[:plen]]] * b, [[pv64[:plen]]] * b, sk64, sv64, slen,
                       causal=causal)
@@ -168,7 +170,8 @@ class FamilySuite:
     sk, sk64 = rand(rng, (b, s, hkv, d), dtype)
     sv, sv64 = rand(rng, (b, s, hkv, d), dtype)
     out, lse = tree_jit(
-        q, levels, sk, sv, suffix_lengths=slen, causal=causal, impl=self.IMPL, return_lse=True)
+        q, levels, sk, sv, suffix_lengths=slen, causal=causal, impl=self.IMPL, return_lse=True,
+        config=self.CONFIG)
     ref = oracle_tree(q64, seg_k, seg_v, sk64, sv64, slen, causal=causal)
     assert_close(out, lse, *ref, dtype)
 
@@ -185,7 +188,7 @@ class FamilySuite:
     k, k64 = rand(rng, (b, tk, hkv, d), dtype)
     v, v64 = rand(rng, (b, tk, hkv, d), dtype)
     out, lse = full_jit(
-        q, k, v, kv_lengths=kv_len, causal=causal, impl=self.IMPL)
+        q, k, v, kv_lengths=kv_len, causal=causal, impl=self.IMPL, config=self.CONFIG)
     assert_close(out, lse, *oracle_full(q64, k64, v64, kv_len, causal=causal), dtype)
 
   def test_paged_attention(self):
@@ -223,7 +226,7 @@ class FamilySuite:
     sk64 = np.stack([tokens(k64, own[i], o * ps) for i in range(b)])
     sv64 = np.stack([tokens(v64, own[i], o * ps) for i in range(b)])
     out, lse = paged_jit(q, k, v, jnp.asarray(own), jnp.asarray(own_len), levels=levels,
-                         causal=causal, impl=self.IMPL, return_lse=True)
+                         causal=causal, impl=self.IMPL, return_lse=True, config=self.CONFIG)
     assert out.dtype == q.dtype and lse.dtype == jnp.float32
     ref = oracle_tree(q64, seg_k, seg_v, sk64, sv64, own_len, causal=causal)
     assert_close(out, lse, *ref, dtype)

@@ -21,7 +21,8 @@ import sys
 import threading
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from models.bench import compare, decode, engine, paged, sampler, sharded, startup, train, tree
+from models.bench import (compare, decode, engine, memory, paged, sampler, sharded, startup, train,
+                          tree)
 from models.cli import generate
 from models.errors import UsageError
 from models.training import addition
@@ -43,12 +44,13 @@ COMMANDS: dict[str, Command] = {
     "bench startup": Command(startup.HELP, startup.configure),
     "bench engine": Command(engine.HELP, engine.configure),
     "bench paged": Command(paged.HELP, paged.configure),
+    "bench memory": Command(memory.HELP, memory.configure),
     "train grpo": Command(addition.HELP, addition.configure),
 }
 
 # Help of the command groups (the first word of a nested command's name).
 GROUPS = {"bench": "Benchmarks: hydragen bench decode | tree | sampler | compare | sharded | "
-                   "train | startup | engine | paged.",
+                   "train | startup | engine | paged | memory.",
           "train": "Fine-tuning: hydragen train grpo."}
 
 

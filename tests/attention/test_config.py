@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jax_shared_attn import (BlockSizes, FusedDecodeOptions, GpuConfig, MosaicPrefixOptions,
-                             TpuConfig, shared_prefix_attention)
+                             TpuConfig, XlaConfig, shared_prefix_attention)
 from jax_shared_attn.testing import rel_err
 
 
@@ -48,9 +48,12 @@ def test_wrong_config_type_is_rejected():
   sk = jnp.zeros((2, 8, 1, 64), jnp.float32)
   with pytest.raises(TypeError, match="take a TpuConfig"):
     shared_prefix_attention(q, pk, pk, sk, sk, impl="pallas:tpu", config=GpuConfig())
-  with pytest.raises(TypeError, match="config must be a GpuConfig, a TpuConfig or None"):
+  with pytest.raises(TypeError, match="take a GpuConfig"):
+    shared_prefix_attention(q, pk, pk, sk, sk, impl="pallas:triton", config=XlaConfig())
+  with pytest.raises(TypeError,
+                     match="config must be a GpuConfig, a TpuConfig, an XlaConfig or None"):
     shared_prefix_attention(q, pk, pk, sk, sk, impl="xla", config={"fused_decode": False})
-  # "xla" has nothing to tune: a kernel config is accepted and changes nothing
+  # "xla" takes an XlaConfig; a kernel family's config is accepted and changes nothing
   out = shared_prefix_attention(q, pk, pk, sk, sk, impl="xla", config=GpuConfig())
   assert out.shape == q.shape
 

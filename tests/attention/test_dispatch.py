@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_shared_attn import (GpuConfig, SharedLevel, TpuConfig, attention_with_lse, explain,
-                             hierarchical_attention, shared_prefix_attention)
+from jax_shared_attn import (GpuConfig, SharedLevel, TpuConfig, XlaConfig, attention_with_lse,
+                             explain, hierarchical_attention, shared_prefix_attention)
 from jax_shared_attn import dispatch as core
 from pallas_kernels.gpu import dispatch as gpu
 from pallas_kernels.gpu.config import FusedDecodeOptions
@@ -235,7 +235,7 @@ def test_explain_is_the_plan_the_call_executes(monkeypatch, impl, config):
     seen.clear()
     jax.eval_shape(lambda *a: fn(*a, **kw), *args)  # traces the executor: nothing runs
     assert seen == [explain(fn, *args, **kw)], fn.__name__
-    assert seen[0].impl == impl and (impl == "xla") == (seen[0].backend is None)
+    assert seen[0].impl == impl and (impl == "xla") == isinstance(seen[0].backend, XlaConfig)
 
 
 @pytest.mark.parametrize("impl", ["pallas:triton", "pallas:tpu"])

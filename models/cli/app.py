@@ -22,7 +22,8 @@ import threading
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from models.bench import compare, decode, sampler, sharded, startup, train, tree
-from models.cli import generate
+from models.bench import serve as bench_serve
+from models.cli import generate, serve
 from models.errors import UsageError
 from models.training import addition
 
@@ -34,6 +35,7 @@ class Command(NamedTuple):
 
 COMMANDS: dict[str, Command] = {
     "generate": Command(generate.HELP, generate.configure),
+    "serve": Command(serve.HELP, serve.configure),
     "bench decode": Command(decode.HELP, decode.configure),
     "bench tree": Command(tree.HELP, tree.configure),
     "bench sampler": Command(sampler.HELP, sampler.configure),
@@ -41,12 +43,13 @@ COMMANDS: dict[str, Command] = {
     "bench sharded": Command(sharded.HELP, sharded.configure),
     "bench train": Command(train.HELP, train.configure),
     "bench startup": Command(startup.HELP, startup.configure),
+    "bench serve": Command(bench_serve.HELP, bench_serve.configure),
     "train grpo": Command(addition.HELP, addition.configure),
 }
 
 # Help of the command groups (the first word of a nested command's name).
 GROUPS = {"bench": "Benchmarks: hydragen bench decode | tree | sampler | compare | sharded | "
-                   "train | startup.",
+                   "train | startup | serve.",
           "train": "Fine-tuning: hydragen train grpo."}
 
 

@@ -97,7 +97,8 @@ def build_app(load: Callable[[], tuple], *, on_load_error: Callable[[BaseExcepti
     backend = state.ready()
     return {"object": "list", "data": [{"id": backend.model_name, "object": "model",
                                         "created": 0, "owned_by": "hydragen",
-                                        "max_model_len": backend.context}]}
+                                        "max_model_len": backend.context,
+                                        "vocab_size": backend.vocab}]}
 
   @app.get("/metrics")
   async def metrics():

@@ -14,8 +14,10 @@ Per point: output tokens/s, requests/s, time to first token (TTFT), time per out
 after the first (TPOT) and end-to-end latency, p50 and p99 (and means). Against ``--url``,
 or an in-process server of ``--model`` (a path or a preset name: random weights) started once
 per ``--cascade`` setting, so that cascade on and off run in one invocation. Each server is
-warmed up with the same workload first (its programs compile then). Writes JSON, Markdown
-and a PNG; prints the table last.
+warmed up first with the same workload at 1, 2, 4, ... ``--warmup`` requests at once (the
+batch sizes of the device programs: they compile then). TPOT counts a device call's
+``--decode-steps`` tokens as they arrive, together. Writes JSON, Markdown and a PNG; prints
+the table last.
 
     PYTHONPATH=. python -m models.bench serve --model llama-3-8b --dataset system-prompt \\
         --system-tokens 2048 --rates 1,2,4,8,16 --cascade on,off --num-pages 16384

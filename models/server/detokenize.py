@@ -9,8 +9,9 @@ until the next tokens complete it, so text is released only up to a decoded wind
 not end in U+FFFD (the window then starts on a character border). Each window is decoded
 after the one before it as context and only the difference is taken (a SentencePiece token
 decodes without its leading space at the start of a text). While a stop string can still
-complete, its longest possible start (``max(len(stop)) - 1`` characters) is held back, so a
-stream never shows text the final answer cuts.
+complete, its longest possible start (``max(len(stop)) - 1`` characters) is held back, and
+text from a complete stop string on is never released, so a stream never shows text the
+final answer cuts.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class IncrementalText:
 
   def __init__(self, tokenizer, stop: Sequence[str] = ()):
     self.tokenizer = tokenizer
+    self.stop = tuple(stop)
     self.hold = max((len(s) for s in stop), default=1) - 1
     self.tokens: list[int] = []
     self.prefix = self.read = 0  # token offsets: the context window, the first unread token
@@ -39,7 +41,12 @@ class IncrementalText:
     if len(window) > len(context) and not window.endswith("\ufffd"):
       self.text += window[len(context):]
       self.prefix, self.read = self.read, len(self.tokens)
-    return self._release(len(self.text) - self.hold)
+    end = len(self.text) - self.hold
+    for s in self.stop:  # a complete stop string ends the sample there (its token may carry
+      at = self.text.find(s)  # text past it)
+      if at >= 0:
+        end = min(end, at)
+    return self._release(end)
 
   def finish(self, final: Optional[str] = None) -> str:
     """The text not yet released: ``final`` (the whole text as the engine ends it) past what

@@ -22,10 +22,14 @@ import uvicorn
 from models.server.app import build_app
 
 
-def _config(app, host: str, port: int, drain_s: float, log_level: str) -> uvicorn.Config:
+def _config(app, host: str, port: int, drain_s: float, log_level: str,
+            own_logging: bool = True) -> uvicorn.Config:
+  """uvicorn's settings; ``own_logging=False`` leaves the process's logging as it is (a
+  server in a thread of a program that has its own)."""
+  extra = {} if own_logging else dict(log_config=None)
   return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                         timeout_graceful_shutdown=drain_s, timeout_keep_alive=30,
-                        backlog=4096)
+                        backlog=4096, **extra)
 
 
 def serve(load: Callable[[], tuple], *, host: str = "127.0.0.1", port: int = 8000,
@@ -64,7 +68,8 @@ class ServerThread:
                port: Optional[int] = None, drain_s: float = 5.0, log_level: str = "warning"):
     self.host, self.port = host, port or free_port(host)
     self.app = build_app(load)
-    self.server = uvicorn.Server(_config(self.app, self.host, self.port, drain_s, log_level))
+    self.server = uvicorn.Server(_config(self.app, self.host, self.port, drain_s, log_level,
+                                         own_logging=False))
     self.thread = threading.Thread(target=self.server.run, name="hydragen-server", daemon=True)
 
   @property

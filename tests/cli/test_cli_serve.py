@@ -53,7 +53,7 @@ def test_serve_answers_then_drains_on_sigterm(tiny_dir):
       wait.wait(0.05)
     (model,) = httpx.get(url + "/v1/models").json()["data"]
     assert model["id"] == os.path.basename(tiny_dir)
-    body = dict(model=model["id"], prompt="drain me", max_tokens=48, temperature=0.0,
+    body = dict(model=model["id"], prompt="drain me", max_tokens=200, temperature=0.0,
                 stream=True)
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
       lines = r.iter_lines()

@@ -45,7 +45,7 @@ DATASETS = ("gsp", "system-prompt")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-  from models.cli.serve import add_engine_arguments
+  from models.bench.engine_flags import add_engine_arguments
 
   add_engine_arguments(p)
   p.add_argument("--url", default=None, help="a running server (default: start one in this "
@@ -294,7 +294,7 @@ def _run(args: argparse.Namespace) -> int:
     info = common.stamp(model=model, url=args.url, **info)
     rows += run_series(args, args.url.rstrip("/"), points, "server")
   else:
-    from models.cli.serve import check_engine_args, engine_config, load_model
+    from models.bench.engine_flags import check_engine_args, engine_config, load_model
     from models.generation.settings import GenerationSettings
     from models.server.launch import ServerThread
     from models.serving import Engine

@@ -229,5 +229,6 @@ async def _events(backend: Backend, body, jobs, handles, totals: Totals, head: d
       choice["token_ids"] = list(u.token_ids)
     yield event(choice)
   if include_usage:
-    yield (f"data: {json.dumps({**head, 'choices': [], 'usage': usage(totals.prompt_tokens, totals.completion_tokens, totals.cached_tokens)})}\n\n")
+    counts = usage(totals.prompt_tokens, totals.completion_tokens, totals.cached_tokens)
+    yield f"data: {json.dumps({**head, 'choices': [], 'usage': counts})}\n\n"
   yield "data: [DONE]\n\n"

@@ -13,7 +13,6 @@ import random
 import threading
 
 import httpx
-import numpy as np
 import pytest
 
 from models.checkpoints.tokenizer import Tokenizer, _bytes_to_unicode
@@ -245,8 +244,8 @@ BAD = [  # (path, body or raw bytes, the field the error names)
      "logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 5000}, "max_completion_tokens"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 1100}]},
-     "messages"),
+    ("/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x" * 1100}]}, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "prompt": "hi"}, "prompt"),
 ]
@@ -308,7 +307,7 @@ def test_models_and_metrics(server, client):
   assert free == engine_of(server).pool.num_free
 
 
-# -- load and faults ---------------------------------------------------------------------------------
+# -- load and faults ----------------------------------------------------------------------------
 
 async def _stream(client: httpx.AsyncClient, body: dict, leave_after=None):
   """A streamed completion: (token ids, finish reasons, usage), or None when it left early."""

@@ -57,11 +57,13 @@ def check_engine_args(args: argparse.Namespace) -> None:
 
 
 def _is_preset(name: str) -> bool:
+  """Whether ``name`` is a preset of :data:`models.model.config.PRESETS`."""
   from models.model.config import PRESETS
   return name in PRESETS
 
 
 def engine_config(args: argparse.Namespace, **changes):
+  """The :class:`EngineConfig` of the flags (``changes`` override fields)."""
   from models.serving import EngineConfig
   fields = {name: getattr(args, name) for name in _ENGINE_INTS}
   fields.update(cascade=not args.no_cascade, prefix_caching=not args.no_prefix_caching)

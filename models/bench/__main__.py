@@ -1,11 +1,11 @@
-"""``python -m models.bench <benchmark> [options]``: the attention-level benchmarks (the
-model-level ones run as ``hydragen bench ...``)."""
+"""``python -m models.bench <benchmark> [options]``: the attention-level benchmarks and the
+server's load generator (the model-level ones run as ``hydragen bench ...``; ``serve`` both)."""
 
 import sys
 
-from models.bench import attention, backward
+from models.bench import attention, backward, serve
 
-BENCHMARKS = {"attention": attention.main, "backward": backward.main}
+BENCHMARKS = {"attention": attention.main, "backward": backward.main, "serve": serve.main}
 
 
 def main(argv=None):

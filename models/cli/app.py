@@ -23,7 +23,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from models.bench import (compare, decode, engine, memory, paged, sampler, sharded, startup, train,
                           tree)
-from models.cli import generate
+from models.bench import serve as bench_serve
+from models.cli import generate, serve
 from models.errors import UsageError
 from models.training import addition
 
@@ -35,6 +36,7 @@ class Command(NamedTuple):
 
 COMMANDS: dict[str, Command] = {
     "generate": Command(generate.HELP, generate.configure),
+    "serve": Command(serve.HELP, serve.configure),
     "bench decode": Command(decode.HELP, decode.configure),
     "bench tree": Command(tree.HELP, tree.configure),
     "bench sampler": Command(sampler.HELP, sampler.configure),
@@ -45,12 +47,13 @@ COMMANDS: dict[str, Command] = {
     "bench engine": Command(engine.HELP, engine.configure),
     "bench paged": Command(paged.HELP, paged.configure),
     "bench memory": Command(memory.HELP, memory.configure),
+    "bench serve": Command(bench_serve.HELP, bench_serve.configure),
     "train grpo": Command(addition.HELP, addition.configure),
 }
 
 # Help of the command groups (the first word of a nested command's name).
 GROUPS = {"bench": "Benchmarks: hydragen bench decode | tree | sampler | compare | sharded | "
-                   "train | startup | engine | paged | memory.",
+                   "train | startup | engine | paged | memory | serve.",
           "train": "Fine-tuning: hydragen train grpo."}
 
 

@@ -488,10 +488,17 @@ class Engine:
     Starts the background loop. A bad request raises its ValueError here; the engine keeps
     serving the others. Leaving the loop early cancels the request.
     """
-    loop = asyncio.get_running_loop()
     self.start()
+    async for new in self.follow(self.submit(request)):
+      yield new
+
+  async def follow(self, handle: Handle):
+    """Yields per sample the new token ids of a submitted ``handle`` as they come (an async
+    generator, as :meth:`stream`); when it ends, ``handle.output`` holds the finish reasons,
+    texts and cached tokens. Needs the background loop (:meth:`start`). Leaving it early
+    cancels the request."""
+    loop = asyncio.get_running_loop()
     changed = asyncio.Event()
-    handle = self.submit(request)
     handle._listeners.append(lambda: loop.call_soon_threadsafe(changed.set))
     try:
       while True:

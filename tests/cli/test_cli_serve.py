@@ -1,0 +1,70 @@
+"""``hydragen serve``: bad flags are one line and exit status 2; a served process answers
+once loaded, and SIGTERM lets the answer in progress finish, then exits 0."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from models.cli import app as cli
+from models.server.launch import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--page-size", "0"], "--page-size"),
+    (["--num-pages", "1"], "--num-pages"),
+    (["--max-running", "-2"], "--max-running"),
+    (["--port", "70000"], "--port"),
+    (["--impl", "magic"], "--impl"),
+    (["--model", "/no/such/model.gguf"], "--model"),
+    (["--drain-timeout", "-1"], "--drain-timeout"),
+    (["--bogus"], "--bogus"),
+])
+def test_bad_flags_are_one_line_and_status_2(capsys, argv, words):
+  assert cli.main(["serve", *argv]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("hydragen serve: error: ") and words in err[0]
+
+
+def test_serve_answers_then_drains_on_sigterm(tiny_dir):
+  port = free_port()
+  url = f"http://127.0.0.1:{port}"
+  cmd = [sys.executable, "-m", "models.cli", "serve", "--model", tiny_dir, "--port", str(port),
+         "--impl", "xla", "--dtype", "float32", "--page-size", "8", "--num-pages", "64",
+         "--max-running", "4", "--decode-steps", "2", "--log-level", "warning"]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  try:
+    wait = threading.Event()
+    for _ in range(3000):  # the port opens, then /health turns 200 once the model is loaded
+      try:
+        if httpx.get(url + "/health", timeout=5).status_code == 200:
+          break
+      except httpx.TransportError:
+        pass
+      assert proc.poll() is None, proc.communicate()[1][-2000:]
+      wait.wait(0.05)
+    (model,) = httpx.get(url + "/v1/models").json()["data"]
+    assert model["id"] == os.path.basename(tiny_dir)
+    body = dict(model=model["id"], prompt="drain me", max_tokens=200, temperature=0.0,
+                stream=True)
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+      lines = r.iter_lines()
+      first = next(line for line in lines if line.startswith("data: "))
+      proc.send_signal(signal.SIGTERM)  # mid-stream: the answer still ends whole
+      rest = [line for line in lines if line.startswith("data: ")]
+    chunks = [json.loads(x[6:]) for x in [first] + rest[:-1]]
+    assert rest[-1] == "data: [DONE]"
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert proc.wait(timeout=120) == 0, proc.communicate()[1][-2000:]
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()

@@ -110,20 +110,35 @@ def _run_generate(args: argparse.Namespace) -> int:
     return _generate(args, cache)
 
 
+def run_name(args: argparse.Namespace, path: str) -> str:
+  """What names a run for :meth:`~models.generation.programs.ProgramStore.begin`: every flag
+  and the model file (its path, size and modification time). The same command again calls the
+  same programs, read ahead while it loads."""
+  stat = os.stat(path)
+  flags = sorted((k, repr(v)) for k, v in vars(args).items() if not callable(v))
+  return repr(("generate", os.path.abspath(path), stat.st_size, stat.st_mtime_ns, flags))
+
+
 def _generate(args: argparse.Namespace, cache: CompileCache) -> int:
   import jax
 
-  from models.checkpoints.loading import CheckpointError, from_pretrained
-  from models.generation.loop import decode, prefill
   from models.parallel import distributed
 
   if args.dtype is not None:
     check_dtype_runs(args.dtype)
   mesh = distributed.from_args(args)  # before anything touches the devices
+  path = args.model or default_model_path()
+  if mesh is None and cache.programs is not None:
+    # The stored programs load in the background from here, while the model code is imported
+    # and the weights are read.
+    cache.programs.begin(run_name(args, path))
+
+  from models.checkpoints.loading import CheckpointError, from_pretrained
+  from models.generation.loop import decode, prefill
+
   show = not args.no_progress  # the same programs on every process: bars on process 0 only
   bars = show and jax.process_index() == 0
   t0 = time.perf_counter()
-  path = args.model or default_model_path()
   try:
     model, tokenizer, config = from_pretrained(path, dtype=args.dtype, progress=bars, mesh=mesh)
   except CheckpointError as e:

@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Optional
 
+import numpy as np
+
 from models.checkpoints.default_model import default_model_path
 from models.errors import UsageError
 from models.generation.compile_cache import CompileCache, default_compile_cache
@@ -179,7 +181,8 @@ def _generate(args: argparse.Namespace, cache: CompileCache) -> int:
     compile_s = time.perf_counter() - t0
     chunk = STREAM_CHUNK if (show or stream) else args.max_new_tokens
     t0 = time.perf_counter()
-    while int(state.step) < args.max_new_tokens and not bool(state.finished.all()):
+    while (int(state.step) < args.max_new_tokens
+           and not distributed.gather(state.finished).all()):  # read on the host
       steps = min(chunk, args.max_new_tokens - int(state.step))
       state = decode(model, state, steps, **sampling)
       if stream is not None:
@@ -188,7 +191,8 @@ def _generate(args: argparse.Namespace, cache: CompileCache) -> int:
     state = jax.block_until_ready(state)
     decode_s = time.perf_counter() - t0
   steps = int(state.step)
-  tokens = distributed.gather(state.completions())
+  # state.completions() on the host (no device programs for the reordering).
+  tokens = distributed.gather(state.out)[np.argsort(distributed.gather(state.sample_ids))]
   rate = state.batch_size * steps / decode_s if decode_s > 0 else float("nan")
   if jax.process_index() != 0:  # process 0 prints for all
     return 0
@@ -232,7 +236,6 @@ STREAM_CHUNK = 4  # decode steps per host call while streaming or showing progre
 
 def _first_row(state) -> int:
   """The decode-order row of the caller's sample 0."""
-  import numpy as np
   return int(np.argmin(np.asarray(state.sample_ids)))
 
 

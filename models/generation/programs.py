@@ -210,10 +210,13 @@ class ProgramStore:
 
   def begin(self, run: str) -> None:
     """Names the run that starts now (e.g. a command and its flags, as a string) and loads the
-    programs the last run of that name called, in their order, in a background thread
-    (:data:`READ_AHEAD` at most): each call of one finds it ready. The first program called
-    from now on is noted as that name's first."""
-    start = "begin-" + hashlib.sha256(run.encode()).hexdigest()[:32]
+    programs the last run of that name (with the same code and environment: :meth:`key`) called,
+    in their order, in a background thread (:data:`READ_AHEAD` at most): each call of one finds
+    it ready. The first program called from now on is noted as that name's first."""
+    # With the code and environment, as every program key: a run of the same name in another
+    # setting calls other programs.
+    text = repr((run, code_fingerprint(), environment()))
+    start = "begin-" + hashlib.sha256(text.encode()).hexdigest()[:32]
     index, key, ahead = self._index(), start, []
     while len(ahead) < READ_AHEAD:
       entry = index.get(key)
@@ -284,6 +287,14 @@ class ProgramStore:
     if self._pool is None:
       self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="programs")
     self._pending[key] = self._pool.submit(_load, self.path, key, donated)
+
+  def close(self) -> None:
+    """Cancels the loads that have not started (one under way finishes: the process waits for
+    it at exit)."""
+    if self._pool is not None:
+      self._pool.shutdown(wait=False, cancel_futures=True)
+      self._pool = None
+    self._pending.clear()
 
   def summary(self) -> str:
     """E.g. ``"2 programs loaded (1 read ahead), none traced"`` or ``"1 loaded, 1 traced"``."""

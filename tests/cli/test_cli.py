@@ -119,3 +119,13 @@ def test_smollm2_end_to_end_in_a_fresh_process(tmp_path):
   assert out["chat"] is True and out["prompts"][0].startswith("<|im_start|>system")
   texts = [c["text"] for c in out["completions"]]
   assert texts[0] == texts[1] and "Paris" in texts[0], texts
+
+
+def test_the_command_line_imports_no_jax_before_its_command_runs():
+  """`hydragen generate` starts loading its stored programs (ProgramStore.begin) before it
+  imports the model code: importing the command line itself imports neither JAX nor Flax."""
+  code = ("import sys, models.cli.app; "
+          "print(sorted(m for m in ('jax', 'flax', 'models.generation.loop') if m in sys.modules))")
+  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+  assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

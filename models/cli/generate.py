@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import json
 import os
 import sys
@@ -105,11 +107,24 @@ def check_dtype_runs(dtype: str) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-  check_generate_args(args)
-  cache_dir = "" if args.no_compile_cache else (
-      default_compile_cache() if args.compile_cache is None else args.compile_cache)
-  with CompileCache(os.path.expanduser(cache_dir) if cache_dir else None) as cache:
-    return _generate(args, cache)
+  # Python's cyclic garbage collector would traverse the objects of JAX, Flax and the model
+  # again and again while they are imported and built, and once more at exit (~0.15 s and
+  # ~0.2 s of a warm run on the 2-core CPU): off for the command (reference counting still frees
+  # what has no cycle), and the objects left at exit are not traversed (gc.freeze: the
+  # command's files are written and closed by then).
+  atexit.unregister(gc.freeze)  # once, however many commands this process runs
+  atexit.register(gc.freeze)
+  enabled = gc.isenabled()
+  gc.disable()
+  try:
+    check_generate_args(args)
+    cache_dir = "" if args.no_compile_cache else (
+        default_compile_cache() if args.compile_cache is None else args.compile_cache)
+    with CompileCache(os.path.expanduser(cache_dir) if cache_dir else None) as cache:
+      return _generate(args, cache)
+  finally:
+    if enabled:
+      gc.enable()
 
 
 def run_name(args: argparse.Namespace, path: str) -> str:

@@ -108,10 +108,9 @@ def check_dtype_runs(dtype: str) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
   # Python's cyclic garbage collector would traverse the objects of JAX, Flax and the model
-  # again and again while they are imported and built, and once more at exit (~0.15 s and
-  # ~0.2 s of a warm run on the 2-core CPU): off for the command (reference counting still frees
-  # what has no cycle), and the objects left at exit are not traversed (gc.freeze: the
-  # command's files are written and closed by then).
+  # again and again while they are imported and built, and all of them once more at exit: off
+  # for the command (reference counting still frees what has no cycle), and the objects left
+  # at exit are not traversed (gc.freeze: the command's files are written and closed by then).
   atexit.unregister(gc.freeze)  # once, however many commands this process runs
   atexit.register(gc.freeze)
   enabled = gc.isenabled()

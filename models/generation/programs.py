@@ -24,8 +24,8 @@ structure, shapes and dtypes, the source of the project's packages (``models``,
 versions, the platform and device kind, every ``jax.config`` value but the cache settings, and
 ``XLA_FLAGS``. Any difference is another file; nothing stale is ever called.
 
-Loading an executable is not free on a CPU (SmolLM2-135M's decode program: ~0.4 s, its prefill
-~0.2 s). The store remembers which program followed which in a process (``<dir>/next.json``: a
+Loading an executable is not free on a CPU (XLA rebuilds the program's module and its thunks:
+the larger the program, the longer). The store remembers which program followed which in a process (``<dir>/next.json``: a
 program's key -> the next program's key and donated inputs) and, when it loads a program from
 disk, loads the program that followed it last time in a background thread, while the first one
 runs (counted in ``preloaded``). :meth:`ProgramStore.begin` names a run (e.g. a command and its

@@ -14,8 +14,9 @@ the executable and calls it: nothing is traced, lowered or compiled, and nothing
 executable is read (no StableHLO module to lower again for XLA's persistent cache, no import of
 the CPU's LAPACK bindings that lowering an exported program starts with). Where the executable is
 missing or cannot be loaded, the exported program is compiled through ``jax.jit`` (XLA's
-persistent compilation cache, ``jax_compilation_cache_dir``, then skips compiling it) and its
-executable written.
+persistent compilation cache, ``jax_compilation_cache_dir``, may skip compiling it). An executable
+is written only where XLA compiled the program here: one taken from XLA's persistent cache does
+not serialize again (the copy lacks its compiled functions).
 
 The key is a SHA-256 of everything that decides the program: the name, the static arguments'
 ``repr`` (frozen dataclasses: the model config, the sampling parameters), the inputs' pytree
@@ -25,15 +26,15 @@ versions, the platform and device kind, every ``jax.config`` value but the cache
 ``XLA_FLAGS``. Any difference is another file; nothing stale is ever called.
 
 Loading an executable is not free on a CPU (XLA rebuilds the program's module and its thunks:
-the larger the program, the longer). The store remembers which program followed which in a process (``<dir>/next.json``: a
-program's key -> the next program's key and donated inputs) and, when it loads a program from
-disk, loads the program that followed it last time in a background thread, while the first one
-runs (counted in ``preloaded``). :meth:`ProgramStore.begin` names a run (e.g. a command and its
-flags): the programs the last run of that name called are then loaded in the background at
-once, in their order, while the caller does its other work (imports, reading the weights). A
-call finds its program ready; a read ahead that is not called, or fails, costs nothing but the
-thread's work. A program that was read ahead starts no read of its own (the decode loop would
-share the cores with it).
+the larger the program, the longer). The store remembers which program followed which in a
+process (``<dir>/next.json``: a program's key -> the next program's key and donated inputs) and,
+when it loads a program from disk, loads the program that followed it last time in a background
+thread, while the first one runs (counted in ``preloaded``). :meth:`ProgramStore.begin` names a
+run (e.g. a command and its flags): the programs the last run of that name called are then
+loaded in the background at once, in their order, while the caller does its other work
+(imports, reading the weights). A call finds its program ready; a read ahead that is not
+called, or fails, costs nothing but the thread's work. A program that was read ahead starts no
+read of its own (the decode loop would share the cores with it).
 
 An executable is machine code, loaded as it is: the store's folder must be trusted as the code
 is (it is the user's own cache folder).

@@ -16,7 +16,9 @@ the CPU's LAPACK bindings that lowering an exported program starts with). Where 
 missing or cannot be loaded, the exported program is compiled through ``jax.jit`` (XLA's
 persistent compilation cache, ``jax_compilation_cache_dir``, may skip compiling it). An executable
 is written only where XLA compiled the program here: one taken from XLA's persistent cache does
-not serialize again (the copy lacks its compiled functions).
+not serialize again (the copy lacks its compiled functions). Each program is compiled under a
+name of its own (its key) for that reason: a computation that XLA's cache holds from another
+key (the same model before a code change) is compiled afresh once, then loaded from here.
 
 The key is a SHA-256 of everything that decides the program: the name, the static arguments'
 ``repr`` (frozen dataclasses: the model config, the sampling parameters), the inputs' pytree
@@ -203,7 +205,7 @@ class ProgramStore:
       self.exported += 1
       _write(os.path.join(self.path, key + SUFFIX), exported.serialize())
       # Compiled for the exported avals, as a load compiles it.
-      run, fresh = _compile(exported, donated)
+      run, fresh = _compile(exported, donated, key)
       if fresh:
         _write_executable(self.path, key, run)
     self._follows(key, donated)
@@ -322,13 +324,21 @@ def _read(file: str) -> "jax.export.Exported":
     return jax.export.deserialize(bytearray(f.read()))
 
 
-def _compile(exported: "jax.export.Exported", donated: tuple[int, ...]):
+def _compile(exported: "jax.export.Exported", donated: tuple[int, ...], key: str):
   """``exported`` compiled for its own input avals: ``(compiled, fresh)``. ``fresh``: XLA
   compiled it here; False where it came from XLA's persistent cache, whose executables do not
-  serialize again (the copy lacks their functions: loaded, it fails when called)."""
+  serialize again (the copy lacks their functions: loaded, it fails when called). The program is
+  named after its key, so that XLA's cache holds it under a name of its own (the same
+  computation stored under another key, e.g. before a code change, is not taken from there)."""
+  call = exported.call
+
+  def program(*args):
+    return call(*args)
+
+  program.__name__ = program.__qualname__ = key.replace("-", "_")
   hits = _persistent_cache_hits()
   before = getattr(hits, "count", 0)
-  compiled = jax.jit(exported.call, donate_argnums=donated).lower(*exported.in_avals).compile()
+  compiled = jax.jit(program, donate_argnums=donated).lower(*exported.in_avals).compile()
   return compiled, getattr(hits, "count", 0) == before
 
 
@@ -368,7 +378,7 @@ def _load(path: str, key: str, donated: tuple[int, ...]):
   except Exception:  # noqa: BLE001 -- missing, damaged, or from another jaxlib: compile it
     pass
   try:
-    run, fresh = _compile(_read(os.path.join(path, key + SUFFIX)), donated)
+    run, fresh = _compile(_read(os.path.join(path, key + SUFFIX)), donated, key)
   except Exception:  # noqa: BLE001 -- missing, damaged or foreign: trace it afresh
     return None
   if fresh:

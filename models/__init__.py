@@ -10,14 +10,14 @@ tree, prefill + decode, sampling, the settings value), ``parallel`` (meshes, par
 multi-process runs), ``training`` (GRPO), ``cli`` (the ``hydragen`` command) and ``bench``
 (benchmarks; nothing in the library imports them). See docs/models.md.
 
-The public names below are imported on first use, except ``generate``, bound at import.
+The public names below are imported on first use (``import models`` imports no JAX: the
+``hydragen`` command starts its work, e.g. reading stored programs ahead, before the rest loads).
 """
 
 import importlib
 import types
 
 from models import _deprecated
-from models.generation.loop import generate
 
 _EXPORTS = {
     **{name: "models.model.config" for name in ("LlamaConfig", "RopeScaling", "PRESETS",
@@ -27,7 +27,7 @@ _EXPORTS = {
     "PromptTree": "models.generation.prompt_tree", "detect_sharing": "models.generation.sharing",
     "SamplingParams": "models.generation.sampling", "SamplerConfig": "models.generation.sampling",
     "GenerationSettings": "models.generation.settings",
-    **{name: "models.generation.loop" for name in ("prefill", "decode", "lower_decode",
+    **{name: "models.generation.loop" for name in ("generate", "prefill", "decode", "lower_decode",
                                                    "DecodeState", "PAD_ID", "ATTENTION_MODES")},
     "make_mesh": "models.parallel.sharding", "shard_model": "models.parallel.sharding",
     **{name: "models.checkpoints.loading" for name in ("from_pretrained", "save_pretrained",
@@ -36,7 +36,7 @@ _EXPORTS = {
     "default_model_path": "models.checkpoints.default_model",
 }
 
-__all__ = sorted([*_EXPORTS, "generate"])
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name):

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import json
 import os
 import sys
 import time
 from typing import Optional
+
+import numpy as np
 
 from models.checkpoints.default_model import default_model_path
 from models.errors import UsageError
@@ -103,27 +107,54 @@ def check_dtype_runs(dtype: str) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-  check_generate_args(args)
-  cache_dir = "" if args.no_compile_cache else (
-      default_compile_cache() if args.compile_cache is None else args.compile_cache)
-  with CompileCache(os.path.expanduser(cache_dir) if cache_dir else None) as cache:
-    return _generate(args, cache)
+  # Python's cyclic garbage collector would traverse the objects of JAX, Flax and the model
+  # again and again while they are imported and built, and all of them once more at exit: off
+  # for the command (reference counting still frees what has no cycle), and the objects left
+  # at exit are not traversed (gc.freeze: the command's files are written and closed by then).
+  atexit.unregister(gc.freeze)  # once, however many commands this process runs
+  atexit.register(gc.freeze)
+  enabled = gc.isenabled()
+  gc.disable()
+  try:
+    check_generate_args(args)
+    cache_dir = "" if args.no_compile_cache else (
+        default_compile_cache() if args.compile_cache is None else args.compile_cache)
+    with CompileCache(os.path.expanduser(cache_dir) if cache_dir else None) as cache:
+      return _generate(args, cache)
+  finally:
+    if enabled:
+      gc.enable()
+
+
+def run_name(args: argparse.Namespace, path: str) -> str:
+  """What names a run for :meth:`~models.generation.programs.ProgramStore.begin`: every flag
+  and the model file (its path, size and modification time). The same command again calls the
+  same programs, read ahead while it loads."""
+  stat = os.stat(path)
+  flags = sorted((k, repr(v)) for k, v in vars(args).items() if not callable(v))
+  return repr(("generate", os.path.abspath(path), stat.st_size, stat.st_mtime_ns, flags))
 
 
 def _generate(args: argparse.Namespace, cache: CompileCache) -> int:
   import jax
 
-  from models.checkpoints.loading import CheckpointError, from_pretrained
-  from models.generation.loop import decode, prefill
   from models.parallel import distributed
 
   if args.dtype is not None:
     check_dtype_runs(args.dtype)
   mesh = distributed.from_args(args)  # before anything touches the devices
+  path = args.model or default_model_path()
+  if mesh is None and cache.programs is not None:
+    # The stored programs load in the background from here, while the model code is imported
+    # and the weights are read.
+    cache.programs.begin(run_name(args, path))
+
+  from models.checkpoints.loading import CheckpointError, from_pretrained
+  from models.generation.loop import decode, prefill
+
   show = not args.no_progress  # the same programs on every process: bars on process 0 only
   bars = show and jax.process_index() == 0
   t0 = time.perf_counter()
-  path = args.model or default_model_path()
   try:
     model, tokenizer, config = from_pretrained(path, dtype=args.dtype, progress=bars, mesh=mesh)
   except CheckpointError as e:
@@ -164,7 +195,8 @@ def _generate(args: argparse.Namespace, cache: CompileCache) -> int:
     compile_s = time.perf_counter() - t0
     chunk = STREAM_CHUNK if (show or stream) else args.max_new_tokens
     t0 = time.perf_counter()
-    while int(state.step) < args.max_new_tokens and not bool(state.finished.all()):
+    while (int(state.step) < args.max_new_tokens
+           and not distributed.gather(state.finished).all()):  # read on the host
       steps = min(chunk, args.max_new_tokens - int(state.step))
       state = decode(model, state, steps, **sampling)
       if stream is not None:
@@ -173,7 +205,8 @@ def _generate(args: argparse.Namespace, cache: CompileCache) -> int:
     state = jax.block_until_ready(state)
     decode_s = time.perf_counter() - t0
   steps = int(state.step)
-  tokens = distributed.gather(state.completions())
+  # state.completions() on the host (no device programs for the reordering).
+  tokens = distributed.gather(state.out)[np.argsort(distributed.gather(state.sample_ids))]
   rate = state.batch_size * steps / decode_s if decode_s > 0 else float("nan")
   if jax.process_index() != 0:  # process 0 prints for all
     return 0
@@ -217,7 +250,6 @@ STREAM_CHUNK = 4  # decode steps per host call while streaming or showing progre
 
 def _first_row(state) -> int:
   """The decode-order row of the caller's sample 0."""
-  import numpy as np
   return int(np.argmin(np.asarray(state.sample_ids)))
 
 

@@ -25,6 +25,7 @@ writes (:meth:`KVCache.write`) are then in-place scatters.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Sequence
 
 import jax
@@ -196,14 +197,25 @@ def empty(config: LlamaConfig, batch_size: int, capacity: int, *,
   shape = (batch_size, capacity, config.num_kv_heads, config.head_dim)
   lengths = np.zeros((batch_size,), np.int32) if lengths is None else lengths
   if sharding is None:
-    lengths = jnp.asarray(lengths, jnp.int32)
-  else:
-    lengths = jax.device_put(np.asarray(lengths, np.int32),
-                             NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0])))
+    # Host values are copied over as they are (jnp.asarray would run a device program).
+    lengths = (jnp.asarray(lengths, jnp.int32) if isinstance(lengths, jax.Array)
+               else jax.device_put(np.asarray(lengths, np.int32)))
+    k, v = _zero_buffers(shape, dtype, config.num_layers)
+    return KVCache(tuple(levels), k, v, lengths)
+  lengths = jax.device_put(np.asarray(lengths, np.int32),
+                           NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0])))
   layers = range(config.num_layers)
   zeros = lambda: jnp.zeros(shape, dtype, device=sharding)
   return KVCache(tuple(levels), tuple(zeros() for _ in layers), tuple(zeros() for _ in layers),
                  lengths)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _zero_buffers(shape: tuple[int, ...], dtype, count: int):
+  """``count`` zeroed K buffers and as many V buffers of ``shape``: one program, not a
+  dispatch per buffer (each output is a buffer of its own)."""
+  zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(count))
+  return zeros(), zeros()
 
 
 def kv_bytes_per_token(config: LlamaConfig, dtype=None) -> int:

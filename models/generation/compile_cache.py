@@ -44,6 +44,8 @@ class CompileCache:
   def __exit__(self, *exc):
     import jax
     jax.monitoring.unregister_event_listener(self._event)
+    if self.programs is not None:  # no read ahead left to wait for at exit
+      self.programs.close()
 
   def _event(self, name: str, **kwargs) -> None:
     if name == "/jax/compilation_cache/cache_hits":

@@ -255,7 +255,7 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
     stored = _prefill_levels(config, graphdef, params, tree, settings, progress, prefill_chunk,
                              mesh, programs)
     nodes = [np.asarray(tree.node_of_sample(l)[order]) for l in range(len(stored))]
-    levels = tuple(SegmentLevel(k, v, jnp.asarray(lens), jnp.asarray(nodes[l]),
+    levels = tuple(SegmentLevel(k, v, *jax.device_put((lens, nodes[l])),
                                 all_share=len(lens) == 1 and not nodes[l].any())
                    for l, (k, v, lens) in enumerate(stored))
     if attention == "hydragen":
@@ -283,15 +283,14 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
                             levels=levels if attention == "hydragen" else (), lengths=lengths,
                             sharding=own)
   b = len(order)
-  state = DecodeState(
-      cache=cache,
-      tokens=jnp.asarray(np.asarray(tree.last_tokens, np.int32)[order]),
-      out=jnp.full((b, max_new_tokens), PAD_ID, jnp.int32),
-      finished=jnp.zeros((b,), bool),
-      step=jnp.zeros((), jnp.int32),
-      sample_ids=jnp.asarray(order, jnp.int32),
-      seed=jnp.asarray(np.uint32(seed % 2**32)),
-      attention=attention)
+  # Built on the host and copied over in one transfer (not a small device program each).
+  state = DecodeState(cache=cache, attention=attention, **jax.device_put(dict(
+      tokens=np.asarray(tree.last_tokens, np.int32)[order],
+      out=np.full((b, max_new_tokens), PAD_ID, np.int32),
+      finished=np.zeros((b,), bool),
+      step=np.zeros((), np.int32),
+      sample_ids=np.asarray(order, np.int32),
+      seed=np.asarray(np.uint32(seed % 2**32)))))
   return state if mesh is None else sharding_lib.shard_state(state, mesh)
 
 
@@ -423,7 +422,8 @@ def _prefill_levels(config, graphdef, params, tree: PromptTree, settings: Genera
     tokens = np.zeros((len(lengths), width), np.int32)
     for n, seg in enumerate(tree.segments[l]):
       tokens[n, :len(seg)] = seg
-    ancestors = tuple(SegmentLevel(k, v, jnp.asarray(lens), jnp.asarray(tree.ancestor(a, l)))
+    # Host values copied over as they are (jnp.asarray would run a device program each).
+    ancestors = tuple(SegmentLevel(k, v, *jax.device_put((lens, tree.ancestor(a, l))))
                       for a, (k, v, lens) in enumerate(stored))
     sharding = (None if mesh is None
                 else sharding_lib.attention_sharding(mesh, batch_sharded=False))
@@ -431,8 +431,8 @@ def _prefill_levels(config, graphdef, params, tree: PromptTree, settings: Genera
         None if mesh is None else sharding_lib.own_kv_sharding(mesh, batch_sharded=False)))
     k, v = own.k, own.v
     for start in range(0, width, step):
-      args = (params, jnp.asarray(tokens[:, start:start + step]), ancestors, k, v,
-              jnp.int32(start))
+      args = (params, jax.device_put(tokens[:, start:start + step]), ancestors, k, v,
+              jax.device_put(np.int32(start)))
       if programs is not None and mesh is None:
         k, v = programs.call("prefill", _prefill_chunk, (graphdef,), args,
                              static=dict(settings=settings, sharding=None),

@@ -74,10 +74,11 @@ def test_second_run_loads_its_traced_programs(tiny_dir, tmp_path, capsys):
     assert (first["timing"]["programs_loaded"], first["timing"]["programs_traced"]) == (0, 2)
     assert cli.main(argv + ["--json"]) == 0
     second = json.loads(capsys.readouterr().out)
+    # Both read ahead: the same command's programs load while it loads the model.
     assert (second["timing"]["programs_loaded"], second["timing"]["programs_traced"],
-            second["timing"]["programs_read_ahead"]) == (2, 0, 1)  # decode read during prefill
+            second["timing"]["programs_read_ahead"]) == (2, 0, 2)
     assert second["completions"] == first["completions"]
-    assert cli.main(argv) == 0
+    assert cli.main(argv) == 0  # another command (no --json): the decode read during prefill
     assert ("(traced: 2 programs loaded (1 read ahead), none traced; compiled: "
             in capsys.readouterr().out)
   finally:  # later tests in this process compile without the (deleted) directory
@@ -118,3 +119,13 @@ def test_smollm2_end_to_end_in_a_fresh_process(tmp_path):
   assert out["chat"] is True and out["prompts"][0].startswith("<|im_start|>system")
   texts = [c["text"] for c in out["completions"]]
   assert texts[0] == texts[1] and "Paris" in texts[0], texts
+
+
+def test_the_command_line_imports_no_jax_before_its_command_runs():
+  """`hydragen generate` starts loading its stored programs (ProgramStore.begin) before it
+  imports the model code: importing the command line itself imports neither JAX nor Flax."""
+  code = ("import sys, models.cli.app; "
+          "print(sorted(m for m in ('jax', 'flax', 'models.generation.loop') if m in sys.modules))")
+  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+  assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

@@ -60,3 +60,15 @@ def test_bytes_count_shared_segments_once():
   assert cache.own_nbytes == 64 * 5 * per_token
   assert cache.nbytes == cache.shared_nbytes + cache.own_nbytes
   assert isinstance(cache, KVCache) and cache.capacity == 5 and cache.batch_size == 64
+
+
+def test_empty_buffers_are_zero_and_each_its_own():
+  """One program builds every layer's zeroed K and V; each is a buffer of its own (a program
+  that donates one leaves the others alone)."""
+  cache = cache_lib.empty(CONFIG, 2, 5, dtype="bfloat16", lengths=np.array([1, 3]))
+  buffers = cache.k + cache.v
+  assert len({x.unsafe_buffer_pointer() for x in buffers}) == 2 * CONFIG.num_layers
+  for x in buffers:
+    assert x.shape == (2, 5, CONFIG.num_kv_heads, CONFIG.head_dim) and x.dtype == jnp.bfloat16
+    assert not np.asarray(x, np.float32).any()
+  assert cache.lengths.dtype == jnp.int32 and cache.lengths.tolist() == [1, 3]

@@ -57,17 +57,28 @@ def test_stored_programs_give_the_tokens_of_the_plain_path_and_load_in_a_new_pro
 def test_a_missing_damaged_or_stale_read_ahead_costs_nothing_but_the_read(tiny, tmp_path):
   plain = stored_tokens(tiny, ProgramStore(str(tmp_path)))
   index = tmp_path / programs_lib.NEXT_INDEX
-  decode_file = next(f for f in tmp_path.iterdir() if f.name.startswith("decode-"))
-  good = decode_file.read_bytes()
+  # The decode program's files: its exported program, and its executable where it was compiled
+  # here (not taken from XLA's persistent cache).
+  decode_files = [f for f in tmp_path.iterdir() if f.name.startswith("decode-")]
+  good = {f: f.read_bytes() for f in decode_files}
+
+  def damage():
+    for f in decode_files:
+      f.write_bytes(b"not a program")
+
+  def remove():
+    for f in decode_files:
+      f.unlink()
+
   cases = {"index damaged": lambda: index.write_text("{not json"),
            "index empty": lambda: index.write_text("{}"),
            "index of other types": lambda: index.write_text(json.dumps(
                {k: {"key": [1], "donated": ["a"]} for k in json.loads(index.read_text())})),
-           "program file damaged": lambda: decode_file.write_bytes(b"not a program"),
-           "program file gone": decode_file.unlink}
+           "program files damaged": damage,
+           "program files gone": remove}
   for case, spoil in cases.items():
-    if not decode_file.exists():
-      decode_file.write_bytes(good)
+    for f, data in good.items():
+      f.write_bytes(data)
     spoil()
     store = ProgramStore(str(tmp_path))
     np.testing.assert_array_equal(stored_tokens(tiny, store), plain, err_msg=case)
@@ -76,6 +87,42 @@ def test_a_missing_damaged_or_stale_read_ahead_costs_nothing_but_the_read(tiny, 
     # Whatever happened, the store knows again what follows the prefill.
     assert list(programs_lib.ProgramStore(str(tmp_path))._index().values())[0]["key"].startswith(
         "decode-"), case
+
+
+def test_a_named_run_loads_the_executables_of_its_last_run_ahead(tmp_path):
+  """begin(name): the programs the last run of that name called load in the background before
+  they are called, from their executables (the exported programs are not needed)."""
+  # A config of its own (a random rope_theta): programs that no earlier test compiled, so XLA
+  # compiles them here (an executable from XLA's persistent cache cannot be written again).
+  theta = 1000.0 + float(np.random.default_rng().integers(1, 10**6))
+  model = random_init(preset("tiny").replace(num_heads=6, num_kv_heads=2, head_dim=16,
+                                             rope_theta=theta), seed=3, std=0.12)
+  plain = np.asarray(generate(model, prompt(), num_samples=3, max_new_tokens=8, seed=1,
+                              impl=IMPL, **SAMPLED))
+  first = ProgramStore(str(tmp_path))
+  first.begin("a run")
+  np.testing.assert_array_equal(stored_tokens(model, first), plain)
+  executables = sorted(f.split("-")[0] for f in os.listdir(tmp_path)
+                       if f.endswith(programs_lib.EXECUTABLE_SUFFIX))
+  assert executables == ["decode", "prefill"]
+  for f in os.listdir(tmp_path):
+    if f.endswith(programs_lib.SUFFIX):
+      os.remove(tmp_path / f)  # only the executables are left to load
+  again = ProgramStore(str(tmp_path))
+  again.begin("a run")
+  assert len(again._pending) == 2  # both started before any call
+  np.testing.assert_array_equal(stored_tokens(model, again, steps=(None,)), plain)
+  assert (again.loaded, again.exported, again.preloaded) == (2, 0, 2)
+  other = ProgramStore(str(tmp_path))
+  other.begin("another run")  # nothing known about it: nothing read ahead
+  assert not other._pending
+  # A damaged executable: the program is traced again (its exported program is gone too).
+  for f in os.listdir(tmp_path):
+    if f.startswith("prefill-"):
+      (tmp_path / f).write_bytes(b"not an executable")
+  damaged = ProgramStore(str(tmp_path))
+  np.testing.assert_array_equal(stored_tokens(model, damaged, steps=(None,)), plain)
+  assert (damaged.loaded, damaged.exported) == (1, 1)
 
 
 def test_the_stored_decode_program_donates_the_state(tiny, tmp_path):

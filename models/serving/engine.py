@@ -225,6 +225,9 @@ class Engine:
         m = self.tree.match(req.context[:full * ps])
         match_node, matched = m.node, m.pages
         self.tree.lock(match_node)
+      if self.tree is not None and self._waits_for_a_prefill(req, matched.size):
+        self.tree.unlock(match_node)
+        return
       need = full - matched.size + (n if tail else 0)
       reserve = self._decode_need(self._running_seqs())
       if not self._free_pages(need + reserve):
@@ -245,6 +248,23 @@ class Engine:
       req.admitted = next(self._admissions)
       req.state = "prefill"
       self._active.append(req)
+
+  def _waits_for_a_prefill(self, req: Req, matched_pages: int) -> bool:
+    """Whether a request being prefilled shares more whole pages with ``req``'s prompt than the
+    tree holds now (``matched_pages``): those pages join the tree when its prefill ends, so
+    ``req`` is admitted after it and reuses them instead of computing them again (requests
+    submitted together under one system prompt)."""
+    ps = self.config.page_size
+    for other in self._active:
+      if other.state != "prefill":
+        continue
+      n = min(req.context.size, other.context.size) // ps * ps
+      if n <= matched_pages * ps:
+        continue
+      differ = np.flatnonzero(req.context[:n] != other.context[:n])
+      if (differ[0] if differ.size else n) // ps > matched_pages:
+        return True
+    return False
 
   def _prefill(self) -> None:
     """Up to ``max_prefill_tokens`` prompt tokens: one chunk per request in admission order

@@ -309,6 +309,20 @@ def test_a_shared_prompt_is_stored_once_and_cancel_frees_at_once(model):
   assert_drained(engine)
 
 
+def test_requests_submitted_together_reuse_the_pages_of_the_first_prefill(model):
+  """A system prompt shared by requests that arrive at once is prefilled once: the others are
+  admitted when its pages are in the tree (not prefilled beside it in the same call)."""
+  engine = Engine(model, config=config(), settings=SETTINGS)
+  system = list(range(50, 66))  # 4 whole pages
+  requests = [Request(system + [70 + i], max_tokens=3, ignore_eos=True) for i in range(4)]
+  outputs = engine.generate(requests)
+  assert [o.cached_tokens for o in outputs] == [0, 16, 16, 16]
+  alone = [Engine(model, config=config(), settings=SETTINGS).generate([r])[0] for r in requests]
+  assert ([o.samples[0].token_ids for o in outputs]
+          == [o.samples[0].token_ids for o in alone])
+  assert_drained(engine)
+
+
 # -- compiles ---------------------------------------------------------------------------------------
 
 def test_a_second_workload_of_the_same_shapes_compiles_nothing(model):

@@ -97,6 +97,26 @@ def impl(request):
   return request.config.getoption("--impl")
 
 
+_CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                  "jax_persistent_cache_min_entry_size_bytes")
+
+
+@pytest.fixture(autouse=True)
+def _run_compile_cache_options():
+  """Gives every test the run's persistent-cache settings: a test that opens a
+  :class:`models.generation.compile_cache.CompileCache` in this process (the CLI, the start-up
+  benchmark) points the cache at its own, soon deleted, folder and stores every program (no
+  minimum compile time), which later tests in the worker must not inherit."""
+  import jax
+  saved = {k: jax.config.values[k] for k in _CACHE_OPTIONS}
+  yield
+  if any(jax.config.values[k] != v for k, v in saved.items()):
+    from jax._src import compilation_cache
+    for k, v in saved.items():
+      jax.config.update(k, v)
+    compilation_cache.reset_cache()
+
+
 # The folders of the model-side tests (tests/<subpackage of models>/).
 MODEL_TEST_DIRS = ("model", "checkpoints", "generation", "training")
 

@@ -177,25 +177,16 @@ def _check_level(fn: str, i: int, level: SharedLevel, b: int, hkv: int, d: int,
     raise ValueError(f"{fn}: {name}.k must hold at least one segment (N >= 1); got N = 0")
   lengths = _checks.lengths_array(fn, f"{name}.lengths", level.lengths, (n,), t,
                                   f"the capacity {name}.k.shape[1]")
-  nodes = level.node_of_seq
-  if not hasattr(nodes, "dtype") or not jnp.issubdtype(nodes.dtype, jnp.integer):
-    raise TypeError(f"{fn}: {name}.node_of_seq must be an integer array [B]; got "
-                    f"{getattr(nodes, 'dtype', type(nodes).__name__)}")
-  if tuple(nodes.shape) != (b,):
-    raise ValueError(f"{fn}: {name}.node_of_seq must have shape [{b}] (one entry per sequence); "
-                     f"got {_checks.shape_str(nodes.shape)}")
-  if _checks.is_concrete(nodes) and nodes.size:
-    lo, hi = int(jnp.min(nodes)), int(jnp.max(nodes))
-    if lo < -1 or hi >= n:
-      raise ValueError(f"{fn}: {name}.node_of_seq must lie in [-1, {n - 1}] (N = {n} segments); "
-                       f"got values in [{lo}, {hi}]")
-    if level.all_share and (lo, hi) != (0, 0):
+  nodes = _check_level_nodes(fn, name, "node_of_seq", level.node_of_seq, b, n)
+  if level.all_share and _checks.is_concrete(nodes) and nodes.size:
+    lo, hi = int(np.min(nodes)), int(np.max(nodes))
+    if (lo, hi) != (0, 0):
       raise ValueError(f"{fn}: {name}.all_share=True promises every sequence continues segment "
                        f"0, but {name}.node_of_seq holds values in [{lo}, {hi}]")
   if level.all_share and n != 1:
     raise ValueError(f"{fn}: {name}.all_share=True promises one segment shared by every "
                      f"sequence, but {name}.k holds {n} segments")
-  return lengths, jnp.asarray(nodes, jnp.int32)
+  return lengths, nodes
 
 
 def shared_prefix_attention(q: Array, prefix_k: Array, prefix_v: Array, suffix_k: Array,
@@ -413,8 +404,8 @@ def _check_level_nodes(fn: str, name: str, field: str, nodes, b: int, n: int) ->
     host = np.asarray(nodes)
     lo, hi = int(host.min()), int(host.max())
     if lo < -1 or hi >= n:
-      raise ValueError(f"{fn}: {name}.{field} must lie in [-1, {n - 1}] ({n} segments); got "
-                       f"values in [{lo}, {hi}]")
+      raise ValueError(f"{fn}: {name}.{field} must lie in [-1, {n - 1}] (N = {n} segments); "
+                       f"got values in [{lo}, {hi}]")
   return jnp.asarray(nodes, jnp.int32)
 
 

@@ -210,7 +210,7 @@ def _run(args: argparse.Namespace) -> int:
   model = device_random_init(config, seed=0)
   print(f"model {args.model}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
   requests = requests_of(args, config.vocab_size)
-  bw, rate = _ceilings()
+  bw, rate = timing.ceilings()
   info = common.stamp(model=args.model, workload=args.workload, impl=args.impl,
                       requests=len(requests), max_running=args.max_running,
                       page_size=args.page_size, decode_steps=args.decode_steps,
@@ -233,18 +233,6 @@ def _run(args: argparse.Namespace) -> int:
   common.write_text(os.path.join(args.out, f"engine-{args.workload}.md"), text)
   print(text)
   return 0
-
-
-def _ceilings() -> tuple[float, float]:
-  """This run's copy bandwidth and bf16 matmul rate (small probes on a CPU)."""
-  import jax
-  import jax.numpy as jnp
-
-  from models.bench import timing
-
-  if jax.default_backend() == "cpu":
-    return timing.copy_bandwidth(2**24, trials=3), timing.matmul_rate(512, jnp.bfloat16, trials=3)
-  return timing.copy_bandwidth(), timing.matmul_rate(8192, jnp.bfloat16)
 
 
 def _markdown(rows, info) -> str:

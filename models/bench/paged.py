@@ -80,7 +80,7 @@ def _run(args: argparse.Namespace) -> int:
   from pallas_kernels.base import AttentionShape, gather_pages
 
   os.makedirs(args.out, exist_ok=True)
-  bw, rate = _ceilings()
+  bw, rate = timing.ceilings()
   info = common.stamp(bandwidth_GBps=bw / 1e9, matmul_TFLOPs=rate / 1e12, impl=args.impl)
   rows = []
   impl = args.impl
@@ -127,18 +127,6 @@ def _run(args: argparse.Namespace) -> int:
   common.write_text(os.path.join(args.out, "paged.md"), _markdown(rows, info))
   print(_markdown(rows, info))
   return 0
-
-
-def _ceilings() -> tuple[float, float]:
-  """This run's copy bandwidth and bf16 matmul rate (small probes on a CPU)."""
-  import jax
-  import jax.numpy as jnp
-
-  from models.bench import timing
-
-  if jax.default_backend() == "cpu":
-    return timing.copy_bandwidth(2**24, trials=3), timing.matmul_rate(512, jnp.bfloat16, trials=3)
-  return timing.copy_bandwidth(), timing.matmul_rate(8192, jnp.bfloat16)
 
 
 def _markdown(rows, info) -> str:

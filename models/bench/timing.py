@@ -159,3 +159,11 @@ def matmul_rate(n: int = 8192, dtype=jnp.bfloat16, trials: int = 7) -> float:
     return jax.lax.fori_loop(0, iters, lambda i, x: (x @ w).astype(dtype), a)
 
   return 2 * n**3 * iters / _seconds_per_run(loop, a, trials)
+
+
+def ceilings() -> tuple[float, float]:
+  """This run's copy bandwidth and bf16 matmul rate (small probes on a CPU, where only the
+  benchmarks' smoke tests run)."""
+  if jax.default_backend() == "cpu":
+    return copy_bandwidth(2**24, trials=3), matmul_rate(512, jnp.bfloat16, trials=3)
+  return copy_bandwidth(), matmul_rate(8192, jnp.bfloat16)

@@ -198,7 +198,6 @@ def floors(args, config, bw: float, rate: float) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
-  import jax.numpy as jnp
 
   from models.bench import timing
   from models.bench.decode import device_random_init

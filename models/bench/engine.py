@@ -198,7 +198,6 @@ def floors(args, config, bw: float, rate: float) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
-
   from models.bench import timing
   from models.bench.decode import device_random_init
   from models.model.config import preset

@@ -56,6 +56,12 @@ def configure(d: argparse.ArgumentParser) -> None:
   d.add_argument("--num-pages", type=int, default=0, help="0: what the device memory allows")
   d.add_argument("--decode-steps", type=int, default=16)
   d.add_argument("--max-prefill-tokens", type=int, default=4096)
+  d.add_argument("--batch-buckets", type=common.ints, default=None,
+                 help="decode batch buckets (default: 64, x4 up to --max-running)")
+  d.add_argument("--page-buckets", type=common.ints, default=None,
+                 help="pages per shared segment (default: powers of two)")
+  d.add_argument("--own-page-buckets", type=common.ints, default=None,
+                 help="own pages per sequence (default: powers of two)")
   d.add_argument("--impl", default="auto")
   d.add_argument("--seed", type=int, default=0)
   d.add_argument("--out", default="runs/engine")
@@ -88,13 +94,15 @@ def _engine_config(args, mode: str, config):
   from models.serving import EngineConfig
 
   num_pages = args.num_pages or _pages_that_fit(config, args.page_size)
-  buckets = _buckets(args.max_running)
+  buckets = tuple(args.batch_buckets or _buckets(args.max_running))
+  tuple_or_none = lambda v: tuple(v) if v else None
   return EngineConfig(page_size=args.page_size, num_pages=num_pages,
                       max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
                       decode_steps=args.decode_steps, cascade=mode == "cascade",
                       prefix_caching=mode != "no-sharing", batch_buckets=buckets,
                       prefill_buckets=_pow2_up_to(args.max_prefill_tokens), level_buckets=(1, 2),
-                      segment_buckets=(1, 2, 4))
+                      segment_buckets=(1, 2, 4), page_buckets=tuple_or_none(args.page_buckets),
+                      own_page_buckets=tuple_or_none(args.own_page_buckets))
 
 
 def _pow2_up_to(n: int) -> tuple[int, ...]:
@@ -229,6 +237,7 @@ def _run(args: argparse.Namespace) -> int:
     common.write_json(os.path.join(args.out, f"engine-{args.workload}.json"), info, rows)
   text = _markdown(rows, info)
   common.write_text(os.path.join(args.out, f"engine-{args.workload}.md"), text)
+  _plot(rows, info, os.path.join(args.out, f"engine-{args.workload}.png"))
   print(text)
   return 0
 
@@ -254,3 +263,16 @@ def _markdown(rows, info) -> str:
     lines.append(f"| {r['mode']} | {r['seconds']:.1f} | {r['requests_per_s']:.2f} | "
                  f"{r['tokens_per_s']:.0f} | {ratio(ns)} | {ratio(nc)} |")
   return head + "\n".join(lines) + "\n"
+
+
+def _plot(rows, info, path: str) -> None:
+  """Tokens/s per mode, a bar each."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(6, 3.6))
+  ax.bar([r["mode"] for r in rows], [r["tokens_per_s"] for r in rows], color="tab:blue")
+  ax.set_ylabel("generated tokens/s")
+  ax.set_title(f"{info['workload']}, {info['model']}, {info['device']}", fontsize=9)
+  common.save_png(fig, path)

@@ -165,7 +165,8 @@ def program_shapes(config, max_context: int):
   batch = _sizes(c.batch_buckets, c.max_running)
   chunks = _sizes(c.prefill_buckets, c.max_prefill_tokens)
   own = _sizes(c.own_page_buckets, -(-(max_context + chunks[-1]) // ps))
-  prefill = list(itertools.product(batch, chunks, own))
+  rows = _sizes(c.prefill_row_buckets, c.max_running)
+  prefill = list(itertools.product(rows, chunks, own))
   levels = [(0, 1, 1)]
   if c.cascade:
     levels += list(itertools.product(c.level_buckets, c.segment_buckets, c.page_buckets))

@@ -294,7 +294,7 @@ class Engine:
   def _prefill_rows(self, chunks: Sequence[tuple[Req, int, int]], t: int) -> None:
     """One device call: row r writes chunk (req, start, n) padded to ``t`` tokens."""
     ps, cascade = self.config.page_size, self.config.cascade_config()
-    rows = cascade.bucket("batch", len(chunks))
+    rows = self.config.prefill_rows(len(chunks))
     width = cascade.bucket("own_pages", max(-(-(start + t) // ps) for _, start, _ in chunks))
     tokens = np.zeros((rows, t), np.int32)
     table = np.full((rows, width), NULL_PAGE, np.int32)

@@ -19,8 +19,8 @@ from models.generation.sampling import SamplingParams
 from models.serving.cascade import CascadeConfig
 
 FINISH_REASONS = ("stop", "length", "cancelled")
-_BUCKET_FIELDS = ("batch_buckets", "prefill_buckets", "level_buckets", "segment_buckets",
-                  "page_buckets", "own_page_buckets")
+_BUCKET_FIELDS = ("batch_buckets", "prefill_buckets", "prefill_row_buckets", "level_buckets",
+                  "segment_buckets", "page_buckets", "own_page_buckets")
 
 
 def _positive_int(owner: str, name: str, value, minimum: int = 1) -> None:
@@ -55,6 +55,9 @@ class EngineConfig:
     batch_buckets: padded batch sizes of the decode program (None: powers of two).
     prefill_buckets: padded prefill chunk lengths (None: powers of two up to
       ``max_prefill_tokens``).
+    prefill_row_buckets: padded row counts of a prefill call (one row per request's chunk;
+      None: powers of two up to ``max_running``), so that a lone long prompt is not padded
+      to a decode batch of rows.
     level_buckets, segment_buckets, page_buckets, own_page_buckets: padded sizes of the
       cascade plan (:class:`models.serving.cascade.CascadeConfig`; None: powers of two);
       ``own_page_buckets`` also pads a prefill chunk's page table.
@@ -70,6 +73,7 @@ class EngineConfig:
   prefix_caching: bool = True
   batch_buckets: Optional[tuple[int, ...]] = None
   prefill_buckets: Optional[tuple[int, ...]] = None
+  prefill_row_buckets: Optional[tuple[int, ...]] = None
   level_buckets: Optional[tuple[int, ...]] = None
   segment_buckets: Optional[tuple[int, ...]] = None
   page_buckets: Optional[tuple[int, ...]] = None
@@ -91,6 +95,9 @@ class EngineConfig:
     if self.batch_buckets is not None and self.batch_buckets[-1] < self.max_running:
       raise ValueError(f"EngineConfig: batch_buckets={self.batch_buckets} must reach "
                        f"max_running={self.max_running}")
+    if self.prefill_row_buckets is not None and self.prefill_row_buckets[-1] < self.max_running:
+      raise ValueError(f"EngineConfig: prefill_row_buckets={self.prefill_row_buckets} must "
+                       f"reach max_running={self.max_running}")
     if self.prefill_buckets is not None and self.prefill_buckets[-1] < self.max_prefill_tokens:
       raise ValueError(f"EngineConfig: prefill_buckets={self.prefill_buckets} must reach "
                        f"max_prefill_tokens={self.max_prefill_tokens}")
@@ -101,6 +108,12 @@ class EngineConfig:
                          batch=self.batch_buckets, levels=self.level_buckets,
                          segments=self.segment_buckets, pages=self.page_buckets,
                          own_pages=self.own_page_buckets)
+
+  def prefill_rows(self, n: int) -> int:
+    """The padded row count of a prefill call of ``n`` chunks."""
+    if self.prefill_row_buckets is None:
+      return 1 << max(n - 1, 0).bit_length()
+    return next(s for s in self.prefill_row_buckets if s >= n)
 
   def prefill_bucket(self, n: int) -> int:
     """The padded length of a prefill chunk of ``n`` tokens."""

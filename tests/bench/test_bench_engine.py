@@ -11,7 +11,7 @@ def test_engine_bench_serves_every_mode(tmp_path):
   rc = main(["bench", "engine", "--model", "tiny", "--requests", "6", "--system-prompt", "24",
              "--input", "3", "--output", "4", "--max-running", "8", "--page-size", "4",
              "--num-pages", "128", "--max-prefill-tokens", "32", "--decode-steps", "2",
-             "--impl", "xla", "--modes", "cascade,no-cascade,no-sharing", "--out", str(out)])
+             "--impl", "xla", "--page-buckets", "8", "--own-page-buckets", "4,16", "--modes", "cascade,no-cascade,no-sharing", "--out", str(out)])
   assert rc == 0
   report = json.loads((out / "engine-relay.json").read_text())
   rows = {r["mode"]: r for r in report["rows"]}
@@ -23,3 +23,4 @@ def test_engine_bench_serves_every_mode(tmp_path):
   assert floors["no_cascade_GB"] > floors["cascade_GB"] and floors["floor_ratio"] >= 1
   md = (out / "engine-relay.md").read_text()
   assert "| cascade |" in md and "| no-sharing |" in md
+  assert (out / "engine-relay.png").stat().st_size > 0

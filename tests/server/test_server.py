@@ -28,6 +28,7 @@ MODEL = "tiny-bytes"
 # One bucket per padded size: the whole file runs a handful of device programs.
 CONFIG = EngineConfig(page_size=4, num_pages=512, max_running=32, max_prefill_tokens=16,
                       decode_steps=4, min_shared_tokens=4, batch_buckets=(32,),
+                      prefill_row_buckets=(32,),
                       prefill_buckets=(16,), level_buckets=(2,), segment_buckets=(4,),
                       page_buckets=(16, 256), own_page_buckets=(32, 256))
 SYSTEM = "You are a helpful assistant. Answer briefly. "

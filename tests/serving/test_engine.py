@@ -23,7 +23,8 @@ from models.serving import Engine, EngineConfig, Request
 SETTINGS = GenerationSettings(impl="xla")
 PAD = 64  # the oracle's padded length: prompt + max_tokens stays below it
 # Few buckets: every test reuses the same handful of device programs.
-BUCKETS = dict(batch_buckets=(8,), prefill_buckets=(8,), level_buckets=(2,),
+BUCKETS = dict(batch_buckets=(8,),
+               prefill_row_buckets=(8,), prefill_buckets=(8,), level_buckets=(2,),
                segment_buckets=(2,), page_buckets=(8,), own_page_buckets=(8, 16))
 
 
@@ -445,10 +446,20 @@ def test_bad_requests_name_the_field(kwargs, field):
 @pytest.mark.parametrize("kwargs, field", [
     (dict(page_size=0), "page_size"), (dict(num_pages=1), "num_pages"),
     (dict(cascade=1), "cascade"), (dict(batch_buckets=(4,)), "batch_buckets"),
+    (dict(prefill_row_buckets=(4,)), "prefill_row_buckets"),
+    (dict(prefill_row_buckets=(4, 2, 8)), "prefill_row_buckets"),
     (dict(decode_steps=-1), "decode_steps")])
 def test_bad_engine_configs_name_the_field(kwargs, field):
   with pytest.raises(ValueError, match=field):
     config(**kwargs)
+
+
+def test_prefill_rows_are_padded_to_their_own_buckets():
+  """A lone prompt's chunk runs as one row, not as a decode batch of rows."""
+  default = EngineConfig(max_running=64, batch_buckets=(64,))
+  assert [default.prefill_rows(n) for n in (1, 2, 3, 5, 64)] == [1, 2, 4, 8, 64]
+  pinned = config()
+  assert [pinned.prefill_rows(n) for n in (1, 8)] == [8, 8]
 
 
 def test_requests_the_engine_cannot_serve_fail_alone(model):

@@ -17,6 +17,7 @@ from models.serving import Engine, EngineConfig, Request
 
 config = EngineConfig(page_size=4, num_pages=32, max_running=4, max_prefill_tokens=8,
                       decode_steps=2, min_shared_tokens=4, batch_buckets=(4,),
+                      prefill_row_buckets=(4,),
                       prefill_buckets=(8,), level_buckets=(1,), segment_buckets=(1,),
                       page_buckets=(2,), own_page_buckets=(4,))
 model = random_init(preset("tiny").replace(max_position_embeddings=16), seed=0)

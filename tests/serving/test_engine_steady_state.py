@@ -9,6 +9,7 @@ from models.serving import Engine, EngineConfig, Request
 
 CONFIG = EngineConfig(page_size=4, num_pages=160, max_running=16, max_prefill_tokens=32,
                       decode_steps=4, min_shared_tokens=4, batch_buckets=(16,),
+                      prefill_row_buckets=(16,),
                       prefill_buckets=(8, 32), level_buckets=(2,), segment_buckets=(8,),
                       page_buckets=(4,), own_page_buckets=(4, 16))
 

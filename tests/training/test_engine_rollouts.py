@@ -18,6 +18,7 @@ EOS = 117  # a token some of these samples draw (the test checks that one does)
 CONFIG = preset("tiny").replace(num_heads=4, num_kv_heads=2, head_dim=16)
 ENGINE = EngineConfig(page_size=4, num_pages=64, max_running=8, max_prefill_tokens=16,
                       decode_steps=3, min_shared_tokens=4, batch_buckets=(8,),
+                      prefill_row_buckets=(8,),
                       prefill_buckets=(16,), level_buckets=(2,), segment_buckets=(2,),
                       page_buckets=(4,), own_page_buckets=(8,))
 

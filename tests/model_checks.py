@@ -26,7 +26,8 @@ def rel_err(x, ref) -> float:
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
               "mistral": ("MistralConfig", "MistralForCausalLM"),
               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+              "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}
 
 
 def make_hf_llama(path, seed=0, dtype="float32", family="llama", **overrides):

@@ -208,8 +208,11 @@ def _layer_slots(c: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], tuple[
            "mlp.gate_proj": (c.intermediate_size, h), "mlp.up_proj": (c.intermediate_size, h),
            "mlp.down_proj": (h, c.intermediate_size)}
   slots = {f"{path}.weight": (path, view, CHECKPOINT_PERMS[path]) for path, view in views.items()}
-  for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-    slots[norm] = (norm, (h,), (0,))
+  norms = ["input_layernorm", "post_attention_layernorm"]
+  if c.sandwich_norms:
+    norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+  for norm in norms:
+    slots[f"{norm}.weight"] = (f"{norm}.weight", (h,), (0,))
   if c.qkv_bias:  # the file's [H * D] as our [H, D]
     for x, heads in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
       slots[f"self_attn.{x}_proj.bias"] = (f"self_attn.{x}_bias", (heads, d), (0, 1))
@@ -350,6 +353,15 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3
 }
+# Gemma 2's four norms per layer: llama.cpp's ``ffn_norm`` is its pre-feedforward norm.
+_GGUF_GEMMA2_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+}
+# llama.cpp's Gemma 2 attention scale is query_pre_attn_scalar ** -0.5 with the scalar
+# hidden_size / heads for the 27B model (46 layers), head_dim for the others (src/llama-model.cpp:
+# the GGUF does not store it); its soft-caps default to 50 and 30 when the file has none.
+_GEMMA2_27B_LAYERS = 46
 
 
 def gguf_config(fields: Mapping[str, Any], *, has_output: bool,
@@ -361,6 +373,19 @@ def gguf_config(fields: Mapping[str, Any], *, has_output: bool,
   get = lambda key, default=None: fields.get(f"{arch}.{key}", default)
   heads = int(get("attention.head_count"))
   hidden = int(get("embedding_length"))
+  layers = int(get("block_count"))
+  head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // heads)))
+  gemma2 = {}
+  if family.name == "gemma2":
+    window = int(get("attention.sliding_window", 4096))
+    gemma2 = dict(
+        hidden_act="gelu_tanh", norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
+        query_pre_attn_scalar=float(hidden // heads if layers == _GEMMA2_27B_LAYERS else head_dim),
+        attn_logit_softcapping=float(get("attn_logit_softcapping", 50.0)),
+        final_logit_softcapping=float(get("final_logit_softcapping", 30.0)),
+        sliding_window=window,  # on the even layers (llama.cpp's sliding-window pattern 2)
+        layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                          for i in range(layers)))
   vocab = get("vocab_size") or len(fields["tokenizer.ggml.tokens"])
   scaling = None
   if get("rope.scaling.type") == "linear":
@@ -369,10 +394,9 @@ def gguf_config(fields: Mapping[str, Any], *, has_output: bool,
   elif get("rope.scaling.type") not in (None, "none"):
     raise ValueError(f"load_gguf: rope scaling {get('rope.scaling.type')!r} is not supported")
   return LlamaConfig(
-      vocab_size=int(vocab), hidden_size=hidden, num_layers=int(get("block_count")),
+      vocab_size=int(vocab), hidden_size=hidden, num_layers=layers,
       num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
-      intermediate_size=int(get("feed_forward_length")),
-      head_dim=int(get("attention.key_length", get("rope.dimension_count", hidden // heads))),
+      intermediate_size=int(get("feed_forward_length")), head_dim=head_dim,
       rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
       rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
       rope_freq_factors=rope_freq_factors,
@@ -381,7 +405,7 @@ def gguf_config(fields: Mapping[str, Any], *, has_output: bool,
       dtype="float32",
       bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
       eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
-      name=str(fields.get("general.name", "")))
+      name=str(fields.get("general.name", "")), **gemma2)
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -413,29 +437,35 @@ def load_gguf(path: str, *, dtype: Optional[str] = None, progress: bool = False,
     freq_factors = tuple(np.asarray(_dequantize(by_name.pop("rope_freqs.weight")), np.float64))
   config = gguf_config(file.fields, has_output="output.weight" in by_name,
                        rope_freq_factors=freq_factors)
-  permuted = families.gguf_family(file.fields["general.architecture"]).gguf_rope_permuted
+  family = families.gguf_family(file.fields["general.architecture"])
+  layer_names = _GGUF_GEMMA2_LAYER_NAMES if family.sandwich_norms else _GGUF_LAYER_NAMES
 
   def tensors():  # dequantized one at a time, each placed before the next is read
     for t in _iter_progress(by_name.values(), progress, "loading tensors", total=len(by_name)):
-      name = _hf_name(t.name)
+      name = _hf_name(t.name, layer_names)
       read, rows = functools.partial(_dequantize_block, t), None
-      if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):  # whole heads
-        read = functools.partial(_unpermuted_block, read, config.head_dim)
+      if family.gguf_rope_permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+        read = functools.partial(_unpermuted_block, read, config.head_dim)  # whole heads
         rows = _unpermuted_rows(t.data.shape[0], config.head_dim)
       whole = lambda transpose, t=t, rows=rows: _dequantize(t, transpose=transpose, rows=rows)
+      if family.norm_plus_one and name.endswith("norm.weight"):
+        # llama.cpp's converter stores Gemma's norm weights as 1 + w (its RMSNorm multiplies by
+        # the weight); ours multiplies by 1 + w, so the weight is the stored value - 1.
+        read = lambda *ranges, read=read: read(*ranges) - 1.0
+        whole = lambda transpose, whole=whole: whole(transpose) - 1.0
       yield name, LazyTensor(tuple(int(n) for n in reversed(t.shape)), read, whole)
 
   model = model_from_tensors(config, tensors(), dtype=dtype or "float32", mesh=mesh)
   return Pretrained(model, Tokenizer.from_gguf_fields(file.fields), model.config)
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, layer_names: Mapping[str, str] = _GGUF_LAYER_NAMES) -> str:
   if gguf_name in _GGUF_NAMES:
     return _GGUF_NAMES[gguf_name]
   m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-  if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
+  if m is None or m.group(2) not in layer_names:
     raise ValueError(f"load_gguf: unexpected tensor {gguf_name!r}")
-  return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+  return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 
 def _dequantize_block(t, rows: slice, cols: Optional[slice] = None) -> np.ndarray:

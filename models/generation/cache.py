@@ -135,18 +135,21 @@ class KVCache:
     return dataclasses.replace(self, lengths=self.lengths + t)
 
   def attention(self, xq: Array, layer: int, t: int, settings,
-                sharding: Optional[AttentionSharding] = None) -> Array:
+                sharding: Optional[AttentionSharding] = None, **variants) -> Array:
     """Causal attention of the T new queries ``xq [B, T, Hq, D]`` over the shared levels and
-    own K/V of ``layer`` (written by :meth:`write` just before)."""
+    own K/V of ``layer`` (written by :meth:`write` just before). ``variants``: the layer's
+    ``scale``, ``softcap``, ``local_window_size`` (:meth:`models.model.llama.Attention.variants`),
+    passed on as they are: positions count through the levels, then the own tokens, as the
+    model's positions do."""
     own_k, own_v = self.k[layer], self.v[layer]  # [B, S, Hkv, D]
     own_lengths = self.lengths + t
     if self.levels:  # Hydragen: each shared segment attended once by all its sequences' queries
       return per_shard(hierarchical_attention, sharding)(
           xq, self.shared_levels(layer), own_k, own_v, suffix_lengths=own_lengths, causal=True,
-          impl=settings.impl, config=settings.config)
+          impl=settings.impl, config=settings.config, **variants)
     out, _ = per_shard(attention_with_lse, sharding)(xq, own_k, own_v, kv_lengths=own_lengths,
                                                      causal=True, impl=settings.impl,
-                                                     config=settings.config)
+                                                     config=settings.config, **variants)
     return out
 
   # -- accounting -----------------------------------------------------------------------------

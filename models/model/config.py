@@ -1,9 +1,11 @@
 """The decoder's hyperparameters, and named presets.
 
 One frozen (hashable) dataclass covers Llama 2, Llama 3.x, CodeLlama, SmolLM2, Mistral
-(without a sliding window), Qwen2, Qwen2.5 and Qwen3: they differ in sizes, RoPE base and
-scaling, the GQA ratio, whether the output projection is tied to the embedding, and two
-values of the attention (``qkv_bias``, ``qk_norm``; the families: :mod:`models.model.families`).
+(without a sliding window), Qwen2, Qwen2.5, Qwen3 and Gemma 2: they differ in sizes, RoPE base
+and scaling, the GQA ratio, whether the output projection is tied to the embedding, two values
+of the attention (``qkv_bias``, ``qk_norm``), and Gemma 2's pieces (its norms, activation,
+embedding scale, attention scale, soft-capping and sliding-window layers; the families:
+:mod:`models.model.families`).
 ``LlamaConfig`` is hashable so that it can be a static argument of ``jax.jit``.
 
     >>> cfg = preset("llama-3-8b")                    # the shape only; weights come from loading
@@ -23,6 +25,10 @@ from models.model import families
 
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_KINDS = ("linear", "llama3")
+# The MLP's gate activation: SiLU (SwiGLU: Llama, Mistral, Qwen) or GELU with the tanh
+# approximation (GeGLU: Gemma, transformers' "gelu_pytorch_tanh").
+ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +77,25 @@ class LlamaConfig:
     qkv_bias: the q, k and v projections add a bias (Qwen2, Qwen2.5).
     qk_norm: an RMSNorm over ``head_dim`` (weights ``[head_dim]``, ``rms_norm_eps``) on every
       query and key head before RoPE (Qwen3).
+    hidden_act: the MLP's gate activation, one of ``ACTIVATIONS``.
+    norm_plus_one: every RMSNorm scales by ``1 + weight``, the product in float32 and then
+      cast (Gemma's RMSNorm; its weights start at zeros); False: ``weight`` times the
+      normalized value cast to the dtype (Llama's).
+    sandwich_norms: each layer also normalizes its attention and MLP outputs before adding
+      them (``post_attention_layernorm``, ``post_feedforward_layernorm``) and its MLP input
+      with ``pre_feedforward_layernorm`` (Gemma 2); False: ``post_attention_layernorm`` is
+      the MLP's input norm (Llama).
+    scale_embeddings: the embeddings are multiplied by ``sqrt(hidden_size)`` (rounded to the
+      dtype, as transformers does; Gemma).
+    query_pre_attn_scalar: the attention scale is ``query_pre_attn_scalar ** -0.5``
+      (Gemma 2); None: ``head_dim ** -0.5``.
+    attn_logit_softcapping: scores become ``c * tanh(score / c)`` before the softmax
+      (Gemma 2's attention soft-capping); None: off.
+    final_logit_softcapping: the same on the output logits (Gemma 2); None: off.
+    sliding_window: W: a query at position i of a sliding-window layer sees the keys at
+      positions ``i - W < j <= i``; None: no layer has a window.
+    layer_types: one of ``LAYER_TYPES`` per layer (transformers' ``layer_types``): which
+      layers have the window; None with a ``sliding_window``: every layer.
     dtype: parameter and activation dtype, one of ``DTYPES``; logits are
       always float32.
     bos_token_id, eos_token_id: informational (the tokenizer is authoritative).
@@ -92,6 +117,15 @@ class LlamaConfig:
   tie_word_embeddings: bool = False
   qkv_bias: bool = False
   qk_norm: bool = False
+  hidden_act: str = "silu"
+  norm_plus_one: bool = False
+  sandwich_norms: bool = False
+  scale_embeddings: bool = False
+  query_pre_attn_scalar: Optional[float] = None
+  attn_logit_softcapping: Optional[float] = None
+  final_logit_softcapping: Optional[float] = None
+  sliding_window: Optional[int] = None
+  layer_types: Optional[tuple[str, ...]] = None
   dtype: str = "float32"
   bos_token_id: Optional[int] = None
   eos_token_id: Optional[int] = None
@@ -104,6 +138,8 @@ class LlamaConfig:
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
     if self.rope_freq_factors is not None:
       object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in self.rope_freq_factors))
+    if self.layer_types is not None:
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
     for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                   "intermediate_size", "head_dim", "max_position_embeddings"):
       value = getattr(self, field)
@@ -119,10 +155,44 @@ class LlamaConfig:
     if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
       raise ValueError(f"LlamaConfig: rope_freq_factors must hold head_dim // 2 = "
                        f"{self.head_dim // 2} values; got {len(self.rope_freq_factors)}")
+    if self.hidden_act not in ACTIVATIONS:
+      raise ValueError(f"LlamaConfig: hidden_act must be one of {ACTIVATIONS}; got "
+                       f"{self.hidden_act!r}")
+    for field in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+      value = getattr(self, field)
+      if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+        raise ValueError(f"LlamaConfig: {field} must be a finite number > 0 or None; got "
+                         f"{value!r}")
+    if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                            or self.sliding_window < 1):
+      raise ValueError(f"LlamaConfig: sliding_window must be a positive int or None; got "
+                       f"{self.sliding_window!r}")
+    if self.layer_types is not None:
+      if len(self.layer_types) != self.num_layers or any(
+          kind not in LAYER_TYPES for kind in self.layer_types):
+        raise ValueError(f"LlamaConfig: layer_types must hold num_layers = {self.num_layers} "
+                         f"values of {LAYER_TYPES}; got {self.layer_types!r}")
+      if "sliding_attention" in self.layer_types and self.sliding_window is None:
+        raise ValueError("LlamaConfig: layer_types has sliding_attention layers but "
+                         "sliding_window is None")
 
   @property
   def param_dtype(self) -> jnp.dtype:
     return jnp.dtype(self.dtype)
+
+  @property
+  def attention_scale(self) -> float:
+    """The factor of ``q . k`` in the scores."""
+    return (self.head_dim if self.query_pre_attn_scalar is None
+            else self.query_pre_attn_scalar) ** -0.5
+
+  def local_window(self, layer: int) -> Optional[tuple[int, int]]:
+    """``(left, right)`` keys a query of ``layer`` sees around its own position
+    (``jax_shared_attn``'s ``local_window_size``), or None: every earlier key."""
+    if self.sliding_window is None or (self.layer_types is not None
+                                       and self.layer_types[layer] != "sliding_attention"):
+      return None
+    return (self.sliding_window - 1, 0)
 
   @property
   def num_params(self) -> int:
@@ -133,7 +203,7 @@ class LlamaConfig:
       attn += self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
     if self.qk_norm:
       attn += 2 * self.head_dim
-    per_layer = attn + 3 * d * f + 2 * d
+    per_layer = attn + 3 * d * f + (4 if self.sandwich_norms else 2) * d
     return self.num_layers * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
 
   def replace(self, **changes: Any) -> "LlamaConfig":
@@ -143,8 +213,9 @@ class LlamaConfig:
 
   def to_dict(self) -> dict:
     out = dataclasses.asdict(self)
-    if self.rope_freq_factors is not None:
-      out["rope_freq_factors"] = list(self.rope_freq_factors)
+    for field in ("rope_freq_factors", "layer_types"):
+      if out[field] is not None:
+        out[field] = list(out[field])
     return out
 
   @classmethod
@@ -167,13 +238,17 @@ class LlamaConfig:
     older files write ``rope_theta`` and ``rope_scaling = {"type"|"rope_type", ...}``.
     """
     family = families.hf_family(hf)
+    hf = {**dict(family.hf_defaults), **hf}
     families.check_no_window(family, hf)
-    for flag in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases are its family's own
+    for flag in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
+      # (Qwen2's q/k/v biases are its family's own)
       if hf.get(flag):
-        raise ValueError(f"LlamaConfig.from_hf: {flag}=true is not supported ({family.name} with "
-                         f"biases on every projection; only Qwen2's q/k/v biases are)")
-    if hf.get("hidden_act", "silu") != "silu":
-      raise ValueError(f"LlamaConfig.from_hf: hidden_act must be 'silu'; got {hf['hidden_act']!r}")
+        raise ValueError(f"LlamaConfig.from_hf: {flag}=true is not supported ({family.name})")
+    act_key = "hidden_activation" if "hidden_activation" in hf else "hidden_act"
+    act = HF_ACTIVATIONS.get(hf.get(act_key, "silu"))
+    if act is None:
+      raise ValueError(f"LlamaConfig.from_hf: {act_key} must be one of {sorted(HF_ACTIVATIONS)}; "
+                       f"got {hf[act_key]!r}")
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -206,13 +281,33 @@ class LlamaConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=family.qkv_bias,
         qk_norm=family.qk_norm,
+        hidden_act=act,
+        norm_plus_one=family.norm_plus_one,
+        sandwich_norms=family.sandwich_norms,
+        scale_embeddings=family.scale_embeddings,
+        query_pre_attn_scalar=_optional_float(hf.get("query_pre_attn_scalar")),
+        attn_logit_softcapping=_optional_float(hf.get("attn_logit_softcapping")),
+        final_logit_softcapping=_optional_float(hf.get("final_logit_softcapping")),
         dtype=torch_dtype if torch_dtype in DTYPES else "float32",
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         name=str(hf.get("_name_or_path", "")),
     )
+    if family.runs_window and hf.get("sliding_window") is not None:
+      windowed = set(families.window_layers(family, hf))
+      fields.update(sliding_window=int(hf["sliding_window"]), layer_types=tuple(
+          "sliding_attention" if i in windowed else "full_attention"
+          for i in range(fields["num_layers"])))
     fields.update(overrides)
     return cls(**fields)
+
+
+# transformers' activation names -> ours (``LlamaConfig.hidden_act``).
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _optional_float(value: Any) -> Optional[float]:
+  return None if value is None else float(value)
 
 
 # -- presets: the shapes of published checkpoints (weights come from loading or random init) ------
@@ -258,6 +353,15 @@ PRESETS: dict[str, LlamaConfig] = {
                               rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
                               tie_word_embeddings=True, qk_norm=True, bos_token_id=151643,
                               eos_token_id=151645, name="qwen3-0.6b"),
+    "gemma-2-2b": LlamaConfig(vocab_size=256000, hidden_size=2304, num_layers=26, num_heads=8,
+                              num_kv_heads=4, head_dim=256, intermediate_size=9216,
+                              rms_norm_eps=1e-6, max_position_embeddings=8192,
+                              tie_word_embeddings=True, hidden_act="gelu_tanh",
+                              norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
+                              query_pre_attn_scalar=256.0, attn_logit_softcapping=50.0,
+                              final_logit_softcapping=30.0, sliding_window=4096,
+                              layer_types=("sliding_attention", "full_attention") * 13,
+                              bos_token_id=2, eos_token_id=1, name="gemma-2-2b"),
 }
 
 

@@ -1,9 +1,13 @@
 """The model families the decoder runs, and how a checkpoint names them.
 
-Every family is the Llama decoder with at most two extra pieces, each a field of
+Every family is the Llama decoder with some extra pieces, each a field of
 :class:`models.model.config.LlamaConfig`: ``qkv_bias`` (biases on the q, k and v projections:
-Qwen2, Qwen2.5) and ``qk_norm`` (an RMSNorm over ``head_dim`` of every query and key head
-before RoPE: Qwen3). Mistral without a sliding window is Llama. A Hugging Face ``config.json``
+Qwen2, Qwen2.5), ``qk_norm`` (an RMSNorm over ``head_dim`` of every query and key head
+before RoPE: Qwen3), and Gemma 2's: ``norm_plus_one`` and ``sandwich_norms`` (its RMSNorm and
+its four norms per layer), ``scale_embeddings``, the GELU-tanh MLP (``hidden_act``), the
+attention scale ``query_pre_attn_scalar``, soft-capping of the attention scores and of the
+output logits, and sliding-window attention on every other layer (``sliding_window``,
+``layer_types``). Mistral without a sliding window is Llama. A Hugging Face ``config.json``
 names its family by ``model_type`` (and ``architectures``); a GGUF file by
 ``general.architecture`` (llama.cpp's names: Mistral is written as ``llama``).
 
@@ -31,7 +35,15 @@ class Family:
       dimensions for this architecture); loading undoes it.
     window_keys: how ``config.json`` turns a sliding window on: ``"always"`` (a non-null
       ``sliding_window``), ``"per_layer"`` (``layer_types``, or ``use_sliding_window`` from
-      ``max_window_layers`` on), None (the family has no window).
+      ``max_window_layers`` on), ``"alternating"`` (``layer_types``, else the even layers:
+      Gemma 2's rule in transformers), None (the family has no window).
+    runs_window: the decoder applies the family's sliding window (``LlamaConfig.sliding_window``
+      and ``layer_types``); False: a window that can hide a key is refused
+      (:func:`check_no_window`).
+    norm_plus_one, sandwich_norms, scale_embeddings: the
+      :class:`models.model.config.LlamaConfig` fields of the same names (Gemma 2).
+    hf_defaults: ``(key, value)`` pairs transformers' config class assumes when
+      ``config.json`` leaves the key out.
     models: the published models it covers (for messages and docs).
   """
 
@@ -42,6 +54,11 @@ class Family:
   qk_norm: bool = False
   gguf_rope_permuted: bool = False
   window_keys: Optional[str] = None
+  runs_window: bool = False
+  norm_plus_one: bool = False
+  sandwich_norms: bool = False
+  scale_embeddings: bool = False
+  hf_defaults: tuple[tuple[str, Any], ...] = ()
   models: str = ""
 
 
@@ -54,6 +71,15 @@ FAMILIES: tuple[Family, ...] = (
            models="Qwen2, Qwen2.5"),
     Family("qwen3", ("Qwen3ForCausalLM",), "qwen3", qk_norm=True, window_keys="per_layer",
            models="Qwen3"),
+    # transformers' Gemma2Config defaults (a config.json written by transformers has every key).
+    Family("gemma2", ("Gemma2ForCausalLM",), "gemma2", window_keys="alternating",
+           runs_window=True, norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
+           hf_defaults=(("hidden_activation", "gelu_pytorch_tanh"), ("head_dim", 256),
+                        ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
+                        ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
+                        ("tie_word_embeddings", True), ("rms_norm_eps", 1e-6),
+                        ("max_position_embeddings", 8192)),
+           models="Gemma 2"),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -101,22 +127,31 @@ def gguf_family(architecture: Any) -> Family:
   return family
 
 
-def check_no_window(family: Family, hf: Mapping[str, Any]) -> None:
-  """Raises :class:`Unsupported` when ``config.json`` asks for sliding-window attention that can
-  hide a key from a query (a window shorter than ``max_position_embeddings``): not supported
-  yet."""
-  window = hf.get("sliding_window")
-  if family.window_keys is None or window is None:
-    return
+def window_layers(family: Family, hf: Mapping[str, Any]) -> list[int]:
+  """The layers ``config.json`` gives a sliding window (none without ``sliding_window``)."""
+  if family.window_keys is None or hf.get("sliding_window") is None:
+    return []
   layers = int(hf["num_hidden_layers"])
   if family.window_keys == "always":
-    windowed = list(range(layers))
-  elif hf.get("layer_types") is not None:
-    windowed = [i for i, kind in enumerate(hf["layer_types"]) if kind == "sliding_attention"]
-  elif hf.get("use_sliding_window"):
-    windowed = list(range(int(hf.get("max_window_layers", 0)), layers))
-  else:
-    windowed = []
+    return list(range(layers))
+  if hf.get("layer_types") is not None:
+    return [i for i, kind in enumerate(hf["layer_types"]) if kind == "sliding_attention"]
+  if family.window_keys == "alternating":
+    return list(range(0, layers, 2))
+  if hf.get("use_sliding_window"):
+    return list(range(int(hf.get("max_window_layers", 0)), layers))
+  return []
+
+
+def check_no_window(family: Family, hf: Mapping[str, Any]) -> None:
+  """Raises :class:`Unsupported` when ``config.json`` asks a family whose window the decoder
+  does not run (``runs_window`` False) for sliding-window attention that can hide a key from a
+  query (a window shorter than ``max_position_embeddings``)."""
+  if family.runs_window:
+    return
+  window = hf.get("sliding_window")
+  layers = int(hf["num_hidden_layers"])
+  windowed = window_layers(family, hf)
   max_positions = int(hf.get("max_position_embeddings", 2048))
   # A query at position i sees keys j with i - j < window: with window >= max positions, all.
   if windowed and int(window) < max_positions:

@@ -1,8 +1,12 @@
 """The Llama decoder in Flax NNX: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
 
 Covers Llama 2, Llama 3.x, CodeLlama, SmolLM2, Mistral, Qwen2/2.5 (``config.qkv_bias``: q/k/v
-biases ``q_bias [Hq, D]``, ...) and Qwen3 (``config.qk_norm``: ``q_norm``/``k_norm``, RMSNorm
-over each head before RoPE); see :mod:`models.model.config` and :mod:`models.model.families`.
+biases ``q_bias [Hq, D]``, ...), Qwen3 (``config.qk_norm``: ``q_norm``/``k_norm``, RMSNorm
+over each head before RoPE) and Gemma 2 (``(1 + w)`` norms, four per layer, scaled embeddings,
+a GELU-tanh MLP, its attention scale, soft-capped scores and logits, sliding-window layers);
+see :mod:`models.model.config` and :mod:`models.model.families`. Each layer's attention
+variants (``scale``, ``softcap``, ``local_window_size``: :meth:`Attention.variants`) go to
+every ``jax_shared_attn`` call it makes, with or without a cache.
 Layout ``[batch, seq, heads, head_dim]``; parameters and activations in
 ``config.dtype``; RMSNorm statistics, RoPE angles and the logits in float32.
 
@@ -19,7 +23,7 @@ decode is slower with it; GPUs and TPUs read either orientation. The embedding s
     >>> logits, cache = model(tokens, cache=cache)           # with a KV cache (models.generation.cache)
 
 With a cache, the decoder writes each layer's new K/V with ``cache.write(layer, k, v)`` and
-attends with ``cache.attention(q, layer, t, settings, sharding)``: the contiguous
+attends with ``cache.attention(q, layer, t, settings, sharding, **variants)``: the contiguous
 :class:`models.generation.cache.KVCache` or the serving engine's paged cache
 (:mod:`models.serving.paged_cache`).
 """
@@ -108,18 +112,30 @@ def _unshared(x: Array, n: int) -> tuple[Array, ...]:
 class RMSNorm(nnx.Module):
   """``weight * x / sqrt(mean(x^2) + eps)``, statistics in float32 (as transformers).
 
-  ``weight`` starts at ones; ``abstract=True``: only its shape and dtype (see build).
+  ``plus_one`` (Gemma): ``(1 + weight) * x / ...``, the product in float32 and then cast, as
+  transformers' Gemma RMSNorm; else the normalized value is cast first (Llama's).
+  ``weight`` starts at ones (zeros with ``plus_one``: the identity scale either way);
+  ``abstract=True``: only its shape and dtype (see build).
   """
 
-  def __init__(self, dim: int, eps: float, dtype, *, abstract: bool = False):
+  def __init__(self, dim: int, eps: float, dtype, *, abstract: bool = False,
+               plus_one: bool = False):
     self.weight = nnx.Param(jax.ShapeDtypeStruct((dim,), jnp.dtype(dtype)) if abstract
-                            else jnp.ones((dim,), dtype))
+                            else (jnp.zeros if plus_one else jnp.ones)((dim,), dtype))
     self.eps = eps
+    self.plus_one = plus_one
 
   def __call__(self, x: Array) -> Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    if self.plus_one:
+      return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
     return self.weight[...] * normed.astype(x.dtype)
+
+
+def _norm(config: LlamaConfig, dim: int, abstract: bool) -> RMSNorm:
+  return RMSNorm(dim, config.rms_norm_eps, config.param_dtype, abstract=abstract,
+                 plus_one=config.norm_plus_one)
 
 
 class Attention(nnx.Module):
@@ -136,11 +152,21 @@ class Attention(nnx.Module):
       self.k_bias = _normal(rngs, (c.num_kv_heads, c.head_dim), dt)
       self.v_bias = _normal(rngs, (c.num_kv_heads, c.head_dim), dt)
     if c.qk_norm:  # one weight [D] shared by the heads
-      self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, abstract=rngs is None)
-      self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt, abstract=rngs is None)
+      self.q_norm = _norm(c, c.head_dim, rngs is None)
+      self.k_norm = _norm(c, c.head_dim, rngs is None)
     self.qkv_bias, self.qk_norm = c.qkv_bias, c.qk_norm
     self.layer = layer
     self.inv_freq = tuple(float(f) for f in inverse_frequencies(config))
+    self.scale = None if c.query_pre_attn_scalar is None else c.attention_scale
+    self.softcap = c.attn_logit_softcapping
+    self.window = c.local_window(layer)
+
+  def variants(self) -> dict[str, Any]:
+    """This layer's keyword arguments of the ``jax_shared_attn`` calls: its ``scale``,
+    ``softcap`` and ``local_window_size``, each only when the config sets it (the API's
+    defaults otherwise)."""
+    out = dict(scale=self.scale, softcap=self.softcap, local_window_size=self.window)
+    return {k: v for k, v in out.items() if v is not None}
 
   def __call__(self, x: Array, positions: Array, cache: Optional[Any], *,
                skip_attention: bool, settings: GenerationSettings,
@@ -156,19 +182,24 @@ class Attention(nnx.Module):
       xq, keys = self.q_norm(xq), self.k_norm(keys)
     inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
     xq, keys = apply_rope(xq, positions, inv_freq), apply_rope(keys, positions, inv_freq)
+    variants = self.variants()
     if skip_attention:
       out = _no_attention(xq, keys, values)
     elif cache is None and settings.causal_attention is not None:
       if sharding is not None:
         raise ValueError("settings.causal_attention runs without a mesh only")
+      if variants:
+        raise ValueError(f"settings.causal_attention is plain causal attention; layer "
+                         f"{self.layer} of this model needs {sorted(variants)}")
       out = settings.causal_attention(xq, keys, values)
     elif cache is None:
       out, _ = per_shard(attention_with_lse, sharding)(xq, keys, values, causal=True,
-                                                        impl=settings.impl, config=settings.config)
+                                                        impl=settings.impl, config=settings.config,
+                                                        **variants)
     else:
       cache = (cache.write(self.layer, keys, values) if sharding is None
                else write_per_shard(cache, self.layer, keys, values, sharding))
-      out = cache.attention(xq, self.layer, x.shape[1], settings, sharding)
+      out = cache.attention(xq, self.layer, x.shape[1], settings, sharding, **variants)
     return _heads_out(out, self.o_proj), cache
 
 
@@ -182,38 +213,53 @@ def _no_attention(xq: Array, keys: Array, values: Array) -> Array:
   return xq + jnp.repeat(keys + values, group, axis=2)
 
 
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class MLP(nnx.Module):
-  """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+  """Gated: ``down(act(gate(x)) * up(x))``, ``act`` SiLU (SwiGLU) or GELU-tanh (Gemma)."""
 
   def __init__(self, config: LlamaConfig, *, rngs: Optional[nnx.Rngs]):
     c, dt = config, config.param_dtype
     self.gate_proj = _normal(rngs, (c.hidden_size, c.intermediate_size), dt)
     self.up_proj = _normal(rngs, (c.hidden_size, c.intermediate_size), dt)
     self.down_proj = _normal(rngs, (c.intermediate_size, c.hidden_size), dt)
+    self.act = c.hidden_act
 
   def __call__(self, x: Array) -> Array:
-    hidden = jax.nn.silu(_einsum("btd,df->btf", x, self.gate_proj))
+    hidden = ACTIVATIONS[self.act](_einsum("btd,df->btf", x, self.gate_proj))
     hidden = hidden * _einsum("btd,df->btf", x, self.up_proj)
     return _einsum("btf,fd->btd", hidden, self.down_proj)
 
 
 class DecoderLayer(nnx.Module):
-  """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+  """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``.
+
+  With ``config.sandwich_norms`` (Gemma 2) the sublayer outputs are normalized too:
+  ``h = x + post_attention_layernorm(attn(input_layernorm(x)))``,
+  ``out = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))``.
+  """
 
   def __init__(self, config: LlamaConfig, layer: int, *, rngs: Optional[nnx.Rngs]):
-    dt, abstract = config.param_dtype, rngs is None
-    self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, abstract=abstract)
+    abstract = rngs is None
+    self.input_layernorm = _norm(config, config.hidden_size, abstract)
     self.self_attn = Attention(config, layer, rngs=rngs)
-    self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt,
-                                            abstract=abstract)
+    self.post_attention_layernorm = _norm(config, config.hidden_size, abstract)
+    if config.sandwich_norms:
+      self.pre_feedforward_layernorm = _norm(config, config.hidden_size, abstract)
+      self.post_feedforward_layernorm = _norm(config, config.hidden_size, abstract)
+    self.sandwich_norms = config.sandwich_norms
     self.mlp = MLP(config, rngs=rngs)
 
   def __call__(self, x, positions, cache, *, skip_attention, settings, sharding=None):
     attn_out, cache = self.self_attn(self.input_layernorm(x), positions, cache,
                                      skip_attention=skip_attention, settings=settings,
                                      sharding=sharding)
-    h = x + attn_out
-    return h + self.mlp(self.post_attention_layernorm(h)), cache
+    if not self.sandwich_norms:
+      h = x + attn_out
+      return h + self.mlp(self.post_attention_layernorm(h)), cache
+    h = x + self.post_attention_layernorm(attn_out)
+    return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))), cache
 
 
 class Llama(nnx.Module):
@@ -230,7 +276,7 @@ class Llama(nnx.Module):
     self.config = config
     self.embed_tokens = _normal(rngs, (config.vocab_size, config.hidden_size), dt)
     self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)])
-    self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, abstract=rngs is None)
+    self.norm = _norm(config, config.hidden_size, rngs is None)
     self.lm_head = (None if config.tie_word_embeddings
                     else _normal(rngs, (config.vocab_size, config.hidden_size), dt))
 
@@ -270,7 +316,7 @@ class Llama(nnx.Module):
     if positions is None:
       start = cache.context_lengths() if cache is not None else jnp.zeros((b,), jnp.int32)
       positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    x = self.embed_tokens[...][tokens]  # [B, T, hidden]
+    x = self.embed(tokens)
     for layer in self.layers:
       x, cache = layer(x, positions, cache, skip_attention=skip_attention, settings=settings,
                        sharding=sharding)
@@ -279,12 +325,23 @@ class Llama(nnx.Module):
       return logits
     return logits, cache.advance(t)
 
+  def embed(self, tokens: Array) -> Array:
+    """``[B, T, hidden]`` input of the first layer for int ``tokens [B, T]`` (times
+    ``sqrt(hidden_size)`` rounded to the dtype with ``config.scale_embeddings``)."""
+    x = self.embed_tokens[...][tokens]
+    if self.config.scale_embeddings:
+      x = x * jnp.asarray(self.config.hidden_size**0.5, x.dtype)
+    return x
+
   def logits(self, h: Array) -> Array:
-    """float32 ``[B, T, vocab]`` from final hidden states ``[B, T, hidden]``."""
+    """float32 ``[B, T, vocab]`` from final hidden states ``[B, T, hidden]`` (soft-capped with
+    ``config.final_logit_softcapping``)."""
     w = self.embed_tokens if self.lm_head is None else self.lm_head
     w = w[...]
-    return jnp.einsum("btd,vd->btv", h, w, precision=_precision(w.dtype),
-                      preferred_element_type=jnp.float32)
+    logits = jnp.einsum("btd,vd->btv", h, w, precision=_precision(w.dtype),
+                        preferred_element_type=jnp.float32)
+    cap = self.config.final_logit_softcapping
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 
@@ -329,7 +386,8 @@ def build(config: LlamaConfig, params: Mapping[str, Any]) -> Llama:
 
 
 def random_init(config: LlamaConfig, seed: int = 0, *, std: float = 0.02, mesh=None) -> Llama:
-  """Random weights drawn on the host with NumPy (normal(0, std); norms at 1).
+  """Random weights drawn on the host with NumPy (normal(0, std); norms at the identity
+  scale: 1, or 0 with ``config.norm_plus_one``).
 
   Nothing is compiled, so small models (tests, CI) appear instantly. For
   large shapes on one accelerator, draw on the device instead: one small
@@ -348,7 +406,8 @@ def random_init(config: LlamaConfig, seed: int = 0, *, std: float = 0.02, mesh=N
   params = {}
   for path, spec in param_shapes(config).items():
     if path.endswith("norm.weight"):
-      params[path] = place(path, np.ones(spec.shape, np.float32))
+      fill = np.zeros if config.norm_plus_one else np.ones
+      params[path] = place(path, fill(spec.shape, np.float32))
     else:
       # Drawn in the checkpoints' [out, in] order, then transposed: a seed gives the same
       # model whatever our layout.

@@ -15,7 +15,7 @@ running sequence, in the cascade plan's depth-first order) reads and where its n
 Attention is :func:`jax_shared_attn.paged_attention` with ``settings.impl`` and
 ``settings.config``: on GPUs its kernels read the pages in place; the XLA path (a CPU) gathers
 them first. The decoder sees the same two methods as :class:`models.generation.cache.KVCache`:
-``write(layer, k, v)`` and ``attention(q, layer, t, settings, sharding)``.
+``write(layer, k, v)`` and ``attention(q, layer, t, settings, sharding, **variants)``.
 """
 
 from __future__ import annotations
@@ -85,15 +85,18 @@ class PagedKVCache:
   def advance(self, t: int) -> "PagedKVCache":
     return dataclasses.replace(self, own_lengths=self.own_lengths + t)
 
-  def attention(self, xq: Array, layer: int, t: int, settings, sharding=None) -> Array:
-    """Causal attention of ``xq [B, T, Hq, D]`` over the shared levels and own keys."""
+  def attention(self, xq: Array, layer: int, t: int, settings, sharding=None,
+                **variants) -> Array:
+    """Causal attention of ``xq [B, T, Hq, D]`` over the shared levels and own keys, with the
+    layer's ``variants`` (``scale``, ``softcap``, ``local_window_size``), as
+    :meth:`models.generation.cache.KVCache.attention`."""
     if sharding is not None:
       raise ValueError("PagedKVCache runs without a mesh only (sharding must be None)")
     levels = [PagedLevel(self.page_table[l], self.seg_lengths[l], self.segment_of_seq[l])
               for l in range(self.page_table.shape[0])]
     return paged_attention(xq, self.k[layer], self.v[layer], self.own_page_table,
                            self.own_lengths + t, levels=levels, causal=True,
-                           impl=settings.impl, config=settings.config)
+                           impl=settings.impl, config=settings.config, **variants)
 
 
 def empty_pools(config: LlamaConfig, num_pages: int, page_size: int, dtype=None):

@@ -159,7 +159,7 @@ def _hidden(model: Llama, tokens: Array, positions, cache: Optional[KVCache],
   if positions is None:
     start = cache.context_lengths() if cache is not None else jnp.zeros((b,), jnp.int32)
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  x = model.embed_tokens[...][tokens]
+  x = model.embed(tokens)
   for layer in model.layers:
     graphdef, state = nnx.split(layer)
 

@@ -233,17 +233,21 @@ class LlamaConfig:
     The family comes from ``model_type``/``architectures``
     (:func:`models.model.families.hf_family`: an unsupported one raises
     :class:`models.model.families.Unsupported`, listing the supported ones; so does a
-    sliding window shorter than ``max_position_embeddings``).
+    sliding window shorter than ``max_position_embeddings`` in a family whose window the
+    decoder does not run). A family's ``hf_defaults`` fill the keys the file leaves out.
     transformers 5 writes ``rope_parameters = {"rope_type", "rope_theta", ...}``;
     older files write ``rope_theta`` and ``rope_scaling = {"type"|"rope_type", ...}``.
     """
     family = families.hf_family(hf)
     hf = {**dict(family.hf_defaults), **hf}
     families.check_no_window(family, hf)
-    for flag in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
-      # (Qwen2's q/k/v biases are its family's own)
+    for flag in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases are its family's own
       if hf.get(flag):
-        raise ValueError(f"LlamaConfig.from_hf: {flag}=true is not supported ({family.name})")
+        raise ValueError(f"LlamaConfig.from_hf: {flag}=true is not supported ({family.name} with "
+                         f"biases on every projection; only Qwen2's q/k/v biases are)")
+    if hf.get("use_bidirectional_attention"):
+      raise ValueError(f"LlamaConfig.from_hf: use_bidirectional_attention=true is not supported "
+                       f"({family.name}: the decoder is causal)")
     act_key = "hidden_activation" if "hidden_activation" in hf else "hidden_act"
     act = HF_ACTIVATIONS.get(hf.get(act_key, "silu"))
     if act is None:

@@ -114,14 +114,14 @@ def test_qwen_gguf_matches_transformers(tmp_path, arch, fields):
 
 def test_unsupported_gguf_architecture_lists_the_supported(tmp_path):
   gguf = pytest.importorskip("gguf")
-  w = gguf.GGUFWriter(str(tmp_path / "gemma.gguf"), "gemma2")
+  w = gguf.GGUFWriter(str(tmp_path / "phi3.gguf"), "phi3")
   w.add_block_count(1)
   w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
-  with pytest.raises(CheckpointError, match="gemma.gguf: GGUF: general.architecture 'gemma2' is "
+  with pytest.raises(CheckpointError, match="phi3.gguf: GGUF: general.architecture 'phi3' is "
                      "not supported; supported: llama \\(.*Mistral\\), qwen2 \\(Qwen2, Qwen2.5\\), "
-                     "qwen3 \\(Qwen3\\)"):
-    from_pretrained(str(tmp_path / "gemma.gguf"))
+                     "qwen3 \\(Qwen3\\), gemma2 \\(Gemma 2\\)"):
+    from_pretrained(str(tmp_path / "phi3.gguf"))

@@ -100,7 +100,7 @@ def test_sliding_windows_are_refused_where_they_hide_keys(changes, windowed):
 
 
 @pytest.mark.parametrize("changes", [
-    dict(model_type="gemma2"),
+    dict(model_type="phi3"),
     dict(model_type="qwen2", architectures=["Qwen2ForSequenceClassification"]),
     dict(model_type=None, architectures=["BloomForCausalLM"]),
 ])
@@ -109,5 +109,6 @@ def test_an_unsupported_architecture_gets_one_error_listing_the_families(changes
   hf = {k: v for k, v in dict(HF, **changes).items() if v is not None}
   with pytest.raises(Unsupported, match=r"is not supported; supported: LlamaForCausalLM "
                      r"\(model_type llama.*MistralForCausalLM.*Qwen2ForCausalLM \(model_type "
-                     r"qwen2, GGUF qwen2: Qwen2, Qwen2.5\); Qwen3ForCausalLM"):
+                     r"qwen2, GGUF qwen2: Qwen2, Qwen2.5\); Qwen3ForCausalLM.*; Gemma2ForCausalLM "
+                     r"\(model_type gemma2, GGUF gemma2: Gemma 2\)"):
     LlamaConfig.from_hf(hf)

@@ -144,9 +144,9 @@ def test_unsupported_and_windowed_checkpoints_get_one_clear_error(tmp_path):
   hf = dict(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, intermediate_size=32, max_position_embeddings=128)
   cases = {
-      "gemma": (dict(hf, model_type="gemma2", architectures=["Gemma2ForCausalLM"]),
-                "model_type 'gemma2'.*supported: LlamaForCausalLM.*MistralForCausalLM.*"
-                "Qwen2ForCausalLM.*Qwen3ForCausalLM"),
+      "phi3": (dict(hf, model_type="phi3", architectures=["Phi3ForCausalLM"]),
+               "model_type 'phi3'.*supported: LlamaForCausalLM.*MistralForCausalLM.*"
+               "Qwen2ForCausalLM.*Qwen3ForCausalLM.*Gemma2ForCausalLM"),
       "mistral_window": (dict(hf, model_type="mistral", sliding_window=64),
                          "sliding_window=64 < max_position_embeddings=128 on 1 of 1 layers "
                          "\\(mistral\\): sliding-window attention is not supported yet"),

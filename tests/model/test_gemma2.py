@@ -1,0 +1,194 @@
+"""Gemma 2 equals transformers' ``Gemma2ForCausalLM`` on a tiny random configuration whose every
+piece matters (float32 CPU): sliding-window layers with a window shorter than the sequence and
+global ones, attention and final soft-caps small enough to bend the scores, a
+``query_pre_attn_scalar`` other than ``head_dim``, ``head_dim`` other than hidden / heads, the
+``(1 + w)`` norms, four per layer, scaled and tied embeddings, the GELU-tanh MLP. Greedy tokens
+over a prompt tree (the window hiding part of the shared level) equal the standard cache's,
+transformers' and the serving engine's; training log-probs under a tree equal the plain model's;
+a GGUF written as llama.cpp's converter writes a Gemma 2 loads to the same logits."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.checkpoints.loading import from_pretrained
+from models.generation.loop import generate
+from models.generation.prompt_tree import PromptTree
+from models.model.config import LlamaConfig, preset
+from models.model.llama import build, flat_params
+from models.training.logprobs import completion_logprobs, prompt_arrays
+
+from model_checks import SEQ, hf_logits, make_hf_llama, rel_err, run, token_ids
+
+WINDOW = 9  # < SEQ (37) and < the greedy test's prompts: the window hides keys everywhere
+GEMMA = dict(family="gemma2", num_hidden_layers=3, head_dim=24, query_pre_attn_scalar=20,
+             sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+             attn_implementation="eager")
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+  """(transformers model, our model loaded from its safetensors directory, the directory)."""
+  path = tmp_path_factory.mktemp("gemma2")
+  hf = make_hf_llama(path, seed=5, **GEMMA)
+  return hf, from_pretrained(str(path)).model, path
+
+
+def test_config_from_transformers(loaded):
+  hf, model, _ = loaded
+  c = model.config
+  assert hf.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+  assert c.layer_types == tuple(hf.config.layer_types)
+  assert [c.local_window(i) for i in range(3)] == [(WINDOW - 1, 0), None, (WINDOW - 1, 0)]
+  assert (c.head_dim, c.attention_scale, c.hidden_act) == (24, 20**-0.5, "gelu_tanh")
+  assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (5.0, 3.0)
+  assert c.norm_plus_one and c.sandwich_norms and c.scale_embeddings and c.tie_word_embeddings
+  # A config.json without layer_types (older transformers): the even layers are local.
+  old = {k: v for k, v in hf.config.to_dict().items() if k != "layer_types"}
+  assert LlamaConfig.from_hf(old).layer_types == c.layer_types
+  # The preset: Gemma 2 2B's 2,614,341,888 parameters.
+  assert preset("gemma-2-2b").num_params == 2_614_341_888
+
+
+def test_logits_match_transformers_float32(loaded):
+  hf, model, _ = loaded
+  ids = token_ids(model.config.vocab_size)
+  err = rel_err(run(model, jnp.asarray(ids)), hf_logits(hf, ids))
+  assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("change", [
+    dict(attn_logit_softcapping=None), dict(final_logit_softcapping=None),
+    dict(sliding_window=None, layer_types=None), dict(query_pre_attn_scalar=None)])
+def test_every_variant_moves_the_logits(loaded, change):
+  """Each attention variant, turned off, moves the logits far from transformers': the parity
+  above rests on it being applied."""
+  hf, model, _ = loaded
+  other = build(model.config.replace(**change), flat_params(model))
+  ids = token_ids(model.config.vocab_size)
+  assert rel_err(run(other, jnp.asarray(ids)), hf_logits(hf, ids)) > 1e-2
+
+
+def _prompts(vocab):
+  rng = np.random.default_rng(7)
+  shared = [int(t) for t in rng.integers(0, vocab, 13)]  # longer than the window
+  return [shared + [3, 5, 7], shared + [11]]
+
+
+def hf_greedy(hf, prompt, n):
+  import torch
+  with torch.no_grad():
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                      pad_token_id=0, eos_token_id=None)
+  return out[0, len(prompt):].numpy()
+
+
+def test_greedy_tokens_hydragen_equal_standard_transformers_and_the_engine(loaded):
+  from models.serving import Engine, EngineConfig, Request
+
+  hf, model, _ = loaded
+  prompts, new = _prompts(model.config.vocab_size), 8  # the contexts grow past 2 windows
+  tokens = {attention: np.asarray(generate(model, prompts, num_samples=[2, 1], max_new_tokens=new,
+                                           attention=attention))
+            for attention in ("hydragen", "standard")}
+  np.testing.assert_array_equal(tokens["hydragen"], tokens["standard"])
+  for rows, prompt in ((slice(0, 2), prompts[0]), (slice(2, 3), prompts[1])):
+    want = hf_greedy(hf, prompt, new)
+    np.testing.assert_array_equal(tokens["hydragen"][rows],
+                                  np.broadcast_to(want, (rows.stop - rows.start, new)))
+  # The serving engine (paged cache, the shared prompt in pages read once per step).
+  engine = Engine(model, config=EngineConfig(
+      page_size=4, num_pages=32, max_running=4, max_prefill_tokens=8, decode_steps=3,
+      min_shared_tokens=4, batch_buckets=(4,), prefill_row_buckets=(4,), prefill_buckets=(8,),
+      level_buckets=(2,), segment_buckets=(2,), page_buckets=(8,), own_page_buckets=(8,)))
+  outs = engine.generate([Request(p, n=n, max_tokens=new, ignore_eos=True)
+                          for p, n in zip(prompts, (2, 1))])
+  got = [list(s.token_ids) for out in outs for s in out.samples]
+  np.testing.assert_array_equal(np.asarray(got), tokens["hydragen"])
+
+
+def test_training_logprobs_under_a_tree_equal_the_plain_model(loaded):
+  """completion_logprobs (shared prompt segments once, hydragen, two levels) equals
+  log_softmax of the plain model run on each sample's whole sequence."""
+  _, model, _ = loaded
+  v = model.config.vocab_size
+  rng = np.random.default_rng(3)
+  root = [int(t) for t in rng.integers(0, v, 10)]
+  prompts = [root + [1, 2, 3, 4, 5], root + [1, 2, 3, 4, 6, 7], [9]]
+  tree = PromptTree.from_prompts(prompts, [2, 1, 1], min_shared_tokens=4)
+  comp = rng.integers(0, v, (tree.num_samples, 5)).astype(np.int32)
+  comp[1, 3:] = -1
+  got = np.asarray(nnx.jit(completion_logprobs)(model, prompt_arrays(tree), jnp.asarray(comp)))
+  seqs = [tree.prompt(b) + [int(c) for c in comp[b] if c >= 0] for b in range(tree.num_samples)]
+  rows = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+  for b, seq in enumerate(seqs):
+    rows[b, :len(seq)] = seq
+  logp = np.asarray(jax.nn.log_softmax(run(model, jnp.asarray(rows)), axis=-1))
+  for b in range(tree.num_samples):
+    start = len(tree.prompt(b)) - 1
+    want = [0.0 if c < 0 else logp[b, start + t, c] for t, c in enumerate(comp[b])]
+    np.testing.assert_allclose(got[b], want, atol=2e-5, rtol=0, err_msg=f"sample {b}")
+  assert got.min() < -3  # not a near-uniform distribution
+
+
+def write_gemma2_gguf(path, hf) -> str:
+  """``hf`` as llama.cpp's ``convert_hf_to_gguf.py`` writes a Gemma 2: its tensor names (the
+  gguf package's map), the norm weights stored as ``1 + w``, the soft-caps and window in the
+  metadata, no ``output.weight`` (tied)."""
+  import gguf
+
+  from models.checkpoints.tokenizer import _bytes_to_unicode
+
+  c = hf.config
+  names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2, c.num_hidden_layers)
+  w = gguf.GGUFWriter(str(path), "gemma2")
+  w.add_name("tiny-gemma2")
+  w.add_context_length(c.max_position_embeddings)
+  w.add_embedding_length(c.hidden_size)
+  w.add_block_count(c.num_hidden_layers)
+  w.add_feed_forward_length(c.intermediate_size)
+  w.add_head_count(c.num_attention_heads)
+  w.add_head_count_kv(c.num_key_value_heads)
+  w.add_layer_norm_rms_eps(c.rms_norm_eps)
+  w.add_key_length(c.head_dim)
+  w.add_value_length(c.head_dim)
+  w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+  w.add_final_logit_softcapping(c.final_logit_softcapping)
+  w.add_sliding_window(c.sliding_window)
+  w.add_tokenizer_model("gpt2")
+  w.add_tokenizer_pre("default")
+  spelling = _bytes_to_unicode()
+  w.add_token_list([spelling[b] for b in range(c.vocab_size)])
+  w.add_token_types([1] * c.vocab_size)
+  w.add_eos_token_id(1)
+  for name, tensor in hf.state_dict().items():
+    if name == "lm_head.weight":
+      continue
+    x = tensor.float().numpy()
+    if name.endswith("norm.weight"):
+      x = x + 1
+    w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), np.ascontiguousarray(x))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return str(path)
+
+
+def test_gguf_matches_transformers(tmp_path):
+  """llama.cpp's attention scale for Gemma 2 (all but the 27B) is head_dim ** -0.5: the GGUF
+  does not store query_pre_attn_scalar, so this model has it at head_dim."""
+  pytest.importorskip("gguf", reason="the gguf package (llama.cpp's writer) is a test dependency")
+  hf = make_hf_llama(tmp_path / "hf", seed=6, **{**GEMMA, "query_pre_attn_scalar": 24})
+  model, _, config = from_pretrained(write_gemma2_gguf(tmp_path / "gemma2.gguf", hf))
+  ours = LlamaConfig.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
+  assert config.rms_norm_eps == pytest.approx(ours.rms_norm_eps, rel=1e-7)  # float32 in GGUF
+  keep = ("bos_token_id", "eos_token_id", "name", "rms_norm_eps")
+  assert config.replace(**{k: getattr(ours, k) for k in keep}) == ours
+  ids = token_ids(hf.config.vocab_size)
+  err = rel_err(run(model, jnp.asarray(ids)), hf_logits(hf, ids))
+  assert err < 1e-5, err

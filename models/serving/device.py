@@ -69,12 +69,12 @@ class HeadShardedPagedKVCache(PagedKVCache):
     k[layer], v[layer] = k_layer, v_layer
     return dataclasses.replace(self, k=tuple(k), v=tuple(v))
 
-  def attention(self, xq, layer: int, t: int, settings, sharding=None):
+  def attention(self, xq, layer: int, t: int, settings, sharding=None, **variants):
     if sharding is not None:
       raise ValueError("HeadShardedPagedKVCache carries its mesh: sharding must be None")
 
-    def local(xq, k, v, *tables):
-      return PagedKVCache((k,), (v,), *tables).attention(xq, 0, t, settings)
+    def local(xq, k, v, *tables):  # the variants are scalars and windows: the same per shard
+      return PagedKVCache((k,), (v,), *tables).attention(xq, 0, t, settings, **variants)
 
     return shard_map(local, self.mesh, (HEADS,) * 3 + (P(),) * 6, HEADS)(
         xq, self.k[layer], self.v[layer], *self._tables())

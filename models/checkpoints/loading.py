@@ -207,6 +207,8 @@ def _layer_slots(c: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], tuple[
            "self_attn.v_proj": (c.num_kv_heads, d, h), "self_attn.o_proj": (h, c.num_heads, d),
            "mlp.gate_proj": (c.intermediate_size, h), "mlp.up_proj": (c.intermediate_size, h),
            "mlp.down_proj": (h, c.intermediate_size)}
+  if not c.gated_mlp:
+    del views["mlp.gate_proj"]
   slots = {f"{path}.weight": (path, view, CHECKPOINT_PERMS[path]) for path, view in views.items()}
   norms = ["input_layernorm", "post_attention_layernorm"]
   if c.sandwich_norms:
@@ -305,10 +307,14 @@ def load_hf(path: str, *, dtype: Optional[str] = None, progress: bool = False,
             mesh=None) -> Pretrained:
   """A transformers checkpoint directory (safetensors, single file or sharded)."""
   with open(os.path.join(path, "config.json")) as f:
-    config = LlamaConfig.from_hf(json.load(f))
+    hf = json.load(f)
+  config = LlamaConfig.from_hf(hf)
   if dtype is not None:
     config = config.replace(dtype=str(jnp.dtype(dtype)))
-  tensors = _iter_progress(read_safetensors_dir(path), progress, "loading tensors", total=None)
+  tensors = read_safetensors_dir(path)
+  if families.hf_family(hf).name == "mpt":
+    tensors = mpt_tensors(tensors)
+  tensors = _iter_progress(tensors, progress, "loading tensors", total=None)
   model = model_from_tensors(config, tensors, mesh=mesh)  # one tensor at a time
   tokenizer = (Tokenizer.from_dir(path)
                if os.path.exists(os.path.join(path, "tokenizer.json")) else None)
@@ -337,6 +343,36 @@ def read_safetensors_dir(path: str) -> Iterable[tuple[str, "LazyTensor"]]:
       for name in f.keys():
         part = f.get_slice(name)
         yield name, LazyTensor(part.get_shape(), lambda *ranges, part=part: part[ranges])
+
+
+_MPT_NAMES = {"transformer.wte.weight": "model.embed_tokens.weight",
+              "transformer.norm_f.weight": "model.norm.weight"}
+_MPT_LAYER_NAMES = {"norm_1": "input_layernorm", "norm_2": "post_attention_layernorm",
+                    "attn.out_proj": "self_attn.o_proj", "ffn.up_proj": "mlp.up_proj",
+                    "ffn.down_proj": "mlp.down_proj"}
+
+
+def mpt_tensors(tensors: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+  """An MPT checkpoint's tensors under transformers' Llama names: ``transformer.wte`` the
+  embedding, ``blocks.{i}.norm_1``/``norm_2`` the two norms, ``attn.out_proj``,
+  ``ffn.up_proj``/``down_proj``, and the fused ``attn.Wqkv [3 * hidden, hidden]`` as its three
+  row blocks ``q_proj``, ``k_proj``, ``v_proj`` (each read from the file on its own)."""
+  for name, t in tensors:
+    if name in _MPT_NAMES:
+      yield _MPT_NAMES[name], t
+      continue
+    m = re.fullmatch(r"transformer\.blocks\.(\d+)\.(.+)\.weight", name)
+    if m is None:
+      yield name, t  # (lm_head.weight: the tied copy, skipped later; others: reported)
+      continue
+    prefix, module = f"model.layers.{m.group(1)}", m.group(2)
+    if module != "attn.Wqkv":
+      yield f"{prefix}.{_MPT_LAYER_NAMES.get(module, module)}.weight", t
+      continue
+    rows = t.shape[0] // 3
+    for i, x in enumerate("qkv"):
+      read = lambda r, c, t=t, off=i * rows: t.read(slice(r.start + off, r.stop + off), c)
+      yield f"{prefix}.self_attn.{x}_proj.weight", LazyTensor((rows, t.shape[1]), read)
 
 
 # -- GGUF ---------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """The decoder's hyperparameters, and named presets.
 
 One frozen (hashable) dataclass covers Llama 2, Llama 3.x, CodeLlama, SmolLM2, Mistral
-(without a sliding window), Qwen2, Qwen2.5, Qwen3 and Gemma 2: they differ in sizes, RoPE base
-and scaling, the GQA ratio, whether the output projection is tied to the embedding, two values
-of the attention (``qkv_bias``, ``qk_norm``), and Gemma 2's pieces (its norms, activation,
-embedding scale, attention scale, soft-capping and sliding-window layers; the families:
-:mod:`models.model.families`).
+(without a sliding window), Qwen2, Qwen2.5, Qwen3, Gemma 2 and MPT: they differ in sizes, RoPE
+base and scaling, the GQA ratio, whether the output projection is tied to the embedding, two
+values of the attention (``qkv_bias``, ``qk_norm``), Gemma 2's pieces (its norms, activation,
+embedding scale, attention scale, soft-capping and sliding-window layers) and MPT's (LayerNorm,
+an ungated GELU MLP, ALiBi instead of RoPE; the families: :mod:`models.model.families`).
 ``LlamaConfig`` is hashable so that it can be a static argument of ``jax.jit``.
 
     >>> cfg = preset("llama-3-8b")                    # the shape only; weights come from loading
@@ -25,9 +25,10 @@ from models.model import families
 
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_KINDS = ("linear", "llama3")
-# The MLP's gate activation: SiLU (SwiGLU: Llama, Mistral, Qwen) or GELU with the tanh
-# approximation (GeGLU: Gemma, transformers' "gelu_pytorch_tanh").
-ACTIVATIONS = ("silu", "gelu_tanh")
+# The MLP's activation: SiLU (SwiGLU: Llama, Mistral, Qwen), GELU with the tanh approximation
+# (GeGLU: Gemma, transformers' "gelu_pytorch_tanh"), exact GELU (MPT).
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+NORM_TYPES = ("rms", "layer")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -77,7 +78,10 @@ class LlamaConfig:
     qkv_bias: the q, k and v projections add a bias (Qwen2, Qwen2.5).
     qk_norm: an RMSNorm over ``head_dim`` (weights ``[head_dim]``, ``rms_norm_eps``) on every
       query and key head before RoPE (Qwen3).
-    hidden_act: the MLP's gate activation, one of ``ACTIVATIONS``.
+    hidden_act: the MLP's activation, one of ``ACTIVATIONS``.
+    gated_mlp: the MLP is ``down(act(gate(x)) * up(x))``; False: ``down(act(up(x)))`` (MPT).
+    norm_type: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm with a weight and no bias: the
+      mean subtracted too, statistics in float32; MPT).
     norm_plus_one: every RMSNorm scales by ``1 + weight``, the product in float32 and then
       cast (Gemma's RMSNorm; its weights start at zeros); False: ``weight`` times the
       normalized value cast to the dtype (Llama's).
@@ -96,6 +100,9 @@ class LlamaConfig:
       positions ``i - W < j <= i``; None: no layer has a window.
     layer_types: one of ``LAYER_TYPES`` per layer (transformers' ``layer_types``): which
       layers have the window; None with a ``sliding_window``: every layer.
+    alibi_bias_max: ALiBi instead of RoPE (MPT): each head's scores get
+      ``-slope * (i - j)`` for query position i and key position j, the slopes MPT's
+      (:meth:`alibi_slopes`); None: RoPE.
     dtype: parameter and activation dtype, one of ``DTYPES``; logits are
       always float32.
     bos_token_id, eos_token_id: informational (the tokenizer is authoritative).
@@ -118,6 +125,8 @@ class LlamaConfig:
   qkv_bias: bool = False
   qk_norm: bool = False
   hidden_act: str = "silu"
+  gated_mlp: bool = True
+  norm_type: str = "rms"
   norm_plus_one: bool = False
   sandwich_norms: bool = False
   scale_embeddings: bool = False
@@ -126,6 +135,7 @@ class LlamaConfig:
   final_logit_softcapping: Optional[float] = None
   sliding_window: Optional[int] = None
   layer_types: Optional[tuple[str, ...]] = None
+  alibi_bias_max: Optional[float] = None
   dtype: str = "float32"
   bos_token_id: Optional[int] = None
   eos_token_id: Optional[int] = None
@@ -148,7 +158,7 @@ class LlamaConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"LlamaConfig: num_heads ({self.num_heads}) must be a multiple of "
                        f"num_kv_heads ({self.num_kv_heads})")
-    if self.head_dim % 2:
+    if self.head_dim % 2 and self.alibi_bias_max is None:
       raise ValueError(f"LlamaConfig: head_dim must be even for RoPE; got {self.head_dim}")
     if self.dtype not in DTYPES:
       raise ValueError(f"LlamaConfig: dtype must be one of {DTYPES}; got {self.dtype!r}")
@@ -158,7 +168,11 @@ class LlamaConfig:
     if self.hidden_act not in ACTIVATIONS:
       raise ValueError(f"LlamaConfig: hidden_act must be one of {ACTIVATIONS}; got "
                        f"{self.hidden_act!r}")
-    for field in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+    if self.norm_type not in NORM_TYPES:
+      raise ValueError(f"LlamaConfig: norm_type must be one of {NORM_TYPES}; got "
+                       f"{self.norm_type!r}")
+    for field in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                  "alibi_bias_max"):
       value = getattr(self, field)
       if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
         raise ValueError(f"LlamaConfig: {field} must be a finite number > 0 or None; got "
@@ -194,6 +208,18 @@ class LlamaConfig:
       return None
     return (self.sliding_window - 1, 0)
 
+  def alibi_slopes(self) -> Optional[tuple[float, ...]]:
+    """One ALiBi slope per query head (MPT's rule: ``2 ** -(k * alibi_bias_max / n)`` for
+    k = 1..n, n the power of two at or above ``num_heads``; with fewer heads, the odd k then
+    the even ones, the first ``num_heads``), or None without ALiBi."""
+    if self.alibi_bias_max is None:
+      return None
+    n = 1 << (self.num_heads - 1).bit_length()
+    slopes = [2.0 ** -(k * self.alibi_bias_max / n) for k in range(1, n + 1)]
+    if n != self.num_heads:
+      slopes = (slopes[1::2] + slopes[::2])[:self.num_heads]
+    return tuple(slopes)
+
   @property
   def num_params(self) -> int:
     """Parameter count (the tied output projection counted once)."""
@@ -203,7 +229,7 @@ class LlamaConfig:
       attn += self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
     if self.qk_norm:
       attn += 2 * self.head_dim
-    per_layer = attn + 3 * d * f + (4 if self.sandwich_norms else 2) * d
+    per_layer = attn + (3 if self.gated_mlp else 2) * d * f + (4 if self.sandwich_norms else 2) * d
     return self.num_layers * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
 
   def replace(self, **changes: Any) -> "LlamaConfig":
@@ -234,12 +260,13 @@ class LlamaConfig:
     (:func:`models.model.families.hf_family`: an unsupported one raises
     :class:`models.model.families.Unsupported`, listing the supported ones; so does a
     sliding window shorter than ``max_position_embeddings`` in a family whose window the
-    decoder does not run). A family's ``hf_defaults`` fill the keys the file leaves out.
+    decoder does not run). :func:`models.model.families.hf_fields` fills the keys the file
+    leaves out with the family's defaults and translates MPT's spelling.
     transformers 5 writes ``rope_parameters = {"rope_type", "rope_theta", ...}``;
     older files write ``rope_theta`` and ``rope_scaling = {"type"|"rope_type", ...}``.
     """
     family = families.hf_family(hf)
-    hf = {**dict(family.hf_defaults), **hf}
+    hf = families.hf_fields(family, hf)
     families.check_no_window(family, hf)
     for flag in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases are its family's own
       if hf.get(flag):
@@ -292,6 +319,9 @@ class LlamaConfig:
         query_pre_attn_scalar=_optional_float(hf.get("query_pre_attn_scalar")),
         attn_logit_softcapping=_optional_float(hf.get("attn_logit_softcapping")),
         final_logit_softcapping=_optional_float(hf.get("final_logit_softcapping")),
+        gated_mlp=family.gated_mlp,
+        norm_type=family.norm_type,
+        alibi_bias_max=_optional_float(hf.get("alibi_bias_max")),
         dtype=torch_dtype if torch_dtype in DTYPES else "float32",
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
@@ -307,7 +337,7 @@ class LlamaConfig:
 
 
 # transformers' activation names -> ours (``LlamaConfig.hidden_act``).
-HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
 def _optional_float(value: Any) -> Optional[float]:

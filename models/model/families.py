@@ -7,7 +7,9 @@ before RoPE: Qwen3), and Gemma 2's: ``norm_plus_one`` and ``sandwich_norms`` (it
 its four norms per layer), ``scale_embeddings``, the GELU-tanh MLP (``hidden_act``), the
 attention scale ``query_pre_attn_scalar``, soft-capping of the attention scores and of the
 output logits, and sliding-window attention on every other layer (``sliding_window``,
-``layer_types``). Mistral without a sliding window is Llama. A Hugging Face ``config.json``
+``layer_types``); and MPT's: LayerNorm (``norm_type``), an ungated GELU MLP (``gated_mlp``,
+``hidden_act``) and ALiBi instead of RoPE (``alibi_bias_max``), its ``config.json`` in its own
+spelling (:func:`hf_fields`). Mistral without a sliding window is Llama. A Hugging Face ``config.json``
 names its family by ``model_type`` (and ``architectures``); a GGUF file by
 ``general.architecture`` (llama.cpp's names: Mistral is written as ``llama``).
 
@@ -40,8 +42,8 @@ class Family:
     runs_window: the decoder applies the family's sliding window (``LlamaConfig.sliding_window``
       and ``layer_types``); False: a window that can hide a key is refused
       (:func:`check_no_window`).
-    norm_plus_one, sandwich_norms, scale_embeddings: the
-      :class:`models.model.config.LlamaConfig` fields of the same names (Gemma 2).
+    norm_plus_one, sandwich_norms, scale_embeddings, gated_mlp, norm_type: the
+      :class:`models.model.config.LlamaConfig` fields of the same names (Gemma 2, MPT).
     hf_defaults: ``(key, value)`` pairs transformers' config class assumes when
       ``config.json`` leaves the key out.
     models: the published models it covers (for messages and docs).
@@ -58,6 +60,8 @@ class Family:
   norm_plus_one: bool = False
   sandwich_norms: bool = False
   scale_embeddings: bool = False
+  gated_mlp: bool = True
+  norm_type: str = "rms"
   hf_defaults: tuple[tuple[str, Any], ...] = ()
   models: str = ""
 
@@ -80,6 +84,7 @@ FAMILIES: tuple[Family, ...] = (
                         ("tie_word_embeddings", True), ("rms_norm_eps", 1e-6),
                         ("max_position_embeddings", 8192)),
            models="Gemma 2"),
+    Family("mpt", ("MptForCausalLM",), None, gated_mlp=False, norm_type="layer", models="MPT"),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -93,7 +98,8 @@ def supported() -> str:
   """One line naming every family, its transformers class and its GGUF architecture."""
   parts = []
   for f in FAMILIES:
-    gguf = f"GGUF {f.gguf_architecture}" if f.gguf_architecture else "GGUF as llama"
+    gguf = (f"GGUF {f.gguf_architecture}" if f.gguf_architecture
+            else "GGUF as llama" if f.gguf_rope_permuted else "no GGUF")
     parts.append(f"{f.architectures[0]} (model_type {f.name}, {gguf}: {f.models})")
   return "; ".join(parts)
 
@@ -125,6 +131,38 @@ def gguf_family(architecture: Any) -> Family:
                     + (", Mistral" if f.name == "llama" else "") + ")"
                     for f in FAMILIES if f.gguf_architecture))
   return family
+
+
+def hf_fields(family: Family, hf: Mapping[str, Any]) -> dict[str, Any]:
+  """``config.json`` in Llama's spelling (``hidden_size``, ``num_attention_heads``, ...), the
+  family's ``hf_defaults`` filling the keys it leaves out; MPT's keys (``d_model``,
+  ``n_heads``, ``attn_config``, ...) translated. Raises :class:`Unsupported` for MPT options
+  the decoder does not run."""
+  hf = {**dict(family.hf_defaults), **hf}
+  if family.name != "mpt":
+    return hf
+  attn = dict(hf.get("attn_config") or {})
+  refused = {"attn_config.alibi": not attn.get("alibi", False),
+             "attn_config.clip_qkv": attn.get("clip_qkv") is not None,
+             "attn_config.softmax_scale": attn.get("softmax_scale") is not None,
+             "attn_config.qk_ln": bool(attn.get("qk_ln")),
+             "attn_config.prefix_lm": bool(attn.get("prefix_lm")),
+             "no_bias": not hf.get("no_bias", True),
+             "logit_scale": hf.get("logit_scale") is not None}
+  bad = [f"{key}={attn.get(key.split('.')[-1]) if '.' in key else hf.get(key)!r}"
+         for key, on in refused.items() if on]
+  if bad:
+    raise Unsupported(f"config.json: MPT with {', '.join(bad)} is not supported (only ALiBi "
+                      f"without biases, q/k clipping, LayerNorm on q/k, a custom softmax scale, "
+                      f"logit scaling or a prefix LM)")
+  d = int(hf["d_model"])
+  return {**hf, "hidden_size": d, "num_attention_heads": int(hf["n_heads"]),
+          "num_hidden_layers": int(hf["n_layers"]),
+          "intermediate_size": int(hf.get("expansion_ratio", 4)) * d,
+          "max_position_embeddings": int(hf.get("max_seq_len", 2048)),
+          "rms_norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
+          "hidden_act": "gelu", "tie_word_embeddings": True,
+          "alibi_bias_max": float(attn.get("alibi_bias_max", 8))}
 
 
 def window_layers(family: Family, hf: Mapping[str, Any]) -> list[int]:

@@ -3,10 +3,11 @@
 Covers Llama 2, Llama 3.x, CodeLlama, SmolLM2, Mistral, Qwen2/2.5 (``config.qkv_bias``: q/k/v
 biases ``q_bias [Hq, D]``, ...), Qwen3 (``config.qk_norm``: ``q_norm``/``k_norm``, RMSNorm
 over each head before RoPE) and Gemma 2 (``(1 + w)`` norms, four per layer, scaled embeddings,
-a GELU-tanh MLP, its attention scale, soft-capped scores and logits, sliding-window layers);
-see :mod:`models.model.config` and :mod:`models.model.families`. Each layer's attention
-variants (``scale``, ``softcap``, ``local_window_size``: :meth:`Attention.variants`) go to
-every ``jax_shared_attn`` call it makes, with or without a cache.
+a GELU-tanh MLP, its attention scale, soft-capped scores and logits, sliding-window layers)
+and MPT (LayerNorm, an ungated GELU MLP, ALiBi instead of RoPE); see :mod:`models.model.config`
+and :mod:`models.model.families`. Each layer's attention variants (``scale``, ``softcap``,
+``local_window_size``, ``alibi_slopes``: :meth:`Attention.variants`) go to every
+``jax_shared_attn`` call it makes, with or without a cache.
 Layout ``[batch, seq, heads, head_dim]``; parameters and activations in
 ``config.dtype``; RMSNorm statistics, RoPE angles and the logits in float32.
 
@@ -133,7 +134,25 @@ class RMSNorm(nnx.Module):
     return self.weight[...] * normed.astype(x.dtype)
 
 
-def _norm(config: LlamaConfig, dim: int, abstract: bool) -> RMSNorm:
+class LayerNorm(nnx.Module):
+  """``weight * (x - mean(x)) / sqrt(var(x) + eps)`` with no bias (MPT's), statistics in
+  float32; ``weight`` starts at ones."""
+
+  def __init__(self, dim: int, eps: float, dtype, *, abstract: bool = False):
+    self.weight = nnx.Param(jax.ShapeDtypeStruct((dim,), jnp.dtype(dtype)) if abstract
+                            else jnp.ones((dim,), dtype))
+    self.eps = eps
+
+  def __call__(self, x: Array) -> Array:
+    x32 = x.astype(jnp.float32)
+    centered = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    normed = centered * lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True) + self.eps)
+    return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def _norm(config: LlamaConfig, dim: int, abstract: bool) -> RMSNorm | LayerNorm:
+  if config.norm_type == "layer":
+    return LayerNorm(dim, config.rms_norm_eps, config.param_dtype, abstract=abstract)
   return RMSNorm(dim, config.rms_norm_eps, config.param_dtype, abstract=abstract,
                  plus_one=config.norm_plus_one)
 
@@ -156,17 +175,23 @@ class Attention(nnx.Module):
       self.k_norm = _norm(c, c.head_dim, rngs is None)
     self.qkv_bias, self.qk_norm = c.qkv_bias, c.qk_norm
     self.layer = layer
-    self.inv_freq = tuple(float(f) for f in inverse_frequencies(config))
+    # ALiBi (MPT) replaces RoPE: no rotation, the slopes go to the attention.
+    self.alibi = c.alibi_slopes()
+    self.inv_freq = (None if self.alibi is not None
+                     else tuple(float(f) for f in inverse_frequencies(config)))
     self.scale = None if c.query_pre_attn_scalar is None else c.attention_scale
     self.softcap = c.attn_logit_softcapping
     self.window = c.local_window(layer)
 
   def variants(self) -> dict[str, Any]:
     """This layer's keyword arguments of the ``jax_shared_attn`` calls: its ``scale``,
-    ``softcap`` and ``local_window_size``, each only when the config sets it (the API's
-    defaults otherwise)."""
+    ``softcap``, ``local_window_size`` and ``alibi_slopes`` (float32 ``[Hq]``), each only
+    when the config sets it (the API's defaults otherwise)."""
     out = dict(scale=self.scale, softcap=self.softcap, local_window_size=self.window)
-    return {k: v for k, v in out.items() if v is not None}
+    out = {k: v for k, v in out.items() if v is not None}
+    if self.alibi is not None:
+      out["alibi_slopes"] = jnp.asarray(self.alibi, jnp.float32)
+    return out
 
   def __call__(self, x: Array, positions: Array, cache: Optional[Any], *,
                skip_attention: bool, settings: GenerationSettings,
@@ -180,8 +205,9 @@ class Attention(nnx.Module):
       xq, keys, values = xq + self.q_bias[...], keys + self.k_bias[...], values + self.v_bias[...]
     if self.qk_norm:
       xq, keys = self.q_norm(xq), self.k_norm(keys)
-    inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
-    xq, keys = apply_rope(xq, positions, inv_freq), apply_rope(keys, positions, inv_freq)
+    if self.inv_freq is not None:
+      inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
+      xq, keys = apply_rope(xq, positions, inv_freq), apply_rope(keys, positions, inv_freq)
     variants = self.variants()
     if skip_attention:
       out = _no_attention(xq, keys, values)
@@ -213,22 +239,29 @@ def _no_attention(xq: Array, keys: Array, values: Array) -> Array:
   return xq + jnp.repeat(keys + values, group, axis=2)
 
 
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+               "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
 
 
 class MLP(nnx.Module):
-  """Gated: ``down(act(gate(x)) * up(x))``, ``act`` SiLU (SwiGLU) or GELU-tanh (Gemma)."""
+  """Gated: ``down(act(gate(x)) * up(x))``, ``act`` SiLU (SwiGLU) or GELU-tanh (Gemma);
+  with ``config.gated_mlp`` False, ``down(act(up(x)))`` (MPT: exact GELU)."""
 
   def __init__(self, config: LlamaConfig, *, rngs: Optional[nnx.Rngs]):
     c, dt = config, config.param_dtype
-    self.gate_proj = _normal(rngs, (c.hidden_size, c.intermediate_size), dt)
+    if c.gated_mlp:
+      self.gate_proj = _normal(rngs, (c.hidden_size, c.intermediate_size), dt)
     self.up_proj = _normal(rngs, (c.hidden_size, c.intermediate_size), dt)
     self.down_proj = _normal(rngs, (c.intermediate_size, c.hidden_size), dt)
-    self.act = c.hidden_act
+    self.act, self.gated = c.hidden_act, c.gated_mlp
 
   def __call__(self, x: Array) -> Array:
-    hidden = ACTIVATIONS[self.act](_einsum("btd,df->btf", x, self.gate_proj))
-    hidden = hidden * _einsum("btd,df->btf", x, self.up_proj)
+    act = ACTIVATIONS[self.act]
+    if self.gated:
+      hidden = act(_einsum("btd,df->btf", x, self.gate_proj))
+      hidden = hidden * _einsum("btd,df->btf", x, self.up_proj)
+    else:
+      hidden = act(_einsum("btd,df->btf", x, self.up_proj))
     return _einsum("btf,fd->btd", hidden, self.down_proj)
 
 

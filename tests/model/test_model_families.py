@@ -146,7 +146,7 @@ def test_unsupported_and_windowed_checkpoints_get_one_clear_error(tmp_path):
   cases = {
       "phi3": (dict(hf, model_type="phi3", architectures=["Phi3ForCausalLM"]),
                "model_type 'phi3'.*supported: LlamaForCausalLM.*MistralForCausalLM.*"
-               "Qwen2ForCausalLM.*Qwen3ForCausalLM.*Gemma2ForCausalLM"),
+               "Qwen2ForCausalLM.*Qwen3ForCausalLM.*Gemma2ForCausalLM.*MptForCausalLM"),
       "mistral_window": (dict(hf, model_type="mistral", sliding_window=64),
                          "sliding_window=64 < max_position_embeddings=128 on 1 of 1 layers "
                          "\\(mistral\\): sliding-window attention is not supported yet"),

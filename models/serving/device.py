@@ -72,12 +72,22 @@ class HeadShardedPagedKVCache(PagedKVCache):
   def attention(self, xq, layer: int, t: int, settings, sharding=None, **variants):
     if sharding is not None:
       raise ValueError("HeadShardedPagedKVCache carries its mesh: sharding must be None")
+    # The scale, soft-cap and window are the same on every shard; ALiBi slopes [Hq] split with
+    # their query heads.
+    slopes = variants.pop("alibi_slopes", None)
+    if slopes is None:
+      def local(xq, k, v, *tables):
+        return PagedKVCache((k,), (v,), *tables).attention(xq, 0, t, settings, **variants)
 
-    def local(xq, k, v, *tables):  # the variants are scalars and windows: the same per shard
-      return PagedKVCache((k,), (v,), *tables).attention(xq, 0, t, settings, **variants)
+      return shard_map(local, self.mesh, (HEADS,) * 3 + (P(),) * 6, HEADS)(
+          xq, self.k[layer], self.v[layer], *self._tables())
 
-    return shard_map(local, self.mesh, (HEADS,) * 3 + (P(),) * 6, HEADS)(
-        xq, self.k[layer], self.v[layer], *self._tables())
+    def local_alibi(xq, k, v, slopes, *tables):
+      return PagedKVCache((k,), (v,), *tables).attention(xq, 0, t, settings, alibi_slopes=slopes,
+                                                         **variants)
+
+    return shard_map(local_alibi, self.mesh, (HEADS,) * 3 + (P(MODEL),) + (P(),) * 6, HEADS)(
+        xq, self.k[layer], self.v[layer], slopes, *self._tables())
 
 
 def _cache(mesh: Optional[Mesh], *arrays) -> PagedKVCache:

@@ -192,3 +192,16 @@ def test_gguf_matches_transformers(tmp_path):
   ids = token_ids(hf.config.vocab_size)
   err = rel_err(run(model, jnp.asarray(ids)), hf_logits(hf, ids))
   assert err < 1e-5, err
+
+
+def test_variants_on_a_mesh_are_refused_by_name(loaded):
+  """jax_shared_attn.sharded does not carry softcap or local_window_size: on a mesh the decoder
+  refuses them rather than attend without them."""
+  from models.parallel.mesh import make_mesh
+  from models.parallel.rules import attention_sharding
+
+  _, model, _ = loaded
+  sharding = attention_sharding(make_mesh((1, 1), devices=jax.devices()[:1]))
+  with pytest.raises(ValueError, match=r"sharding: layer 0 of this model needs "
+                     r"\['local_window_size', 'softcap'\], which attention on a mesh"):
+    model(jnp.zeros((1, 4), jnp.int32), sharding=sharding)

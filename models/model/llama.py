@@ -209,11 +209,6 @@ class Attention(nnx.Module):
       inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
       xq, keys = apply_rope(xq, positions, inv_freq), apply_rope(keys, positions, inv_freq)
     variants = self.variants()
-    if sharding is not None and set(variants) - {"scale"}:
-      # jax_shared_attn.sharded passes on the keywords it knows (scale among them), not these.
-      raise ValueError(f"sharding: layer {self.layer} of this model needs "
-                       f"{sorted(set(variants) - {'scale'})}, which attention on a mesh "
-                       f"(jax_shared_attn.sharded) does not carry; run it without a mesh")
     if skip_attention:
       out = _no_attention(xq, keys, values)
     elif cache is None and settings.causal_attention is not None:

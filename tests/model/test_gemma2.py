@@ -87,9 +87,7 @@ def hf_greedy(hf, prompt, n):
   return out[0, len(prompt):].numpy()
 
 
-def test_greedy_tokens_hydragen_equal_standard_transformers_and_the_engine(loaded):
-  from models.serving import Engine, EngineConfig, Request
-
+def test_greedy_tokens_hydragen_equal_standard_and_transformers(loaded):
   hf, model, _ = loaded
   prompts, new = _prompts(model.config.vocab_size), 8  # the contexts grow past 2 windows
   tokens = {attention: np.asarray(generate(model, prompts, num_samples=[2, 1], max_new_tokens=new,
@@ -100,7 +98,15 @@ def test_greedy_tokens_hydragen_equal_standard_transformers_and_the_engine(loade
     want = hf_greedy(hf, prompt, new)
     np.testing.assert_array_equal(tokens["hydragen"][rows],
                                   np.broadcast_to(want, (rows.stop - rows.start, new)))
-  # The serving engine (paged cache, the shared prompt in pages read once per step).
+
+
+def test_serving_engine_tokens_equal_generate(loaded):
+  """The serving engine (paged cache, the shared prompt in pages read once per step)."""
+  from models.serving import Engine, EngineConfig, Request
+
+  _, model, _ = loaded
+  prompts, new = _prompts(model.config.vocab_size), 8
+  want = np.asarray(generate(model, prompts, num_samples=[2, 1], max_new_tokens=new))
   engine = Engine(model, config=EngineConfig(
       page_size=4, num_pages=32, max_running=4, max_prefill_tokens=8, decode_steps=3,
       min_shared_tokens=4, batch_buckets=(4,), prefill_row_buckets=(4,), prefill_buckets=(8,),
@@ -108,7 +114,7 @@ def test_greedy_tokens_hydragen_equal_standard_transformers_and_the_engine(loade
   outs = engine.generate([Request(p, n=n, max_tokens=new, ignore_eos=True)
                           for p, n in zip(prompts, (2, 1))])
   got = [list(s.token_ids) for out in outs for s in out.samples]
-  np.testing.assert_array_equal(np.asarray(got), tokens["hydragen"])
+  np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_training_logprobs_under_a_tree_equal_the_plain_model(loaded):
@@ -194,14 +200,15 @@ def test_gguf_matches_transformers(tmp_path):
   assert err < 1e-5, err
 
 
-def test_variants_on_a_mesh_are_refused_by_name(loaded):
-  """jax_shared_attn.sharded does not carry softcap or local_window_size: on a mesh the decoder
-  refuses them rather than attend without them."""
+
+def test_on_a_mesh_the_variants_reach_every_shard(loaded):
+  """On a (one-device) mesh attention runs through jax_shared_attn.sharded: the logits are
+  the unsharded model's, so the soft-cap and window were passed on."""
   from models.parallel.mesh import make_mesh
   from models.parallel.rules import attention_sharding
 
   _, model, _ = loaded
   sharding = attention_sharding(make_mesh((1, 1), devices=jax.devices()[:1]))
-  with pytest.raises(ValueError, match=r"sharding: layer 0 of this model needs "
-                     r"\['local_window_size', 'softcap'\], which attention on a mesh"):
-    model(jnp.zeros((1, 4), jnp.int32), sharding=sharding)
+  ids = jnp.asarray(token_ids(model.config.vocab_size))
+  got = nnx.jit(lambda m, x: m(x, sharding=sharding))(model, ids)
+  assert rel_err(got, run(model, ids)) < 1e-6

@@ -87,12 +87,20 @@ def hf_greedy(hf, prompt, n):
   return out[0, len(prompt):].numpy()
 
 
-def test_greedy_tokens_hydragen_equal_standard_and_transformers(loaded):
-  hf, model, _ = loaded
-  prompts, new = _prompts(model.config.vocab_size), 8  # the contexts grow past 2 windows
-  tokens = {attention: np.asarray(generate(model, prompts, num_samples=[2, 1], max_new_tokens=new,
-                                           attention=attention))
-            for attention in ("hydragen", "standard")}
+@pytest.fixture(scope="module")
+def greedy(loaded):
+  """(prompts, new tokens, {attention: greedy tokens [3, new]}): two prompts sharing a segment
+  longer than the window, sampled 2 and 1 times; the contexts grow past two windows."""
+  _, model, _ = loaded
+  prompts, new = _prompts(model.config.vocab_size), 8
+  return prompts, new, {attention: np.asarray(generate(model, prompts, num_samples=[2, 1],
+                                                       max_new_tokens=new, attention=attention))
+                        for attention in ("hydragen", "standard")}
+
+
+def test_greedy_tokens_hydragen_equal_standard_and_transformers(loaded, greedy):
+  hf, _, _ = loaded
+  prompts, new, tokens = greedy
   np.testing.assert_array_equal(tokens["hydragen"], tokens["standard"])
   for rows, prompt in ((slice(0, 2), prompts[0]), (slice(2, 3), prompts[1])):
     want = hf_greedy(hf, prompt, new)
@@ -100,13 +108,12 @@ def test_greedy_tokens_hydragen_equal_standard_and_transformers(loaded):
                                   np.broadcast_to(want, (rows.stop - rows.start, new)))
 
 
-def test_serving_engine_tokens_equal_generate(loaded):
+def test_serving_engine_tokens_equal_generate(loaded, greedy):
   """The serving engine (paged cache, the shared prompt in pages read once per step)."""
   from models.serving import Engine, EngineConfig, Request
 
   _, model, _ = loaded
-  prompts, new = _prompts(model.config.vocab_size), 8
-  want = np.asarray(generate(model, prompts, num_samples=[2, 1], max_new_tokens=new))
+  prompts, new, tokens = greedy
   engine = Engine(model, config=EngineConfig(
       page_size=4, num_pages=32, max_running=4, max_prefill_tokens=8, decode_steps=3,
       min_shared_tokens=4, batch_buckets=(4,), prefill_row_buckets=(4,), prefill_buckets=(8,),
@@ -114,17 +121,17 @@ def test_serving_engine_tokens_equal_generate(loaded):
   outs = engine.generate([Request(p, n=n, max_tokens=new, ignore_eos=True)
                           for p, n in zip(prompts, (2, 1))])
   got = [list(s.token_ids) for out in outs for s in out.samples]
-  np.testing.assert_array_equal(np.asarray(got), want)
+  np.testing.assert_array_equal(np.asarray(got), tokens["hydragen"])
 
 
 def test_training_logprobs_under_a_tree_equal_the_plain_model(loaded):
-  """completion_logprobs (shared prompt segments once, hydragen, two levels) equals
-  log_softmax of the plain model run on each sample's whole sequence."""
+  """completion_logprobs (the shared prompt segment once, hydragen) equals log_softmax of the
+  plain model run on each sample's whole sequence; the segment is longer than the window."""
   _, model, _ = loaded
   v = model.config.vocab_size
   rng = np.random.default_rng(3)
-  root = [int(t) for t in rng.integers(0, v, 10)]
-  prompts = [root + [1, 2, 3, 4, 5], root + [1, 2, 3, 4, 6, 7], [9]]
+  root = [int(t) for t in rng.integers(0, v, 12)]
+  prompts = [root + [1, 2, 3], root + [4, 5, 6, 7], [9]]
   tree = PromptTree.from_prompts(prompts, [2, 1, 1], min_shared_tokens=4)
   comp = rng.integers(0, v, (tree.num_samples, 5)).astype(np.int32)
   comp[1, 3:] = -1

@@ -50,6 +50,7 @@ def test_config_from_transformers(loaded):
   # A config.json without layer_types (older transformers): the even layers are local.
   old = {k: v for k, v in hf.config.to_dict().items() if k != "layer_types"}
   assert LlamaConfig.from_hf(old).layer_types == c.layer_types
+  assert LlamaConfig.from_dict(json.loads(c.to_json())) == c  # (save_pretrained's file)
   # The preset: Gemma 2 2B's 2,614,341,888 parameters.
   assert preset("gemma-2-2b").num_params == 2_614_341_888
 

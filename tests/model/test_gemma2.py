@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.checkpoints.loading import from_pretrained
+from models.checkpoints.loading import from_pretrained, hf_tensors, model_from_tensors
 from models.generation.loop import generate
 from models.generation.prompt_tree import PromptTree
 from models.model.config import LlamaConfig, preset
@@ -53,6 +53,19 @@ def test_config_from_transformers(loaded):
   assert LlamaConfig.from_dict(json.loads(c.to_json())) == c  # (save_pretrained's file)
   # The preset: Gemma 2 2B's 2,614,341,888 parameters.
   assert preset("gemma-2-2b").num_params == 2_614_341_888
+
+
+def test_checkpoint_tensors_round_trip(loaded):
+  """hf_tensors writes transformers' names and shapes (the four norms per layer) and
+  model_from_tensors reads them back to the same parameters."""
+  hf, model, _ = loaded
+  params = flat_params(model)
+  tensors = hf_tensors(params, model.config)
+  assert ({k: tuple(v.shape) for k, v in tensors.items()}
+          == {k: tuple(v.shape) for k, v in hf.state_dict().items() if k != "lm_head.weight"})
+  back = flat_params(model_from_tensors(model.config, tensors))
+  for path, value in params.items():
+    np.testing.assert_array_equal(np.asarray(back[path]), np.asarray(value), err_msg=path)
 
 
 def test_logits_match_transformers_float32(loaded):

@@ -68,7 +68,7 @@ class LlamaConfig:
     num_heads: query heads Hq; num_kv_heads: key/value heads Hkv
       (``Hq % Hkv == 0``: MHA ``Hkv = Hq``, GQA, MQA ``Hkv = 1``).
     head_dim: per-head size D (default ``hidden_size // num_heads``).
-    rms_norm_eps: RMSNorm epsilon.
+    rms_norm_eps: the norms' epsilon (RMSNorm's; LayerNorm's with ``norm_type="layer"``).
     rope_theta: RoPE base; rope_scaling: optional :class:`RopeScaling`.
     rope_freq_factors: optional per-frequency divisors (``head_dim // 2``
       floats), as llama.cpp stores Llama 3.1 scaling (``rope_freqs.weight``).

@@ -9,8 +9,8 @@ attention scale ``query_pre_attn_scalar``, soft-capping of the attention scores 
 output logits, and sliding-window attention on every other layer (``sliding_window``,
 ``layer_types``); and MPT's: LayerNorm (``norm_type``), an ungated GELU MLP (``gated_mlp``,
 ``hidden_act``) and ALiBi instead of RoPE (``alibi_bias_max``), its ``config.json`` in its own
-spelling (:func:`hf_fields`). Mistral without a sliding window is Llama. A Hugging Face ``config.json``
-names its family by ``model_type`` (and ``architectures``); a GGUF file by
+spelling (:func:`hf_fields`). Mistral without a sliding window is Llama. A Hugging Face
+``config.json`` names its family by ``model_type`` (and ``architectures``); a GGUF file by
 ``general.architecture`` (llama.cpp's names: Mistral is written as ``llama``).
 
     >>> hf_family({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}).name
@@ -152,9 +152,9 @@ def hf_fields(family: Family, hf: Mapping[str, Any]) -> dict[str, Any]:
   bad = [f"{key}={attn.get(key.split('.')[-1]) if '.' in key else hf.get(key)!r}"
          for key, on in refused.items() if on]
   if bad:
-    raise Unsupported(f"config.json: MPT with {', '.join(bad)} is not supported (only ALiBi "
-                      f"without biases, q/k clipping, LayerNorm on q/k, a custom softmax scale, "
-                      f"logit scaling or a prefix LM)")
+    raise Unsupported(f"config.json: MPT with {', '.join(bad)} is not supported (the decoder "
+                      f"runs MPT with ALiBi and without biases, q/k clipping, q/k LayerNorm, a "
+                      f"custom softmax scale, logit scaling or a prefix LM)")
   d = int(hf["d_model"])
   return {**hf, "hidden_size": d, "num_attention_heads": int(hf["n_heads"]),
           "num_hidden_layers": int(hf["n_layers"]),

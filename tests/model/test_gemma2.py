@@ -233,3 +233,19 @@ def test_on_a_mesh_the_variants_reach_every_shard(loaded):
   ids = jnp.asarray(token_ids(model.config.vocab_size))
   got = nnx.jit(lambda m, x: m(x, sharding=sharding))(model, ids)
   assert rel_err(got, run(model, ids)) < 1e-6
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(hidden_act="relu"), "hidden_act"), (dict(norm_type="batch"), "norm_type"),
+    (dict(attn_logit_softcapping=0.0), "attn_logit_softcapping"),
+    (dict(final_logit_softcapping=float("inf")), "final_logit_softcapping"),
+    (dict(query_pre_attn_scalar=-1.0), "query_pre_attn_scalar"),
+    (dict(alibi_bias_max=float("nan")), "alibi_bias_max"),
+    (dict(sliding_window=0), "sliding_window"),
+    (dict(layer_types=("full_attention",)), "layer_types must hold num_layers = 26"),
+    (dict(layer_types=("global",) * 26), "layer_types"),
+    (dict(sliding_window=None), "layer_types has sliding_attention layers but sliding_window"),
+])
+def test_bad_config_values_name_the_field(change, field):
+  with pytest.raises(ValueError, match=f"LlamaConfig: {field}"):
+    preset("gemma-2-2b", **change)

@@ -84,7 +84,9 @@ FAMILIES: tuple[Family, ...] = (
                         ("tie_word_embeddings", True), ("rms_norm_eps", 1e-6),
                         ("max_position_embeddings", 8192)),
            models="Gemma 2"),
-    Family("mpt", ("MptForCausalLM",), None, gated_mlp=False, norm_type="layer", models="MPT"),
+    # (MosaicML's own config.json names the class MPTForCausalLM.)
+    Family("mpt", ("MptForCausalLM", "MPTForCausalLM"), None, gated_mlp=False, norm_type="layer",
+           models="MPT"),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -143,6 +145,8 @@ def hf_fields(family: Family, hf: Mapping[str, Any]) -> dict[str, Any]:
     return hf
   attn = dict(hf.get("attn_config") or {})
   refused = {"attn_config.alibi": not attn.get("alibi", False),
+             "attn_config.attn_type": attn.get("attn_type",
+                                               "multihead_attention") != "multihead_attention",
              "attn_config.clip_qkv": attn.get("clip_qkv") is not None,
              "attn_config.softmax_scale": attn.get("softmax_scale") is not None,
              "attn_config.qk_ln": bool(attn.get("qk_ln")),

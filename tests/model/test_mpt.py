@@ -91,9 +91,11 @@ def test_greedy_tokens_hydragen_equal_standard_and_transformers(loaded):
     (dict(clip_qkv=6.0), {}, "attn_config.clip_qkv=6.0"),
     (dict(qk_ln=True), {}, "attn_config.qk_ln=True"),
     ({}, dict(no_bias=False), "no_bias=False"),
+    (dict(attn_type="grouped_query_attention"), {},
+     "attn_config.attn_type='grouped_query_attention'"),
 ])
 def test_options_not_run_are_refused_by_name(attn, top, named):
-  hf = dict(model_type="mpt", architectures=["MptForCausalLM"], d_model=16, n_heads=2,
+  hf = dict(model_type="mpt", architectures=["MPTForCausalLM"], d_model=16, n_heads=2,
             n_layers=1, vocab_size=8, attn_config={"alibi": True, **attn}, **top)
   with pytest.raises(Unsupported, match=f"MPT with {named} is not supported"):
     LlamaConfig.from_hf(hf)

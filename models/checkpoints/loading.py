@@ -398,6 +398,13 @@ _GGUF_GEMMA2_LAYER_NAMES = {
 # hidden_size / heads for the 27B model (46 layers), head_dim for the others (src/llama-model.cpp:
 # the GGUF does not store it); its soft-caps default to 50 and 30 when the file has none.
 _GEMMA2_27B_LAYERS = 46
+# llama.cpp's MPT names -> MPT's own (then :func:`mpt_tensors`, as for a safetensors file).
+_GGUF_MPT_NAMES = {"token_embd.weight": "transformer.wte.weight",
+                   "output_norm.weight": "transformer.norm_f.weight",
+                   "output.weight": "lm_head.weight"}
+_GGUF_MPT_LAYER_NAMES = {"attn_norm": "norm_1", "ffn_norm": "norm_2", "attn_qkv": "attn.Wqkv",
+                         "attn_output": "attn.out_proj", "ffn_up": "ffn.up_proj",
+                         "ffn_down": "ffn.down_proj"}
 
 
 def gguf_config(fields: Mapping[str, Any], *, has_output: bool,
@@ -422,6 +429,16 @@ def gguf_config(fields: Mapping[str, Any], *, has_output: bool,
         sliding_window=window,  # on the even layers (llama.cpp's sliding-window pattern 2)
         layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention"
                           for i in range(layers)))
+  mpt = {}
+  if family.name == "mpt":
+    alibi, clamp = float(get("attention.max_alibi_bias", 0.0)), get("attention.clamp_kqv")
+    if alibi <= 0 or clamp is not None:
+      raise families.Unsupported(
+          f"GGUF: MPT with mpt.attention.max_alibi_bias={alibi}, mpt.attention.clamp_kqv="
+          f"{clamp} is not supported (the decoder runs MPT with ALiBi and without q/k clipping)")
+    mpt = dict(hidden_act="gelu", gated_mlp=False, norm_type="layer", alibi_bias_max=alibi)
+  eps = get("attention.layer_norm_epsilon" if family.norm_type == "layer"
+            else "attention.layer_norm_rms_epsilon", 1e-5)
   vocab = get("vocab_size") or len(fields["tokenizer.ggml.tokens"])
   scaling = None
   if get("rope.scaling.type") == "linear":
@@ -433,7 +450,7 @@ def gguf_config(fields: Mapping[str, Any], *, has_output: bool,
       vocab_size=int(vocab), hidden_size=hidden, num_layers=layers,
       num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
       intermediate_size=int(get("feed_forward_length")), head_dim=head_dim,
-      rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+      rms_norm_eps=float(eps),
       rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
       rope_freq_factors=rope_freq_factors,
       max_position_embeddings=int(get("context_length", 4096)),
@@ -441,7 +458,7 @@ def gguf_config(fields: Mapping[str, Any], *, has_output: bool,
       dtype="float32",
       bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
       eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
-      name=str(fields.get("general.name", "")), **gemma2)
+      name=str(fields.get("general.name", "")), **gemma2, **mpt)
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -476,9 +493,15 @@ def load_gguf(path: str, *, dtype: Optional[str] = None, progress: bool = False,
   family = families.gguf_family(file.fields["general.architecture"])
   layer_names = _GGUF_GEMMA2_LAYER_NAMES if family.sandwich_norms else _GGUF_LAYER_NAMES
 
+  if family.name == "mpt":  # MPT's own names, then its Wqkv split as from safetensors
+    hf_name = lambda name: _hf_name(name, _GGUF_MPT_LAYER_NAMES, _GGUF_MPT_NAMES,
+                                    "transformer.blocks")
+  else:
+    hf_name = lambda name: _hf_name(name, layer_names)
+
   def tensors():  # dequantized one at a time, each placed before the next is read
     for t in _iter_progress(by_name.values(), progress, "loading tensors", total=len(by_name)):
-      name = _hf_name(t.name, layer_names)
+      name = hf_name(t.name)
       read, rows = functools.partial(_dequantize_block, t), None
       if family.gguf_rope_permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
         read = functools.partial(_unpermuted_block, read, config.head_dim)  # whole heads
@@ -491,17 +514,19 @@ def load_gguf(path: str, *, dtype: Optional[str] = None, progress: bool = False,
         whole = lambda transpose, whole=whole: whole(transpose) - 1.0
       yield name, LazyTensor(tuple(int(n) for n in reversed(t.shape)), read, whole)
 
-  model = model_from_tensors(config, tensors(), dtype=dtype or "float32", mesh=mesh)
+  stream = mpt_tensors(tensors()) if family.name == "mpt" else tensors()
+  model = model_from_tensors(config, stream, dtype=dtype or "float32", mesh=mesh)
   return Pretrained(model, Tokenizer.from_gguf_fields(file.fields), model.config)
 
 
-def _hf_name(gguf_name: str, layer_names: Mapping[str, str] = _GGUF_LAYER_NAMES) -> str:
-  if gguf_name in _GGUF_NAMES:
-    return _GGUF_NAMES[gguf_name]
+def _hf_name(gguf_name: str, layer_names: Mapping[str, str] = _GGUF_LAYER_NAMES,
+             names: Mapping[str, str] = _GGUF_NAMES, layers: str = "model.layers") -> str:
+  if gguf_name in names:
+    return names[gguf_name]
   m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
   if m is None or m.group(2) not in layer_names:
     raise ValueError(f"load_gguf: unexpected tensor {gguf_name!r}")
-  return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
+  return f"{layers}.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 
 def _dequantize_block(t, rows: slice, cols: Optional[slice] = None) -> np.ndarray:

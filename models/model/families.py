@@ -85,7 +85,7 @@ FAMILIES: tuple[Family, ...] = (
                         ("max_position_embeddings", 8192)),
            models="Gemma 2"),
     # (MosaicML's own config.json names the class MPTForCausalLM.)
-    Family("mpt", ("MptForCausalLM", "MPTForCausalLM"), None, gated_mlp=False, norm_type="layer",
+    Family("mpt", ("MptForCausalLM", "MPTForCausalLM"), "mpt", gated_mlp=False, norm_type="layer",
            models="MPT"),
 )
 BY_NAME = {f.name: f for f in FAMILIES}

@@ -1,7 +1,8 @@
 """MPT (the ALiBi family) equals transformers' ``MptForCausalLM`` on a tiny random configuration
 (float32 CPU; 6 heads, so the slopes take MPT's rule for a head count that is not a power of
 two); greedy tokens over a prompt tree equal the standard cache's and transformers'; the slopes
-equal transformers'; MPT options the decoder does not run get one error naming them."""
+equal transformers'; a GGUF as llama.cpp writes an MPT loads to the same logits; MPT options
+the decoder does not run get one error naming them."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -99,3 +100,42 @@ def test_options_not_run_are_refused_by_name(attn, top, named):
             n_layers=1, vocab_size=8, attn_config={"alibi": True, **attn}, **top)
   with pytest.raises(Unsupported, match=f"MPT with {named} is not supported"):
     LlamaConfig.from_hf(hf)
+
+
+def test_gguf_matches_transformers(tmp_path):
+  """An MPT GGUF as llama.cpp's converter writes it (its tensor names, the fused
+  ``attn_qkv``, ``mpt.attention.max_alibi_bias``, no ``output.weight``) loads to
+  transformers' logits."""
+  gguf = pytest.importorskip("gguf", reason="the gguf package (llama.cpp's writer) is a test "
+                             "dependency")
+  from models.checkpoints.tokenizer import _bytes_to_unicode
+
+  hf = make_hf_mpt(tmp_path / "hf", seed=6)
+  c = hf.config
+  names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MPT, c.n_layers)
+  w = gguf.GGUFWriter(str(tmp_path / "mpt.gguf"), "mpt")
+  w.add_context_length(c.max_seq_len)
+  w.add_embedding_length(c.d_model)
+  w.add_block_count(c.n_layers)
+  w.add_feed_forward_length(4 * c.d_model)
+  w.add_head_count(c.n_heads)
+  w.add_layer_norm_eps(c.layer_norm_epsilon)
+  w.add_max_alibi_bias(c.attn_config.alibi_bias_max)
+  w.add_tokenizer_model("gpt2")
+  w.add_tokenizer_pre("default")
+  spelling = _bytes_to_unicode()
+  w.add_token_list([spelling[b] for b in range(c.vocab_size)])
+  w.add_token_types([1] * c.vocab_size)
+  for name, tensor in hf.state_dict().items():
+    if name != "lm_head.weight":
+      w.add_tensor(names.get_name(name, try_suffixes=(".weight",)),
+                   np.ascontiguousarray(tensor.float().numpy()))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  model, _, config = from_pretrained(str(tmp_path / "mpt.gguf"))
+  assert (config.norm_type, config.gated_mlp, config.alibi_bias_max) == ("layer", False, 8.0)
+  ids = token_ids(c.vocab_size)
+  err = rel_err(run(model, jnp.asarray(ids)), hf_logits(hf, ids))
+  assert err < 1e-5, err

@@ -32,15 +32,16 @@ GEMMA = dict(family="gemma2", num_hidden_layers=3, head_dim=24, query_pre_attn_s
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-  """(transformers model, our model loaded from its safetensors directory, the directory)."""
+  """(transformers model, our model loaded from its safetensors directory)."""
   path = tmp_path_factory.mktemp("gemma2")
   hf = make_hf_llama(path, seed=5, **GEMMA)
-  return hf, from_pretrained(str(path)).model, path
+  return hf, from_pretrained(str(path)).model
 
 
 def test_config_from_transformers(loaded):
-  hf, model, _ = loaded
+  hf, model = loaded
   c = model.config
+  assert WINDOW < SEQ
   assert hf.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
   assert c.layer_types == tuple(hf.config.layer_types)
   assert [c.local_window(i) for i in range(3)] == [(WINDOW - 1, 0), None, (WINDOW - 1, 0)]
@@ -58,7 +59,7 @@ def test_config_from_transformers(loaded):
 def test_checkpoint_tensors_round_trip(loaded):
   """hf_tensors writes transformers' names and shapes (the four norms per layer) and
   model_from_tensors reads them back to the same parameters."""
-  hf, model, _ = loaded
+  hf, model = loaded
   params = flat_params(model)
   tensors = hf_tensors(params, model.config)
   assert ({k: tuple(v.shape) for k, v in tensors.items()}
@@ -69,7 +70,7 @@ def test_checkpoint_tensors_round_trip(loaded):
 
 
 def test_logits_match_transformers_float32(loaded):
-  hf, model, _ = loaded
+  hf, model = loaded
   ids = token_ids(model.config.vocab_size)
   err = rel_err(run(model, jnp.asarray(ids)), hf_logits(hf, ids))
   assert err < 1e-5, err
@@ -81,7 +82,7 @@ def test_logits_match_transformers_float32(loaded):
 def test_every_variant_moves_the_logits(loaded, change):
   """Each attention variant, turned off, moves the logits far from transformers': the parity
   above rests on it being applied."""
-  hf, model, _ = loaded
+  hf, model = loaded
   other = build(model.config.replace(**change), flat_params(model))
   ids = token_ids(model.config.vocab_size)
   assert rel_err(run(other, jnp.asarray(ids)), hf_logits(hf, ids)) > 1e-2
@@ -105,7 +106,7 @@ def hf_greedy(hf, prompt, n):
 def greedy(loaded):
   """(prompts, new tokens, {attention: greedy tokens [3, new]}): two prompts sharing a segment
   longer than the window, sampled 2 and 1 times; the contexts grow past two windows."""
-  _, model, _ = loaded
+  _, model = loaded
   prompts, new = _prompts(model.config.vocab_size), 8
   return prompts, new, {attention: np.asarray(generate(model, prompts, num_samples=[2, 1],
                                                        max_new_tokens=new, attention=attention))
@@ -113,7 +114,7 @@ def greedy(loaded):
 
 
 def test_greedy_tokens_hydragen_equal_standard_and_transformers(loaded, greedy):
-  hf, _, _ = loaded
+  hf, _ = loaded
   prompts, new, tokens = greedy
   np.testing.assert_array_equal(tokens["hydragen"], tokens["standard"])
   for rows, prompt in ((slice(0, 2), prompts[0]), (slice(2, 3), prompts[1])):
@@ -126,7 +127,7 @@ def test_serving_engine_tokens_equal_generate(loaded, greedy):
   """The serving engine (paged cache, the shared prompt in pages read once per step)."""
   from models.serving import Engine, EngineConfig, Request
 
-  _, model, _ = loaded
+  _, model = loaded
   prompts, new, tokens = greedy
   engine = Engine(model, config=EngineConfig(
       page_size=4, num_pages=32, max_running=4, max_prefill_tokens=8, decode_steps=3,
@@ -141,7 +142,7 @@ def test_serving_engine_tokens_equal_generate(loaded, greedy):
 def test_training_logprobs_under_a_tree_equal_the_plain_model(loaded):
   """completion_logprobs (the shared prompt segment once, hydragen) equals log_softmax of the
   plain model run on each sample's whole sequence; the segment is longer than the window."""
-  _, model, _ = loaded
+  _, model = loaded
   v = model.config.vocab_size
   rng = np.random.default_rng(3)
   root = [int(t) for t in rng.integers(0, v, 12)]
@@ -228,7 +229,7 @@ def test_on_a_mesh_the_variants_reach_every_shard(loaded):
   from models.parallel.mesh import make_mesh
   from models.parallel.rules import attention_sharding
 
-  _, model, _ = loaded
+  _, model = loaded
   sharding = attention_sharding(make_mesh((1, 1), devices=jax.devices()[:1]))
   ids = jnp.asarray(token_ids(model.config.vocab_size))
   got = nnx.jit(lambda m, x: m(x, sharding=sharding))(model, ids)

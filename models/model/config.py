@@ -1,10 +1,10 @@
 """The decoder's hyperparameters, and named presets.
 
-One frozen (hashable) dataclass covers Llama 2, Llama 3.x, CodeLlama, SmolLM2, Mistral
-(without a sliding window), Qwen2, Qwen2.5, Qwen3, Gemma 2 and MPT: they differ in sizes, RoPE
-base and scaling, the GQA ratio, whether the output projection is tied to the embedding, two
-values of the attention (``qkv_bias``, ``qk_norm``), Gemma 2's pieces (its norms, activation,
-embedding scale, attention scale, soft-capping and sliding-window layers) and MPT's (LayerNorm,
+One frozen (hashable) dataclass covers Llama 2, Llama 3.x, CodeLlama, SmolLM2, Mistral, Qwen2,
+Qwen2.5, Qwen3, Gemma 2 and MPT: they differ in sizes, RoPE base and scaling, the GQA ratio,
+whether the output projection is tied to the embedding, two values of the attention
+(``qkv_bias``, ``qk_norm``), sliding-window layers (Mistral, Qwen, Gemma 2), Gemma 2's pieces
+(its norms, activation, embedding scale, attention scale, soft-capping) and MPT's (LayerNorm,
 an ungated GELU MLP, ALiBi instead of RoPE; the families: :mod:`models.model.families`).
 ``LlamaConfig`` is hashable so that it can be a static argument of ``jax.jit``.
 
@@ -258,16 +258,15 @@ class LlamaConfig:
 
     The family comes from ``model_type``/``architectures``
     (:func:`models.model.families.hf_family`: an unsupported one raises
-    :class:`models.model.families.Unsupported`, listing the supported ones; so does a
-    sliding window shorter than ``max_position_embeddings`` in a family whose window the
-    decoder does not run). :func:`models.model.families.hf_fields` fills the keys the file
+    :class:`models.model.families.Unsupported`, listing the supported ones); its sliding
+    window (:func:`models.model.families.window_fields`) becomes ``sliding_window`` and
+    ``layer_types``. :func:`models.model.families.hf_fields` fills the keys the file
     leaves out with the family's defaults and translates MPT's spelling.
     transformers 5 writes ``rope_parameters = {"rope_type", "rope_theta", ...}``;
     older files write ``rope_theta`` and ``rope_scaling = {"type"|"rope_type", ...}``.
     """
     family = families.hf_family(hf)
     hf = families.hf_fields(family, hf)
-    families.check_no_window(family, hf)
     for flag in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases are its family's own
       if hf.get(flag):
         raise ValueError(f"LlamaConfig.from_hf: {flag}=true is not supported ({family.name} with "
@@ -327,11 +326,7 @@ class LlamaConfig:
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         name=str(hf.get("_name_or_path", "")),
     )
-    if family.runs_window and hf.get("sliding_window") is not None:
-      windowed = set(families.window_layers(family, hf))
-      fields.update(sliding_window=int(hf["sliding_window"]), layer_types=tuple(
-          "sliding_attention" if i in windowed else "full_attention"
-          for i in range(fields["num_layers"])))
+    fields.update(families.window_fields(family, hf))
     fields.update(overrides)
     return cls(**fields)
 

@@ -7,9 +7,9 @@ before RoPE: Qwen3), and Gemma 2's: ``norm_plus_one`` and ``sandwich_norms`` (it
 its four norms per layer), ``scale_embeddings``, the GELU-tanh MLP (``hidden_act``), the
 attention scale ``query_pre_attn_scalar``, soft-capping of the attention scores and of the
 output logits, and sliding-window attention on every other layer (``sliding_window``,
-``layer_types``); and MPT's: LayerNorm (``norm_type``), an ungated GELU MLP (``gated_mlp``,
+``layer_types``, which also carry Mistral's and Qwen's windows); and MPT's: LayerNorm (``norm_type``), an ungated GELU MLP (``gated_mlp``,
 ``hidden_act``) and ALiBi instead of RoPE (``alibi_bias_max``), its ``config.json`` in its own
-spelling (:func:`hf_fields`). Mistral without a sliding window is Llama. A Hugging Face
+spelling (:func:`hf_fields`). Mistral is Llama with its sliding window. A Hugging Face
 ``config.json`` names its family by ``model_type`` (and ``architectures``); a GGUF file by
 ``general.architecture`` (llama.cpp's names: Mistral is written as ``llama``).
 
@@ -39,9 +39,6 @@ class Family:
       ``sliding_window``), ``"per_layer"`` (``layer_types``, or ``use_sliding_window`` from
       ``max_window_layers`` on), ``"alternating"`` (``layer_types``, else the even layers:
       Gemma 2's rule in transformers), None (the family has no window).
-    runs_window: the decoder applies the family's sliding window (``LlamaConfig.sliding_window``
-      and ``layer_types``); False: a window that can hide a key is refused
-      (:func:`check_no_window`).
     norm_plus_one, sandwich_norms, scale_embeddings, gated_mlp, norm_type: the
       :class:`models.model.config.LlamaConfig` fields of the same names (Gemma 2, MPT).
     hf_defaults: ``(key, value)`` pairs transformers' config class assumes when
@@ -56,7 +53,6 @@ class Family:
   qk_norm: bool = False
   gguf_rope_permuted: bool = False
   window_keys: Optional[str] = None
-  runs_window: bool = False
   norm_plus_one: bool = False
   sandwich_norms: bool = False
   scale_embeddings: bool = False
@@ -70,14 +66,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM",), "llama", gguf_rope_permuted=True,
            models="Llama 2, Llama 3.x, CodeLlama, SmolLM2"),
     Family("mistral", ("MistralForCausalLM",), None, gguf_rope_permuted=True,
-           window_keys="always", models="Mistral without a sliding window"),
+           window_keys="always", models="Mistral"),
     Family("qwen2", ("Qwen2ForCausalLM",), "qwen2", qkv_bias=True, window_keys="per_layer",
            models="Qwen2, Qwen2.5"),
     Family("qwen3", ("Qwen3ForCausalLM",), "qwen3", qk_norm=True, window_keys="per_layer",
            models="Qwen3"),
     # transformers' Gemma2Config defaults (a config.json written by transformers has every key).
     Family("gemma2", ("Gemma2ForCausalLM",), "gemma2", window_keys="alternating",
-           runs_window=True, norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
+           norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
            hf_defaults=(("hidden_activation", "gelu_pytorch_tanh"), ("head_dim", 256),
                         ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
                         ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
@@ -93,7 +89,7 @@ BY_NAME = {f.name: f for f in FAMILIES}
 
 class Unsupported(ValueError):
   """A checkpoint the decoder cannot run: an architecture no family covers (the message lists
-  the supported ones), or a sliding window."""
+  the supported ones), or an option of its family the decoder does not run (named)."""
 
 
 def supported() -> str:
@@ -185,20 +181,14 @@ def window_layers(family: Family, hf: Mapping[str, Any]) -> list[int]:
   return []
 
 
-def check_no_window(family: Family, hf: Mapping[str, Any]) -> None:
-  """Raises :class:`Unsupported` when ``config.json`` asks a family whose window the decoder
-  does not run (``runs_window`` False) for sliding-window attention that can hide a key from a
-  query (a window shorter than ``max_position_embeddings``)."""
-  if family.runs_window:
-    return
+def window_fields(family: Family, hf: Mapping[str, Any]) -> dict[str, Any]:
+  """``LlamaConfig``'s ``sliding_window`` and ``layer_types`` for ``config.json``'s window, or
+  nothing where no layer has one or the window is at least ``max_position_embeddings`` long
+  (a query at position i sees keys j with ``i - j < window``: then every key)."""
+  windowed = set(window_layers(family, hf))
   window = hf.get("sliding_window")
+  if not windowed or int(window) >= int(hf.get("max_position_embeddings", 2048)):
+    return {}
   layers = int(hf["num_hidden_layers"])
-  windowed = window_layers(family, hf)
-  max_positions = int(hf.get("max_position_embeddings", 2048))
-  # A query at position i sees keys j with i - j < window: with window >= max positions, all.
-  if windowed and int(window) < max_positions:
-    raise Unsupported(
-        f"config.json: sliding_window={int(window)} < max_position_embeddings={max_positions} "
-        f"on {len(windowed)} of {layers} layers ({family.name}): sliding-window attention is not "
-        f"supported yet; only checkpoints without a window (or with one of at least "
-        f"max_position_embeddings) load")
+  return dict(sliding_window=int(window), layer_types=tuple(
+      "sliding_attention" if i in windowed else "full_attention" for i in range(layers)))

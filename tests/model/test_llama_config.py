@@ -77,26 +77,30 @@ def test_from_hf_reads_each_family():
 
 
 @pytest.mark.parametrize("changes, windowed", [
-    (dict(model_type="mistral", sliding_window=4096, max_position_embeddings=32768), True),
-    (dict(model_type="mistral", sliding_window=512), False),  # as long as the context
+    (dict(model_type="mistral", sliding_window=4096, max_position_embeddings=32768), [0, 1]),
+    (dict(model_type="mistral", sliding_window=512), []),  # as long as the context
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1),
-     True),  # layer 1 of 2 is windowed
+     [1]),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=2),
-     False),  # no layer from max_window_layers on
-    (dict(model_type="qwen2", use_sliding_window=False, sliding_window=64), False),
+     []),  # no layer from max_window_layers on
+    (dict(model_type="qwen2", use_sliding_window=False, sliding_window=64), []),
     (dict(model_type="qwen3", sliding_window=64,
-          layer_types=["full_attention", "sliding_attention"]), True),
+          layer_types=["full_attention", "sliding_attention"]), [1]),
     (dict(model_type="qwen3", sliding_window=64, use_sliding_window=True,
-          layer_types=["full_attention", "full_attention"]), False),
+          layer_types=["full_attention", "full_attention"]), []),
+    (dict(model_type="gemma2", sliding_window=64), [0]),  # no layer_types: the even layers
+    (dict(model_type="llama", sliding_window=64), []),  # Llama has no window
 ])
-def test_sliding_windows_are_refused_where_they_hide_keys(changes, windowed):
-  from models.model.families import Unsupported
-  if not windowed:
-    LlamaConfig.from_hf(dict(HF, **changes))
-    return
-  with pytest.raises(Unsupported, match=f"sliding_window={changes['sliding_window']} < "
-                     "max_position_embeddings=.*not supported yet"):
-    LlamaConfig.from_hf(dict(HF, **changes))
+def test_sliding_windows_where_they_hide_keys(changes, windowed):
+  """config.json's window becomes sliding_window and layer_types on the layers it is on, where
+  it can hide a key (shorter than max_position_embeddings); else no window."""
+  config = LlamaConfig.from_hf(dict(HF, **changes))
+  assert [i for i in range(config.num_layers)
+          if config.local_window(i) is not None] == windowed
+  if windowed:
+    assert config.local_window(windowed[0]) == (changes["sliding_window"] - 1, 0)
+  else:
+    assert (config.sliding_window, config.layer_types) == (None, None)
 
 
 @pytest.mark.parametrize("changes", [

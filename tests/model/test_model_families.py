@@ -1,5 +1,5 @@
-"""Qwen2/2.5, Qwen3 and Mistral equal transformers' own implementations on tiny random
-configurations (float32 CPU), decode the same greedy tokens with hydragen and standard attention
+"""Qwen2/2.5, Qwen3 and Mistral (with and without sliding windows) equal transformers' own
+implementations on tiny random configurations (float32 CPU), decode the same greedy tokens with hydragen and standard attention
 (and as transformers' greedy ``generate``), and their training log-probs under a prompt tree
 equal the plain model's; the family registry's errors."""
 
@@ -27,9 +27,14 @@ CASES = {
     # Qwen3: head_dim (24) unrelated to hidden / heads (64 / 4), q/k norms, GQA 3:1.
     "qwen3": dict(family="qwen3", hidden_size=64, num_attention_heads=6, num_key_value_heads=2,
                   head_dim=24),
-    # Mistral without a window; the second has one as long as the context (it hides nothing).
+    # Mistral without a window; one as long as the context (it hides nothing); one of 9 tokens
+    # on every layer (shorter than the 37-token sequence).
     "mistral": dict(family="mistral", sliding_window=None),
     "mistral_full_window": dict(family="mistral", sliding_window=256, max_position_embeddings=256),
+    "mistral_window": dict(family="mistral", sliding_window=9),
+    # Qwen2's window from max_window_layers on: layer 1 of 2.
+    "qwen2_window": dict(family="qwen2", use_sliding_window=True, sliding_window=9,
+                         max_window_layers=1),
 }
 
 
@@ -50,6 +55,8 @@ def test_logits_match_transformers_float32(loaded, case):
   c = model.config
   family = CASES[case]["family"]
   assert (c.qkv_bias, c.qk_norm) == (family == "qwen2", family == "qwen3")
+  windowed = {"mistral_window": [0, 1], "qwen2_window": [1]}.get(case, [])
+  assert [i for i in range(c.num_layers) if c.local_window(i) == (8, 0)] == windowed
   if family == "qwen3":
     assert (c.head_dim, c.num_heads, c.num_kv_heads) == (24, 6, 2)
   ids = token_ids(c.vocab_size)
@@ -96,7 +103,7 @@ def hf_greedy(hf, prompt, n):
   return out[0, len(prompt):].numpy()
 
 
-@pytest.mark.parametrize("case", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("case", ["qwen2", "qwen3", "mistral_window"])
 def test_greedy_tokens_hydragen_equal_standard_and_transformers(loaded, case):
   hf, model = loaded[case]
   rng = np.random.default_rng(7)
@@ -140,16 +147,13 @@ def test_training_logprobs_under_a_tree_equal_the_plain_model(loaded, case):
   assert got.min() < -3  # not a near-uniform distribution
 
 
-def test_unsupported_and_windowed_checkpoints_get_one_clear_error(tmp_path):
+def test_unsupported_checkpoints_get_one_clear_error(tmp_path):
   hf = dict(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, intermediate_size=32, max_position_embeddings=128)
   cases = {
       "phi3": (dict(hf, model_type="phi3", architectures=["Phi3ForCausalLM"]),
                "model_type 'phi3'.*supported: LlamaForCausalLM.*MistralForCausalLM.*"
                "Qwen2ForCausalLM.*Qwen3ForCausalLM.*Gemma2ForCausalLM.*MptForCausalLM"),
-      "mistral_window": (dict(hf, model_type="mistral", sliding_window=64),
-                         "sliding_window=64 < max_position_embeddings=128 on 1 of 1 layers "
-                         "\\(mistral\\): sliding-window attention is not supported yet"),
   }
   for name, (config, message) in cases.items():
     (tmp_path / name).mkdir()

@@ -1,7 +1,7 @@
 """Qwen2/2.5, Qwen3 and Mistral (with and without sliding windows) equal transformers' own
-implementations on tiny random configurations (float32 CPU), decode the same greedy tokens with hydragen and standard attention
-(and as transformers' greedy ``generate``), and their training log-probs under a prompt tree
-equal the plain model's; the family registry's errors."""
+implementations on tiny random configurations (float32 CPU), decode the same greedy tokens with
+hydragen and standard attention (and as transformers' greedy ``generate``), and their training
+log-probs under a prompt tree equal the plain model's; the family registry's errors."""
 
 import json
 

@@ -425,10 +425,10 @@ def gguf_config(fields: Mapping[str, Any], *, has_output: bool,
         hidden_act="gelu_tanh", norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
         query_pre_attn_scalar=float(hidden // heads if layers == _GEMMA2_27B_LAYERS else head_dim),
         attn_logit_softcapping=float(get("attn_logit_softcapping", 50.0)),
-        final_logit_softcapping=float(get("final_logit_softcapping", 30.0)),
-        sliding_window=window,  # on the even layers (llama.cpp's sliding-window pattern 2)
-        layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention"
-                          for i in range(layers)))
+        final_logit_softcapping=float(get("final_logit_softcapping", 30.0)))
+    if window < int(get("context_length", 4096)):  # (else it hides no key, as from_hf drops it)
+      gemma2.update(sliding_window=window, layer_types=tuple(  # llama.cpp's pattern: even layers
+          "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)))
   mpt = {}
   if family.name == "mpt":
     alibi, clamp = float(get("attention.max_alibi_bias", 0.0)), get("attention.clamp_kqv")

@@ -351,13 +351,20 @@ def test_window_hiding_a_level_gives_no_nan_and_empty_rows_minus_inf():
   pk, _ = rand(rng, (8, 1, 16), "float32")
   sk, _ = rand(rng, (2, 5, 1, 16), "float32")
   lens = jnp.asarray([5, 4], jnp.int32)
-  got = shared_prefix_attention(q, pk, pk, sk, sk, suffix_lengths=lens, local_window_size=(1, 0),
-                                return_lse=True)
-  alone = attention_with_lse(q, sk, sk, kv_lengths=lens, causal=True, local_window_size=(1, 0))
+
+
+  def run(q, pk, sk):
+    got = shared_prefix_attention(q, pk, pk, sk, sk, suffix_lengths=lens,
+                                  local_window_size=(1, 0), return_lse=True)
+    alone = attention_with_lse(q, sk, sk, kv_lengths=lens, causal=True,
+                               local_window_size=(1, 0))
+    empty = attention_with_lse(q, sk, sk, kv_lengths=jnp.asarray([1, 0], jnp.int32),
+                               local_window_size=0)
+    return got, alone, empty
+
+  got, alone, (out, lse) = small_jit(run)(q, pk, sk)
   np.testing.assert_allclose(got[0], alone[0], rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(got[1], alone[1], rtol=1e-6)
-  out, lse = attention_with_lse(q, sk, sk, kv_lengths=jnp.asarray([1, 0], jnp.int32),
-                                local_window_size=0)
   assert np.isneginf(lse[0, :2]).all() and np.isfinite(lse[0, 2]).all()
   assert np.isneginf(lse[1]).all() and not np.isnan(out).any()
   assert not np.asarray(out[0, :2]).any() and not np.asarray(out[1]).any()
@@ -463,7 +470,36 @@ def test_window_convention_matches_jax_dot_product_attention():
   q, _ = rand(rng, (2, 6, 4, 16), "float32")
   k, _ = rand(rng, (2, 6, 2, 16), "float32")
   v, _ = rand(rng, (2, 6, 2, 16), "float32")
-  for window, causal in (((2, 1), False), ((3, 0), True), (1, False)):
-    want = jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=window)
-    got, _ = attention_with_lse(q, k, v, causal=causal, local_window_size=window)
+  cases = (((2, 1), False), ((3, 0), True), (1, False))
+
+  def run(q, k, v):
+    return [(jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=window),
+             attention_with_lse(q, k, v, causal=causal, local_window_size=window)[0])
+            for window, causal in cases]
+
+  with jax.default_matmul_precision("highest"):  # float32 products on a GPU too (no TF32)
+    results = small_jit(run)(q, k, v)
+  for want, got in results:
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+
+
+def test_sharded_calls_split_the_slopes_with_the_heads():
+  """``sharded`` passes the variants on (slopes split as the query heads are); on this
+  process's mesh the result equals the unsharded call."""
+  from jax.sharding import Mesh
+
+  from jax_shared_attn.sharding import sharded
+  rng = np.random.default_rng(6)
+  q, _ = rand(rng, (2, 2, 4, 16), "float32")
+  pk, _ = rand(rng, (5, 2, 16), "float32")
+  sk, _ = rand(rng, (2, 3, 2, 16), "float32")
+  mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+  kw = dict(alibi_slopes=jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32), softcap=2.0,
+            local_window_size=(3, 0), return_lse=True)
+  got = sharded(shared_prefix_attention, mesh)(q, pk, pk, sk, sk, **kw)
+  want = shared_prefix_attention(q, pk, pk, sk, sk, **kw)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+  with pytest.raises(ValueError, match="shared_prefix_attention: alibi_slopes must be finite"):
+    sharded(shared_prefix_attention, mesh)(q, pk, pk, sk, sk,
+                                           alibi_slopes=jnp.full((4,), np.nan, jnp.float32))

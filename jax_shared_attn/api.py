@@ -103,7 +103,7 @@ def attention_with_lse(q: Array, k: Array, v: Array, *, kv_lengths: Optional[Arr
       (its tiles) and ignores the others.
     alibi_slopes: float32 ``[Hq]`` or ``[B, Hq]`` or None: query position i and key position
       j (query i of sequence b at ``kv_lengths[b] - Tq + i``, key j at j) add
-      ``-slope * (i - j)`` to the score (BLOOM, FlashInfer). Traced; no gradient.
+      ``-slope * (i - j)`` to the score (BLOOM, FlashInfer). Traced, differentiable.
     softcap: a float > 0 or None (static): scores become ``softcap * tanh(s / softcap)``,
       ``s = scale * q . k``, before the ALiBi bias (Gemma 2).
     local_window_size: None, an int w (= ``(w, w)``) or ``(left, right)`` of ints >= 0

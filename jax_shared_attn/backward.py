@@ -15,8 +15,9 @@ Backward (FlashAttention's, restricted to each part's keys): with the MERGED
 so no part needs its own ``(O_i, L_i)`` and nothing is recomputed through the
 merge. Score variants (:class:`pallas_kernels.base.ScoreMods`) recompute the forward's
 modified scores for ``P`` and multiply ``dS`` by the soft cap's derivative ``1 - tanh^2``
-before the products with K and Q (ALiBi's bias and the window do not depend on q or k); they
-run on the XLA kernels only. A shared part's dK/dV is ONE reduction over all the rows that read it
+before the products with K and Q (ALiBi's bias and the window do not depend on q or k; the
+slopes' gradient is ``-sum dS * (i - j)`` over a row's keys, ``dS`` before the cap's factor);
+they run on the XLA kernels only. A shared part's dK/dV is ONE reduction over all the rows that read it
 (rows folded as in the forward: ``B * Tq * G`` per KV head); only the suffix
 is per sequence. Every product runs on ``block_rows x block_keys`` tiles
 (loops over row blocks, then key blocks: :mod:`pallas_kernels.xla` on the XLA path): no score
@@ -166,7 +167,8 @@ def decomposition_grads(q: Array, parts: Sequence[tuple], suffix_k: Optional[Arr
   cuDNN; the others, and every part when ``dlse`` is given, on the Triton kernels.
 
   ``mods``: the forward's score variants (a :class:`pallas_kernels.base.ScoreMods`, None:
-  none), on the XLA kernels only.
+  none), on the XLA kernels only; with ALiBi a fourth result, the float32 gradient of
+  ``mods.alibi_slopes`` ``[B, Hq]``.
   """
   if mods is not None and config.kernels not in (None, "xla"):
     raise ValueError(f"decomposition_grads: score variants ({', '.join(mods.arguments())}) run "
@@ -252,7 +254,7 @@ def with_chunked_backward(forward: Callable, config: BackwardConfig = BackwardCo
   function takes ``need_lse`` (static, default True): False returns ``(out, None)``, and the
   backward then knows the LSE gets no cotangent (what lets cuDNN's backward apply), and
   ``mods`` (a :class:`pallas_kernels.base.ScoreMods` or None), the score variants, passed on to
-  ``forward`` where given; ALiBi slopes get no gradient (a constant of the model).
+  ``forward`` where given (the ALiBi slopes get their gradient).
   """
 
   def call(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, need_lse=True,
@@ -284,15 +286,19 @@ def with_chunked_backward(forward: Callable, config: BackwardConfig = BackwardCo
     def bwd(res, ct):
       q, arrs, sk, sv, lens, mods, out, lse = res
       dout, dlse = ct if need_lse else (ct, None)
-      dq, dparts, dsuffix = decomposition_grads(
+      dq, dparts, dsuffix, *dslopes = decomposition_grads(
           q, rebuild(arrs), sk, sv, kv_lengths=lens, causal=causal, scale=scale, out=out,
           lse=lse, dout=dout, dlse=dlse, config=config, mods=mods)
+      dmods = None
+      if dslopes:  # the slopes' cotangent; the offsets and static fields have none
+        dmods = dataclasses.replace(mods, alibi_slopes=dslopes[0].astype(
+            mods.alibi_slopes.dtype), offset=None)
       darrs = [(dk.astype(a[0].dtype), dv.astype(a[1].dtype), None, None)
                for (dk, dv), a in zip(dparts, arrs)]
       dsk = dsv = None
       if dsuffix is not None:
         dsk, dsv = dsuffix[0].astype(sk.dtype), dsuffix[1].astype(sv.dtype)
-      return dq.astype(q.dtype), darrs, dsk, dsv, None, None
+      return dq.astype(q.dtype), darrs, dsk, dsv, None, dmods
 
     f.defvjp(fwd, bwd)
     result = f(q, arrays, suffix_k, suffix_v, kv_lengths, mods)

@@ -209,7 +209,7 @@ def tiled_attention(q: Array, k: Array, v: Array, visible: Callable, *, scale: f
       s = jnp.einsum(tl.spec("s"), q_i, k_j, precision=prec,
                      preferred_element_type=jnp.float32) * scale
       if modify is not None:
-        s, in_window, _ = modify(s, zs, ts, keys)
+        s, in_window, _, _ = modify(s, zs, ts, keys)
         mask = mask & in_window
       s = jnp.where(mask, s, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -236,24 +236,29 @@ def tiled_attention(q: Array, k: Array, v: Array, visible: Callable, *, scale: f
 
 def tiled_attention_grads(q: Array, do: Array, lse: Array, delta: Array, k: Array, v: Array,
                           visible: Callable, *, scale: float, block_rows: int, block_keys: int,
-                          dq: Optional[Array] = None,
-                          modify: Optional[Callable] = None) -> tuple[Array, Array, Array]:
+                          dq: Optional[Array] = None, modify: Optional[Callable] = None,
+                          dslopes: Optional[Array] = None) -> tuple[Array, ...]:
   """dQ, dK, dV of one part from the merged residuals (:mod:`jax_shared_attn.backward`'s
   formulas), tile by tile, with :func:`tiled_attention`'s arguments and tiles.
 
   ``q, do [B, Tq, Hq, D]`` in the input dtype; float32 ``lse, delta [B, Tq, Hq]``: the merged
   LSE and ``rowsum(dO * O) - dL``; ``k, v [Z, K, Hkv, D]``; ``dq``: a float32 accumulator
   ``[B, Tq, Hq, D]`` the part's dQ is added to (None: zeros); ``modify``: the forward's score
-  variants. Returns float32 ``(dq, dk, dv)``.
+  variants. Returns float32 ``(dq, dk, dv)``; with ``dslopes`` (a float32 ``[B, Hq]``
+  accumulator, ALiBi on) ``(dq, dk, dv, dslopes)``, the slopes' gradient
+  ``-sum dS * (i - j)`` over the part's keys added to it.
   """
+  with_slopes = dslopes is not None
   tl = _Tiles.of(q, k, block_rows, block_keys)
   shape, cdt = q.shape, q.dtype
   b, tq = shape[:2]
   dq = jnp.zeros(tl.fold(q).shape, jnp.float32) if dq is None else tl.fold(dq)
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
+  if with_slopes:
+    dslopes = dslopes.reshape(b, tl.hkv, tl.g)
   if tl.nk == 0 or b * tq == 0:
-    return dq.reshape(shape), dk, dv
+    return (dq.reshape(shape), dk, dv) + ((dslopes.reshape(b, -1),) if with_slopes else ())
   prec = _precision(cdt)
   finite = tl.fold(jnp.isfinite(lse))
   lse, delta = tl.fold(jnp.where(jnp.isfinite(lse), lse, 0.0)), tl.fold(delta)
@@ -262,7 +267,7 @@ def tiled_attention_grads(q: Array, do: Array, lse: Array, delta: Array, k: Arra
   bz, bt, bk = tl.bz, tl.bt, tl.bk
 
   def row_block(i, carry):
-    dq, dk, dv = carry
+    dq, dk, dv, dsl = carry
     z0, t0, zs, ts, new = _row_block(i, b, tq, bz, bt)
     q_i, do_i = (_operand(_slice(x, z0, t0, bz, bt), cdt) for x in (q, do))
     l_i, d_i = _slice(lse, z0, t0, bz, bt), _slice(delta, z0, t0, bz, bt)
@@ -271,7 +276,7 @@ def tiled_attention_grads(q: Array, do: Array, lse: Array, delta: Array, k: Arra
     at_z = 0 if tl.shared or bz == b else z0
 
     def key_block(j, state):
-      dq_i, dk, dv = state
+      dq_i, dk, dv, dsl_i = state
       k_j, v_j, start, keys, fresh = tl.key_block(j, k_i, v_i, (cdt, cdt))
       if tl.shared:
         k_j, v_j = k_j[0], v_j[0]
@@ -279,9 +284,9 @@ def tiled_attention_grads(q: Array, do: Array, lse: Array, delta: Array, k: Arra
       mask = mask & f_i[..., None]
       s = jnp.einsum(tl.spec("s"), q_i, k_j, precision=prec,
                      preferred_element_type=jnp.float32) * scale
-      dcap = None
+      dcap = dbias = None
       if modify is not None:
-        s, in_window, dcap = modify(s, zs, ts, keys)
+        s, in_window, dcap, dbias = modify(s, zs, ts, keys)
         mask = mask & in_window
       p = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - l_i[..., None]), 0.0)
       dv_j = jnp.einsum(tl.spec("kv"), p.astype(cdt), do_i, precision=prec,
@@ -289,6 +294,8 @@ def tiled_attention_grads(q: Array, do: Array, lse: Array, delta: Array, k: Arra
       dp = jnp.einsum(tl.spec("s"), do_i, v_j, precision=prec,
                       preferred_element_type=jnp.float32)
       ds = p * (dp - d_i[..., None])
+      if with_slopes:  # d(s - slope * dist) / d slope = -dist
+        dsl_i = dsl_i + jnp.sum(ds * dbias, axis=(1, 4))
       if dcap is not None:  # d softcap * tanh(s / softcap) = (1 - tanh^2) ds
         ds = ds * dcap
       ds = ds.astype(cdt)
@@ -301,22 +308,27 @@ def tiled_attention_grads(q: Array, do: Array, lse: Array, delta: Array, k: Arra
       at = (at_z, start, 0, 0)
       dk = lax.dynamic_update_slice(dk, lax.dynamic_slice(dk, at, dk_j.shape) + dk_j, at)
       dv = lax.dynamic_update_slice(dv, lax.dynamic_slice(dv, at, dv_j.shape) + dv_j, at)
-      return dq_i, dk, dv
+      return dq_i, dk, dv, dsl_i
 
     dq_i = jnp.zeros((bz, bt, tl.hkv, tl.g, q.shape[-1]), jnp.float32)
-    dq_i, dk, dv = _loop(_cdiv(tl.nk, bk), key_block, (dq_i, dk, dv))
+    dsl_i = jnp.zeros((bz, tl.hkv, tl.g), jnp.float32) if with_slopes else None
+    dq_i, dk, dv, dsl_i = _loop(_cdiv(tl.nk, bk), key_block, (dq_i, dk, dv, dsl_i))
     dq = _update(dq, _slice(dq, z0, t0, bz, bt) + dq_i * scale, z0, t0)
-    return dq, dk, dv
+    if with_slopes:  # rows an earlier block holds added 0 (p = 0 there)
+      dsl = lax.dynamic_update_slice_in_dim(
+          dsl, lax.dynamic_slice_in_dim(dsl, z0, bz) + dsl_i, z0, axis=0)
+    return dq, dk, dv, dsl
 
-  dq, dk, dv = _loop(tl.n_rows, row_block, (dq, dk, dv))
-  return dq.reshape(shape), dk * scale, dv
+  dq, dk, dv, dslopes = _loop(tl.n_rows, row_block, (dq, dk, dv, dslopes))
+  return (dq.reshape(shape), dk * scale, dv) + ((dslopes.reshape(b, -1),) if with_slopes else ())
 
 
 def score_modifier(mods: Optional[ScoreMods], distance: Callable, hkv: int) -> Optional[Callable]:
   """``mods`` as the ``modify(s, zs, ts, keys)`` of :func:`tiled_attention` (None: no variant):
-  tile scores ``s [bz, bt, Hkv, G, bk]`` -> ``(scores, in-window mask, d cap)`` as
-  :meth:`pallas_kernels.base.ScoreMods.apply`. ``distance(zs, ts, keys)``: int
-  ``[bz, bt, bk]``, query position minus key position."""
+  tile scores ``s [bz, bt, Hkv, G, bk]`` -> ``(scores, in-window mask, d cap, d bias)``: the
+  first three as :meth:`pallas_kernels.base.ScoreMods.apply`, then ``-distance`` (float32,
+  broadcastable to ``s``: the ALiBi score's derivative by its slope; None without ALiBi).
+  ``distance(zs, ts, keys)``: int ``[bz, bt, bk]``, query position minus key position."""
   if mods is None:
     return None
 
@@ -327,7 +339,8 @@ def score_modifier(mods: Optional[ScoreMods], distance: Callable, hkv: int) -> O
       b = mods.alibi_slopes.shape[0]
       slopes = mods.alibi_slopes.reshape(b, hkv, -1)[zs][:, None, :, :, None]
     s, in_window, dcap = mods.apply(s, dist, slopes)
-    return s, True if in_window is None else in_window, dcap
+    dbias = None if slopes is None else -dist.astype(jnp.float32)
+    return s, True if in_window is None else in_window, dcap, dbias
 
   return modify
 
@@ -460,14 +473,21 @@ def decomposition_grads(q: Array, parts, suffix_k: Optional[Array], suffix_v: Op
   """The decomposition's gradients (:func:`jax_shared_attn.backward.decomposition_grads`'s
   arguments and result; ``lse, delta [B, Tq, Hq]`` float32, ``dout`` in q's dtype), one float32
   dQ accumulated in place through the parts; tiles of ``block_rows`` query rows per KV head x
-  ``block_keys`` keys; ``mods``: the forward's score variants."""
+  ``block_keys`` keys; ``mods``: the forward's score variants. With ALiBi on, a fourth result:
+  the float32 gradient of ``mods.alibi_slopes`` ``[B, Hq]``."""
   b, tq, hq, d = q.shape
   dq = jnp.zeros(q.shape, jnp.float32)
+  alibi = mods is not None and mods.alibi_slopes is not None
+  dslopes = jnp.zeros((b, hq), jnp.float32) if alibi else None
 
   def grads(k, v, visible, modify, dq):
-    return tiled_attention_grads(q, dout, lse, delta, k, v, visible, scale=scale,
-                                 block_rows=max(1, block_rows // (hq // k.shape[2])),
-                                 block_keys=block_keys, dq=dq, modify=modify)
+    nonlocal dslopes
+    res = tiled_attention_grads(q, dout, lse, delta, k, v, visible, scale=scale,
+                                block_rows=max(1, block_rows // (hq // k.shape[2])),
+                                block_keys=block_keys, dq=dq, modify=modify, dslopes=dslopes)
+    if alibi:
+      dslopes = res[3]
+    return res[:3]
 
   part_out = []
   for (kind, k, v, lengths, nodes), part_mods in zip(parts,
@@ -479,4 +499,4 @@ def decomposition_grads(q: Array, parts, suffix_k: Optional[Array], suffix_v: Op
     dq, dk, dv = grads(suffix_k, suffix_v, suffix_visible(kv_lengths, tq, causal),
                        _suffix_modifier(mods, kv_lengths, tq, suffix_k.shape[2]), dq)
     suffix = (dk, dv)
-  return dq, part_out, suffix
+  return (dq, part_out, suffix) + ((dslopes,) if alibi else ())

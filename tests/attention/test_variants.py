@@ -39,13 +39,14 @@ def oracle(q, do, dl, sources, contexts, own, causal, scale, slopes=None, softca
   them: every shared key is visible). Query t of sequence b sits at position ``C_b - Tq + t``
   (``C_b``: its context length), key c at c. ``slopes [B, Hq]``, ``softcap``, ``window =
   (left, right)``: None where off. ``do [B, Tq, Hq, D]``, ``dl [B, Tq, Hq]``: cotangents.
-  Returns ``out, lse, dq`` and name -> (dk, dv).
+  Returns ``out, lse, dq``, name -> (dk, dv) and ``dslopes [B, Hq]``.
   """
   b, tq, hq, _ = q.shape
   out = np.zeros_like(q)
   lse = np.full((b, tq, hq), -np.inf)
   dq = np.zeros_like(q)
   grads = {n: (np.zeros_like(k), np.zeros_like(v)) for n, (k, v) in sources.items()}
+  dslopes = np.zeros((b, hq))
   hkv = next(iter(sources.values()))[0].shape[1]
   g = hq // hkv
   for i in range(b):
@@ -81,12 +82,14 @@ def oracle(q, do, dl, sources, contexts, own, causal, scale, slopes=None, softca
         p /= p.sum()
         o = p @ vv
         out[i, t, h] = o
-        ds = p * (vv @ do[i, t, h] - do[i, t, h] @ o + dl[i, t, h]) * dcap
+        ds = p * (vv @ do[i, t, h] - do[i, t, h] @ o + dl[i, t, h])
+        dslopes[i, h] -= ds @ (qpos - kpos[vis])
+        ds = ds * dcap
         dq[i, t, h] = scale * ds @ kk
         for c, j in enumerate(np.flatnonzero(vis)):
           grads[names[j]][0][idx[j], h // g] += scale * ds[c] * q[i, t, h]
           grads[names[j]][1][idx[j], h // g] += p[c] * do[i, t, h]
-  return out, lse, dq, grads
+  return out, lse, dq, grads, dslopes
 
 
 def per_seq_err(x, ref):
@@ -158,11 +161,15 @@ def check_forward(c, out, lse, want_out, want_lse):
   check_attention(out, lse, want_out, want_lse, "float32")
 
 
-def check_grads(got, want_dq, want, c, part_names):
+def check_grads(got, want_dq, want, c, part_names, dslopes=None, want_dslopes=None):
   """``got = (dq, [(dk, dv) per part name])`` against the oracle, per sequence (a shared
-  part's gradient per segment row)."""
+  part's gradient per segment row); ``dslopes`` (``[Hq]`` or ``[B, Hq]``, as the slopes given)
+  against the oracle's ``[B, Hq]``."""
   dq, parts = got
   errs = {"dq": per_seq_err(dq, want_dq)}
+  if dslopes is not None:
+    want_dslopes = want_dslopes if dslopes.ndim == 2 else want_dslopes.sum(0, keepdims=True)
+    errs["dslopes"] = per_seq_err(np.reshape(dslopes, want_dslopes.shape), want_dslopes)
   for name, (dk, dv) in zip(part_names, parts):
     errs[f"dk[{name}]"] = per_seq_err(dk, want[name][0].reshape(dk.shape))
     errs[f"dv[{name}]"] = per_seq_err(dv, want[name][1].reshape(dv.shape))
@@ -177,15 +184,14 @@ def tree_vjp(causal, static):
   static = dict(static)
 
   def run(q, levels, sk, sv, lens, slopes, do, dl):
-    kw = dict(static, **({} if slopes is None else {"alibi_slopes": slopes}))
-
-    def f(q, ks, vs, sk, sv):
+    def f(q, ks, vs, sk, sv, slopes):
       lv = [SharedLevel(k, v, l.lengths, l.node_of_seq, l.all_share)
             for k, v, l in zip(ks, vs, levels)]
       return hierarchical_attention(q, lv, sk, sv, suffix_lengths=lens, causal=causal,
-                                    return_lse=True, config=SMALL_TILES, **kw)
+                                    return_lse=True, config=SMALL_TILES, alibi_slopes=slopes,
+                                    **static)
 
-    res, pull = jax.vjp(f, q, [l.k for l in levels], [l.v for l in levels], sk, sv)
+    res, pull = jax.vjp(f, q, [l.k for l in levels], [l.v for l in levels], sk, sv, slopes)
     return res, pull((do, dl))
 
   return small_jit(run)
@@ -213,15 +219,16 @@ def test_hierarchical_attention(data, seed, causal, combo, shape):
   (b, tq, hq, hkv, d, s), structure = shape
   c = draw_tree(data.draw, rng, b, tq, hq, hkv, d, s, structure)
   kw, slopes = variant_kwargs(data.draw, rng, combo, b, hq)
-  (out, lse), (dq, dks, dvs, dsk, dsv) = tree_vjp(causal, static_of(kw))(
+  (out, lse), (dq, dks, dvs, dsk, dsv, dslopes) = tree_vjp(causal, static_of(kw))(
       c["q"], c["levels"], c["sk"], c["sv"], jnp.asarray(c["lens"]), kw.get("alibi_slopes"),
       c["do"], c["dl"])
-  want_out, want_lse, want_dq, want = oracle(
+  want_out, want_lse, want_dq, want, want_dslopes = oracle(
       c["q64"], c["do64"], c["dl64"], c["sources"], c["contexts"], c["lens"], causal,
       d ** -0.5, **oracle_kwargs(kw, slopes))
   check_forward(c, out, lse, want_out, want_lse)
   names = ["suffix"] + list(range(len(structure)))
-  check_grads((dq, [(dsk, dsv)] + list(zip(dks, dvs))), want_dq, want, c, names)
+  check_grads((dq, [(dsk, dsv)] + list(zip(dks, dvs))), want_dq, want, c, names, dslopes,
+              want_dslopes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,11 +236,10 @@ def prefix_vjp(causal, static):
   static = dict(static)
 
   def run(q, pk, pv, plen, sk, sv, lens, slopes, do, dl):
-    kw = dict(static, **({} if slopes is None else {"alibi_slopes": slopes}))
-    f = lambda q, pk, pv, sk, sv: shared_prefix_attention(
+    f = lambda q, pk, pv, sk, sv, slopes: shared_prefix_attention(
         q, pk, pv, sk, sv, prefix_length=plen, suffix_lengths=lens, causal=causal,
-        return_lse=True, **kw)
-    res, pull = jax.vjp(f, q, pk, pv, sk, sv)
+        return_lse=True, alibi_slopes=slopes, **static)
+    res, pull = jax.vjp(f, q, pk, pv, sk, sv, slopes)
     return res, pull((do, dl))
 
   return small_jit(run)
@@ -248,14 +254,15 @@ def test_shared_prefix_attention(data, seed, causal, combo):
   c = draw_tree(data.draw, rng, b, tq, hq, hkv, d, s, ((1, p, True),))
   level = c["levels"][0]
   kw, slopes = variant_kwargs(data.draw, rng, combo, b, hq)
-  (out, lse), (dq, dpk, dpv, dsk, dsv) = prefix_vjp(causal, static_of(kw))(
+  (out, lse), (dq, dpk, dpv, dsk, dsv, dslopes) = prefix_vjp(causal, static_of(kw))(
       c["q"], level.k[0], level.v[0], level.lengths[0], c["sk"], c["sv"],
       jnp.asarray(c["lens"]), kw.get("alibi_slopes"), c["do"], c["dl"])
-  want_out, want_lse, want_dq, want = oracle(
+  want_out, want_lse, want_dq, want, want_dslopes = oracle(
       c["q64"], c["do64"], c["dl64"], c["sources"], c["contexts"], c["lens"], causal,
       d ** -0.5, **oracle_kwargs(kw, slopes))
   check_forward(c, out, lse, want_out, want_lse)
-  check_grads((dq, [(dsk, dsv), (dpk, dpv)]), want_dq, want, c, ["suffix", 0])
+  check_grads((dq, [(dsk, dsv), (dpk, dpv)]), want_dq, want, c, ["suffix", 0], dslopes,
+              want_dslopes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -263,10 +270,10 @@ def full_vjp(causal, static):
   static = dict(static)
 
   def run(q, k, v, lens, slopes, do, dl):
-    kw = dict(static, **({} if slopes is None else {"alibi_slopes": slopes}))
-    f = lambda q, k, v: attention_with_lse(q, k, v, kv_lengths=lens, causal=causal,
-                                           config=SMALL_TILES, **kw)
-    res, pull = jax.vjp(f, q, k, v)
+    f = lambda q, k, v, slopes: attention_with_lse(q, k, v, kv_lengths=lens, causal=causal,
+                                                   config=SMALL_TILES, alibi_slopes=slopes,
+                                                   **static)
+    res, pull = jax.vjp(f, q, k, v, slopes)
     return res, pull((do, dl))
 
   return small_jit(run)
@@ -280,14 +287,14 @@ def test_attention_with_lse(data, seed, causal, combo):
   b, tq, hq, hkv, d, tk = 3, 3, 4, 2, 16, 7  # Tq > some kv_lengths: queries before key 0
   c = draw_tree(data.draw, rng, b, tq, hq, hkv, d, tk, ())
   kw, slopes = variant_kwargs(data.draw, rng, combo, b, hq)
-  (out, lse), (dq, dk, dv) = full_vjp(causal, static_of(kw))(
+  (out, lse), (dq, dk, dv, dslopes) = full_vjp(causal, static_of(kw))(
       c["q"], c["sk"], c["sv"], jnp.asarray(c["lens"]), kw.get("alibi_slopes"), c["do"],
       c["dl"])
-  want_out, want_lse, want_dq, want = oracle(
+  want_out, want_lse, want_dq, want, want_dslopes = oracle(
       c["q64"], c["do64"], c["dl64"], c["sources"], c["contexts"], c["lens"], causal,
       d ** -0.5, **oracle_kwargs(kw, slopes))
   check_forward(c, out, lse, want_out, want_lse)
-  check_grads((dq, [(dk, dv)]), want_dq, want, c, ["suffix"])
+  check_grads((dq, [(dk, dv)]), want_dq, want, c, ["suffix"], dslopes, want_dslopes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -338,7 +345,7 @@ def test_paged_attention(data, seed, causal, combo):
                                              levels, kw.get("alibi_slopes"))
   sources = {"pool": (kp64.reshape(-1, hkv, d), vp64.reshape(-1, hkv, d))}
   zeros = np.zeros((b, tq, hq, d))
-  want_out, want_lse, _, _ = oracle(q64, zeros, zeros[..., 0], sources, contexts, lens, causal,
+  want_out, want_lse, _, _, _ = oracle(q64, zeros, zeros[..., 0], sources, contexts, lens, causal,
                                     d ** -0.5, **oracle_kwargs(kw, slopes))
   check_attention(out, lse, want_out, want_lse, "float32")
 
@@ -496,8 +503,8 @@ def test_sharded_calls_split_the_slopes_with_the_heads():
   mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
   kw = dict(alibi_slopes=jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32), softcap=2.0,
             local_window_size=(3, 0), return_lse=True)
-  got = sharded(shared_prefix_attention, mesh)(q, pk, pk, sk, sk, **kw)
-  want = shared_prefix_attention(q, pk, pk, sk, sk, **kw)
+  got, want = small_jit(lambda *a: (sharded(shared_prefix_attention, mesh)(*a, **kw),
+                                     shared_prefix_attention(*a, **kw)))(q, pk, pk, sk, sk)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
   with pytest.raises(ValueError, match="shared_prefix_attention: alibi_slopes must be finite"):

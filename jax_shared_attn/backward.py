@@ -17,7 +17,9 @@ merge. Score variants (:class:`pallas_kernels.base.ScoreMods`) recompute the for
 modified scores for ``P`` and multiply ``dS`` by the soft cap's derivative ``1 - tanh^2``
 before the products with K and Q (ALiBi's bias and the window do not depend on q or k; the
 slopes' gradient is ``-sum dS * (i - j)`` over a row's keys, ``dS`` before the cap's factor);
-they run on the XLA kernels only. A shared part's dK/dV is ONE reduction over all the rows that read it
+they run on the XLA kernels only.
+
+A shared part's dK/dV is ONE reduction over all the rows that read it
 (rows folded as in the forward: ``B * Tq * G`` per KV head); only the suffix
 is per sequence. Every product runs on ``block_rows x block_keys`` tiles
 (loops over row blocks, then key blocks: :mod:`pallas_kernels.xla` on the XLA path): no score

@@ -209,8 +209,8 @@ def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
     tiles = config if isinstance(config, XlaConfig) else XlaConfig()
     why = (f"{why_impl}: pure JAX (XLA)",)
     if mods is not None:
-      why += (f"score variants ({mods.describe()}): the variants run on the XLA path, forward "
-              f"and backward",)
+      why += (f"score variants ({mods.describe()}): the variants run on the XLA path"
+              + ("" if paged else ", forward and backward"),)
     why += (f"forward: online softmax over tiles of {tiles.block_rows} query tokens x "
             f"{tiles.block_keys} keys ({tiles})",)
     if paged:

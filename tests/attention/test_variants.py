@@ -25,7 +25,7 @@ from jax_shared_attn.testing import check_attention
 from pallas_kernels import xla
 from pallas_kernels.base import ScoreMods
 from pallas_kernels.xla import XlaConfig
-from strategies import SEEDS, count_case, lengths, rand, small_jit
+from strategies import DTYPES, SEEDS, count_case, lengths, rand, small_jit
 
 # Static choices: each distinct one compiles a program, so they come from short lists.
 SOFTCAPS = (0.7, 3.0)
@@ -361,16 +361,18 @@ def paged_fn(causal, static):
 
 
 @settings(max_examples=6)
-@given(data=st.data(), seed=SEEDS, causal=st.booleans(), combo=st.sampled_from(COMBOS))
-def test_paged_attention(data, seed, causal, combo):
-  """Forward (``paged_attention`` has no backward): two levels and own pages in one pool."""
+@given(data=st.data(), seed=SEEDS, causal=st.booleans(), combo=st.sampled_from(COMBOS),
+       dtype=st.sampled_from(DTYPES))
+def test_paged_attention(data, seed, causal, combo, dtype):
+  """Forward (``paged_attention`` has no backward): two levels and own pages in one pool, in
+  every input dtype."""
   count_case("variants paged_attention")
   rng = np.random.default_rng(seed)
   draw = data.draw
   b, tq, hq, hkv, d, ps, pages = 3, 2, 4, 2, 16, 3, 16
-  q, q64 = rand(rng, (b, tq, hq, d), "float32")
-  kp, kp64 = rand(rng, (pages, ps, hkv, d), "float32")
-  vp, vp64 = rand(rng, (pages, ps, hkv, d), "float32")
+  q, q64 = rand(rng, (b, tq, hq, d), dtype)
+  kp, kp64 = rand(rng, (pages, ps, hkv, d), dtype)
+  vp, vp64 = rand(rng, (pages, ps, hkv, d), dtype)
   order = iter(rng.permutation(pages))
   take = lambda n, p: np.array([[next(order) for _ in range(p)] for _ in range(n)], np.int32)
   contexts = [[] for _ in range(b)]
@@ -398,7 +400,8 @@ def test_paged_attention(data, seed, causal, combo):
   zeros = np.zeros((b, tq, hq, d))
   want_out, want_lse, _, _, _ = oracle(q64, zeros, zeros[..., 0], sources, contexts, lens, causal,
                                     d ** -0.5, **oracle_kwargs(kw, slopes))
-  check_attention(out, lse, want_out, want_lse, "float32")
+  assert out.dtype == q.dtype
+  check_attention(out, lse, want_out, want_lse, dtype)
 
 
 def test_window_hiding_a_level_gives_no_nan_and_empty_rows_minus_inf():

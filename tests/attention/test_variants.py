@@ -161,10 +161,6 @@ def draw_tree(draw, rng, b, tq, hq, hkv, d, s, structure):
               dl=jnp.asarray(dl, jnp.float32), dl64=dl, sources=sources, contexts=contexts)
 
 
-def check_forward(c, out, lse, want_out, want_lse):
-  check_attention(out, lse, want_out, want_lse, "float32")
-
-
 def check_grads(got, want_dq, want, c, part_names, dslopes=None, want_dslopes=None):
   """``got = (dq, [(dk, dv) per part name])`` against the oracle, per sequence (a shared
   part's gradient per segment row); ``dslopes`` (``[Hq]`` or ``[B, Hq]``, as the slopes given)
@@ -229,7 +225,7 @@ def test_hierarchical_attention(data, seed, causal, combo, shape):
   want_out, want_lse, want_dq, want, want_dslopes = oracle(
       c["q64"], c["do64"], c["dl64"], c["sources"], c["contexts"], c["lens"], causal,
       d ** -0.5, **oracle_kwargs(kw, slopes))
-  check_forward(c, out, lse, want_out, want_lse)
+  check_attention(out, lse, want_out, want_lse, "float32")
   names = ["suffix"] + list(range(len(structure)))
   check_grads((dq, [(dsk, dsv)] + list(zip(dks, dvs))), want_dq, want, c, names, dslopes,
               want_dslopes)
@@ -276,7 +272,7 @@ def test_backward_small_tiles(data, seed, causal, combo):
   want_out, want_lse, want_dq, want, want_dslopes = oracle(
       c["q64"], c["do64"], c["dl64"], c["sources"], c["contexts"], c["lens"], causal,
       d ** -0.5, **oracle_kwargs(kw, slopes))
-  check_forward(c, out, lse, want_out, want_lse)
+  check_attention(out, lse, want_out, want_lse, "float32")
   names = ["suffix"] + list(range(len(structure)))
   check_grads((dq, [(dsk, dsv)] + list(zip(dks, dvs))), want_dq, want, c, names, dslopes,
               want_dslopes)
@@ -311,7 +307,7 @@ def test_shared_prefix_attention(data, seed, causal, combo):
   want_out, want_lse, want_dq, want, want_dslopes = oracle(
       c["q64"], c["do64"], c["dl64"], c["sources"], c["contexts"], c["lens"], causal,
       d ** -0.5, **oracle_kwargs(kw, slopes))
-  check_forward(c, out, lse, want_out, want_lse)
+  check_attention(out, lse, want_out, want_lse, "float32")
   check_grads((dq, [(dsk, dsv), (dpk, dpv)]), want_dq, want, c, ["suffix", 0], dslopes,
               want_dslopes)
 
@@ -344,7 +340,7 @@ def test_attention_with_lse(data, seed, causal, combo):
   want_out, want_lse, want_dq, want, want_dslopes = oracle(
       c["q64"], c["do64"], c["dl64"], c["sources"], c["contexts"], c["lens"], causal,
       d ** -0.5, **oracle_kwargs(kw, slopes))
-  check_forward(c, out, lse, want_out, want_lse)
+  check_attention(out, lse, want_out, want_lse, "float32")
   check_grads((dq, [(dk, dv)]), want_dq, want, c, ["suffix"], dslopes, want_dslopes)
 
 
@@ -402,6 +398,48 @@ def test_paged_attention(data, seed, causal, combo, dtype):
                                     d ** -0.5, **oracle_kwargs(kw, slopes))
   assert out.dtype == q.dtype
   check_attention(out, lse, want_out, want_lse, dtype)
+
+
+@pytest.mark.parametrize("variants", [dict(softcap=0.8), dict(window=(2, 1)), dict(alibi=True),
+                                      dict(alibi=True, softcap=1.5, window=(3, 0))])
+def test_oracle_gradient_is_its_forward_derivative(variants):
+  """The oracle's gradient formula (softcap's 1 - tanh^2, the slopes' -sum dS (i - j)) equals
+  central differences of its own forward along random directions, in float64."""
+  rng = np.random.default_rng(7)
+  b, tq, hq, hkv, d = 2, 3, 4, 2, 8
+  q = rng.normal(size=(b, tq, hq, d))
+  sources = {"a": (rng.normal(size=(6, hkv, d)), rng.normal(size=(6, hkv, d))),
+             "s": (rng.normal(size=(8, hkv, d)), rng.normal(size=(8, hkv, d)))}
+  contexts = [[("a", j) for j in range(5)] + [("s", j) for j in range(4)],
+              [("a", j) for j in (0, 1)] + [("s", 4 + j) for j in range(3)]]
+  own = [4, 3]
+  do, dl = rng.normal(size=q.shape), rng.normal(size=q.shape[:3])
+  slopes = rng.uniform(-0.5, 1.0, size=(b, hq)) if variants.get("alibi") else None
+  kw = dict(softcap=variants.get("softcap"), window=variants.get("window"))
+
+  def loss(q, sources, slopes):
+    out, lse, *_ = oracle(q, do, dl, sources, contexts, own, True, 0.4, slopes, **kw)
+    return float((out * do).sum() + np.where(np.isfinite(lse), lse * dl, 0.0).sum())
+
+  _, _, dq, grads, dslopes = oracle(q, do, dl, sources, contexts, own, True, 0.4, slopes, **kw)
+  dirs = (rng.normal(size=q.shape), {n: tuple(rng.normal(size=x.shape) for x in kv)
+                                     for n, kv in sources.items()},
+          None if slopes is None else rng.normal(size=slopes.shape))
+  eps = 1e-6
+
+  def at(sign):
+    move = lambda x, dx: x + sign * eps * dx
+    return loss(move(q, dirs[0]),
+                {n: tuple(move(x, dx) for x, dx in zip(kv, dirs[1][n]))
+                 for n, kv in sources.items()},
+                None if slopes is None else move(slopes, dirs[2]))
+
+  numeric = (at(1) - at(-1)) / (2 * eps)
+  analytic = (dq * dirs[0]).sum() + sum((g * dx).sum() for n in sources
+                                        for g, dx in zip(grads[n], dirs[1][n]))
+  if slopes is not None:
+    analytic += (dslopes * dirs[2]).sum()
+  assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (numeric, analytic)
 
 
 def test_window_hiding_a_level_gives_no_nan_and_empty_rows_minus_inf():

@@ -14,6 +14,7 @@ import threading
 
 import httpx
 import pytest
+from test_logprob_format import certain
 
 from models.checkpoints.tokenizer import Tokenizer, _bytes_to_unicode
 from models.generation.settings import GenerationSettings
@@ -212,17 +213,6 @@ def piece(token: int) -> str:
   """The byte tokenizer's token text: the character, or OpenAI's spelling of a lone byte that
   is not whole UTF-8."""
   return chr(token) if token < 128 else f"bytes:\\x{token:02x}"
-
-
-def certain(data: bytes) -> bytes:
-  """``data`` without a last UTF-8 character still incomplete (that later bytes may finish)."""
-  for k in (1, 2, 3):
-    try:
-      data[-k:].decode("utf-8")
-    except UnicodeDecodeError as e:
-      if e.start == 0 and e.reason == "unexpected end of data":
-        return data[:-k]
-  return data
 
 
 def engine_logprobs(server, prompt: list, top: int, **sampling):

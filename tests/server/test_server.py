@@ -3,9 +3,10 @@ on the tiny model (float32, CPU) with a byte-level tokenizer (one token per byte
 characters span tokens), spoken to with the official ``openai`` client and plain httpx.
 
 Streamed and whole answers agree token for token and in text; seeded answers do not depend on
-what else runs; usage counts the engine's tokens; every bad request is a 400 naming its field
-and the server goes on serving; 256 concurrent streaming clients each get their four answers
-whole; clients that leave, streaming or not, leave no page behind."""
+what else runs; usage counts the engine's tokens; log-probs come in OpenAI's completions and
+chat formats, streamed and whole, with the engine's values; every bad request is a 400 naming
+its field and the server goes on serving; 256 concurrent streaming clients each get their four
+answers whole; clients that leave, streaming or not, leave no page behind."""
 
 import asyncio
 import json

@@ -207,7 +207,7 @@ def test_several_prompts_give_choices_in_order(server, client):
 
 # -- log-probabilities --------------------------------------------------------------------------
 
-TOL = 2e-5  # float32: the same request's log-probs in another batch, from another cache layout
+TOL = 3e-6  # float32 at log-probs near -5: the same request in another batch and cache layout
 
 
 def piece(token: int) -> str:

@@ -9,7 +9,7 @@ from test_engine import SETTINGS, _forward_fn, config, model  # noqa: F401
 
 from models.serving import Engine, EngineConfig, Request, TokenLogprobs
 
-TOL = 2e-5  # float32: the paged cascade against the plain forward, log-probs near -5
+TOL = 3e-6  # float32 at log-probs near -5: the paged cascade against the plain forward
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,11 @@ evicted, then the most recently admitted request is preempted (its pages freed; 
 recomputed later and, its tokens depending only on the request, emits the same tokens).
 
 The device programs are keyed by padded sizes only (:meth:`CascadePlan.plan_key`, the
-prefill rows, chunk and page buckets); page ids, lengths, tokens, seeds and each row's
-sampling rule are data.
+prefill rows, chunk and page buckets, and the top-log-prob size: 0, or
+``EngineConfig.max_logprobs`` in a call where a request asks for top log-probs); page ids,
+lengths, tokens, seeds and each row's sampling rule are data. Every decode step returns each
+sampled token's log-prob (``log_softmax`` of the raw logits); a request with ``logprobs``
+gets them per token (:class:`TokenLogprobs`).
 """
 
 from __future__ import annotations

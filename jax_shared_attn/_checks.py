@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.base import ScoreMods
+
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 
 
@@ -102,3 +104,51 @@ def check_scale(fn: str, scale: Any, head_dim: int) -> float | jax.Array:
       raise ValueError(f"{fn}: scale must be a positive finite number; got {scale}")
     return float(scale)
   raise TypeError(f"{fn}: scale must be a Python float or None; got {type(scale).__name__}")
+
+
+def check_variants(fn: str, alibi_slopes: Any, softcap: Any, local_window_size: Any, b: int,
+                   hq: int):
+  """The score variants of a public call as a :class:`pallas_kernels.base.ScoreMods`, or None
+  when none is set: ``alibi_slopes`` float32 ``[Hq]`` or ``[B, Hq]`` (finite where concrete;
+  returned as ``[B, Hq]``), ``softcap`` a finite number > 0, ``local_window_size`` an int >= 0
+  or a ``(left, right)`` pair of them."""
+  if alibi_slopes is None and softcap is None and local_window_size is None:
+    return None
+  slopes = None
+  if alibi_slopes is not None:
+    if not hasattr(alibi_slopes, "shape") or not hasattr(alibi_slopes, "dtype"):
+      raise TypeError(f"{fn}: alibi_slopes must be a float32 array [Hq] or [B, Hq]; got "
+                      f"{type(alibi_slopes).__name__}")
+    if jnp.dtype(alibi_slopes.dtype) != jnp.float32:
+      raise TypeError(f"{fn}: alibi_slopes must have dtype float32 ([Hq] or [B, Hq]); got "
+                      f"{alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((hq,), (b, hq)):
+      raise ValueError(f"{fn}: alibi_slopes must have shape [{hq}] (Hq) or [{b}, {hq}] "
+                       f"(B, Hq); got {shape_str(alibi_slopes.shape)}")
+    if is_concrete(alibi_slopes) and not np.all(np.isfinite(np.asarray(alibi_slopes))):
+      raise ValueError(f"{fn}: alibi_slopes must be finite; got {np.asarray(alibi_slopes)}")
+    slopes = jnp.broadcast_to(jnp.asarray(alibi_slopes), (b, hq))
+  if softcap is not None:
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap,
+                                                               (int, float, np.number)):
+      raise TypeError(f"{fn}: softcap must be a Python float > 0 or None (static); got "
+                      f"{type(softcap).__name__}")
+    if not np.isfinite(softcap) or softcap <= 0:
+      raise ValueError(f"{fn}: softcap must be a finite number > 0; got {softcap}")
+    softcap = float(softcap)
+  window = None
+  if local_window_size is not None:
+    pair = (local_window_size if isinstance(local_window_size, (tuple, list))
+            else (local_window_size, local_window_size))
+    if len(pair) != 2:
+      raise ValueError(f"{fn}: local_window_size must be an int or a (left, right) pair; got "
+                       f"{len(pair)} values {tuple(local_window_size)!r}")
+    for side in pair:
+      if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
+        raise TypeError(f"{fn}: local_window_size must be an int or a (left, right) pair of "
+                        f"ints >= 0; got {local_window_size!r}")
+      if side < 0:
+        raise ValueError(f"{fn}: local_window_size must be >= 0 (left and right); got "
+                         f"{local_window_size!r}")
+    window = (int(pair[0]), int(pair[1]))
+  return ScoreMods(alibi_slopes=slopes, softcap=softcap, window=window)

@@ -81,7 +81,9 @@ def _check_suffix(fn, q, k, v, k_name, v_name, kv_lengths, lengths_name):
 
 def attention_with_lse(q: Array, k: Array, v: Array, *, kv_lengths: Optional[Array] = None,
                        causal: bool = False, scale: Optional[float] = None,
-                       impl: str = "auto", config=None) -> tuple[Array, Array]:
+                       impl: str = "auto", config=None, alibi_slopes: Optional[Array] = None,
+                       softcap: Optional[float] = None,
+                       local_window_size=None) -> tuple[Array, Array]:
   """Attention that also returns the log-sum-exp of the scores.
 
   Args:
@@ -99,17 +101,32 @@ def attention_with_lse(q: Array, k: Array, v: Array, *, kv_lengths: Optional[Arr
     config: the kernel family's choices, a ``GpuConfig`` or ``TpuConfig`` (hashable: pass it
       as a static argument under jit); None: the defaults. ``"xla"`` takes an ``XlaConfig``
       (its tiles) and ignores the others.
+    alibi_slopes: float32 ``[Hq]`` or ``[B, Hq]`` or None: query position i and key position
+      j (query i of sequence b at ``kv_lengths[b] - Tq + i``, key j at j) add
+      ``-slope * (i - j)`` to the score (BLOOM, FlashInfer). Traced, differentiable.
+    softcap: a float > 0 or None (static): scores become ``softcap * tanh(s / softcap)``,
+      ``s = scale * q . k``, before the ALiBi bias (Gemma 2).
+    local_window_size: None, an int w (= ``(w, w)``) or ``(left, right)`` of ints >= 0
+      (static), as in ``jax.nn.dot_product_attention``: query position i sees key j only if
+      ``i - left <= j <= i + right`` (and ``causal`` still applies). A Hugging Face
+      ``sliding_window`` W (Mistral, Gemma 2: key j visible iff ``i - j < W``) is
+      ``(W - 1, 0)`` with ``causal=True``.
+
+    A call with any of the three runs on the XLA path (``impl="auto"`` plans it; a Pallas
+    ``impl`` is an error).
 
   Returns:
     ``out [B, Tq, Hq, D]`` in q's dtype and float32 ``lse [B, Tq, Hq]``,
-    ``lse = log(sum_j exp(scale * q . k_j))`` (natural log) over visible keys.
+    ``lse = log(sum_j exp(scale * q . k_j))`` (natural log) over visible keys (of the
+    modified scores, with variants).
     A row with no visible key gives ``out = 0``, ``lse = -inf``.
 
   Example:
     >>> out, lse = attention_with_lse(q, k, v, kv_lengths=jnp.array([7, 3]), causal=True)
   """
   return _run(_prepare_full(q, k, v, kv_lengths=kv_lengths, causal=causal, scale=scale,
-                            impl=impl, config=config))
+                            impl=impl, config=config, alibi_slopes=alibi_slopes,
+                            softcap=softcap, local_window_size=local_window_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,36 +144,48 @@ class _Call:
   config: Any
   return_lse: bool = True
   page_table: Any = None  # paged_attention: own pages [B, O]; suffix_k/suffix_v are the pools
+  mods: Any = None  # the score variants, a ScoreMods (None: none)
+
+
+def _variants(fn: str, q, alibi_slopes, softcap, local_window_size):
+  return _checks.check_variants(fn, alibi_slopes, softcap, local_window_size, q.shape[0],
+                                q.shape[2])
 
 
 def _prepare_full(q, k, v, *, kv_lengths=None, causal=False, scale=None, impl="auto",
-                  config=None) -> _Call:
+                  config=None, alibi_slopes=None, softcap=None, local_window_size=None) -> _Call:
   fn = "attention_with_lse"
   lengths = _check_suffix(fn, q, k, v, "k", "v", kv_lengths, "kv_lengths")
   _checks.check_float_dtypes(fn, q=q, k=k, v=v)
   scale = _checks.check_scale(fn, scale, q.shape[-1])
-  return _Call(fn, q, None, k, v, lengths, bool(causal), scale, impl, config)
+  mods = _variants(fn, q, alibi_slopes, softcap, local_window_size)
+  return _Call(fn, q, None, k, v, lengths, bool(causal), scale, impl, config, mods=mods)
+
+
+def _plan(call: _Call, **target) -> dispatch.Plan:
+  return dispatch.plan(call.fn, call.q, call.parts, call.suffix_k, impl=call.impl,
+                       config=call.config, page_table=call.page_table, mods=call.mods, **target)
 
 
 def _run(call: _Call):
   """Plans ``call`` once (the plan :func:`explain` returns) and executes it."""
-  return _execute(dispatch.plan(call.fn, call.q, call.parts, call.suffix_k, impl=call.impl,
-                                config=call.config, page_table=call.page_table), call)
+  return _execute(_plan(call), call)
 
 
 def _execute(plan: dispatch.Plan, call: _Call):
   if call.page_table is not None:
     return _execute_paged(plan, call)
   ops = ops_lib.executor(plan, call.config)
+  mods = {} if call.mods is None else {"mods": call.mods}
   # need_lse=False (the LSE not returned) tells the backward that it gets no cotangent
   if call.parts is None:
     out, lse = ops.suffix_attention(call.q, call.suffix_k, call.suffix_v, kv_lengths=call.lengths,
                                     causal=call.causal, scale=call.scale,
-                                    need_lse=call.return_lse)
+                                    need_lse=call.return_lse, **mods)
   else:  # the family's whole decomposition (XLA: from the reference primitives)
     out, lse = ops.shared_attention(call.q, call.parts, call.suffix_k, call.suffix_v,
                                     kv_lengths=call.lengths, causal=call.causal, scale=call.scale,
-                                    need_lse=call.return_lse)
+                                    need_lse=call.return_lse, **mods)
   out = out.astype(call.q.dtype)
   return (out, lse) if call.return_lse else out
 
@@ -193,7 +222,9 @@ def shared_prefix_attention(q: Array, prefix_k: Array, prefix_v: Array, suffix_k
                             suffix_v: Array, *, prefix_length: Optional[Array] = None,
                             suffix_lengths: Optional[Array] = None, causal: bool = True,
                             scale: Optional[float] = None, impl: str = "auto",
-                            return_lse: bool = False, config=None):
+                            return_lse: bool = False, config=None,
+                            alibi_slopes: Optional[Array] = None,
+                            softcap: Optional[float] = None, local_window_size=None):
   """Exact attention over one shared prefix plus per-sequence suffixes (Hydragen).
 
   Sequence b's context is ``concat(prefix[:prefix_length], suffix_b[:suffix_lengths[b]])``.
@@ -216,6 +247,10 @@ def shared_prefix_attention(q: Array, prefix_k: Array, prefix_v: Array, suffix_k
     return_lse: also return the float32 natural-log LSE ``[B, Tq, Hq]``.
     config: a ``GpuConfig`` / ``TpuConfig`` (static under jit) or None, as in
       :func:`attention_with_lse`; :func:`explain` shows the plan it gives.
+    alibi_slopes, softcap, local_window_size: score variants, as in
+      :func:`attention_with_lse`, with positions counted in each sequence's context
+      ``concat(prefix, suffix_b)``: prefix key j at j, suffix key j at ``prefix_length + j``,
+      query i at ``prefix_length + suffix_lengths[b] - Tq + i``.
 
   Returns:
     ``out [B, Tq, Hq, D]`` in q's dtype (and ``lse`` if ``return_lse``).
@@ -226,12 +261,14 @@ def shared_prefix_attention(q: Array, prefix_k: Array, prefix_v: Array, suffix_k
   return _run(_prepare_prefix(q, prefix_k, prefix_v, suffix_k, suffix_v,
                               prefix_length=prefix_length, suffix_lengths=suffix_lengths,
                               causal=causal, scale=scale, impl=impl, return_lse=return_lse,
-                              config=config))
+                              config=config, alibi_slopes=alibi_slopes, softcap=softcap,
+                              local_window_size=local_window_size))
 
 
 def _prepare_prefix(q, prefix_k, prefix_v, suffix_k, suffix_v, *, prefix_length=None,
                     suffix_lengths=None, causal=True, scale=None, impl="auto", return_lse=False,
-                    config=None) -> _Call:
+                    config=None, alibi_slopes=None, softcap=None,
+                    local_window_size=None) -> _Call:
   fn = "shared_prefix_attention"
   lengths = _check_suffix(fn, q, suffix_k, suffix_v, "suffix_k", "suffix_v", suffix_lengths,
                           "suffix_lengths")
@@ -247,14 +284,17 @@ def _prepare_prefix(q, prefix_k, prefix_v, suffix_k, suffix_v, *, prefix_length=
       fn, "prefix_length", prefix_length, (), p, "the prefix capacity prefix_k.shape[0]"))
   scale = _checks.check_scale(fn, scale, q.shape[-1])
   parts = [("prefix", prefix_k, prefix_v, plen, None)]
+  mods = _variants(fn, q, alibi_slopes, softcap, local_window_size)
   return _Call(fn, q, parts, suffix_k, suffix_v, lengths, bool(causal), scale, impl, config,
-               return_lse)
+               return_lse, mods=mods)
 
 
 def hierarchical_attention(q: Array, levels: Sequence[SharedLevel], suffix_k: Array,
                            suffix_v: Array, *, suffix_lengths: Optional[Array] = None,
                            causal: bool = True, scale: Optional[float] = None,
-                           impl: str = "auto", return_lse: bool = False, config=None):
+                           impl: str = "auto", return_lse: bool = False, config=None,
+                           alibi_slopes: Optional[Array] = None, softcap: Optional[float] = None,
+                           local_window_size=None):
   """Exact attention over a tree of shared segments plus per-sequence suffixes.
 
   Sequence b's context is, for each level in order, the segment
@@ -267,14 +307,20 @@ def hierarchical_attention(q: Array, levels: Sequence[SharedLevel], suffix_k: Ar
     levels: sequence of :class:`SharedLevel` (may be empty).
     suffix_k, suffix_v: ``[B, S, Hkv, D]``; suffix_lengths: int ``[B]`` or None.
     causal, scale, impl, return_lse, config: as in :func:`shared_prefix_attention`.
+    alibi_slopes, softcap, local_window_size: score variants, as in
+      :func:`attention_with_lse`, with positions counted in each sequence's context (its
+      segments in level order, then its suffix; queries at the context's last Tq positions).
+      A level entirely outside a query's window contributes nothing.
   """
   return _run(_prepare_tree(q, levels, suffix_k, suffix_v, suffix_lengths=suffix_lengths,
                             causal=causal, scale=scale, impl=impl, return_lse=return_lse,
-                            config=config))
+                            config=config, alibi_slopes=alibi_slopes, softcap=softcap,
+                            local_window_size=local_window_size))
 
 
 def _prepare_tree(q, levels, suffix_k, suffix_v, *, suffix_lengths=None, causal=True, scale=None,
-                  impl="auto", return_lse=False, config=None) -> _Call:
+                  impl="auto", return_lse=False, config=None, alibi_slopes=None, softcap=None,
+                  local_window_size=None) -> _Call:
   fn = "hierarchical_attention"
   lengths = _check_suffix(fn, q, suffix_k, suffix_v, "suffix_k", "suffix_v", suffix_lengths,
                           "suffix_lengths")
@@ -290,8 +336,9 @@ def _prepare_tree(q, levels, suffix_k, suffix_v, *, suffix_lengths=None, causal=
     else:
       parts.append(("segments", level.k, level.v, seg_lengths, nodes))
   scale = _checks.check_scale(fn, scale, d)
+  mods = _variants(fn, q, alibi_slopes, softcap, local_window_size)
   return _Call(fn, q, parts, suffix_k, suffix_v, lengths, bool(causal), scale, impl, config,
-               return_lse)
+               return_lse, mods=mods)
 
 
 @jax.tree_util.register_dataclass
@@ -314,7 +361,8 @@ class PagedLevel:
 def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array,
                     kv_lengths: Array, *, levels: Sequence[PagedLevel] = (), causal: bool = True,
                     scale: Optional[float] = None, impl: str = "auto", return_lse: bool = False,
-                    config=None):
+                    config=None, alibi_slopes: Optional[Array] = None,
+                    softcap: Optional[float] = None, local_window_size=None):
   """Exact attention over a tree of shared segments plus per-sequence keys, all stored in
   page pools (a serving engine's KV cache), read in place.
 
@@ -334,13 +382,17 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array,
       included (causal: query i sits at own position ``kv_lengths[b] - Tq + i``).
     levels: :class:`PagedLevel` per shared level (may be empty).
     causal, scale, impl, return_lse, config: as in :func:`shared_prefix_attention`.
+    alibi_slopes, softcap, local_window_size: score variants, as in
+      :func:`hierarchical_attention` (positions in each sequence's context: its segments in
+      level order, then its own keys); they run on the XLA path (the pages gathered).
 
   Page ids are not range-checked inside a traced program (an id outside ``[0, pages)`` reads
   clamped rows); concrete tables are checked.
   """
   return _run(_prepare_paged(q, k_pages, v_pages, page_table, kv_lengths, levels=levels,
                              causal=causal, scale=scale, impl=impl, return_lse=return_lse,
-                             config=config))
+                             config=config, alibi_slopes=alibi_slopes, softcap=softcap,
+                             local_window_size=local_window_size))
 
 
 def _check_table(fn: str, name: str, table, shape_doc: str, rows: Optional[int],
@@ -361,7 +413,8 @@ def _check_table(fn: str, name: str, table, shape_doc: str, rows: Optional[int],
 
 
 def _prepare_paged(q, k_pages, v_pages, page_table, kv_lengths, *, levels=(), causal=True,
-                   scale=None, impl="auto", return_lse=False, config=None) -> _Call:
+                   scale=None, impl="auto", return_lse=False, config=None, alibi_slopes=None,
+                   softcap=None, local_window_size=None) -> _Call:
   fn = "paged_attention"
   b, _, hq, d = _check_query(fn, q)
   _checks.check_rank(fn, "k_pages", k_pages, 4, "[pages, page_size, Hkv, D]")
@@ -389,8 +442,9 @@ def _prepare_paged(q, k_pages, v_pages, page_table, kv_lengths, *, levels=(), ca
     nodes = _check_level_nodes(fn, name, "segment_of_seq", level.segment_of_seq, b, t.shape[0])
     parts.append((t, seg_lengths, nodes))
   scale = _checks.check_scale(fn, scale, d)
+  mods = _variants(fn, q, alibi_slopes, softcap, local_window_size)
   return _Call(fn, q, parts, k_pages, v_pages, lengths, bool(causal), scale, impl, config,
-               return_lse, page_table=table)
+               return_lse, page_table=table, mods=mods)
 
 
 def _check_level_nodes(fn: str, name: str, field: str, nodes, b: int, n: int) -> Array:
@@ -418,16 +472,18 @@ def _execute_paged(plan: dispatch.Plan, call: _Call):
     paged = functools.partial(ops_lib.gathered_paged_attention, ops=ops)
 
   @jax.custom_vjp
-  def run(q, k_pages, v_pages, parts, table, lengths):
+  def run(q, k_pages, v_pages, parts, table, lengths, mods):
+    extra = {} if mods is None else {"mods": mods}
     return paged(q, k_pages, v_pages, parts, table, lengths, causal=call.causal,
-                 scale=call.scale)
+                 scale=call.scale, **extra)
 
   def no_backward(*_):
     raise ValueError("paged_attention is forward only (it serves page pools); differentiate "
                      "hierarchical_attention over contiguous buffers instead")
 
   run.defvjp(lambda *args: (run(*args), None), no_backward)
-  out, lse = run(call.q, call.suffix_k, call.suffix_v, call.parts, call.page_table, call.lengths)
+  out, lse = run(call.q, call.suffix_k, call.suffix_v, call.parts, call.page_table, call.lengths,
+                 call.mods)
   out = out.astype(call.q.dtype)
   return (out, lse) if call.return_lse else out
 
@@ -468,9 +524,7 @@ def explain(fn: Callable, *args, platform: Optional[str] = None,
 
   def trace(xs, kw):
     call = _PREPARE[fn](*xs, **kw, **static)
-    found.append(dispatch.plan(call.fn, call.q, call.parts, call.suffix_k, impl=call.impl,
-                               config=call.config, platform=platform, device_kind=device_kind,
-                               page_table=call.page_table))
+    found.append(_plan(call, platform=platform, device_kind=device_kind))
     return 0
 
   jax.eval_shape(trace, args, arrays)  # shapes only: nothing runs

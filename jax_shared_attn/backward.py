@@ -13,7 +13,13 @@ Backward (FlashAttention's, restricted to each part's keys): with the MERGED
     dK_part = scale * dS^T Q
 
 so no part needs its own ``(O_i, L_i)`` and nothing is recomputed through the
-merge. A shared part's dK/dV is ONE reduction over all the rows that read it
+merge. Score variants (:class:`pallas_kernels.base.ScoreMods`) recompute the forward's
+modified scores for ``P`` and multiply ``dS`` by the soft cap's derivative ``1 - tanh^2``
+before the products with K and Q (ALiBi's bias and the window do not depend on q or k; the
+slopes' gradient is ``-sum dS * (i - j)`` over a row's keys, ``dS`` before the cap's factor);
+they run on the XLA kernels only.
+
+A shared part's dK/dV is ONE reduction over all the rows that read it
 (rows folded as in the forward: ``B * Tq * G`` per KV head); only the suffix
 is per sequence. Every product runs on ``block_rows x block_keys`` tiles
 (loops over row blocks, then key blocks: :mod:`pallas_kernels.xla` on the XLA path): no score
@@ -149,7 +155,7 @@ def decomposition_grads(q: Array, parts: Sequence[tuple], suffix_k: Optional[Arr
                         suffix_v: Optional[Array], *, kv_lengths: Optional[Array], causal: bool,
                         scale: float, out: Array, lse: Array, dout: Array,
                         dlse: Optional[Array] = None,
-                        config: BackwardConfig = BackwardConfig()):
+                        config: BackwardConfig = BackwardConfig(), mods=None):
   """Gradients of the decomposition from its merged ``out [B,Tq,Hq,D]`` and ``lse [B,Tq,Hq]``.
 
   ``parts`` as in :func:`pallas_kernels.base.reference_shared_attention`
@@ -161,7 +167,14 @@ def decomposition_grads(q: Array, parts: Sequence[tuple], suffix_k: Optional[Arr
   With ``config.kernels == "cudnn"`` and no LSE cotangent (cuDNN computes
   ``rowsum(dO * O)`` itself), the parts :func:`pallas_kernels.gpu.cudnn.supports` runs on
   cuDNN; the others, and every part when ``dlse`` is given, on the Triton kernels.
+
+  ``mods``: the forward's score variants (a :class:`pallas_kernels.base.ScoreMods`, None:
+  none), on the XLA kernels only; with ALiBi a fourth result, the float32 gradient of
+  ``mods.alibi_slopes`` ``[B, Hq]``.
   """
+  if mods is not None and config.kernels not in (None, "xla"):
+    raise ValueError(f"decomposition_grads: score variants ({', '.join(mods.arguments())}) run "
+                     f"on the XLA backward only; got kernels={config.kernels!r}")
   b, tq, hq, _ = q.shape
   dout = dout.astype(q.dtype)  # the products run in the input dtype; half the bytes for 16-bit
   cudnn = None
@@ -185,7 +198,7 @@ def decomposition_grads(q: Array, parts: Sequence[tuple], suffix_k: Optional[Arr
     return xla.decomposition_grads(q, parts, suffix_k, suffix_v, kv_lengths=kv_lengths,
                                    causal=causal, scale=scale, lse=lse, delta=get_delta(),
                                    dout=dout, block_rows=config.block_rows,
-                                   block_keys=config.block_keys)
+                                   block_keys=config.block_keys, mods=mods)
   dq = jnp.zeros(q.shape, jnp.float32)
   part_out = []
   for kind, k, v, lengths, nodes in parts:
@@ -241,46 +254,56 @@ def with_chunked_backward(forward: Callable, config: BackwardConfig = BackwardCo
   ``suffix_k = suffix_v = kv_lengths = None`` means no suffix part (then
   ``forward`` is called with them as None). Integer inputs get no cotangent. The returned
   function takes ``need_lse`` (static, default True): False returns ``(out, None)``, and the
-  backward then knows the LSE gets no cotangent (what lets cuDNN's backward apply).
+  backward then knows the LSE gets no cotangent (what lets cuDNN's backward apply), and
+  ``mods`` (a :class:`pallas_kernels.base.ScoreMods` or None), the score variants, passed on to
+  ``forward`` where given (the ALiBi slopes get their gradient).
   """
 
-  def call(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, need_lse=True):
+  def call(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale, need_lse=True,
+           mods=None):
     kinds = tuple(p[0] for p in parts)
     arrays = [tuple(p[1:]) for p in parts]
 
     def rebuild(arrs):
       return [(kind,) + tuple(a) for kind, a in zip(kinds, arrs)]
 
-    def both(q, arrs, sk, sv, lens):
-      out, lse = forward(q, rebuild(arrs), sk, sv, kv_lengths=lens, causal=causal, scale=scale)
+    def both(q, arrs, sk, sv, lens, mods):
+      extra = {} if mods is None else {"mods": mods}
+      out, lse = forward(q, rebuild(arrs), sk, sv, kv_lengths=lens, causal=causal, scale=scale,
+                         **extra)
       return out.astype(jnp.float32), lse.astype(jnp.float32)
 
-    def run(q, arrs, sk, sv, lens):
-      out, lse = both(q, arrs, sk, sv, lens)
+    def run(q, arrs, sk, sv, lens, mods):
+      out, lse = both(q, arrs, sk, sv, lens, mods)
       return (out, lse) if need_lse else out
 
     f = jax.custom_vjp(run)
 
-    def fwd(q, arrs, sk, sv, lens):
-      out, lse = both(q, arrs, sk, sv, lens)
+    def fwd(q, arrs, sk, sv, lens, mods):
+      out, lse = both(q, arrs, sk, sv, lens, mods)
       # O is kept in the input dtype (as FlashAttention keeps it): it only enters rowsum(dO * O)
-      return ((out, lse) if need_lse else out), (q, arrs, sk, sv, lens, out.astype(q.dtype), lse)
+      return ((out, lse) if need_lse else out), (q, arrs, sk, sv, lens, mods,
+                                                 out.astype(q.dtype), lse)
 
     def bwd(res, ct):
-      q, arrs, sk, sv, lens, out, lse = res
+      q, arrs, sk, sv, lens, mods, out, lse = res
       dout, dlse = ct if need_lse else (ct, None)
-      dq, dparts, dsuffix = decomposition_grads(
+      dq, dparts, dsuffix, *dslopes = decomposition_grads(
           q, rebuild(arrs), sk, sv, kv_lengths=lens, causal=causal, scale=scale, out=out,
-          lse=lse, dout=dout, dlse=dlse, config=config)
+          lse=lse, dout=dout, dlse=dlse, config=config, mods=mods)
+      dmods = None
+      if dslopes:  # the slopes' cotangent; the offsets and static fields have none
+        dmods = dataclasses.replace(mods, alibi_slopes=dslopes[0].astype(
+            mods.alibi_slopes.dtype), offset=None)
       darrs = [(dk.astype(a[0].dtype), dv.astype(a[1].dtype), None, None)
                for (dk, dv), a in zip(dparts, arrs)]
       dsk = dsv = None
       if dsuffix is not None:
         dsk, dsv = dsuffix[0].astype(sk.dtype), dsuffix[1].astype(sv.dtype)
-      return dq.astype(q.dtype), darrs, dsk, dsv, None
+      return dq.astype(q.dtype), darrs, dsk, dsv, None, dmods
 
     f.defvjp(fwd, bwd)
-    result = f(q, arrays, suffix_k, suffix_v, kv_lengths)
+    result = f(q, arrays, suffix_k, suffix_v, kv_lengths, mods)
     return result if need_lse else (result, None)
 
   return call
@@ -355,13 +378,17 @@ def differentiable(ops, reference_shared: Callable, config: BackwardConfig = Bac
   def segment_attention(q, k, v, *, lengths, node_of_seq, scale):
     return one_part("segments", q, k, v, lengths, node_of_seq, scale)
 
-  def suffix_attention(q, k, v, *, kv_lengths, causal, scale, prior=None, need_lse=True):
+  def suffix_attention(q, k, v, *, kv_lengths, causal, scale, prior=None, need_lse=True,
+                       mods=None):
     if prior is not None:
+      if mods is not None:
+        raise ValueError("suffix_attention: score variants with a prior state are not "
+                         "differentiable here; use shared_attention")
       return with_prior(q, k, v, kv_lengths=kv_lengths, causal=causal, scale=scale, prior=prior)
-    fwd = lambda q, parts, sk, sv, *, kv_lengths, causal, scale: ops.suffix_attention(
-        q, sk, sv, kv_lengths=kv_lengths, causal=causal, scale=scale)
+    fwd = lambda q, parts, sk, sv, *, kv_lengths, causal, scale, **mods: ops.suffix_attention(
+        q, sk, sv, kv_lengths=kv_lengths, causal=causal, scale=scale, **mods)
     return with_chunked_backward(fwd, config)(q, [], k, v, kv_lengths=kv_lengths, causal=causal,
-                                              scale=scale, need_lse=need_lse)
+                                              scale=scale, need_lse=need_lse, mods=mods)
 
   return type(ops)(ops.name, prefix_attention, segment_attention, suffix_attention,
                    with_chunked_backward(shared_fwd, config))

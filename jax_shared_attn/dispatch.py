@@ -170,27 +170,49 @@ def _backward_kernels(family: str, backend: str, device: DeviceInfo, config) -> 
   return "cudnn", "backward: cuDNN's attention backward where a part qualifies, else Triton"
 
 
+def _variant_family(fn: str, impl: str, mods) -> None:
+  """A call with score variants (``mods``, a :class:`pallas_kernels.base.ScoreMods`) runs on the
+  XLA path: ``impl`` must be "auto" or "xla" (the Pallas kernels do not apply them)."""
+  if not isinstance(impl, str) or impl not in IMPLS:
+    choose_family(impl, fn)  # the usual error for an unknown impl
+  if impl not in ("auto", "xla"):
+    names = ", ".join(mods.arguments())
+    raise ValueError(f"{fn}: {names} run on the XLA path only; impl={impl!r} has no Pallas "
+                     f"kernel for them: use impl='xla' (or 'auto', which plans it)")
+
+
 def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
          platform: Optional[str] = None, device_kind: Optional[str] = None,
-         page_table=None) -> Plan:
+         page_table=None, mods=None) -> Plan:
   """The plan for a call with query ``q``, shared ``parts`` (None: no shared part, as
   ``attention_with_lse``) and ``suffix_k``: shapes and dtypes only. ``platform`` and
   ``device_kind`` (None: the default backend and its device) name the target.
 
   ``page_table`` (``[B, O]``): a call over page pools (``paged_attention``): ``suffix_k`` is the
   key pool ``[pages, page_size, Hkv, D]`` and ``parts`` the levels' ``(table [S, P], lengths,
-  segment_of_seq)``."""
+  segment_of_seq)``.
+
+  ``mods``: the call's score variants (a :class:`pallas_kernels.base.ScoreMods`, None: none):
+  they run on the XLA path on every backend (``impl="auto"`` plans it; a Pallas ``impl`` is an
+  error)."""
   backend = _platform(fn, platform)
-  family = choose_family(impl, fn, platform, device_kind)
+  if mods is not None:
+    _variant_family(fn, impl, mods)
+    family = "xla"
+  else:
+    family = choose_family(impl, fn, platform, device_kind)
   check_config(fn, family, config)
   why_impl = f"impl={impl!r} on {backend}" + (f" ({device_kind})" if device_kind else "")
   paged = page_table is not None
   if family == "xla":
     from pallas_kernels.xla import XlaConfig
     tiles = config if isinstance(config, XlaConfig) else XlaConfig()
-    why = (f"{why_impl}: pure JAX (XLA)",
-           f"forward: online softmax over tiles of {tiles.block_rows} query tokens x "
-           f"{tiles.block_keys} keys ({tiles})")
+    why = (f"{why_impl}: pure JAX (XLA)",)
+    if mods is not None:
+      why += (f"score variants ({mods.describe()}): the variants run on the XLA path"
+              + ("" if paged else ", forward and backward"),)
+    why += (f"forward: online softmax over tiles of {tiles.block_rows} query tokens x "
+            f"{tiles.block_keys} keys ({tiles})",)
     if paged:
       why += ("the pages gathered into contiguous buffers first",)
     return Plan(fn, "xla", backend, backend=tiles, reasons=why,

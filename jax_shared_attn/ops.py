@@ -62,18 +62,20 @@ def suffix_alignment(impl: str = "auto", rows_per_seq: int = 1, config=None) -> 
 
 
 def gathered_paged_attention(q, k_pages, v_pages, levels, page_table, kv_lengths, *, causal,
-                             scale, ops: AttentionOps):
+                             scale, ops: AttentionOps, mods=None):
   """``paged_attention`` of a family without a paged entry: the pages gathered into contiguous
   buffers, then the family's whole decomposition (``ops.shared_attention``) where it has one,
-  else :func:`pallas_kernels.base.paged_attention` from its primitives."""
+  else :func:`pallas_kernels.base.paged_attention` from its primitives. ``mods``: score
+  variants (a :class:`pallas_kernels.base.ScoreMods`; the "xla" family)."""
+  extra = {} if mods is None else {"mods": mods}
   if ops.shared_attention is None:
     return base_paged_attention(q, k_pages, v_pages, levels, page_table, kv_lengths,
-                                causal=causal, scale=scale, ops=ops)
+                                causal=causal, scale=scale, ops=ops, **extra)
   parts = [("segments", gather_pages(k_pages, t), gather_pages(v_pages, t), lengths, nodes)
            for t, lengths, nodes in levels]
   return ops.shared_attention(q, parts, gather_pages(k_pages, page_table),
                               gather_pages(v_pages, page_table), kv_lengths=kv_lengths,
-                              causal=causal, scale=scale)
+                              causal=causal, scale=scale, **extra)
 
 
 def executor(plan: dispatch.Plan, config=None, forward_only: bool = False) -> AttentionOps:

@@ -12,6 +12,7 @@ function (kernel or XLA path) on its own block, the sequences of its slice of
     lengths, node_of_seq [B]        P(batch_axis)
     shared k, v   [N, T, Hkv, D]    P(None, None, head_axis, None)   (prefix: [P, Hkv, D])
     shared lengths [N], prefix_length []   replicated
+    alibi_slopes  [B, Hq]           P(batch_axis, head_axis)          ([Hq]: broadcast first)
 
 Nothing is communicated. A shared segment is replicated over the batch axis
 (every device holds it for its own heads), so prefix attention reads local
@@ -39,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jax_shared_attn import _checks
 from jax_shared_attn.api import (SharedLevel, attention_with_lse, hierarchical_attention,
                                  shared_prefix_attention)
 
@@ -125,6 +127,11 @@ def sharded(fn: Callable, mesh: Mesh, batch_axis: AxisName = "data",
                    {k: v for k, v in kwargs.items() if k not in _STATIC})
     args, kwargs, in_specs = _SPECS[fn](list(args), dict(kwargs), batch4, shared4, shared3,
                                         P(batch_axis))
+    if kwargs.get("alibi_slopes") is not None:  # [B, Hq], split as the query heads are
+      q = args[0]
+      kwargs["alibi_slopes"] = _checks.check_variants(
+          name, kwargs["alibi_slopes"], None, None, q.shape[0], q.shape[2]).alibi_slopes
+      in_specs["alibi_slopes"] = P(batch_axis, head_axis)
     q = args[0]
     kv_name, kv = ("k", args[1]) if fn is attention_with_lse else ("suffix_k", args[-2])
     _check_divisible(name, "q", q.shape[0], "sequences", batch_axis, nb)
@@ -144,7 +151,8 @@ def sharded(fn: Callable, mesh: Mesh, batch_axis: AxisName = "data",
   return call
 
 
-_STATIC = frozenset({"causal", "scale", "impl", "return_lse", "config"})
+_STATIC = frozenset({"causal", "scale", "impl", "return_lse", "config", "softcap",
+                     "local_window_size"})
 
 
 def _check_divisible(fn: str, arg: str, n: int, what: str, axis: AxisName, size: int) -> None:

@@ -10,6 +10,8 @@ none. It holds
 * the exact LSE merge ``merge_states``;
 * attention over page pools (the serving engine's KV cache), ``paged_attention``, as the
   gathered pages run through the decomposition;
+* :class:`ScoreMods`, the score variants (ALiBi, soft-capping, sliding windows) that the
+  reference primitives and the "xla" family apply;
 * :class:`AttentionOps`, the interface of a kernel family;
 * :class:`AttentionShape`, the bytes and FLOPs of a call (the floors of the benchmarks and of
   the TPU performance model).
@@ -96,6 +98,123 @@ def merge_states(outs: Sequence[Array], lses: Sequence[Array]) -> Tuple[Array, A
   return out, jnp.where(has, m + jnp.log(safe), -jnp.inf)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScoreMods:
+  """Score variants: what happens to a score ``s = scale * q . k`` before the softmax.
+
+  With query position ``i`` and key position ``j`` counted in the sequence's concatenated
+  context (its shared levels in order, then its own keys; its queries at the context's last
+  ``Tq`` positions), in this order:
+
+  * ``softcap`` (static float > 0 or None): ``s = softcap * tanh(s / softcap)`` (Gemma 2);
+  * ``alibi_slopes`` (float32 ``[B, Hq]`` or None): ``s = s - slope[b, h] * (i - j)`` (BLOOM's
+    and FlashInfer's signed distance; with ``causal`` every visible key has ``i >= j``);
+  * ``window`` (static ``(left, right)`` or None): key j is visible only if
+    ``i - left <= j <= i + right`` (``jax.nn.dot_product_attention``'s ``local_window_size``).
+
+  ``offset`` (int32 ``[B]``, set per shared part by the decomposition, see
+  :func:`part_offsets`): query 0 of sequence b sits ``offset[b]`` positions after the part's
+  key 0, so query ``t`` and key ``j`` of the part are ``offset[b] + t - j`` apart. A sequence's
+  own keys (``suffix_attention``) need none: query ``t`` and own key ``j`` are
+  ``kv_lengths[b] - Tq + t - j`` apart, whatever precedes them.
+  """
+
+  alibi_slopes: Optional[Array] = None
+  offset: Optional[Array] = None
+  softcap: Optional[float] = dataclasses.field(default=None, metadata=dict(static=True))
+  window: Optional[Tuple[int, int]] = dataclasses.field(default=None,
+                                                        metadata=dict(static=True))
+
+  @property
+  def positional(self) -> bool:
+    """Whether the scores depend on positions (ALiBi or a window)."""
+    return self.alibi_slopes is not None or self.window is not None
+
+  def arguments(self) -> Tuple[str, ...]:
+    """The public arguments that set these variants, e.g. ``("alibi_slopes", "softcap")``."""
+    return tuple(name for name, on in (("alibi_slopes", self.alibi_slopes is not None),
+                                       ("softcap", self.softcap is not None),
+                                       ("local_window_size", self.window is not None)) if on)
+
+  def describe(self) -> str:
+    """The variants in words (for :func:`jax_shared_attn.explain`)."""
+    words = []
+    if self.alibi_slopes is not None:
+      words.append(f"alibi_slopes {list(self.alibi_slopes.shape)}")
+    if self.softcap is not None:
+      words.append(f"softcap={self.softcap}")
+    if self.window is not None:
+      words.append(f"local_window_size={self.window}")
+    return ", ".join(words)
+
+  def apply(self, s: Array, distance: Optional[Array], slopes: Optional[Array]):
+    """Modifies float32 scaled scores ``s``.
+
+    ``distance`` (int, broadcastable to ``s``): query position minus key position (needed
+    where :attr:`positional`); ``slopes``: float32 ALiBi slopes broadcastable to ``s``.
+    Returns ``(s, visible, dcap)``: the modified scores, the window's bool mask (None without
+    a window) and ``ds_modified / ds`` of the soft cap, ``1 - tanh^2`` (None without one).
+    """
+    dcap = None
+    if self.softcap is not None:
+      t = jnp.tanh(s / self.softcap)
+      s, dcap = self.softcap * t, 1.0 - t * t
+    if self.alibi_slopes is not None:
+      s = s - slopes * distance.astype(jnp.float32)
+    visible = None
+    if self.window is not None:
+      left, right = self.window
+      visible = (distance <= left) & (distance >= -right)
+    return s, visible, dcap
+
+
+def part_offsets(parts, kv_lengths: Optional[Array], tq: int, b: int) -> list:
+  """Per shared part of the decomposition, int32 ``[B]``: how many positions query 0 of each
+  sequence sits after the part's key 0 (:attr:`ScoreMods.offset`).
+
+  Sequence b's context is its segment of every level (length 0 where it has none), then its
+  ``kv_lengths[b]`` own keys (None: none); its queries are the context's last ``tq``
+  positions. So a part's offset is the length of that part and everything after it, less
+  ``tq``."""
+  after = (jnp.zeros((b,), jnp.int32) if kv_lengths is None
+           else jnp.asarray(kv_lengths, jnp.int32)) - tq
+  offsets = []
+  for kind, _, _, lengths, nodes in reversed(list(parts)):
+    if kind == "prefix":
+      own = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), (b,))
+    else:
+      own = jnp.where(nodes >= 0, lengths[jnp.clip(nodes, 0)], 0).astype(jnp.int32)
+    after = after + own
+    offsets.append(after)
+  return offsets[::-1]
+
+
+def _mod_scores(mods: Optional[ScoreMods], scores: Array, distance) -> tuple[Array, Any]:
+  """``mods`` applied to reference scores ``[B, Tq, Hkv, G, K]``; ``distance()`` gives the
+  ``[B, Tq, K]`` query-minus-key positions. Returns the scores and the window's mask
+  ``[B, Tq, 1, 1, K]`` (True without a window)."""
+  if mods is None:
+    return scores, True
+  dist = distance()[:, :, None, None, :] if mods.positional else None
+  slopes = None
+  if mods.alibi_slopes is not None:
+    b, _, hkv, g = scores.shape[:4]
+    slopes = mods.alibi_slopes.reshape(b, hkv, g)[:, None, :, :, None]
+  scores, visible, _ = mods.apply(scores, dist, slopes)
+  return scores, True if visible is None else visible
+
+
+def _part_distance(mods: ScoreMods, tq: int, tk: int):
+  if mods is None or mods.offset is None:
+    if mods is not None and mods.positional:
+      raise ValueError("prefix/segment attention: ScoreMods.offset is needed for ALiBi or a "
+                       "window (part_offsets gives it)")
+    return lambda: None
+  return lambda: (mods.offset[:, None, None] + jnp.arange(tq)[None, :, None]
+                  - jnp.arange(tk)[None, None, :])
+
+
 def _fold(q: Array, hkv: int) -> Array:
   b, t, hq, d = q.shape
   return q.reshape(b, t, hkv, hq // hkv, d)  # [B, Tq, Hkv, G, D]
@@ -113,6 +232,7 @@ def prefix_attention(
     *,
     kv_length: Array,  # int32 scalar: the first kv_length keys are valid
     scale: float,
+    mods: Optional[ScoreMods] = None,  # variants, with the part's offset
 ) -> State:
   """Attention of every query against one shared K/V sequence (non-causal).
 
@@ -125,7 +245,8 @@ def prefix_attention(
   qf = _fold(q, hkv)
   scores = jnp.einsum("btkgd,pkd->btkgp", qf, k, precision=_precision(q.dtype),
                       preferred_element_type=jnp.float32) * scale
-  valid = jnp.arange(k.shape[0]) < kv_length  # [P]
+  scores, in_window = _mod_scores(mods, scores, _part_distance(mods, q.shape[1], k.shape[0]))
+  valid = (jnp.arange(k.shape[0]) < kv_length) & in_window  # [P] or [B, Tq, 1, 1, P]
 
   def pv(p):
     return jnp.einsum("btkgp,pkd->btkgd", p.astype(v.dtype), v, precision=_precision(v.dtype),
@@ -143,6 +264,7 @@ def segment_attention(
     lengths: Array,  # int32 [N]
     node_of_seq: Array,  # int32 [B]; -1: the sequence has no segment at this level
     scale: float,
+    mods: Optional[ScoreMods] = None,  # variants, with the level's offset
 ) -> State:
   """One level of a sharing tree: sequence b attends to segment node_of_seq[b].
 
@@ -158,7 +280,8 @@ def segment_attention(
   node = node_of_seq[:, None, None]  # [B, 1, 1]
 
   def one_segment(i, k_i, v_i, len_i):
-    out, lse = prefix_attention(q, k_i, v_i, kv_length=len_i, scale=scale)
+    extra = {} if mods is None else {"mods": mods}
+    out, lse = prefix_attention(q, k_i, v_i, kv_length=len_i, scale=scale, **extra)
     mine = node == i
     return jnp.where(mine[..., None], out, 0.0), jnp.where(mine, lse, -jnp.inf)
 
@@ -201,6 +324,7 @@ def suffix_attention(
     causal: bool,
     scale: float,
     prior: Optional[State] = None,  # (out f32 [B, Tq, Hq, D], lse [B, Tq, Hq]) merged in
+    mods: Optional[ScoreMods] = None,  # variants (own keys: no offset needed)
 ) -> State:
   """Per-sequence attention over each sequence's own ragged K/V.
 
@@ -211,7 +335,11 @@ def suffix_attention(
   qf = _fold(q, hkv)
   scores = jnp.einsum("btkgd,bskd->btkgs", qf, k, precision=_precision(q.dtype),
                       preferred_element_type=jnp.float32) * scale
-  valid = visibility_mask(kv_lengths, q.shape[1], k.shape[1], causal)[:, :, None, None, :]
+  tq, tk = q.shape[1], k.shape[1]
+  scores, in_window = _mod_scores(mods, scores, lambda: (
+      (kv_lengths - tq)[:, None, None] + jnp.arange(tq)[None, :, None]
+      - jnp.arange(tk)[None, None, :]))
+  valid = visibility_mask(kv_lengths, tq, tk, causal)[:, :, None, None, :] & in_window
 
   def pv(p):
     return jnp.einsum("btkgs,bskd->btkgd", p.astype(v.dtype), v, precision=_precision(v.dtype),
@@ -225,24 +353,32 @@ def suffix_attention(
 
 
 def reference_shared_attention(q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale,
-                               ops: Optional["AttentionOps"] = None) -> State:
+                               ops: Optional["AttentionOps"] = None,
+                               mods: Optional[ScoreMods] = None) -> State:
   """The decomposition from a family's primitives (default: this module's): the shared parts,
   merged, then the suffix with the merged state as its prior.
 
   ``parts``: ``("prefix", k [P, Hkv, D], v, length, None)`` or ``("segments", k [N, T, Hkv, D],
-  v, lengths [N], node_of_seq [B])`` per shared level, in order.
+  v, lengths [N], node_of_seq [B])`` per shared level, in order. ``mods``: score variants
+  (their ``offset`` is set here per part, :func:`part_offsets`); the primitives of ``ops`` must
+  take them.
   """
   ops = XLA_OPS if ops is None else ops
+  extras = [{} for _ in parts]
+  if mods is not None:
+    offsets = part_offsets(parts, kv_lengths, q.shape[1], q.shape[0])
+    extras = [{"mods": dataclasses.replace(mods, offset=o)} for o in offsets]
   states = []
-  for kind, k, v, lengths, nodes in parts:
+  for (kind, k, v, lengths, nodes), extra in zip(parts, extras):
     if kind == "prefix":
-      states.append(ops.prefix_attention(q, k, v, kv_length=lengths, scale=scale))
+      states.append(ops.prefix_attention(q, k, v, kv_length=lengths, scale=scale, **extra))
     else:
       states.append(ops.segment_attention(q, k, v, lengths=lengths, node_of_seq=nodes,
-                                          scale=scale))
+                                          scale=scale, **extra))
   prior = merge_states([s[0] for s in states], [s[1] for s in states]) if states else None
+  extra = {} if mods is None else {"mods": mods}
   return ops.suffix_attention(q, suffix_k, suffix_v, kv_lengths=kv_lengths, causal=causal,
-                              scale=scale, prior=prior)
+                              scale=scale, prior=prior, **extra)
 
 
 def gather_pages(pool: Array, table: Array) -> Array:
@@ -253,7 +389,8 @@ def gather_pages(pool: Array, table: Array) -> Array:
 
 
 def paged_attention(q, k_pages, v_pages, levels, page_table, kv_lengths, *, causal, scale,
-                    ops: Optional["AttentionOps"] = None) -> State:
+                    ops: Optional["AttentionOps"] = None,
+                    mods: Optional[ScoreMods] = None) -> State:
   """Attention over page pools, the reference (and the "xla" family's path): the pages
   gathered into contiguous buffers, then :func:`reference_shared_attention` from ``ops``'
   primitives (default: this module's).
@@ -263,13 +400,15 @@ def paged_attention(q, k_pages, v_pages, levels, page_table, kv_lengths, *, caus
   first ``lengths[s]`` tokens of its pages ``table[s]``, and sequence b continues segment
   ``segment_of_seq[b]`` (-1: none). Then sequence b's own keys: the first ``kv_lengths[b]``
   tokens of its pages ``page_table[b]`` (``[B, O]``), causal inside them as in
-  :func:`suffix_attention`.
+  :func:`suffix_attention`. ``mods``: score variants, as in
+  :func:`reference_shared_attention`.
   """
+  extra = {} if mods is None else {"mods": mods}
   parts = [("segments", gather_pages(k_pages, t), gather_pages(v_pages, t), lengths, nodes)
            for t, lengths, nodes in levels]
   return reference_shared_attention(q, parts, gather_pages(k_pages, page_table),
                                     gather_pages(v_pages, page_table), kv_lengths=kv_lengths,
-                                    causal=causal, scale=scale, ops=ops)
+                                    causal=causal, scale=scale, ops=ops, **extra)
 
 
 class AttentionOps(NamedTuple):
@@ -282,6 +421,8 @@ class AttentionOps(NamedTuple):
   node_of_seq)``, to keep intermediates in its own layout and fuse merges.
   The differentiable ops the public API builds also take ``need_lse`` (static) on
   ``shared_attention`` and ``suffix_attention``: False returns ``(out, None)``.
+  Only the reference primitives and the "xla" family take ``mods`` (a :class:`ScoreMods`): the
+  score variants run on those paths alone.
 
   ``paged_attention`` (optional, forward only): the decomposition over page pools, with
   :func:`paged_attention`'s signature (without ``ops``); None: the pages are gathered and the

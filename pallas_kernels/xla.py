@@ -23,6 +23,10 @@ row block, never copied per sequence). The last block of rows or keys is moved b
 inside the array instead of padding it: keys it shares with the block before are masked, rows
 it shares keep the value already written. The backward (:func:`tiled_attention_grads`) runs
 the same tiles from the merged residuals.
+
+Score variants (:class:`pallas_kernels.base.ScoreMods`: ALiBi, soft-capping, windows) are
+applied to each tile's scores, from the absolute positions of its rows and keys; the backward
+recomputes them the same way and multiplies dS by the soft cap's derivative ``1 - tanh^2``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.base import AttentionOps, State, _precision
+from pallas_kernels.base import AttentionOps, ScoreMods, State, _precision, part_offsets
 
 Array = jax.Array
 
@@ -161,14 +165,16 @@ class _Tiles(NamedTuple):
 
 
 def tiled_attention(q: Array, k: Array, v: Array, visible: Callable, *, scale: float,
-                    block_rows: int, block_keys: int, prior: Optional[State] = None) -> State:
+                    block_rows: int, block_keys: int, prior: Optional[State] = None,
+                    modify: Optional[Callable] = None) -> State:
   """Online-softmax attention, tile by tile.
 
   ``q [B, Tq, Hq, D]``; ``k, v [Z, K, Hkv, D]`` (Z = 1: every sequence reads them; Z = B:
   each its own); ``visible(z [bz], t [bt], keys [bk])``: a bool array broadcastable to
   ``[bz, bt, bk]`` (absolute sequence, query and key indices); tiles of ``block_rows`` query
   tokens x ``block_keys`` keys. ``prior``: float32 ``(out [B, Tq, Hq, Dv], lse [B, Tq, Hq])``
-  merged in, or None. Returns the float32 ``(out [B, Tq, Hq, Dv], lse [B, Tq, Hq])``.
+  merged in, or None. ``modify``: the score variants (:func:`score_modifier`) or None.
+  Returns the float32 ``(out [B, Tq, Hq, Dv], lse [B, Tq, Hq])``.
   """
   tl = _Tiles.of(q, k, block_rows, block_keys)
   b, tq, hq, d = q.shape
@@ -202,6 +208,9 @@ def tiled_attention(q: Array, k: Array, v: Array, visible: Callable, *, scale: f
       mask = jnp.broadcast_to(visible(zs, ts, keys) & fresh, (bz, bt, bk))[:, :, None, None]
       s = jnp.einsum(tl.spec("s"), q_i, k_j, precision=prec,
                      preferred_element_type=jnp.float32) * scale
+      if modify is not None:
+        s, in_window, _, _ = modify(s, zs, ts, keys)
+        mask = mask & in_window
       s = jnp.where(mask, s, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=-1))
       m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no visible key yet: p, alpha are 0
@@ -227,22 +236,29 @@ def tiled_attention(q: Array, k: Array, v: Array, visible: Callable, *, scale: f
 
 def tiled_attention_grads(q: Array, do: Array, lse: Array, delta: Array, k: Array, v: Array,
                           visible: Callable, *, scale: float, block_rows: int, block_keys: int,
-                          dq: Optional[Array] = None) -> tuple[Array, Array, Array]:
+                          dq: Optional[Array] = None, modify: Optional[Callable] = None,
+                          dslopes: Optional[Array] = None) -> tuple[Array, ...]:
   """dQ, dK, dV of one part from the merged residuals (:mod:`jax_shared_attn.backward`'s
   formulas), tile by tile, with :func:`tiled_attention`'s arguments and tiles.
 
   ``q, do [B, Tq, Hq, D]`` in the input dtype; float32 ``lse, delta [B, Tq, Hq]``: the merged
   LSE and ``rowsum(dO * O) - dL``; ``k, v [Z, K, Hkv, D]``; ``dq``: a float32 accumulator
-  ``[B, Tq, Hq, D]`` the part's dQ is added to (None: zeros). Returns float32 ``(dq, dk, dv)``.
+  ``[B, Tq, Hq, D]`` the part's dQ is added to (None: zeros); ``modify``: the forward's score
+  variants. Returns float32 ``(dq, dk, dv)``; with ``dslopes`` (a float32 ``[B, Hq]``
+  accumulator, ALiBi on) ``(dq, dk, dv, dslopes)``, the slopes' gradient
+  ``-sum dS * (i - j)`` over the part's keys added to it.
   """
+  with_slopes = dslopes is not None
   tl = _Tiles.of(q, k, block_rows, block_keys)
   shape, cdt = q.shape, q.dtype
   b, tq = shape[:2]
   dq = jnp.zeros(tl.fold(q).shape, jnp.float32) if dq is None else tl.fold(dq)
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
+  if with_slopes:
+    dslopes = dslopes.reshape(b, tl.hkv, tl.g)
   if tl.nk == 0 or b * tq == 0:
-    return dq.reshape(shape), dk, dv
+    return (dq.reshape(shape), dk, dv) + ((dslopes.reshape(b, -1),) if with_slopes else ())
   prec = _precision(cdt)
   finite = tl.fold(jnp.isfinite(lse))
   lse, delta = tl.fold(jnp.where(jnp.isfinite(lse), lse, 0.0)), tl.fold(delta)
@@ -251,7 +267,7 @@ def tiled_attention_grads(q: Array, do: Array, lse: Array, delta: Array, k: Arra
   bz, bt, bk = tl.bz, tl.bt, tl.bk
 
   def row_block(i, carry):
-    dq, dk, dv = carry
+    dq, dk, dv, dsl = carry
     z0, t0, zs, ts, new = _row_block(i, b, tq, bz, bt)
     q_i, do_i = (_operand(_slice(x, z0, t0, bz, bt), cdt) for x in (q, do))
     l_i, d_i = _slice(lse, z0, t0, bz, bt), _slice(delta, z0, t0, bz, bt)
@@ -260,7 +276,7 @@ def tiled_attention_grads(q: Array, do: Array, lse: Array, delta: Array, k: Arra
     at_z = 0 if tl.shared or bz == b else z0
 
     def key_block(j, state):
-      dq_i, dk, dv = state
+      dq_i, dk, dv, dsl_i = state
       k_j, v_j, start, keys, fresh = tl.key_block(j, k_i, v_i, (cdt, cdt))
       if tl.shared:
         k_j, v_j = k_j[0], v_j[0]
@@ -268,12 +284,21 @@ def tiled_attention_grads(q: Array, do: Array, lse: Array, delta: Array, k: Arra
       mask = mask & f_i[..., None]
       s = jnp.einsum(tl.spec("s"), q_i, k_j, precision=prec,
                      preferred_element_type=jnp.float32) * scale
+      dcap = dbias = None
+      if modify is not None:
+        s, in_window, dcap, dbias = modify(s, zs, ts, keys)
+        mask = mask & in_window
       p = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - l_i[..., None]), 0.0)
       dv_j = jnp.einsum(tl.spec("kv"), p.astype(cdt), do_i, precision=prec,
                         preferred_element_type=jnp.float32)
       dp = jnp.einsum(tl.spec("s"), do_i, v_j, precision=prec,
                       preferred_element_type=jnp.float32)
-      ds = (p * (dp - d_i[..., None])).astype(cdt)
+      ds = p * (dp - d_i[..., None])
+      if with_slopes:  # d(s - slope * dist) / d slope = -dist
+        dsl_i = dsl_i + jnp.sum(ds * dbias, axis=(1, 4))
+      if dcap is not None:  # d softcap * tanh(s / softcap) = (1 - tanh^2) ds
+        ds = ds * dcap
+      ds = ds.astype(cdt)
       dq_i = dq_i + jnp.einsum(tl.spec("o"), ds, k_j, precision=prec,
                                preferred_element_type=jnp.float32)
       dk_j = jnp.einsum(tl.spec("kv"), ds, q_i, precision=prec,
@@ -283,31 +308,71 @@ def tiled_attention_grads(q: Array, do: Array, lse: Array, delta: Array, k: Arra
       at = (at_z, start, 0, 0)
       dk = lax.dynamic_update_slice(dk, lax.dynamic_slice(dk, at, dk_j.shape) + dk_j, at)
       dv = lax.dynamic_update_slice(dv, lax.dynamic_slice(dv, at, dv_j.shape) + dv_j, at)
-      return dq_i, dk, dv
+      return dq_i, dk, dv, dsl_i
 
     dq_i = jnp.zeros((bz, bt, tl.hkv, tl.g, q.shape[-1]), jnp.float32)
-    dq_i, dk, dv = _loop(_cdiv(tl.nk, bk), key_block, (dq_i, dk, dv))
+    dsl_i = jnp.zeros((bz, tl.hkv, tl.g), jnp.float32) if with_slopes else None
+    dq_i, dk, dv, dsl_i = _loop(_cdiv(tl.nk, bk), key_block, (dq_i, dk, dv, dsl_i))
     dq = _update(dq, _slice(dq, z0, t0, bz, bt) + dq_i * scale, z0, t0)
-    return dq, dk, dv
+    if with_slopes:  # rows an earlier block holds added 0 (p = 0 there)
+      dsl = lax.dynamic_update_slice_in_dim(
+          dsl, lax.dynamic_slice_in_dim(dsl, z0, bz) + dsl_i, z0, axis=0)
+    return dq, dk, dv, dsl
 
-  dq, dk, dv = _loop(tl.n_rows, row_block, (dq, dk, dv))
-  return dq.reshape(shape), dk * scale, dv
+  dq, dk, dv, dslopes = _loop(tl.n_rows, row_block, (dq, dk, dv, dslopes))
+  return (dq.reshape(shape), dk * scale, dv) + ((dslopes.reshape(b, -1),) if with_slopes else ())
 
 
-def _shared_part(kind: str, k: Array, v: Array, lengths: Array, nodes: Optional[Array]):
-  """A shared part (``"prefix"`` or ``"segments"``) as keys ``[1, K, Hkv, D]``, values and
-  their visibility: a tree level's N segments are one axis of ``N * T`` keys, each visible to
-  its own sequences (every sequence meets every segment: N times the FLOPs of a grouped
-  product, as in the reference)."""
+def score_modifier(mods: Optional[ScoreMods], distance: Callable, hkv: int) -> Optional[Callable]:
+  """``mods`` as the ``modify(s, zs, ts, keys)`` of :func:`tiled_attention` (None: no variant):
+  tile scores ``s [bz, bt, Hkv, G, bk]`` -> ``(scores, in-window mask, d cap, d bias)``: the
+  first three as :meth:`pallas_kernels.base.ScoreMods.apply`, then ``-distance`` (float32,
+  broadcastable to ``s``: the ALiBi score's derivative by its slope; None without ALiBi).
+  ``distance(zs, ts, keys)``: int ``[bz, bt, bk]``, query position minus key position."""
+  if mods is None:
+    return None
+
+  def modify(s, zs, ts, keys):
+    dist = distance(zs, ts, keys)[:, :, None, None, :] if mods.positional else None
+    slopes = None
+    if mods.alibi_slopes is not None:
+      b = mods.alibi_slopes.shape[0]
+      slopes = mods.alibi_slopes.reshape(b, hkv, -1)[zs][:, None, :, :, None]
+    s, in_window, dcap = mods.apply(s, dist, slopes)
+    dbias = None if slopes is None else -dist.astype(jnp.float32)
+    return s, True if in_window is None else in_window, dcap, dbias
+
+  return modify
+
+
+def _offset_distance(offset: Optional[Array], key_pos: Callable = lambda keys: keys) -> Callable:
+  """``distance(zs, ts, keys)``: ``offset[z] + t - key_pos(keys)`` (0 offsets where None)."""
+  def distance(zs, ts, keys):
+    base = 0 if offset is None else offset[zs][:, None, None]
+    return base + ts[None, :, None] - key_pos(keys)[None, None, :]
+  return distance
+
+
+def _shared_part(kind: str, k: Array, v: Array, lengths: Array, nodes: Optional[Array],
+                 mods: Optional[ScoreMods] = None):
+  """A shared part (``"prefix"`` or ``"segments"``) as keys ``[1, K, Hkv, D]``, values, their
+  visibility and the score variants' ``modify`` (``mods``: with the part's offset; None: no
+  variant): a tree level's N segments are one axis of ``N * T`` keys, each visible to its own
+  sequences (every sequence meets every segment: N times the FLOPs of a grouped product, as in
+  the reference)."""
+  hkv = k.shape[-2]
   if kind == "prefix":
-    return k[None], v[None], lambda zs, ts, keys: (keys < lengths)[None, None, :]
+    modify = score_modifier(mods, _offset_distance(getattr(mods, "offset", None)), hkv)
+    return k[None], v[None], lambda zs, ts, keys: (keys < lengths)[None, None, :], modify
   n, t_seg, hkv = k.shape[:3]
+  modify = score_modifier(  # a flat key's position inside its own segment
+      mods, _offset_distance(getattr(mods, "offset", None), lambda keys: keys % t_seg), hkv)
   key_seg = jnp.where(jnp.arange(t_seg)[None, :] < lengths[:, None],
                       jnp.arange(n, dtype=jnp.int32)[:, None], -2).reshape(-1)
   flat = lambda x: x.reshape(1, n * t_seg, hkv, x.shape[-1])
   nodes = nodes.astype(jnp.int32)  # -1: no segment at this level
   visible = lambda zs, ts, keys: (nodes[zs][:, None] == key_seg[keys][None, :])[:, None, :]
-  return flat(k), flat(v), visible
+  return flat(k), flat(v), visible, modify
 
 
 def suffix_visible(kv_lengths: Array, tq: int, causal: bool, group: int = 1) -> Callable:
@@ -325,50 +390,68 @@ def suffix_visible(kv_lengths: Array, tq: int, causal: bool, group: int = 1) -> 
   return visible
 
 
-def _tiled(q, k, v, visible, *, scale, prior, config) -> State:
+def _suffix_modifier(mods: Optional[ScoreMods], kv_lengths: Array, tq: int, hkv: int):
+  """The score variants of each sequence's own keys: query t and own key j are
+  ``kv_lengths[z] - tq + t - j`` apart."""
+  if mods is None:
+    return None
+  return score_modifier(mods, _offset_distance(kv_lengths - tq), hkv)
+
+
+def _tiled(q, k, v, visible, modify, *, scale, prior, config) -> State:
   return tiled_attention(q, k, v, visible, scale=scale, block_rows=config.block_rows,
-                         block_keys=config.block_keys, prior=prior)
+                         block_keys=config.block_keys, prior=prior, modify=modify)
 
 
 def prefix_attention(q: Array, k: Array, v: Array, *, kv_length: Array, scale: float,
-                     prior: Optional[State] = None, config: XlaConfig = XlaConfig()) -> State:
+                     prior: Optional[State] = None, config: XlaConfig = XlaConfig(),
+                     mods: Optional[ScoreMods] = None) -> State:
   """:func:`pallas_kernels.base.prefix_attention` over tiles (``prior``: a state merged in)."""
-  return _tiled(q, *_shared_part("prefix", k, v, kv_length, None), scale=scale, prior=prior,
-                config=config)
+  return _tiled(q, *_shared_part("prefix", k, v, kv_length, None, mods), scale=scale,
+                prior=prior, config=config)
 
 
 def segment_attention(q: Array, k: Array, v: Array, *, lengths: Array, node_of_seq: Array,
                       scale: float, prior: Optional[State] = None,
-                      config: XlaConfig = XlaConfig()) -> State:
+                      config: XlaConfig = XlaConfig(),
+                      mods: Optional[ScoreMods] = None) -> State:
   """:func:`pallas_kernels.base.segment_attention` over tiles (``prior``: a state merged in)."""
-  return _tiled(q, *_shared_part("segments", k, v, lengths, node_of_seq), scale=scale,
+  return _tiled(q, *_shared_part("segments", k, v, lengths, node_of_seq, mods), scale=scale,
                 prior=prior, config=config)
 
 
 def suffix_attention(q: Array, k: Array, v: Array, *, kv_lengths: Array, causal: bool,
                      scale: float, prior: Optional[State] = None,
-                     config: XlaConfig = XlaConfig()) -> State:
+                     config: XlaConfig = XlaConfig(),
+                     mods: Optional[ScoreMods] = None) -> State:
   """:func:`pallas_kernels.base.suffix_attention` over tiles; ``prior`` starts the softmax."""
-  return _tiled(q, k, v, suffix_visible(kv_lengths, q.shape[1], causal), scale=scale,
-                prior=prior, config=config)
+  tq = q.shape[1]
+  return _tiled(q, k, v, suffix_visible(kv_lengths, tq, causal),
+                _suffix_modifier(mods, kv_lengths, tq, k.shape[2]), scale=scale, prior=prior,
+                config=config)
+
+
+def _part_mods(mods: Optional[ScoreMods], parts, kv_lengths, q: Array) -> list:
+  """Each shared part's ``mods`` with its offset (:func:`pallas_kernels.base.part_offsets`)."""
+  if mods is None:
+    return [None] * len(parts)
+  offsets = part_offsets(parts, kv_lengths, q.shape[1], q.shape[0])
+  return [dataclasses.replace(mods, offset=o) for o in offsets]
 
 
 def shared_attention(q: Array, parts, suffix_k: Optional[Array], suffix_v: Optional[Array], *,
                      kv_lengths: Optional[Array], causal: bool, scale: float,
-                     config: XlaConfig = XlaConfig()) -> State:
+                     config: XlaConfig = XlaConfig(), mods: Optional[ScoreMods] = None) -> State:
   """The whole decomposition (:func:`pallas_kernels.base.reference_shared_attention`'s
   arguments; ``suffix_k = None``: no suffix part), one running state through the parts."""
   state = None
-  for kind, k, v, lengths, nodes in parts:
-    if kind == "prefix":
-      state = prefix_attention(q, k, v, kv_length=lengths, scale=scale, prior=state,
-                               config=config)
-    else:
-      state = segment_attention(q, k, v, lengths=lengths, node_of_seq=nodes, scale=scale,
-                                prior=state, config=config)
+  for (kind, k, v, lengths, nodes), part_mods in zip(parts,
+                                                     _part_mods(mods, parts, kv_lengths, q)):
+    state = _tiled(q, *_shared_part(kind, k, v, lengths, nodes, part_mods), scale=scale,
+                   prior=state, config=config)
   if suffix_k is not None:
     state = suffix_attention(q, suffix_k, suffix_v, kv_lengths=kv_lengths, causal=causal,
-                             scale=scale, prior=state, config=config)
+                             scale=scale, prior=state, config=config, mods=mods)
   if state is None:  # nothing to attend to
     b, tq, hq, d = q.shape
     state = (jnp.zeros((b, tq, hq, d), jnp.float32), jnp.full((b, tq, hq), -jnp.inf))
@@ -385,25 +468,35 @@ def get_ops(config: Optional[XlaConfig] = None) -> AttentionOps:
 
 def decomposition_grads(q: Array, parts, suffix_k: Optional[Array], suffix_v: Optional[Array],
                         *, kv_lengths: Optional[Array], causal: bool, scale: float, lse: Array,
-                        delta: Array, dout: Array, block_rows: int, block_keys: int):
+                        delta: Array, dout: Array, block_rows: int, block_keys: int,
+                        mods: Optional[ScoreMods] = None):
   """The decomposition's gradients (:func:`jax_shared_attn.backward.decomposition_grads`'s
   arguments and result; ``lse, delta [B, Tq, Hq]`` float32, ``dout`` in q's dtype), one float32
   dQ accumulated in place through the parts; tiles of ``block_rows`` query rows per KV head x
-  ``block_keys`` keys."""
+  ``block_keys`` keys; ``mods``: the forward's score variants. With ALiBi on, a fourth result:
+  the float32 gradient of ``mods.alibi_slopes`` ``[B, Hq]``."""
   b, tq, hq, d = q.shape
   dq = jnp.zeros(q.shape, jnp.float32)
+  alibi = mods is not None and mods.alibi_slopes is not None
+  dslopes = jnp.zeros((b, hq), jnp.float32) if alibi else None
 
-  def grads(k, v, visible, dq):
-    return tiled_attention_grads(q, dout, lse, delta, k, v, visible, scale=scale,
-                                 block_rows=max(1, block_rows // (hq // k.shape[2])),
-                                 block_keys=block_keys, dq=dq)
+  def grads(k, v, visible, modify, dq):
+    nonlocal dslopes
+    res = tiled_attention_grads(q, dout, lse, delta, k, v, visible, scale=scale,
+                                block_rows=max(1, block_rows // (hq // k.shape[2])),
+                                block_keys=block_keys, dq=dq, modify=modify, dslopes=dslopes)
+    if alibi:
+      dslopes = res[3]
+    return res[:3]
 
   part_out = []
-  for kind, k, v, lengths, nodes in parts:
-    dq, dk, dv = grads(*_shared_part(kind, k, v, lengths, nodes), dq)
+  for (kind, k, v, lengths, nodes), part_mods in zip(parts,
+                                                     _part_mods(mods, parts, kv_lengths, q)):
+    dq, dk, dv = grads(*_shared_part(kind, k, v, lengths, nodes, part_mods), dq)
     part_out.append((dk.reshape(k.shape), dv.reshape(v.shape)))
   suffix = None
   if suffix_k is not None:
-    dq, dk, dv = grads(suffix_k, suffix_v, suffix_visible(kv_lengths, tq, causal), dq)
+    dq, dk, dv = grads(suffix_k, suffix_v, suffix_visible(kv_lengths, tq, causal),
+                       _suffix_modifier(mods, kv_lengths, tq, suffix_k.shape[2]), dq)
     suffix = (dk, dv)
-  return dq, part_out, suffix
+  return (dq, part_out, suffix) + ((dslopes,) if alibi else ())

@@ -48,6 +48,17 @@ if (os.environ.get("HYDRAGEN_TEST_COMPILE_CACHE", "0") == "1" and _cpu_only()
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 
+# Where each pytest-xdist worker writes its fatal-error dump (a segfault's Python stacks): the
+# controller makes the folder before it starts the workers (they inherit the variable) and
+# prints the crashed thread's stack in its summary, at the end of the output, where a CI log's
+# tail shows it.
+_MADE_CRASH_DIR = ("PYTEST_XDIST_WORKER" not in os.environ
+                   and "HYDRAGEN_TEST_CRASH_DIR" not in os.environ)
+if _MADE_CRASH_DIR:
+  os.environ["HYDRAGEN_TEST_CRASH_DIR"] = tempfile.mkdtemp(prefix="hydragen-test-crash-")
+_CRASH_DIR = os.environ["HYDRAGEN_TEST_CRASH_DIR"]
+_crash_file = None
+
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
@@ -62,7 +73,36 @@ settings.register_profile("dev", parent=settings.get_profile("ci"), max_examples
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's faulthandler plugin pointed it at stderr
+def pytest_configure(config):
+  global _crash_file
+  worker = os.environ.get("PYTEST_XDIST_WORKER")
+  if worker and os.path.isdir(_CRASH_DIR):
+    import faulthandler
+    _crash_file = open(os.path.join(_CRASH_DIR, f"{worker}-{os.getpid()}.txt"), "w")
+    faulthandler.enable(file=_crash_file, all_threads=True)
+
+
+def _crash_reports() -> list[tuple[str, list[str]]]:
+  """(file name, the crashed thread's lines) of every worker that wrote a fatal-error dump."""
+  out = []
+  for name in sorted(os.listdir(_CRASH_DIR)) if os.path.isdir(_CRASH_DIR) else ():
+    with open(os.path.join(_CRASH_DIR, name), errors="replace") as f:
+      lines = f.read().splitlines()
+    if not lines:
+      continue
+    start = next((i for i, l in enumerate(lines) if l.startswith("Current thread")), 0)
+    end = next((i for i in range(start + 1, len(lines))
+                if not lines[i].startswith("  ")), len(lines))
+    frames = [l for l in lines[start + 1:end]  # the test's frames, not pytest's machinery
+              if not any(f"/{m}/" in l for m in ("_pytest", "pluggy", "xdist", "execnet"))]
+    out.append((name, lines[:1] + frames[:20]))
+  return out
+
+
 def pytest_unconfigure(config):
+  if _MADE_CRASH_DIR:
+    shutil.rmtree(_CRASH_DIR, ignore_errors=True)
   if _RUN_CACHE is not None:  # the process that made it (the controller, or a run without -n)
     shutil.rmtree(_RUN_CACHE, ignore_errors=True)
 
@@ -84,6 +124,11 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("-", f"property-test cases generated: {total}")
     for name, n in sorted(CASES.items()):
       terminalreporter.write_line(f"  {name}: {n}")
+  for name, lines in _crash_reports():  # last: a CI log's tail shows it
+    terminalreporter.write_sep("!", f"fatal error in worker {name[:-4]}: the crashed thread "
+                               "(most recent call first)")
+    for line in lines:
+      terminalreporter.write_line(line)
 
 
 def pytest_addoption(parser):

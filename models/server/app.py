@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from models.server.bridge import Backend, Totals
+from models.server.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from models.server.metrics import Metrics
 from models.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, usage,
                                     validation_error)
@@ -148,11 +149,30 @@ async def _parse(request: Request, model, backend: Backend):
 
 
 def _prepare(backend: Backend, body, prompts, prompt_field: str, limit, limit_field: str):
+  top_logprobs, logprobs_field = body.logprobs_wanted()
   return backend.prepare(prompts, prompt_field=prompt_field, n=body.n, max_tokens=limit,
                          limit_field=limit_field,
                          temperature=1.0 if body.temperature is None else body.temperature,
                          top_p=body.top_p, top_k=body.top_k, stop=body.stop_strings(),
-                         seed=body.seed, ignore_eos=body.ignore_eos)
+                         seed=body.seed, ignore_eos=body.ignore_eos,
+                         top_logprobs=top_logprobs, logprobs_field=logprobs_field)
+
+
+class _Logprobs:
+  """A response's ``logprobs`` per choice, in the endpoint's format (text offsets carried
+  from one streamed chunk to the next)."""
+
+  def __init__(self, backend: Backend, chat: bool):
+    self.chat, self.offsets = chat, {}
+    self.pieces = backend.pieces
+
+  def __call__(self, u) -> Optional[dict]:
+    if not u.logprobs:
+      return None
+    if self.chat:
+      return chat_logprobs(self.pieces, u.token_ids, u.logprobs)
+    offsets = self.offsets.setdefault(u.index, TextOffsets())
+    return completion_logprobs(self.pieces, u.token_ids, u.logprobs, offsets)
 
 
 async def _answer(request: Request, state: State, backend: Backend, body, jobs, *, chat: bool):
@@ -182,10 +202,10 @@ async def _answer(request: Request, state: State, backend: Backend, body, jobs, 
     return Response(status_code=499)
   gone.cancel()
   done.result()
-  out = []
+  out, logprobs = [], _Logprobs(backend, chat)
   for i in sorted(choices):
     u = choices[i]
-    choice = {"index": i, "logprobs": None, "finish_reason": u.finish_reason}
+    choice = {"index": i, "logprobs": logprobs(u), "finish_reason": u.finish_reason}
     if chat:
       choice["message"] = {"role": "assistant", "content": u.text}
     else:
@@ -217,10 +237,11 @@ async def _events(backend: Backend, body, jobs, handles, totals: Totals, head: d
     for i in range(sum(job.request.n for job in jobs)):
       yield event({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                    "finish_reason": None})
+  logprobs = _Logprobs(backend, chat)
   async for u in backend.updates(jobs, handles, totals):
-    if not (u.text or u.finish_reason or body.return_token_ids):
+    if not (u.text or u.finish_reason or body.return_token_ids or u.logprobs):
       continue  # tokens whose text is not certain yet (half a character, a possible stop)
-    choice = {"index": u.index, "logprobs": None, "finish_reason": u.finish_reason}
+    choice = {"index": u.index, "logprobs": logprobs(u), "finish_reason": u.finish_reason}
     if chat:
       choice["delta"] = {"content": u.text} if u.text or u.finish_reason is None else {}
     else:

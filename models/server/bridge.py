@@ -20,8 +20,9 @@ import time
 from typing import AsyncIterator, Optional, Sequence
 
 from models.server.detokenize import IncrementalText
+from models.server.logprobs import TokenPieces
 from models.server.protocol import APIError
-from models.serving import Engine, Request
+from models.serving import Engine, Request, TokenLogprobs
 
 
 @dataclasses.dataclass
@@ -35,12 +36,13 @@ class Job:
 @dataclasses.dataclass(frozen=True)
 class Update:
   """New output of choice ``index``: its text (certain, never half a character), its token
-  ids, and when it ends its finish reason (``"stop"``, ``"length"``; ``"abort"`` if the
-  server cancelled it)."""
+  ids, when it ends its finish reason (``"stop"``, ``"length"``; ``"abort"`` if the server
+  cancelled it), and when asked for the log-probs of its token ids (else None)."""
   index: int
   text: str
   token_ids: tuple[int, ...]
   finish_reason: Optional[str] = None
+  logprobs: Optional[tuple[TokenLogprobs, ...]] = None
 
 
 @dataclasses.dataclass
@@ -60,6 +62,7 @@ class Backend:
     self.metrics = metrics
     self.context = engine.model_config.max_position_embeddings
     self.vocab = engine.model_config.vocab_size
+    self.pieces = TokenPieces(self.tokenizer)  # token texts and bytes for log-probs
     engine.start()
 
   # -- checking ---------------------------------------------------------------------------------
@@ -86,13 +89,19 @@ class Backend:
   def prepare(self, prompts: Sequence[list[int]], *, prompt_field: str, n: int,
               max_tokens: Optional[int], limit_field: str, temperature: float,
               top_p: Optional[float], top_k: Optional[int], stop: tuple[str, ...],
-              seed: Optional[int], ignore_eos: bool) -> list[Job]:
+              seed: Optional[int], ignore_eos: bool, top_logprobs: Optional[int] = None,
+              logprobs_field: str = "logprobs") -> list[Job]:
     """Engine requests for ``prompts`` (token ids), after the checks the engine would make,
-    each naming the OpenAI field. ``max_tokens=None``: up to the context (and the cache)."""
+    each naming the OpenAI field. ``max_tokens=None``: up to the context (and the cache).
+    ``top_logprobs``: None, or the log-probs of each token and this many most likely ones
+    (asked for by ``logprobs_field``)."""
     c = self.engine.config
     if n > c.max_running:
       raise APIError(f"n: at most {c.max_running} samples per prompt (the server's "
                      f"--max-running); got {n}", "n")
+    if top_logprobs is not None and top_logprobs > min(c.max_logprobs, self.vocab):
+      raise APIError(f"{logprobs_field}: at most {min(c.max_logprobs, self.vocab)} most "
+                     f"likely tokens on this server; got {top_logprobs}", logprobs_field)
     if stop and self.tokenizer is None:
       raise APIError("stop: stop strings need a tokenizer; this model has none", "stop")
     if seed is None:
@@ -124,7 +133,9 @@ class Backend:
                          f"most {max(fit, 0)} tokens each; see --num-pages)", limit_field)
       jobs.append(Job(Request(list(ids), n=n, max_tokens=limit, temperature=temperature,
                               top_p=None if top_p == 1 else top_p, top_k=top_k, stop=stop,
-                              seed=seed, ignore_eos=ignore_eos), prompt_field, limit_field))
+                              seed=seed, ignore_eos=ignore_eos,
+                              logprobs=top_logprobs is not None,
+                              top_logprobs=top_logprobs or 0), prompt_field, limit_field))
     return jobs
 
   def _fits(self, prompt_len: int, n: int) -> int:
@@ -173,10 +184,10 @@ class Backend:
           if first[j] is None:
             first[j] = time.perf_counter()
           if stream_text:
-            for i, ids in enumerate(new):
+            for i, (ids, logprobs) in enumerate(new):
               text = texts[j][i].add(ids)
               if text or ids:
-                yield Update(j * n + i, text, tuple(ids))
+                yield Update(j * n + i, text, tuple(ids), None, logprobs)
           continue
         pending -= 1
         output = handles[j].output
@@ -186,9 +197,11 @@ class Backend:
           totals.completion_tokens += len(sample.token_ids)
           reason = "abort" if sample.finish_reason == "cancelled" else sample.finish_reason
           if stream_text:
-            yield Update(j * n + i, texts[j][i].finish(sample.text), (), reason)
+            yield Update(j * n + i, texts[j][i].finish(sample.text), (), reason,
+                         () if sample.logprobs is not None else None)
           else:
-            yield Update(j * n + i, sample.text or "", sample.token_ids, reason)
+            yield Update(j * n + i, sample.text or "", sample.token_ids, reason,
+                         sample.logprobs)
         if self.metrics is not None:
           self.metrics.observe(start, first[j], time.perf_counter(), output)
     finally:
@@ -197,9 +210,10 @@ class Backend:
           loop.run_in_executor(None, self.engine.cancel, h)  # never blocks this loop
 
   async def _pump(self, j: int, handle, queue: asyncio.Queue) -> None:
-    """Feeds ``queue`` with ``(j, new tokens)`` per tick, then ``(j, None)`` (or the error)."""
+    """Feeds ``queue`` with ``(j, new (token ids, log-probs) per sample)`` per tick, then
+    ``(j, None)`` (or the error)."""
     try:
-      async for new in self.engine.follow(handle):
+      async for new in self.engine.follow(handle, logprobs=True):
         queue.put_nowait((j, new))
       queue.put_nowait((j, None))
     except Exception as e:  # noqa: BLE001 -- an engine failure ends this request only

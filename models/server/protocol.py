@@ -2,8 +2,10 @@
 
 Requests are checked the way the OpenAI API checks them: unknown fields and ill-typed values
 (``"n": "2"``, ``"stream": 1``) are rejected, every error names its field. A few OpenAI fields
-the engine cannot honour are accepted at their neutral value only (``logprobs``, ``echo``,
-``suffix``, penalties, ``logit_bias``); anything else is a 400 saying so. Extensions (as vLLM
+the engine cannot honour are accepted at their neutral value only (``echo``, ``suffix``,
+penalties, ``logit_bias``); anything else is a 400 saying so. Log-probabilities: completions'
+``logprobs`` (0-5 most likely tokens, OpenAI's legacy limit), chat's ``logprobs`` and
+``top_logprobs`` (0-20, only with ``logprobs: true``). Extensions (as vLLM
 has them): ``top_k``, ``ignore_eos``, ``return_token_ids`` (each choice, and each streamed
 delta, carries its token ids).
 """
@@ -57,8 +59,7 @@ class _Body(BaseModel):
     """Raises :class:`APIError` for an OpenAI field the engine does not implement, set to
     other than its neutral value."""
     neutral = dict(frequency_penalty=(None, 0, 0.0), presence_penalty=(None, 0, 0.0),
-                   logit_bias=(None, {}), logprobs=(None, False, 0), top_logprobs=(None, 0),
-                   echo=(None, False), suffix=(None,))
+                   logit_bias=(None, {}), echo=(None, False), suffix=(None,))
     for name, allowed in neutral.items():
       if name in type(self).model_fields and getattr(self, name) not in allowed:
         raise APIError(f"{name}: not supported by this server (only {allowed[-1]!r})", name)
@@ -104,10 +105,15 @@ class CompletionRequest(_Sampling):
   """``POST /v1/completions``."""
   prompt: Union[str, list[str], list[int], list[list[int]]]
   max_tokens: Optional[int] = Field(16, ge=1)
-  logprobs: Optional[int] = None
+  logprobs: Optional[int] = Field(None, ge=0, le=5)
   echo: bool = False
   suffix: Optional[str] = None
   best_of: Optional[int] = None
+
+  def logprobs_wanted(self) -> tuple[Optional[int], str]:
+    """How many most likely tokens per position to return (None: no log-probs), and the
+    field that asked."""
+    return self.logprobs, "logprobs"
 
   def prompts(self) -> list:
     """The prompts: each a string or a list of token ids."""
@@ -144,7 +150,14 @@ class ChatCompletionRequest(_Sampling):
   max_tokens: Optional[int] = Field(None, ge=1)
   max_completion_tokens: Optional[int] = Field(None, ge=1)
   logprobs: Optional[bool] = None
-  top_logprobs: Optional[int] = None
+  top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+  def logprobs_wanted(self) -> tuple[Optional[int], str]:
+    """How many most likely tokens per position to return (None: no log-probs), and the
+    field that asked."""
+    if self.top_logprobs is not None and not self.logprobs:
+      raise APIError("top_logprobs: needs logprobs set to true", "top_logprobs")
+    return ((self.top_logprobs or 0) if self.logprobs else None), "top_logprobs"
 
   def token_limit(self) -> tuple[Optional[int], str]:
     """The requested output limit and the field that set it."""

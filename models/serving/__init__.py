@@ -15,9 +15,11 @@ from models.serving.engine import Engine
 from models.serving.pages import NULL_PAGE, PagePool, PoolStats
 from models.serving.paged_cache import PagedKVCache
 from models.serving.radix import Match, Node, RadixTree, TreeStats
-from models.serving.requests import EngineConfig, Handle, Request, RequestOutput, SampleOutput
+from models.serving.requests import (EngineConfig, Handle, Request, RequestOutput, SampleOutput,
+                                     TokenLogprobs)
 from models.serving.sampling import RowRules, sample_rows
 
 __all__ = ["CascadeConfig", "CascadePlan", "plan_cascade", "NULL_PAGE", "PagePool", "PoolStats",
            "Match", "Node", "RadixTree", "TreeStats", "Engine", "EngineConfig", "Handle",
-           "Request", "RequestOutput", "SampleOutput", "PagedKVCache", "RowRules", "sample_rows"]
+           "Request", "RequestOutput", "SampleOutput", "TokenLogprobs", "PagedKVCache", "RowRules",
+           "sample_rows"]

@@ -1,9 +1,11 @@
 """The engine's device programs: a prefill pass over the paged cache (several requests' chunks,
-one per row), ``num_steps`` decode steps with sampling, and the copy of a page.
+one per row), ``num_steps`` decode steps with sampling (and log-probabilities), and the copy
+of a page.
 
 Every program is keyed by shapes (the padded sizes of the plan and the chunks) and by static
-values (the settings, the step count, the mesh); page ids, lengths, tokens, seeds and each
-row's sampling rule (:class:`models.serving.sampling.RowRules`) are data.
+values (the settings, the step count, the top-log-prob size, the mesh); page ids, lengths,
+tokens, seeds and each row's sampling rule (:class:`models.serving.sampling.RowRules`) are
+data.
 
 On a mesh (tensor parallel: the "model" axis), the weights lie by the rules of
 :mod:`models.parallel.sharding`, the page pools ``[num_pages, page_size, Hkv, D]`` are split
@@ -118,32 +120,52 @@ def prefill(graphdef, params, k, v, tokens, page_table, start, end, *,
 
 
 @functools.partial(jax.jit, static_argnums=0,
-                   static_argnames=("num_steps", "settings", "mesh"), donate_argnums=(2, 3))
+                   static_argnames=("num_steps", "top_logprobs", "settings", "mesh"),
+                   donate_argnums=(2, 3))
 def decode(graphdef, params, k, v, tokens, page_table, seg_lengths, segment_of_seq,
            own_page_table, own_lengths, write_limit, rules: RowRules, seeds, sample_ids,
-           first_step, *, num_steps: int, settings: GenerationSettings,
+           first_step, *, num_steps: int, settings: GenerationSettings, top_logprobs: int = 0,
            mesh: Optional[Mesh] = None):
   """``num_steps`` decode steps of ``tokens [B, 1]`` over the paged cache (the cascade plan's
   arrays: :class:`PagedKVCache`); row b samples by its rule in ``rules`` with the key of
   (``seeds[b]``, ``sample_ids[b]``, ``first_step[b] + step``) and feeds the token back.
-  Returns ``(k, v, tokens int32 [B, num_steps])``."""
+
+  Log-probabilities are ``log_softmax`` of the model's raw logits in float32 (before the
+  row's temperature, top-k and top-p, as vLLM returns them by default).
+
+  Returns ``(k, v, tokens int32 [B, num_steps], logprobs float32 [B, num_steps], top_ids
+  int32 [B, num_steps, top_logprobs], top_values float32 [B, num_steps, top_logprobs])``:
+  each sampled token's log-prob and the ``top_logprobs`` most likely tokens (descending;
+  a static size, so 0 compiles no top-k).
+  """
   model = nnx.merge(graphdef, params)
   cache = _cache(mesh, k, v, page_table, seg_lengths, segment_of_seq, own_page_table,
                  own_lengths, write_limit)
 
   def body(j, carry):
-    cache, tokens, out = carry
+    cache, tokens, out, logprobs, top_ids, top_values = carry
     logits, cache = model(tokens, cache=cache, settings=settings)
     if mesh is not None:  # the whole vocabulary on every device: one draw, the same everywhere
       logits = lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
     keys = keys_of(seeds, sample_ids, first_step + j)
     new = sample_rows(logits[:, 0], keys, rules, settings.sampler)
+    logp = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, new[:, None], axis=1)
     out = lax.dynamic_update_slice(out, new[:, None], (0, j))
-    return cache, new[:, None], out
+    logprobs = lax.dynamic_update_slice(logprobs, chosen, (0, j))
+    if top_logprobs:
+      values, ids = lax.top_k(logp, top_logprobs)
+      top_ids = lax.dynamic_update_slice(top_ids, ids[:, None].astype(jnp.int32), (0, j, 0))
+      top_values = lax.dynamic_update_slice(top_values, values[:, None], (0, j, 0))
+    return cache, new[:, None], out, logprobs, top_ids, top_values
 
-  out = jnp.zeros((tokens.shape[0], num_steps), jnp.int32)
-  cache, _, out = lax.fori_loop(0, num_steps, body, (cache, tokens, out))
-  return cache.k, cache.v, out
+  b = tokens.shape[0]
+  init = (cache, tokens, jnp.zeros((b, num_steps), jnp.int32),
+          jnp.zeros((b, num_steps), jnp.float32),
+          jnp.zeros((b, num_steps, top_logprobs), jnp.int32),
+          jnp.zeros((b, num_steps, top_logprobs), jnp.float32))
+  cache, _, out, logprobs, top_ids, top_values = lax.fori_loop(0, num_steps, body, init)
+  return cache.k, cache.v, out, logprobs, top_ids, top_values
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -184,21 +206,29 @@ def program_shapes(config, max_context: int):
   return prefill, decode
 
 
-def warm_up(graphdef, params, k, v, config, max_context: int, settings: GenerationSettings,
-            mesh: Optional[Mesh] = None):
-  """Runs every program of :func:`program_shapes` once on the null page (compiling it);
-  returns ``(k, v, programs)``."""
+def top_sizes(config, vocab_size: int) -> list[int]:
+  """The top-log-prob sizes of the decode programs: 0, and ``max_logprobs`` (at most the
+  vocabulary) for a call in which a row asks for top log-probs."""
+  top = min(config.max_logprobs, vocab_size)
+  return [0, top] if top else [0]
+
+
+def warm_up(graphdef, params, k, v, config, max_context: int, vocab_size: int,
+            settings: GenerationSettings, mesh: Optional[Mesh] = None):
+  """Runs every program of :func:`program_shapes` once on the null page (compiling it), the
+  decode programs at each of :func:`top_sizes`; returns ``(k, v, programs)``."""
   prefill_shapes, decode_shapes = program_shapes(config, max_context)
+  tops = top_sizes(config, vocab_size)
   zeros = lambda *shape: np.zeros(shape, np.int32)
   for rows, t, width in prefill_shapes:
     k, v = prefill(graphdef, params, k, v, jnp.asarray(zeros(rows, t)), zeros(rows, width),
                    zeros(rows), zeros(rows), settings=settings, mesh=mesh)
-  for b, levels, segments, pages, own in decode_shapes:
+  for (b, levels, segments, pages, own), top in itertools.product(decode_shapes, tops):
     cascade = ((zeros(levels, segments, pages), zeros(levels, segments),
                 np.full((levels, b), -1, np.int32)) if levels else no_levels(b))
-    k, v, _ = decode(graphdef, params, k, v, jnp.asarray(zeros(b, 1)), *cascade, zeros(b, own),
-                     zeros(b), zeros(b), RowRules.of([None] * b), np.zeros(b, np.uint32),
-                     zeros(b), zeros(b), num_steps=config.decode_steps, settings=settings,
-                     mesh=mesh)
+    k, v, *_ = decode(graphdef, params, k, v, jnp.asarray(zeros(b, 1)), *cascade,
+                      zeros(b, own), zeros(b), zeros(b), RowRules.of([None] * b),
+                      np.zeros(b, np.uint32), zeros(b), zeros(b), num_steps=config.decode_steps,
+                      settings=settings, top_logprobs=top, mesh=mesh)
   k, v = copy_page(k, v, np.int32(0), np.int32(0))
-  return k, v, len(prefill_shapes) + len(decode_shapes) + 1
+  return k, v, len(prefill_shapes) + len(decode_shapes) * len(tops) + 1

@@ -17,8 +17,11 @@ evicted, then the most recently admitted request is preempted (its pages freed; 
 recomputed later and, its tokens depending only on the request, emits the same tokens).
 
 The device programs are keyed by padded sizes only (:meth:`CascadePlan.plan_key`, the
-prefill rows, chunk and page buckets); page ids, lengths, tokens, seeds and each row's
-sampling rule are data.
+prefill rows, chunk and page buckets, and the top-log-prob size: 0, or
+``EngineConfig.max_logprobs`` in a call where a request asks for top log-probs); page ids,
+lengths, tokens, seeds and each row's sampling rule are data. Every decode step returns each
+sampled token's log-prob (``log_softmax`` of the raw logits); a request with ``logprobs``
+gets them per token (:class:`TokenLogprobs`).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from models.serving.pages import NULL_PAGE, PagePool
 from models.serving.paged_cache import empty_pools
 from models.serving.radix import RadixTree
 from models.serving.requests import (EngineConfig, Handle, Request, RequestOutput,
-                                     SampleOutput, prompt_ids)
+                                     SampleOutput, TokenLogprobs, prompt_ids)
 from models.serving.sampling import RowRules
 from models.serving.state import PromptPages, Req, Seq
 
@@ -172,8 +175,9 @@ class Engine:
       req.state = "done"
       for i in range(req.request.n):
         if i not in req.finished:
-          req.finished[i] = SampleOutput(tuple(handle.tokens[i]), self._text(handle.tokens[i]),
-                                         "cancelled")
+          req.finished[i] = SampleOutput(
+              tuple(handle.tokens[i]), self._text(handle.tokens[i]), "cancelled",
+              tuple(handle.logprobs[i]) if req.request.logprobs else None)
       self._finish(req)
 
   # -- one tick ---------------------------------------------------------------------------------
@@ -367,6 +371,9 @@ class Engine:
     ids = np.zeros(b, np.int32)
     first_step = np.zeros(b, np.int32)
     rules = RowRules.of([seqs[i].req.request.sampling if i >= 0 else None for i in plan.order])
+    # Top log-probs for every row of the call when one asks (one more program per shape).
+    wants_top = any(s.req.request.top_logprobs for s in seqs)
+    top = device.top_sizes(c, self.model_config.vocab_size)[-1] if wants_top else 0
     for r, i in enumerate(plan.order):
       if i < 0:
         continue
@@ -375,29 +382,43 @@ class Engine:
       limit[r] = plan.own_lengths[r] + steps[i]
       seeds[r] = np.uint32(s.req.request.seed % 2**32)
       ids[r], first_step[r] = s.req.request.sample_offset + s.index, len(s.generated)
-    self._k, self._v, out = device.decode(
+    self._k, self._v, out, logprobs, top_ids, top_values = device.decode(
         self._graphdef, self._params, self._k, self._v, jnp.asarray(tokens), page_table,
         seg_lengths, seg_of_seq, plan.own_page_table, plan.own_lengths, limit, rules,
-        seeds, ids, first_step, num_steps=k, settings=self.settings, mesh=self.mesh)
-    out = np.asarray(out)
+        seeds, ids, first_step, num_steps=k, settings=self.settings, top_logprobs=top,
+        mesh=self.mesh)
+    out, logprobs = np.asarray(out), np.asarray(logprobs)
+    top_ids, top_values = np.asarray(top_ids), np.asarray(top_values)
     for r, i in enumerate(plan.order):
-      if i >= 0:
-        self._accept(seqs[i], out[r, :steps[i]])
+      if i < 0:
+        continue
+      request, n = seqs[i].req.request, steps[i]
+      lps = None
+      if request.logprobs:
+        m = request.top_logprobs
+        lps = [TokenLogprobs(float(logprobs[r, j]),
+                             tuple(zip(top_ids[r, j, :m].tolist(), top_values[r, j, :m].tolist())))
+               for j in range(n)]
+      self._accept(seqs[i], out[r, :n], lps)
     for req in [r for r in self._active if r.state == "running"]:
       if all(s.finish_reason is not None for s in req.seqs):
         self._release(req)
         req.state = "done"
         self._finish(req)
 
-  def _accept(self, seq: Seq, tokens: np.ndarray) -> None:
-    """Takes a decode call's tokens for ``seq`` up to its first stop."""
+  def _accept(self, seq: Seq, tokens: np.ndarray,
+              logprobs: Optional[Sequence[TokenLogprobs]] = None) -> None:
+    """Takes a decode call's tokens (and their log-probs, if the request asks) for ``seq`` up
+    to its first stop."""
     request, handle = seq.req.request, seq.req.handle
-    for tok in tokens.tolist():
+    for j, tok in enumerate(tokens.tolist()):
       seq.generated.append(tok)
       self._generated += 1
       with handle._changed:
         if len(seq.generated) > len(handle.tokens[seq.index]):  # not re-sent after preemption
           handle.tokens[seq.index].append(tok)
+          if logprobs is not None:
+            handle.logprobs[seq.index].append(logprobs[j])
       reason = None
       if (not request.ignore_eos and tok == self.eos_id) or tok in request.stop_token_ids:
         reason = "stop"
@@ -428,7 +449,10 @@ class Engine:
     elif node is not self.tree.root:
       self.tree.unlock(node)
     text = seq.text if seq.text is not None else self._text(seq.generated)
-    seq.req.finished[seq.index] = SampleOutput(tuple(seq.generated), text, seq.finish_reason)
+    handle, n = seq.req.handle, len(seq.generated)
+    logprobs = tuple(handle.logprobs[seq.index][:n]) if seq.req.request.logprobs else None
+    seq.req.finished[seq.index] = SampleOutput(tuple(seq.generated), text, seq.finish_reason,
+                                               logprobs)
 
   def _release(self, req: Req) -> None:
     """Frees everything ``req`` holds (any state but waiting)."""
@@ -512,17 +536,18 @@ class Engine:
     async for new in self.follow(self.submit(request)):
       yield new
 
-  async def follow(self, handle: Handle):
+  async def follow(self, handle: Handle, *, logprobs: bool = False):
     """Yields per sample the new token ids of a submitted ``handle`` as they come (an async
     generator, as :meth:`stream`); when it ends, ``handle.output`` holds the finish reasons,
-    texts and cached tokens. Needs the background loop (:meth:`start`). Leaving it early
-    cancels the request."""
+    texts and cached tokens. ``logprobs=True``: per sample ``(token ids, their
+    TokenLogprobs)`` instead (:meth:`Handle.take_logprobs`). Needs the background loop
+    (:meth:`start`). Leaving it early cancels the request."""
     loop = asyncio.get_running_loop()
     changed = asyncio.Event()
     handle._listeners.append(lambda: loop.call_soon_threadsafe(changed.set))
     try:
       while True:
-        new = handle.take()
+        new = handle.take_logprobs() if logprobs else handle.take()
         if new is not None:
           yield new
           continue
@@ -537,8 +562,9 @@ class Engine:
         self.cancel(handle)
 
   def warmup(self) -> int:
-    """Compiles every device program the buckets allow (:func:`device.program_shapes`), each
-    run once on the null page, so that serving compiles nothing; returns how many.
+    """Compiles every device program the buckets allow (:func:`device.program_shapes`; each
+    decode shape with and without top log-probs, :func:`device.top_sizes`), each run once on
+    the null page, so that serving compiles nothing; returns how many.
 
     Needs the level, segment and page buckets set (with ``cascade`` on); the count is the
     product of the buckets' sizes, so keep them few.
@@ -546,7 +572,8 @@ class Engine:
     with self._lock:
       self._k, self._v, programs = device.warm_up(
           self._graphdef, self._params, self._k, self._v, self.config,
-          self.model_config.max_position_embeddings, self.settings, self.mesh)
+          self.model_config.max_position_embeddings, self.model_config.vocab_size,
+          self.settings, self.mesh)
     return programs
 
   # -- inspection and reset ---------------------------------------------------------------------

@@ -19,6 +19,7 @@ from models.generation.sampling import SamplingParams
 from models.serving.cascade import CascadeConfig
 
 FINISH_REASONS = ("stop", "length", "cancelled")
+MAX_TOP_LOGPROBS = 20  # the most top log-probs a request may ask for per token (OpenAI's limit)
 _BUCKET_FIELDS = ("batch_buckets", "prefill_buckets", "prefill_row_buckets", "level_buckets",
                   "segment_buckets", "page_buckets", "own_page_buckets")
 
@@ -61,6 +62,9 @@ class EngineConfig:
     level_buckets, segment_buckets, page_buckets, own_page_buckets: padded sizes of the
       cascade plan (:class:`models.serving.cascade.CascadeConfig`; None: powers of two);
       ``own_page_buckets`` also pads a prefill chunk's page table.
+    max_logprobs: the most top log-probs per token a request may ask for (0 to 20): a
+      decode call in which a row asks for any returns this many for every row (a second
+      program per decode shape; 0: none, and no second program).
   """
 
   page_size: int = 16
@@ -78,10 +82,15 @@ class EngineConfig:
   segment_buckets: Optional[tuple[int, ...]] = None
   page_buckets: Optional[tuple[int, ...]] = None
   own_page_buckets: Optional[tuple[int, ...]] = None
+  max_logprobs: int = MAX_TOP_LOGPROBS
 
   def __post_init__(self):
     for name in ("page_size", "max_running", "max_prefill_tokens", "decode_steps"):
       _positive_int("EngineConfig", name, getattr(self, name))
+    _positive_int("EngineConfig", "max_logprobs", self.max_logprobs, 0)
+    if self.max_logprobs > MAX_TOP_LOGPROBS:
+      raise ValueError(f"EngineConfig: max_logprobs={self.max_logprobs} must be at most "
+                       f"{MAX_TOP_LOGPROBS}")
     _positive_int("EngineConfig", "num_pages", self.num_pages, 2)
     _positive_int("EngineConfig", "min_shared_tokens", self.min_shared_tokens, 0)
     for name in ("cascade", "prefix_caching"):
@@ -139,6 +148,10 @@ class Request:
     sample_offset: sample ``i`` draws as sample ``sample_offset + i`` of the seed (so that
       requests can continue one numbering, as :func:`models.generate` numbers all the
       samples of its prompts: prompt j's first sample is the sum of the counts before it).
+    logprobs: return each generated token's log-probability (:class:`TokenLogprobs`):
+      ``log_softmax`` of the model's raw logits, before temperature, top-k and top-p.
+    top_logprobs: with ``logprobs``, also this many most likely tokens per position
+      (0 to 20, at most ``EngineConfig.max_logprobs``).
   """
 
   prompt: Union[str, Sequence[int]]
@@ -152,6 +165,8 @@ class Request:
   seed: int = 0
   ignore_eos: bool = False
   sample_offset: int = 0
+  logprobs: bool = False
+  top_logprobs: int = 0
 
   def __post_init__(self):
     if isinstance(self.prompt, str):
@@ -197,6 +212,14 @@ class Request:
     if self.sample_offset + self.n > 2**31:
       raise ValueError(f"Request: sample_offset={self.sample_offset} + n={self.n} must stay "
                        "below 2**31 (int32 sample ids)")
+    if not isinstance(self.logprobs, bool):
+      raise ValueError(f"Request: logprobs={self.logprobs!r} must be a bool")
+    _positive_int("Request", "top_logprobs", self.top_logprobs, 0)
+    if self.top_logprobs > MAX_TOP_LOGPROBS:
+      raise ValueError(f"Request: top_logprobs={self.top_logprobs} must be at most "
+                       f"{MAX_TOP_LOGPROBS}")
+    if self.top_logprobs and not self.logprobs:
+      raise ValueError(f"Request: top_logprobs={self.top_logprobs} needs logprobs=True")
 
   @property
   def sampling(self) -> SamplingParams:
@@ -229,6 +252,10 @@ def prompt_ids(request: Request, model_config, config: EngineConfig, tokenizer=N
     raise ValueError(f"Request: max_tokens={request.max_tokens} after a prompt of "
                      f"{prompt.size} tokens exceeds the model's context of "
                      f"{mc.max_position_embeddings} tokens")
+  if request.top_logprobs > min(c.max_logprobs, mc.vocab_size):
+    raise ValueError(f"Request: top_logprobs={request.top_logprobs} exceeds "
+                     f"EngineConfig.max_logprobs={c.max_logprobs} (or the vocabulary of "
+                     f"{mc.vocab_size})")
   if request.n > c.max_running:
     raise ValueError(f"Request: n={request.n} exceeds EngineConfig.max_running="
                      f"{c.max_running}")
@@ -253,12 +280,23 @@ def prompt_ids(request: Request, model_config, config: EngineConfig, tokenizer=N
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+  """A generated token's log-probability and the most likely tokens at its position
+  (``top``: ``(token id, log-prob)`` pairs, most likely first; empty without
+  ``Request.top_logprobs``)."""
+  logprob: float
+  top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class SampleOutput:
   """One sample: its tokens (a stop token or EOS kept), text (with a tokenizer; cut before a
-  stop string), and why it ended: ``"stop"``, ``"length"`` or ``"cancelled"``."""
+  stop string), why it ended (``"stop"``, ``"length"`` or ``"cancelled"``), and with
+  ``Request.logprobs`` one :class:`TokenLogprobs` per token id (else None)."""
   token_ids: tuple[int, ...]
   text: Optional[str]
   finish_reason: str
+  logprobs: Optional[tuple[TokenLogprobs, ...]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,11 +314,14 @@ class Handle:
 
   Iterating yields one tuple per tick that produced tokens: per sample, its new token ids.
   Without a running engine loop (:meth:`Engine.start`) iteration drives :meth:`Engine.step`.
+  With ``Request.logprobs``, ``logprobs[i]`` holds sample i's :class:`TokenLogprobs`,
+  aligned with ``tokens[i]`` (:meth:`take_logprobs` takes both at once).
   """
 
   def __init__(self, engine, request_id: int, request: Request):
     self.engine, self.request_id, self.request = engine, request_id, request
     self.tokens: list[list[int]] = [[] for _ in range(request.n)]
+    self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(request.n)]
     self.output: Optional[RequestOutput] = None
     self.error: Optional[BaseException] = None
     self._sent = [0] * request.n
@@ -299,10 +340,17 @@ class Handle:
 
   def take(self) -> Optional[tuple[tuple[int, ...], ...]]:
     """The tokens not yet taken, per sample (None if there are none)."""
+    new = self.take_logprobs()
+    return None if new is None else tuple(ids for ids, _ in new)
+
+  def take_logprobs(self):
+    """The tokens not yet taken, per sample ``(token ids, their TokenLogprobs)`` (the second
+    None without ``Request.logprobs``), or None if there are none."""
     with self._changed:
-      new = tuple(tuple(t[s:]) for t, s in zip(self.tokens, self._sent))
+      new = tuple((tuple(t[s:]), tuple(lp[s:]) if self.request.logprobs else None)
+                  for t, lp, s in zip(self.tokens, self.logprobs, self._sent))
       self._sent = [len(t) for t in self.tokens]
-    return new if any(new) else None
+    return new if any(ids for ids, _ in new) else None
 
   def __iter__(self):
     while True:

@@ -3,9 +3,10 @@ on the tiny model (float32, CPU) with a byte-level tokenizer (one token per byte
 characters span tokens), spoken to with the official ``openai`` client and plain httpx.
 
 Streamed and whole answers agree token for token and in text; seeded answers do not depend on
-what else runs; usage counts the engine's tokens; every bad request is a 400 naming its field
-and the server goes on serving; 256 concurrent streaming clients each get their four answers
-whole; clients that leave, streaming or not, leave no page behind."""
+what else runs; usage counts the engine's tokens; log-probs come in OpenAI's completions and
+chat formats, streamed and whole, with the engine's values; every bad request is a 400 naming
+its field and the server goes on serving; 256 concurrent streaming clients each get their four
+answers whole; clients that leave, streaming or not, leave no page behind."""
 
 import asyncio
 import json
@@ -14,13 +15,14 @@ import threading
 
 import httpx
 import pytest
+from test_logprob_format import certain
 
 from models.checkpoints.tokenizer import Tokenizer, _bytes_to_unicode
 from models.generation.settings import GenerationSettings
 from models.model.config import preset
 from models.model.llama import random_init
 from models.server.launch import ServerThread
-from models.serving import Engine, EngineConfig
+from models.serving import Engine, EngineConfig, Request
 
 openai = pytest.importorskip("openai")
 
@@ -203,6 +205,88 @@ def test_several_prompts_give_choices_in_order(server, client):
   assert got.usage.prompt_tokens == sum(map(len, prompts))
 
 
+# -- log-probabilities --------------------------------------------------------------------------
+
+TOL = 3e-6  # float32 at log-probs near -5: the same request in another batch and cache layout
+
+
+def piece(token: int) -> str:
+  """The byte tokenizer's token text: the character, or OpenAI's spelling of a lone byte that
+  is not whole UTF-8."""
+  return chr(token) if token < 128 else f"bytes:\\x{token:02x}"
+
+
+def engine_logprobs(server, prompt: list, top: int, **sampling):
+  """The engine's own answer to the same request (tokens, TokenLogprobs), submitted directly."""
+  out = engine_of(server).submit(Request(prompt, logprobs=True, top_logprobs=top,
+                                         **sampling)).result()
+  return out.samples[0].token_ids, out.samples[0].logprobs
+
+
+def test_completion_logprobs_in_openais_format_streamed_and_whole(server, client):
+  tok = byte_tokenizer()
+  prompt = "Log-probs, ü: "
+  body = dict(model=MODEL, prompt=prompt, max_tokens=10, temperature=1.0, seed=11, logprobs=3,
+              extra_body=dict(ignore_eos=True, return_token_ids=True))
+  whole = client.completions.create(**body).choices[0]
+  ids = whole.model_extra["token_ids"]
+  lp = whole.logprobs
+  tokens, values = engine_logprobs(server, tok.encode(prompt), 3, max_tokens=10,
+                                   temperature=1.0, seed=11, ignore_eos=True)
+  assert list(tokens) == ids and lp.tokens == [piece(t) for t in ids]
+  assert all(isinstance(v, float) for v in lp.token_logprobs)
+  for j, (mine, theirs) in enumerate(zip(values, lp.top_logprobs)):
+    assert abs(lp.token_logprobs[j] - mine.logprob) <= TOL
+    expected = {piece(t): v for t, v in mine.top}
+    expected.setdefault(piece(ids[j]), mine.logprob)  # the sampled token, always there
+    assert theirs.keys() == expected.keys()
+    assert all(abs(theirs[k] - expected[k]) <= TOL for k in expected)
+  # Offsets: the characters of the text that the tokens before each one make certain.
+  text = tok.decode(ids)
+  assert lp.text_offset == [len(certain(bytes(ids[:j])).decode("utf-8", "replace"))
+                            for j in range(10)]
+  assert text.startswith(certain(bytes(ids)).decode("utf-8", "replace"))
+
+  streamed = dict(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+  for chunk in client.completions.create(**body, stream=True):
+    (c,) = chunk.choices
+    if c.logprobs is not None:
+      for name in streamed:
+        streamed[name] += getattr(c.logprobs, name)
+      assert len(c.logprobs.tokens) == len(c.model_extra["token_ids"])
+  assert streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+  assert [t.keys() for t in streamed["top_logprobs"]] == [t.keys() for t in lp.top_logprobs]
+  assert max(abs(a - b) for a, b in zip(streamed["token_logprobs"], lp.token_logprobs)) <= TOL
+
+
+def test_chat_logprobs_in_openais_format_streamed_and_whole(server, client):
+  messages = [{"role": "user", "content": "Log-probs, please."}]
+  body = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0.0, logprobs=True,
+              top_logprobs=4)
+  whole = client.chat.completions.create(**body).choices[0]
+  content = whole.logprobs.content
+  tok = byte_tokenizer()
+  prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+  tokens, values = engine_logprobs(server, prompt, 4, max_tokens=8)
+  assert len(content) == 8
+  assert "".join(bytes(e.bytes).decode("latin-1") for e in content) == bytes(tokens).decode(
+      "latin-1")  # one byte per token: the bytes in order
+  for e, token, mine in zip(content, tokens, values):
+    assert e.bytes == [token] and e.token == piece(token)
+    assert abs(e.logprob - mine.logprob) <= TOL
+    assert [(t.token, t.bytes) for t in e.top_logprobs] == [(piece(t), [t]) for t, _ in mine.top]
+    assert all(abs(t.logprob - v) <= TOL for t, (_, v) in zip(e.top_logprobs, mine.top))
+    assert e.top_logprobs[0].token == e.token  # greedy: the most likely token
+  streamed = []
+  for chunk in client.chat.completions.create(**body, stream=True):
+    if chunk.choices[0].logprobs is not None:
+      streamed += chunk.choices[0].logprobs.content
+  assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+  assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) <= TOL
+  plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+  assert plain.choices[0].logprobs is None
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 GOOD = dict(model=MODEL, prompt="hello", max_tokens=4)
@@ -232,7 +316,8 @@ BAD = [  # (path, body or raw bytes, the field the error names)
     ("/v1/completions", {**GOOD, "stream": 1}, "stream"),
     ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {**GOOD, "stream": True, "stream_options": {"x": 1}}, "stream_options"),
-    ("/v1/completions", {**GOOD, "logprobs": 3}, "logprobs"),
+    ("/v1/completions", {**GOOD, "logprobs": 6}, "logprobs"),
+    ("/v1/completions", {**GOOD, "logprobs": True}, "logprobs"),
     ("/v1/completions", {**GOOD, "echo": True}, "echo"),
     ("/v1/completions", {**GOOD, "presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/completions", {**GOOD, "best_of": 3}, "best_of"),
@@ -241,8 +326,12 @@ BAD = [  # (path, body or raw bytes, the field the error names)
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]},
      "messages"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}], "logprobs": True},
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}], "logprobs": 1},
      "logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}], "top_logprobs": 2},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}], "logprobs": True,
+                              "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 5000}, "max_completion_tokens"),
     ("/v1/chat/completions",

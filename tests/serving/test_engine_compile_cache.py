@@ -25,11 +25,14 @@ engine = Engine(model, config=config, settings=GenerationSettings(impl="xla"),
                 compile_cache=sys.argv[1])
 programs = engine.warmup()
 out = engine.generate([Request(list(range(1, 10)), n=2, max_tokens=3, temperature=1.0,
-                               top_k=5, seed=3, ignore_eos=True)])
+                               top_k=5, seed=3, ignore_eos=True, logprobs=True,
+                               top_logprobs=2)])
 stats = engine.stats()
 print(json.dumps(dict(programs=programs, hits=stats["compile_cache_hits"],
                       requests=stats["compile_cache_requests"],
-                      tokens=[s.token_ids for s in out[0].samples])))
+                      tokens=[s.token_ids for s in out[0].samples],
+                      logprobs=[[(lp.logprob, lp.top) for lp in s.logprobs]
+                                for s in out[0].samples])))
 """
 
 
@@ -45,8 +48,10 @@ def test_a_second_process_loads_the_engines_programs_from_the_cache(tmp_path):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
   first, second = run(), run()
-  assert first["programs"] == 1 + 2 + 1  # prefill, decode with and without a level, copy
+  # prefill, decode with and without a level (each with and without top log-probs), copy
+  assert first["programs"] == 1 + 2 * 2 + 1
   assert first["requests"] >= first["programs"] and first["hits"] == 0
   assert second["requests"] == first["requests"]
   assert second["hits"] == second["requests"]  # everything loaded, nothing compiled
   assert second["tokens"] == first["tokens"]
+  assert second["logprobs"] == first["logprobs"]

@@ -1,6 +1,7 @@
 """The serving engine in steady state: after :meth:`Engine.warmup`, 1,000 requests (random
-prompts sharing system prompts and topics, n 1-2, mixed sampling rules, random arrivals)
-compile nothing, and a sample of them gets the tokens of each request alone."""
+prompts sharing system prompts and topics, n 1-2, mixed sampling rules, some asking for
+log-probs and top log-probs, random arrivals) compile nothing, and a sample of them gets the
+tokens of each request alone."""
 
 import numpy as np
 from test_engine import MIXES, SETTINGS, assert_drained, count_compiles, expected, got, model  # noqa: F401
@@ -24,8 +25,10 @@ def requests(rng, num):
     if kind == 1:
       prompt += topics[int(rng.integers(0, 4))]
     prompt += rng.integers(0, 256, int(rng.integers(1, 5))).tolist()
+    top = int(rng.choice([0, 0, 0, 0, 1, 5]))  # a few decode calls with top log-probs
     out.append(Request(prompt, n=int(rng.integers(1, 3)), max_tokens=int(rng.integers(1, 5)),
                        seed=int(rng.integers(0, 2**31)), ignore_eos=True,
+                       logprobs=bool(top or rng.integers(0, 2)), top_logprobs=top,
                        **MIXES[int(rng.integers(0, len(MIXES)))]))
   return out
 
@@ -45,8 +48,8 @@ def test_a_thousand_requests_compile_nothing_after_warm_up(model):
   rng = np.random.default_rng(0)
   engine = Engine(model, config=CONFIG, settings=SETTINGS)
   # prefill: 16 rows x chunks (8, 32) x widths (4, 16); decode: 16 rows x (no level, 2 x 8
-  # x 4) x own pages (4, 16); the page copy.
-  assert engine.warmup() == 4 + 4 + 1
+  # x 4) x own pages (4, 16) x top log-probs (0, 20); the page copy.
+  assert engine.warmup() == 4 + 4 * 2 + 1
   reqs = requests(rng, 1000)
   with count_compiles() as events:
     handles = run(engine, rng, reqs)
@@ -56,4 +59,10 @@ def test_a_thousand_requests_compile_nothing_after_warm_up(model):
   assert stats["prefix_hit_rate"] > 0.3
   for j in rng.choice(len(reqs), 40, replace=False):
     assert got(handles[j].output) == expected(model, reqs[j]), j
+  for h in handles:
+    for s in h.output.samples:
+      assert (s.logprobs is not None) == h.request.logprobs
+      if s.logprobs is not None:
+        assert len(s.logprobs) == len(s.token_ids)
+        assert all(len(lp.top) == h.request.top_logprobs for lp in s.logprobs)
   assert_drained(engine)

@@ -195,3 +195,31 @@ def tiny_dir(tmp_path_factory):
   save_pretrained(path, random_init(preset("tiny"), seed=7, std=0.1), tokenizer)
   return path
 
+
+
+def _memory_maps() -> tuple[int, int]:
+  """(memory maps of this process, the kernel's limit ``vm.max_map_count``); (0, 0) where
+  /proc does not tell."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      used = sum(1 for _ in f)
+    with open("/proc/sys/vm/max_map_count") as f:
+      return used, int(f.read())
+  except (OSError, ValueError):
+    return 0, 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_programs_near_the_map_limit():
+  """Every compiled CPU program holds ~6 memory maps; a worker that keeps all the programs of
+  the run reaches the kernel's limit (vm.max_map_count, 65,530 by default), and then XLA's
+  compiler segfaults where it maps new code. After a module, past half the limit, the
+  compiled programs are released (later modules compile what they need again)."""
+  yield
+  used, limit = _memory_maps()
+  if limit and used > limit // 2:
+    import gc
+
+    import jax
+    jax.clear_caches()
+    gc.collect()

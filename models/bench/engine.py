@@ -17,16 +17,18 @@ Modes, each run in this process on the same model and requests:
 * ``static``: :func:`models.generate` on batches of ``--max-running`` sequences (prompts known
   up front; every batch decodes to its longest sample).
 
-Each engine mode first serves a short warm-up of the same shapes (compiling its programs),
-then the workload, timed on the host clock: requests/s, generated tokens/s, decode calls, and
+Each engine mode first serves the workload under other seeds (compiling its programs), then
+the workload again, timed on the host clock: requests/s, generated tokens/s, decode calls, and
 the attention floors of one decode step at the batch the engine ran (per-sequence reads vs
 cascade; :class:`pallas_kernels.base.AttentionShape`, this run's copy bandwidth and matmul
-rate). Writes JSON and Markdown.
+rate), and the XLA compiles left in the timed run (0 when the warm-up covered every shape).
+Writes JSON, Markdown and a plot.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -130,11 +132,26 @@ def _pages_that_fit(config, page_size: int) -> int:
   return max(64, int(0.7 * free) // per_page)
 
 
-def _warmup(args, requests):
-  """A few requests of the workload's shapes: every program the timed run needs compiles."""
+def _warmup(requests):
+  """The workload itself under other seeds: a run over it compiles every program the timed run
+  needs (the timed run's ``compiles`` counts those it still compiled)."""
   import dataclasses
-  n = min(len(requests), args.max_running)
-  return [dataclasses.replace(r, seed=r.seed + 10**6) for r in requests[:n]]
+  return [dataclasses.replace(r, seed=r.seed + 10**6) for r in requests]
+
+
+@contextlib.contextmanager
+def _counting_compiles():
+  """Collects XLA compile events inside it."""
+  import jax
+
+  events = []
+  listener = (lambda event, duration, **kw: events.append(event)
+              if event == "/jax/core/compile/backend_compile_duration" else None)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield events
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def run_engine(model, args, mode: str, requests) -> dict:
@@ -144,18 +161,19 @@ def run_engine(model, args, mode: str, requests) -> dict:
   engine = Engine(model, None, _engine_config(args, mode, model.config),
                   GenerationSettings(impl=args.impl))
   t0 = time.perf_counter()
-  engine.generate(_warmup(args, requests))
+  engine.generate(_warmup(requests))
   warm_s = time.perf_counter() - t0
   print(f"[{mode}] warm-up {warm_s:.1f} s", file=sys.stderr, flush=True)
   engine.reset()
   before = engine.stats()
-  t0 = time.perf_counter()
-  outputs = engine.generate(requests)
-  seconds = time.perf_counter() - t0
+  with _counting_compiles() as compiles:
+    t0 = time.perf_counter()
+    outputs = engine.generate(requests)
+    seconds = time.perf_counter() - t0
   stats = engine.stats()
   tokens = sum(len(s.token_ids) for o in outputs for s in o.samples)
   return dict(mode=mode, seconds=seconds, warmup_s=warm_s, requests_per_s=len(requests) / seconds,
-              tokens_per_s=tokens / seconds, tokens=tokens,
+              tokens_per_s=tokens / seconds, tokens=tokens, compiles=len(compiles),
               decode_calls=stats.get("decode_calls", 0) - before.get("decode_calls", 0),
               prefix_hit_rate=stats.get("prefix_hit_rate"), preemptions=stats.get("preemptions"))
 
@@ -175,14 +193,16 @@ def run_static(model, args, requests) -> dict:
     return generate(model, prompts, num_samples=1, max_new_tokens=longest, settings=settings,
                     seed=args.seed)
 
-  jax.block_until_ready(one(batches[0]))  # compiles (the last batch may compile once more)
-  t0 = time.perf_counter()
-  for batch in batches:
+  for batch in {len(b): b for b in batches}.values():  # compiles each batch size's programs
     jax.block_until_ready(one(batch))
-  seconds = time.perf_counter() - t0
+  with _counting_compiles() as compiles:
+    t0 = time.perf_counter()
+    for batch in batches:
+      jax.block_until_ready(one(batch))
+    seconds = time.perf_counter() - t0
   tokens = sum(r.max_tokens for r in requests)  # useful tokens (a batch decodes to its longest)
   return dict(mode="static", seconds=seconds, requests_per_s=len(requests) / seconds,
-              tokens_per_s=tokens / seconds, tokens=tokens)
+              tokens_per_s=tokens / seconds, tokens=tokens, compiles=len(compiles))
 
 
 def floors(args, config, bw: float, rate: float) -> dict:
@@ -253,15 +273,15 @@ def _markdown(rows, info) -> str:
           f"{f['floor_no_cascade_ms']:.1f} ms; cascade {f['cascade_GB']:.0f} GB and "
           f"{f['cascade_TFLOP']:.1f} TFLOP, {f['floor_cascade_ms']:.1f} ms: ratio "
           f"{f['floor_ratio']:.2f}.\n\n"
-          "| mode | seconds | requests/s | tokens/s | vs no-sharing | vs no-cascade |\n"
-          "|---|---:|---:|---:|---:|---:|\n")
+          "| mode | seconds | requests/s | tokens/s | vs no-sharing | vs no-cascade | compiles |\n"
+          "|---|---:|---:|---:|---:|---:|---:|\n")
   lines = []
   for r in rows:
     ns = base.get("no-sharing", {}).get("tokens_per_s")
     nc = base.get("no-cascade", {}).get("tokens_per_s")
     ratio = lambda x: f"{r['tokens_per_s'] / x:.2f}" if x else "-"
     lines.append(f"| {r['mode']} | {r['seconds']:.1f} | {r['requests_per_s']:.2f} | "
-                 f"{r['tokens_per_s']:.0f} | {ratio(ns)} | {ratio(nc)} |")
+                 f"{r['tokens_per_s']:.0f} | {ratio(ns)} | {ratio(nc)} | {r.get('compiles', '-')} |")
   return head + "\n".join(lines) + "\n"
 
 

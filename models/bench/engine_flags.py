@@ -12,12 +12,13 @@ from models.errors import UsageError
 
 # Engine flags -> (EngineConfig field, minimum).
 _ENGINE_INTS = {"page_size": 1, "num_pages": 2, "max_running": 1, "max_prefill_tokens": 1,
-                "decode_steps": 1, "min_shared_tokens": 0}
+                "decode_steps": 1, "min_shared_tokens": 0, "max_logprobs": 0}
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
   """The model and engine flags (``hydragen serve`` and ``hydragen bench serve``)."""
   from models.serving import EngineConfig
+  from models.serving.requests import MAX_TOP_LOGPROBS
 
   d = EngineConfig()
   p.add_argument("--model", help="a .gguf file, a Hugging Face or save_pretrained directory, or "
@@ -38,6 +39,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--min-shared-tokens", type=int, default=d.min_shared_tokens,
                  help="a prompt part shared by running sequences is read once for all of them "
                  "from this length on")
+  p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                 help="the most likely tokens a request may ask for per position (0 to "
+                 f"{MAX_TOP_LOGPROBS}; 0 compiles no top-k; default {d.max_logprobs})")
   p.add_argument("--no-cascade", action="store_true",
                  help="every sequence reads shared pages as its own (the paged baseline)")
   p.add_argument("--no-prefix-caching", action="store_true", help="no radix tree")
@@ -49,6 +53,10 @@ def check_engine_args(args: argparse.Namespace) -> None:
     if getattr(args, name) < minimum:
       raise UsageError(f"--{name.replace('_', '-')} must be >= {minimum}; got "
                        f"{getattr(args, name)}")
+  from models.serving.requests import MAX_TOP_LOGPROBS
+  if args.max_logprobs > MAX_TOP_LOGPROBS:
+    raise UsageError(f"--max-logprobs must be at most {MAX_TOP_LOGPROBS}; got "
+                     f"{args.max_logprobs}")
   from jax_shared_attn.ops import IMPLS
   if args.impl not in IMPLS:
     raise UsageError(f"--impl {args.impl!r} is not one of {', '.join(IMPLS)}")

@@ -21,6 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     (["--page-size", "0"], "--page-size"),
     (["--num-pages", "1"], "--num-pages"),
     (["--max-running", "-2"], "--max-running"),
+    (["--max-logprobs", "-1"], "--max-logprobs"),
+    (["--max-logprobs", "21"], "--max-logprobs"),
     (["--port", "70000"], "--port"),
     (["--impl", "magic"], "--impl"),
     (["--model", "/no/such/model.gguf"], "--model"),
@@ -31,6 +33,19 @@ def test_bad_flags_are_one_line_and_status_2(capsys, argv, words):
   assert cli.main(["serve", *argv]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("hydragen serve: error: ") and words in err[0]
+
+
+def test_engine_flags_reach_the_engine_config():
+  import argparse
+
+  from models.bench import engine_flags
+  p = argparse.ArgumentParser()
+  engine_flags.add_engine_arguments(p)
+  args = p.parse_args(["--max-logprobs", "3", "--page-size", "8", "--no-cascade"])
+  engine_flags.check_engine_args(args)
+  config = engine_flags.engine_config(args)
+  assert (config.max_logprobs, config.page_size, config.cascade) == (3, 8, False)
+  assert engine_flags.engine_config(p.parse_args([])).max_logprobs == 20
 
 
 def test_serve_answers_then_drains_on_sigterm(tiny_dir):

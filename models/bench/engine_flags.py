@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import Optional
 
 from models.errors import UsageError
@@ -45,6 +46,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--no-cascade", action="store_true",
                  help="every sequence reads shared pages as its own (the paged baseline)")
   p.add_argument("--no-prefix-caching", action="store_true", help="no radix tree")
+  p.add_argument("--mesh", default=None,
+                 help="tensor parallel over devices: 'auto' (every device on the model axis) or "
+                 "1xM (M model shards); default: one device")
 
 
 def check_engine_args(args: argparse.Namespace) -> None:
@@ -60,8 +64,21 @@ def check_engine_args(args: argparse.Namespace) -> None:
   from jax_shared_attn.ops import IMPLS
   if args.impl not in IMPLS:
     raise UsageError(f"--impl {args.impl!r} is not one of {', '.join(IMPLS)}")
+  mesh_spec(args)
   if args.model is not None and not os.path.exists(args.model) and not _is_preset(args.model):
     raise UsageError(f"--model {args.model}: no such file or directory (nor a preset name)")
+
+
+def mesh_spec(args: argparse.Namespace):
+  """The engine's mesh of ``--mesh``: None, "auto" or ``(1, m)``; :class:`UsageError` for
+  anything else (the engine runs tensor parallel only: the data axis is 1)."""
+  if args.mesh is None or args.mesh == "auto":
+    return args.mesh
+  m = re.fullmatch(r"(\d+)x(\d+)", args.mesh)
+  if m is None or int(m.group(1)) != 1 or int(m.group(2)) < 1:
+    raise UsageError(f"--mesh must be 'auto' or 1xM (the engine runs tensor parallel over M "
+                     f"devices; its data axis is 1); got {args.mesh!r}")
+  return 1, int(m.group(2))
 
 
 def _is_preset(name: str) -> bool:
@@ -87,7 +104,8 @@ def loader(args: argparse.Namespace, name: Optional[str] = None):
     from models.serving import Engine
 
     model, tokenizer, served = load_model(args.model, args.dtype)
-    engine = Engine(model, tokenizer, engine_config(args), GenerationSettings(impl=args.impl))
+    engine = Engine(model, tokenizer, engine_config(args), GenerationSettings(impl=args.impl),
+                    mesh=mesh_spec(args))
     return engine, name or served
 
   return load

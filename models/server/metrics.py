@@ -48,6 +48,10 @@ class _EngineCollector:
       yield GaugeMetricFamily(f"{PREFIX}_{key}", text, value=float(stats[key]))
     for key, text in _COUNTERS.items():
       yield CounterMetricFamily(f"{PREFIX}_engine_{key}", text, value=float(stats[key]))
+    mesh = backend.engine.mesh
+    yield GaugeMetricFamily(f"{PREFIX}_model_shards", "devices the model is split over (tensor "
+                            "parallel, --mesh)", value=float(1 if mesh is None else
+                                                             mesh.shape["model"]))
 
 
 class Metrics:

@@ -27,6 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     (["--impl", "magic"], "--impl"),
     (["--model", "/no/such/model.gguf"], "--model"),
     (["--drain-timeout", "-1"], "--drain-timeout"),
+    (["--mesh", "2x2"], "--mesh"),
+    (["--mesh", "two"], "--mesh"),
     (["--bogus"], "--bogus"),
 ])
 def test_bad_flags_are_one_line_and_status_2(capsys, argv, words):
@@ -48,14 +50,17 @@ def test_engine_flags_reach_the_engine_config():
   assert engine_flags.engine_config(p.parse_args([])).max_logprobs == 20
 
 
-def test_serve_answers_then_drains_on_sigterm(tiny_dir):
+def test_serve_answers_on_a_mesh_then_drains_on_sigterm(tiny_dir):
+  """The served process runs tensor parallel over two CPU devices (``--mesh 1x2``)."""
   port = free_port()
   url = f"http://127.0.0.1:{port}"
   cmd = [sys.executable, "-m", "models.cli", "serve", "--model", tiny_dir, "--port", str(port),
          "--impl", "xla", "--dtype", "float32", "--page-size", "8", "--num-pages", "64",
-         "--max-running", "4", "--decode-steps", "2", "--log-level", "warning"]
+         "--max-running", "4", "--decode-steps", "2", "--log-level", "warning", "--mesh", "1x2"]
+  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
+                                    + " --xla_force_host_platform_device_count=2").strip())
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
+                          text=True, env=env)
   try:
     wait = threading.Event()
     for _ in range(3000):  # the port opens, then /health turns 200 once the model is loaded
@@ -68,6 +73,7 @@ def test_serve_answers_then_drains_on_sigterm(tiny_dir):
       wait.wait(0.05)
     (model,) = httpx.get(url + "/v1/models").json()["data"]
     assert model["id"] == os.path.basename(tiny_dir)
+    assert "hydragen_model_shards 2.0" in httpx.get(url + "/metrics").text
     body = dict(model=model["id"], prompt="drain me", max_tokens=200, temperature=0.0,
                 stream=True)
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:

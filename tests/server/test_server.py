@@ -395,6 +395,7 @@ def test_models_and_metrics(server, client):
   free = float(next(line.split()[1] for line in text.splitlines()
                     if line.startswith("hydragen_pages_free ")))
   assert free == engine_of(server).pool.num_free
+  assert "hydragen_model_shards 1.0" in text  # one device (the served mesh: test_cli_serve.py)
 
 
 # -- load and faults ----------------------------------------------------------------------------

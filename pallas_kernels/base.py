@@ -169,6 +169,38 @@ class ScoreMods:
     return s, visible, dcap
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelMods:
+  """The static half of a :class:`ScoreMods`, as a kernel body applies it (hashable, so a
+  kernel's partial and its lowering key on it): whether ALiBi slopes come as an operand, the
+  cap and the window."""
+
+  alibi: bool = False
+  softcap: Optional[float] = None
+  window: Optional[Tuple[int, int]] = None
+
+  @staticmethod
+  def of(mods: Optional[ScoreMods]) -> Optional["KernelMods"]:
+    """``mods``' static half, None without variants."""
+    if mods is None:
+      return None
+    return KernelMods(mods.alibi_slopes is not None, mods.softcap, mods.window)
+
+  def apply(self, s: Array, distance: Array, slopes: Optional[Array]) -> tuple[Array, Any]:
+    """:meth:`ScoreMods.apply` on a kernel's float32 tile ``s`` of scaled scores: the modified
+    scores and the window's mask (None without one)."""
+    mods = ScoreMods(alibi_slopes=slopes if self.alibi else None, softcap=self.softcap,
+                     window=self.window)
+    s, visible, _ = mods.apply(s, distance, slopes)
+    return s, visible
+
+  def key_bounds(self, first: Array, last: Array) -> Tuple[Array, Array]:
+    """The key positions ``[lo, hi)`` that the window lets queries at positions ``first ..
+    last`` (in the keys' coordinates) see; a kernel skips the key tiles outside them."""
+    left, right = self.window
+    return first - left, last + right + 1
+
+
 def part_offsets(parts, kv_lengths: Optional[Array], tq: int, b: int) -> list:
   """Per shared part of the decomposition, int32 ``[B]``: how many positions query 0 of each
   sequence sits after the part's key 0 (:attr:`ScoreMods.offset`).

@@ -33,7 +33,7 @@ B, TQ, HQ, HKV, D = 3, 2, 4, 2, 16
 A100, H100 = "NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3"
 # (slopes?, softcap, window, causal): the compositions, each one compiled program per test.
 ALIBI_WINDOW = (True, None, (3, 0), True)
-SOFTCAP_WINDOW = (False, 1.5, (2, 1), False)
+SOFTCAP_WINDOW = (False, 1.5, (5, 1), False)
 ALL_THREE = (True, 2.0, (4, 1), True)
 ALIBI_ONLY = (True, None, None, False)
 SOFTCAP_ONLY = (False, 0.8, None, True)
@@ -94,7 +94,7 @@ class TestInterpret:
   """Interpreted on a CPU; :class:`TestNative` runs the same tests compiled on a GPU."""
 
   interpret = True
-  examples = 3
+  examples = 10
 
   def setup_method(self):
     if not self.interpret and not HAS_GPU:
@@ -106,7 +106,7 @@ class TestInterpret:
     """A one-segment level (the prefix kernel), a level of three segments (the segment kernel)
     and the own keys (the suffix kernel merging both levels in its epilogue)."""
     alibi, softcap, window, causal = variant
-    p_cap, n_seg, t_seg, s_cap = 9, 3, 7, 6
+    p_cap, n_seg, t_seg, s_cap = 9, 3, 7, 4
 
     @functools.partial(small_jit, small=self.interpret)
     def run(q, levels, sk, sv, lens, slopes):

@@ -172,7 +172,7 @@ def _backward_kernels(family: str, backend: str, device: DeviceInfo, config) -> 
 
 # The kernel families whose kernels apply the score variants (ALiBi, soft-capping, windows).
 # The Mosaic GPU kernels (the Hopper prefix kernel, the one-kernel decode) do not.
-VARIANT_FAMILIES = ("xla", "triton")
+VARIANT_FAMILIES = ("xla", "triton", "tpu")
 
 
 def _variant_family(fn: str, impl: str, mods, platform: Optional[str],

@@ -201,6 +201,24 @@ class KernelMods:
     return first - left, last + right + 1
 
 
+def row_variants(mods: ScoreMods, b: int, tq: int, hq: int, hkv: int,
+                 offset: Optional[Array] = None) -> Tuple[Optional[Array], Optional[Array]]:
+  """``mods`` over the kernels' folded query rows (row ``(b, t, g)`` of KV head h, ``R = B *
+  Tq * G`` per head): each row's position, int32 ``[R]`` (query t of sequence b at ``offset[b]
+  + t`` in a shared part's key coordinates; None without ``offset`` or where no position is
+  needed), and each row's ALiBi slope, float32 ``[Hkv, R]`` (None without ALiBi)."""
+  g = hq // hkv
+  pos = slopes = None
+  if offset is not None and mods.positional:
+    pos = offset.astype(jnp.int32)[:, None] + jnp.arange(tq, dtype=jnp.int32)[None, :]
+    pos = jnp.repeat(pos.reshape(-1), g)
+  if mods.alibi_slopes is not None:
+    s = jnp.broadcast_to(mods.alibi_slopes.astype(jnp.float32).reshape(b, 1, hkv, g),
+                         (b, tq, hkv, g))
+    slopes = jnp.moveaxis(s, 2, 0).reshape(hkv, b * tq * g)
+  return pos, slopes
+
+
 def part_offsets(parts, kv_lengths: Optional[Array], tq: int, b: int) -> list:
   """Per shared part of the decomposition, int32 ``[B]``: how many positions query 0 of each
   sequence sits after the part's key 0 (:attr:`ScoreMods.offset`).

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.base import KernelMods, ScoreMods
+from pallas_kernels.base import KernelMods, ScoreMods, row_variants
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -186,16 +186,8 @@ def row_mods(mods: Optional[ScoreMods], b: int, tq: int, hq: int, hkv: int,
   the rows' positions (needed for ALiBi or a window)."""
   if mods is None:
     return None
-  kind = KernelMods.of(mods)
-  pos = slopes = None
-  if offset is not None and mods.positional:
-    pos = jnp.broadcast_to((offset.astype(jnp.int32)[:, None] + jnp.arange(tq, dtype=jnp.int32)
-                            )[:, :, None, None], (b, tq, hq, 1))
-    pos = fold_rows(pos, hkv)[0, :, 0]  # [R]: every KV head's rows sit at the same positions
-  if mods.alibi_slopes is not None:
-    s = jnp.broadcast_to(mods.alibi_slopes.astype(jnp.float32)[:, None, :, None], (b, tq, hq, 1))
-    slopes = fold_rows(s, hkv)[..., 0]  # [Hkv, R]
-  return RowMods(kind, pos, slopes)
+  pos, slopes = row_variants(mods, b, tq, hq, hkv, offset)
+  return RowMods(KernelMods.of(mods), pos, slopes)
 
 
 def check_positions(fn: str, mods: RowMods) -> None:

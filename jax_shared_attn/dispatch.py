@@ -194,7 +194,8 @@ def _variant_family(fn: str, impl: str, mods, platform: Optional[str],
   if impl == "auto":
     return "xla", (f"score variants ({names}): the {family} kernels lack them: the variants run "
                    f"on the XLA path")
-  kernels = " and ".join(f"the {f} kernels" for f in VARIANT_FAMILIES)
+  names_of = [f"the {f} kernels" for f in VARIANT_FAMILIES]
+  kernels = ", ".join(names_of[:-1]) + " and " + names_of[-1]
   raise ValueError(f"{fn}: {', '.join(mods.arguments())} run on {kernels} only; impl={impl!r} "
                    f"has no kernel for them: use impl='xla' or 'auto' (which plans them)")
 

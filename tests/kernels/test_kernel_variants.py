@@ -5,10 +5,12 @@ The oracle (written here, sharing no code with the library) concatenates each se
 context (its segments in level order, then its own keys), puts its queries at the context's last
 Tq positions and applies the formulas there: it sees no decomposition, so the positions each
 kernel is given, windows that hide whole levels (LSE -inf for that part) and the merges are all
-checked. Every test goes through the public API with ``impl="pallas:triton"``: interpreted on a
-CPU (``TestInterpret``), compiled on a CUDA GPU (``TestNative``, the same class, skipped
-elsewhere). Each test asserts, with ``explain``, that the path it means to check is the one
-planned. The shapes are fixed per test and the static choices few, so each test compiles one
+checked. Every test goes through the public API with ``impl="pallas:triton"``
+(``TestTritonInterpret``) or ``impl="pallas:tpu"`` (``TestTpuInterpret``), interpreted on a CPU;
+``TestTritonNative`` and ``TestTpuNative``, the same classes, run the compiled kernels on a CUDA
+GPU or a TPU (skipped elsewhere). The GPU tests assert, with ``explain``, that the path they
+mean to check is the one planned; ``test_tpu_kernels_with_variants_lower_to_mosaic`` lowers
+the TPU kernels with the variants for a TPU from the CPU. The shapes are fixed per test and the static choices few, so each test compiles one
 program and its hypothesis examples only draw values (lengths, trees, slopes).
 """
 
@@ -26,8 +28,7 @@ from jax_shared_attn import (PagedLevel, SharedLevel, attention_with_lse, explai
 from jax_shared_attn.testing import check_attention
 from strategies import SEEDS, count_case, lengths, rand, small_jit
 
-HAS_GPU = jax.default_backend() == "gpu"
-IMPL = "pallas:triton"
+BACKEND = jax.default_backend()
 SCALE = 0.4
 B, TQ, HQ, HKV, D = 3, 2, 4, 2, 16
 A100, H100 = "NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3"
@@ -90,28 +91,38 @@ def variant_kw(softcap, window):
   return dict(softcap=softcap, local_window_size=window)
 
 
-class TestInterpret:
-  """Interpreted on a CPU; :class:`TestNative` runs the same tests compiled on a GPU."""
+class TestTritonInterpret:
+  """The Triton kernels interpreted on a CPU; :class:`TestTritonNative` runs the same tests
+  compiled on a GPU."""
 
+  impl = "pallas:triton"
+  native_backend = "gpu"
   interpret = True
   examples = 10
+  # The compositions each test runs here (each is one more compiled program).
+  variants = {"tree": (ALIBI_WINDOW, SOFTCAP_WINDOW), "suffix": (ALIBI_ONLY, SOFTCAP_ONLY)}
 
   def setup_method(self):
-    if not self.interpret and not HAS_GPU:
-      pytest.skip("needs a CUDA GPU")
+    if not self.interpret and BACKEND != self.native_backend:
+      pytest.skip(f"needs a {self.native_backend.upper()}")
+
+  def only(self, test: str, variant) -> None:
+    if variant not in self.variants[test]:
+      pytest.skip(f"{self.impl}: this composition is checked on the other family")
 
   @pytest.mark.parametrize("variant", [ALIBI_WINDOW, SOFTCAP_WINDOW],
                            ids=["alibi+window", "softcap+window"])
   def test_tree_prefix_segment_suffix(self, variant):
     """A one-segment level (the prefix kernel), a level of three segments (the segment kernel)
     and the own keys (the suffix kernel merging both levels in its epilogue)."""
+    self.only("tree", variant)
     alibi, softcap, window, causal = variant
     p_cap, n_seg, t_seg, s_cap = 9, 3, 7, 4
 
     @functools.partial(small_jit, small=self.interpret)
     def run(q, levels, sk, sv, lens, slopes):
       return hierarchical_attention(q, levels, sk, sv, suffix_lengths=lens, causal=causal,
-                                    scale=SCALE, impl=IMPL, return_lse=True, alibi_slopes=slopes,
+                                    scale=SCALE, impl=self.impl, return_lse=True, alibi_slopes=slopes,
                                     **variant_kw(softcap, window))
 
     @settings(max_examples=self.examples, deadline=None)
@@ -134,9 +145,11 @@ class TestInterpret:
       levels = [SharedLevel(pk, pv, jnp.asarray(p_len), jnp.zeros((B,), jnp.int32)),
                 SharedLevel(segk, segv, jnp.asarray(seg_len), jnp.asarray(nodes))]
       plan = explain(hierarchical_attention, q, levels, sk, sv, suffix_lengths=jnp.asarray(own),
-                     causal=causal, impl=IMPL, alibi_slopes=slopes, **variant_kw(softcap, window))
-      assert plan.backend.path == "split" and plan.backend.prefixes[0].kernel == "triton"
-      assert plan.backend.segments[1] is not None and plan.backward == "xla", plan
+                     causal=causal, impl=self.impl, alibi_slopes=slopes, **variant_kw(softcap, window))
+      assert plan.impl == self.impl and plan.backward == "xla", plan
+      if self.impl == "pallas:triton":
+        assert plan.backend.path == "split" and plan.backend.prefixes[0].kernel == "triton"
+        assert plan.backend.segments[1] is not None, plan
       out, lse = run(q, levels, sk, sv, jnp.asarray(own), slopes)
 
       def ctx(x0, x1, x2, i):
@@ -154,13 +167,15 @@ class TestInterpret:
   @pytest.mark.parametrize("variant", [ALL_THREE], ids=["alibi+softcap+window"])
   def test_flat(self, variant):
     """Few sequences: shared then own keys in the one flat kernel (slopes ``[Hq]``)."""
+    if self.impl != "pallas:triton":
+      pytest.skip("the flat kernel is the Triton family's")
     alibi, softcap, window, causal = variant
     p_cap, s_cap = 8, 5
 
     @functools.partial(small_jit, small=self.interpret)
     def run(q, pk, pv, sk, sv, p_len, lens, slopes):
       return shared_prefix_attention(q, pk, pv, sk, sv, prefix_length=p_len,
-                                     suffix_lengths=lens, causal=causal, scale=SCALE, impl=IMPL,
+                                     suffix_lengths=lens, causal=causal, scale=SCALE, impl=self.impl,
                                      return_lse=True, alibi_slopes=slopes,
                                      **variant_kw(softcap, window))
 
@@ -179,9 +194,9 @@ class TestInterpret:
       slopes, slopes64 = draw_slopes(rng, alibi, per_seq=False)
       args = (q, pk, pv, sk, sv)
       plan = explain(shared_prefix_attention, *args, prefix_length=jnp.int32(p_len),
-                     suffix_lengths=jnp.asarray(own), causal=causal, impl=IMPL,
+                     suffix_lengths=jnp.asarray(own), causal=causal, impl=self.impl,
                      alibi_slopes=slopes, **variant_kw(softcap, window))
-      assert plan.backend.path == "flat", plan
+      assert plan.impl == self.impl and plan.backend.path == "flat", plan
       out, lse = run(*args, jnp.int32(p_len), jnp.asarray(own), slopes)
       ref = oracle(q64, [np.concatenate([pk64[:p_len], sk64[i, :own[i]]]) for i in range(B)],
                    [np.concatenate([pv64[:p_len], sv64[i, :own[i]]]) for i in range(B)], own,
@@ -193,14 +208,15 @@ class TestInterpret:
   @pytest.mark.parametrize("variant", [ALL_THREE], ids=["alibi+softcap+window"])
   def test_paged(self, variant):
     """Page pools: a one-segment level (gathered for the prefix kernel), a level of two
-    segments and the own keys read in place (the segment and suffix kernels)."""
+    segments and the own keys read in place (the segment and suffix kernels; the TPU kernels
+    run on the gathered pages)."""
     alibi, softcap, window, causal = variant
     page, pages, width = 2, 20, 3  # up to 6 keys per segment and per sequence
 
     @functools.partial(small_jit, small=self.interpret)
     def run(q, kp, vp, table, lens, levels, slopes):
       return paged_attention(q, kp, vp, table, lens, levels=levels, causal=causal, scale=SCALE,
-                             impl=IMPL, return_lse=True, alibi_slopes=slopes,
+                             impl=self.impl, return_lse=True, alibi_slopes=slopes,
                              **variant_kw(softcap, window))
 
     @settings(max_examples=self.examples, deadline=None)
@@ -224,8 +240,10 @@ class TestInterpret:
                            jnp.asarray(nodes1))]
       table = jnp.asarray(tables[2], jnp.int32)
       plan = explain(paged_attention, q, kp, vp, table, jnp.asarray(own), levels=levels,
-                     causal=causal, impl=IMPL, alibi_slopes=slopes, **variant_kw(softcap, window))
-      assert plan.backend.path == "paged" and plan.backend.segments[1] is not None, plan
+                     causal=causal, impl=self.impl, alibi_slopes=slopes, **variant_kw(softcap, window))
+      assert plan.impl == self.impl, plan
+      if self.impl == "pallas:triton":
+        assert plan.backend.path == "paged" and plan.backend.segments[1] is not None, plan
       out, lse = run(q, kp, vp, table, jnp.asarray(own), levels, slopes)
 
       def tokens(pool, row, n):
@@ -246,12 +264,13 @@ class TestInterpret:
   @pytest.mark.parametrize("variant", [ALIBI_ONLY, SOFTCAP_ONLY], ids=["alibi", "softcap"])
   def test_suffix_alone(self, variant):
     """No shared part (``attention_with_lse``): the suffix kernel alone, each variant alone."""
+    self.only("suffix", variant)
     alibi, softcap, window, causal = variant
     s_cap = 7
 
     @functools.partial(small_jit, small=self.interpret)
     def run(q, k, v, lens, slopes):
-      return attention_with_lse(q, k, v, kv_lengths=lens, causal=causal, scale=SCALE, impl=IMPL,
+      return attention_with_lse(q, k, v, kv_lengths=lens, causal=causal, scale=SCALE, impl=self.impl,
                                 alibi_slopes=slopes, **variant_kw(softcap, window))
 
     @settings(max_examples=self.examples, deadline=None)
@@ -282,7 +301,7 @@ class TestInterpret:
     own = np.array([5, 0, 3], np.int32)  # sequence 1: its queries sit on the prefix's last keys
     window = (1, 0)
     out, lse = shared_prefix_attention(q, pk, pk, sk, sk, suffix_lengths=jnp.asarray(own),
-                                       causal=True, scale=SCALE, impl=IMPL, return_lse=True,
+                                       causal=True, scale=SCALE, impl=self.impl, return_lse=True,
                                        local_window_size=window)
     ref = oracle(q64, [np.concatenate([pk64, sk64[i, :own[i]]]) for i in range(B)],
                  [np.concatenate([pk64, sk64[i, :own[i]]]) for i in range(B)], own, True, SCALE,
@@ -291,7 +310,7 @@ class TestInterpret:
     # and with no shared keys in reach and no own key, nothing at all: (0, -inf)
     own = np.array([0, 1, 5], np.int32)
     out, lse = attention_with_lse(q, sk, sk, kv_lengths=jnp.asarray(own), causal=False,
-                                  scale=SCALE, impl=IMPL, local_window_size=(0, 0))
+                                  scale=SCALE, impl=self.impl, local_window_size=(0, 0))
     ref = oracle(q64, [sk64[i, :own[i]] for i in range(B)], [sk64[i, :own[i]] for i in range(B)],
                  own, False, SCALE, None, None, (0, 0))
     check_attention(out, lse, *ref, "float32")
@@ -304,6 +323,8 @@ class TestInterpret:
     """``jax.grad`` of a Triton forward with variants: the XLA backward, from the kernels'
     out and LSE, equals the gradient of the all-XLA call (itself checked against the float64
     oracle's gradient in tests/attention/test_variants.py)."""
+    if self.impl != "pallas:triton":
+      pytest.skip("the backward route is the same for every family: checked once")
     rng = np.random.default_rng(11)
     q, _ = rand(rng, (2, TQ, HQ, D), "float32")
     pk, _ = rand(rng, (6, HKV, D), "float32")
@@ -319,15 +340,31 @@ class TestInterpret:
 
     grads = {impl: small_jit(jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3)),
                              small=self.interpret)(q, pk, sk, slopes)
-             for impl in (IMPL, "xla")}
-    for got, want in zip(grads[IMPL], grads["xla"]):
+             for impl in (self.impl, "xla")}
+    for got, want in zip(grads[self.impl], grads["xla"]):
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.gpu
-class TestNative(TestInterpret):
+class TestTritonNative(TestTritonInterpret):
   interpret = False
   examples = 6
+
+
+class TestTpuInterpret(TestTritonInterpret):
+  """The TPU kernels interpreted on a CPU (fewer compositions: the kernels' variant code is
+  one function, :func:`pallas_kernels.tpu.common.update_state`); :class:`TestTpuNative` runs
+  them compiled on a TPU."""
+
+  impl = "pallas:tpu"
+  native_backend = "tpu"
+  variants = {"tree": (ALIBI_WINDOW,), "suffix": (SOFTCAP_ONLY,)}
+
+
+class TestTpuNative(TestTpuInterpret):
+  interpret = False
+  examples = 6
+  variants = TestTritonInterpret.variants
 
 
 def _shapes(b=2, tq=1, hq=8, hkv=1, d=128, p=256, s=128):
@@ -366,15 +403,40 @@ def test_pallas_on_hopper_and_triton_explicit_plan_triton():
     assert plan.impl == "pallas:triton" and plan.backward == "xla", plan
 
 
-def test_kernels_without_variants_raise_or_fall_back_to_xla():
-  """The Mosaic GPU kernels and (for now) the TPU kernels lack the variants: an explicit impl
-  raises naming them; ``auto`` on a TPU plans the XLA path."""
-  for impl in ("pallas:mosaic_gpu", "pallas:tpu"):
-    with pytest.raises(ValueError, match=rf"softcap, local_window_size run on the xla kernels "
-                                         rf"and the triton kernels only; impl='{impl}'"):
-      explain(shared_prefix_attention, *_shapes(), platform="cpu", impl=impl, softcap=30.0,
-              local_window_size=4)
+def test_mosaic_gpu_raises_and_tpu_plans_its_kernels():
+  """The Mosaic GPU kernels lack the variants: the explicit impl raises naming them. On a TPU
+  ``auto`` plans the TPU kernels, with the XLA backward."""
+  with pytest.raises(ValueError, match=r"softcap, local_window_size run on the xla kernels, the "
+                                       r"triton kernels and the tpu kernels only; "
+                                       r"impl='pallas:mosaic_gpu'"):
+    explain(shared_prefix_attention, *_shapes(), platform="cpu", impl="pallas:mosaic_gpu",
+            softcap=30.0, local_window_size=4)
   plan = explain(shared_prefix_attention, *_shapes(), platform="tpu", device_kind="TPU v5 lite",
                  softcap=30.0)
-  assert plan.impl == "xla", plan
-  assert "the tpu kernels lack them: the variants run on the XLA path" in str(plan)
+  assert plan.impl == "pallas:tpu" and plan.backward == "xla", plan
+  assert "score variants (softcap=30.0): the tpu kernels apply them" in str(plan), plan
+
+
+@pytest.mark.parametrize("case", [
+    (8, 1, 8, 2, 128, 1000, 100, 3, 77, "bfloat16", dict(softcap=30.0, local_window_size=(200, 0))),
+    (3, 4, 6, 2, 80, 77, 61, 5, 33, "float32", dict(local_window_size=(20, 3))),
+])
+def test_tpu_kernels_with_variants_lower_to_mosaic(case):
+  """The TPU kernels with ALiBi (and a cap or a window) lower to Mosaic for a TPU from this
+  machine: decoding in bfloat16 (128-key chunks) and prefill in float32 (chunks that are not
+  a multiple of 128 lanes: the lane-sliced rows)."""
+  b, tq, hq, hkv, d, p, s, n, t, dtype, kw = case
+  f = jax.ShapeDtypeStruct
+
+  def fn(q, pk, lk, lens, nodes, sk, slen, slopes):
+    levels = [SharedLevel(pk, pk, jnp.full((1,), p, jnp.int32), jnp.zeros((b,), jnp.int32)),
+              SharedLevel(lk, lk, lens, nodes)]
+    return hierarchical_attention(q, levels, sk, sk, suffix_lengths=slen, causal=tq > 1,
+                                  impl="pallas:tpu", alibi_slopes=slopes, **kw)
+
+  args = (f((b, tq, hq, d), dtype), f((1, p, hkv, d), dtype), f((n, t, hkv, d), dtype),
+          f((n,), jnp.int32), f((b,), jnp.int32), f((b, s, hkv, d), dtype), f((b,), jnp.int32),
+          f((b, hq), jnp.float32))
+  text = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
+  assert "callback" not in text  # no interpreter branch in the TPU program
+  assert text.count("tpu_custom_call") == 3, text.count("tpu_custom_call")

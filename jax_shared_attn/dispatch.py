@@ -178,10 +178,9 @@ VARIANT_FAMILIES = ("xla", "triton", "tpu")
 def _variant_family(fn: str, impl: str, mods, platform: Optional[str],
                     device_kind: Optional[str]) -> tuple[str, str]:
   """The family that runs a call with score variants (``mods``, a
-  :class:`pallas_kernels.base.ScoreMods`) and why: ``impl``'s own where its kernels apply them;
-  for "auto" and "pallas" on a GPU the Triton kernels (Hopper's Mosaic GPU kernels lack them),
-  for "auto" elsewhere XLA where the platform's kernels lack them; an explicit ``impl``
-  without them is an error naming the variants."""
+  :class:`pallas_kernels.base.ScoreMods`) and why: ``impl``'s own where its kernels apply them
+  (:data:`VARIANT_FAMILIES`); for "auto" and "pallas" on Hopper the Triton kernels (the Mosaic
+  GPU kernels lack them); ``impl="pallas:mosaic_gpu"`` is an error naming the variants."""
   family = choose_family(impl, fn, platform, device_kind)
   names = mods.describe()
   if family == "xla":
@@ -191,9 +190,6 @@ def _variant_family(fn: str, impl: str, mods, platform: Optional[str],
   if family == "mosaic_gpu" and impl in ("auto", "pallas"):
     return "triton", (f"score variants ({names}): the Mosaic GPU kernels lack them, the Triton "
                       f"kernels apply them")
-  if impl == "auto":
-    return "xla", (f"score variants ({names}): the {family} kernels lack them: the variants run "
-                   f"on the XLA path")
   names_of = [f"the {f} kernels" for f in VARIANT_FAMILIES]
   kernels = ", ".join(names_of[:-1]) + " and " + names_of[-1]
   raise ValueError(f"{fn}: {', '.join(mods.arguments())} run on {kernels} only; impl={impl!r} "
@@ -213,8 +209,8 @@ def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
 
   ``mods``: the call's score variants (a :class:`pallas_kernels.base.ScoreMods`, None: none):
   they run where the kernels apply them (:data:`VARIANT_FAMILIES`): ``impl="auto"`` plans the
-  Triton kernels on a GPU (Hopper included) and the XLA path where the platform's kernels lack
-  them; an explicit ``impl`` without them is an error. Their backward is the XLA one."""
+  Triton kernels on a GPU (Hopper included), the TPU kernels on a TPU, XLA on a CPU;
+  ``impl="pallas:mosaic_gpu"`` is an error. Their backward is the XLA one."""
   backend = _platform(fn, platform)
   why_variants = None
   if mods is not None:

@@ -471,8 +471,8 @@ class AttentionOps(NamedTuple):
   node_of_seq)``, to keep intermediates in its own layout and fuse merges.
   The differentiable ops the public API builds also take ``need_lse`` (static) on
   ``shared_attention`` and ``suffix_attention``: False returns ``(out, None)``.
-  Only the reference primitives and the "xla" family take ``mods`` (a :class:`ScoreMods`): the
-  score variants run on those paths alone.
+  The reference primitives, the "xla" family and the Triton and TPU families take ``mods`` (a
+  :class:`ScoreMods`, the score variants); the Mosaic GPU kernels do not.
 
   ``paged_attention`` (optional, forward only): the decomposition over page pools, with
   :func:`paged_attention`'s signature (without ``ops``); None: the pages are gathered and the

@@ -112,8 +112,9 @@ def attention_with_lse(q: Array, k: Array, v: Array, *, kv_lengths: Optional[Arr
       ``sliding_window`` W (Mistral, Gemma 2: key j visible iff ``i - j < W``) is
       ``(W - 1, 0)`` with ``causal=True``.
 
-    A call with any of the three runs on the XLA path (``impl="auto"`` plans it; a Pallas
-    ``impl`` is an error).
+    A call with any of the three runs on the XLA path, the Triton or the TPU kernels
+    (``impl="auto"`` plans the Triton kernels on a GPU, Hopper included, the TPU kernels on a
+    TPU); ``impl="pallas:mosaic_gpu"`` is an error. Their backward is the XLA one.
 
   Returns:
     ``out [B, Tq, Hq, D]`` in q's dtype and float32 ``lse [B, Tq, Hq]``,
@@ -384,7 +385,8 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array,
     causal, scale, impl, return_lse, config: as in :func:`shared_prefix_attention`.
     alibi_slopes, softcap, local_window_size: score variants, as in
       :func:`hierarchical_attention` (positions in each sequence's context: its segments in
-      level order, then its own keys); they run on the XLA path (the pages gathered).
+      level order, then its own keys); they run on the XLA path or the TPU kernels (the pages
+      gathered) or the Triton kernels (the pages read in place).
 
   Page ids are not range-checked inside a traced program (an id outside ``[0, pages)`` reads
   clamped rows); concrete tables are checked.

@@ -170,15 +170,30 @@ def _backward_kernels(family: str, backend: str, device: DeviceInfo, config) -> 
   return "cudnn", "backward: cuDNN's attention backward where a part qualifies, else Triton"
 
 
-def _variant_family(fn: str, impl: str, mods) -> None:
-  """A call with score variants (``mods``, a :class:`pallas_kernels.base.ScoreMods`) runs on the
-  XLA path: ``impl`` must be "auto" or "xla" (the Pallas kernels do not apply them)."""
-  if not isinstance(impl, str) or impl not in IMPLS:
-    choose_family(impl, fn)  # the usual error for an unknown impl
-  if impl not in ("auto", "xla"):
-    names = ", ".join(mods.arguments())
-    raise ValueError(f"{fn}: {names} run on the XLA path only; impl={impl!r} has no Pallas "
-                     f"kernel for them: use impl='xla' (or 'auto', which plans it)")
+# The kernel families whose kernels apply the score variants (ALiBi, soft-capping, windows).
+# The Mosaic GPU kernels (the Hopper prefix kernel, the one-kernel decode) do not.
+VARIANT_FAMILIES = ("xla", "triton", "tpu")
+
+
+def _variant_family(fn: str, impl: str, mods, platform: Optional[str],
+                    device_kind: Optional[str]) -> tuple[str, str]:
+  """The family that runs a call with score variants (``mods``, a
+  :class:`pallas_kernels.base.ScoreMods`) and why: ``impl``'s own where its kernels apply them
+  (:data:`VARIANT_FAMILIES`); for "auto" and "pallas" on Hopper the Triton kernels (the Mosaic
+  GPU kernels lack them); ``impl="pallas:mosaic_gpu"`` is an error naming the variants."""
+  family = choose_family(impl, fn, platform, device_kind)
+  names = mods.describe()
+  if family == "xla":
+    return family, f"score variants ({names}): the variants run on the XLA path"
+  if family in VARIANT_FAMILIES:
+    return family, f"score variants ({names}): the {family} kernels apply them"
+  if family == "mosaic_gpu" and impl in ("auto", "pallas"):
+    return "triton", (f"score variants ({names}): the Mosaic GPU kernels lack them, the Triton "
+                      f"kernels apply them")
+  names_of = [f"the {f} kernels" for f in VARIANT_FAMILIES]
+  kernels = ", ".join(names_of[:-1]) + " and " + names_of[-1]
+  raise ValueError(f"{fn}: {', '.join(mods.arguments())} run on {kernels} only; impl={impl!r} "
+                   f"has no kernel for them: use impl='xla' or 'auto' (which plans them)")
 
 
 def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
@@ -193,12 +208,13 @@ def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
   segment_of_seq)``.
 
   ``mods``: the call's score variants (a :class:`pallas_kernels.base.ScoreMods`, None: none):
-  they run on the XLA path on every backend (``impl="auto"`` plans it; a Pallas ``impl`` is an
-  error)."""
+  they run where the kernels apply them (:data:`VARIANT_FAMILIES`): ``impl="auto"`` plans the
+  Triton kernels on a GPU (Hopper included), the TPU kernels on a TPU, XLA on a CPU;
+  ``impl="pallas:mosaic_gpu"`` is an error. Their backward is the XLA one."""
   backend = _platform(fn, platform)
+  why_variants = None
   if mods is not None:
-    _variant_family(fn, impl, mods)
-    family = "xla"
+    family, why_variants = _variant_family(fn, impl, mods, platform, device_kind)
   else:
     family = choose_family(impl, fn, platform, device_kind)
   check_config(fn, family, config)
@@ -208,9 +224,8 @@ def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
     from pallas_kernels.xla import XlaConfig
     tiles = config if isinstance(config, XlaConfig) else XlaConfig()
     why = (f"{why_impl}: pure JAX (XLA)",)
-    if mods is not None:
-      why += (f"score variants ({mods.describe()}): the variants run on the XLA path"
-              + ("" if paged else ", forward and backward"),)
+    if why_variants is not None:
+      why += (why_variants + ("" if paged else ", forward and backward"),)
     why += (f"forward: online softmax over tiles of {tiles.block_rows} query tokens x "
             f"{tiles.block_keys} keys ({tiles})",)
     if paged:
@@ -219,6 +234,8 @@ def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
                 backward="none" if paged else "xla")
   name = f"pallas:{family}"
   reasons = [f"{why_impl}: the {name} kernels"]
+  if why_variants is not None:
+    reasons.append(why_variants)
   native = {"triton": "gpu", "mosaic_gpu": "gpu", "tpu": "tpu"}[family]
   device = DeviceInfo.for_target(native, device_kind if backend == native else None)
   if backend != native:
@@ -248,6 +265,10 @@ def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
   if paged:
     return Plan(fn, name, backend, device, bplan, "none", None,
                 tuple(reasons) + tuple(bplan.reasons) + ("forward only (no backward)",))
+  if mods is not None:  # the XLA backward recomputes the modified scores
+    return Plan(fn, name, backend, device, bplan, "xla", None,
+                tuple(reasons) + tuple(bplan.reasons)
+                + ("backward: the XLA kernels (score variants)",))
   backward, why_backward = _backward_kernels(family, backend, device, config)
   if family == "tpu":
     from pallas_kernels.tpu import tuned as tpu_tuned

@@ -169,6 +169,56 @@ class ScoreMods:
     return s, visible, dcap
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelMods:
+  """The static half of a :class:`ScoreMods`, as a kernel body applies it (hashable, so a
+  kernel's partial and its lowering key on it): whether ALiBi slopes come as an operand, the
+  cap and the window."""
+
+  alibi: bool = False
+  softcap: Optional[float] = None
+  window: Optional[Tuple[int, int]] = None
+
+  @staticmethod
+  def of(mods: Optional[ScoreMods]) -> Optional["KernelMods"]:
+    """``mods``' static half, None without variants."""
+    if mods is None:
+      return None
+    return KernelMods(mods.alibi_slopes is not None, mods.softcap, mods.window)
+
+  def apply(self, s: Array, distance: Array, slopes: Optional[Array]) -> tuple[Array, Any]:
+    """:meth:`ScoreMods.apply` on a kernel's float32 tile ``s`` of scaled scores: the modified
+    scores and the window's mask (None without one)."""
+    mods = ScoreMods(alibi_slopes=slopes if self.alibi else None, softcap=self.softcap,
+                     window=self.window)
+    s, visible, _ = mods.apply(s, distance, slopes)
+    return s, visible
+
+  def key_bounds(self, first: Array, last: Array) -> Tuple[Array, Array]:
+    """The key positions ``[lo, hi)`` that the window lets queries at positions ``first ..
+    last`` (in the keys' coordinates) see; a kernel skips the key tiles outside them."""
+    left, right = self.window
+    return first - left, last + right + 1
+
+
+def row_variants(mods: ScoreMods, b: int, tq: int, hq: int, hkv: int,
+                 offset: Optional[Array] = None) -> Tuple[Optional[Array], Optional[Array]]:
+  """``mods`` over the kernels' folded query rows (row ``(b, t, g)`` of KV head h, ``R = B *
+  Tq * G`` per head): each row's position, int32 ``[R]`` (query t of sequence b at ``offset[b]
+  + t`` in a shared part's key coordinates; None without ``offset`` or where no position is
+  needed), and each row's ALiBi slope, float32 ``[Hkv, R]`` (None without ALiBi)."""
+  g = hq // hkv
+  pos = slopes = None
+  if offset is not None and mods.positional:
+    pos = offset.astype(jnp.int32)[:, None] + jnp.arange(tq, dtype=jnp.int32)[None, :]
+    pos = jnp.repeat(pos.reshape(-1), g)
+  if mods.alibi_slopes is not None:
+    s = jnp.broadcast_to(mods.alibi_slopes.astype(jnp.float32).reshape(b, 1, hkv, g),
+                         (b, tq, hkv, g))
+    slopes = jnp.moveaxis(s, 2, 0).reshape(hkv, b * tq * g)
+  return pos, slopes
+
+
 def part_offsets(parts, kv_lengths: Optional[Array], tq: int, b: int) -> list:
   """Per shared part of the decomposition, int32 ``[B]``: how many positions query 0 of each
   sequence sits after the part's key 0 (:attr:`ScoreMods.offset`).
@@ -421,8 +471,8 @@ class AttentionOps(NamedTuple):
   node_of_seq)``, to keep intermediates in its own layout and fuse merges.
   The differentiable ops the public API builds also take ``need_lse`` (static) on
   ``shared_attention`` and ``suffix_attention``: False returns ``(out, None)``.
-  Only the reference primitives and the "xla" family take ``mods`` (a :class:`ScoreMods`): the
-  score variants run on those paths alone.
+  The reference primitives, the "xla" family and the Triton and TPU families take ``mods`` (a
+  :class:`ScoreMods`, the score variants); the Mosaic GPU kernels do not.
 
   ``paged_attention`` (optional, forward only): the decomposition over page pools, with
   :func:`paged_attention`'s signature (without ``ops``); None: the pages are gathered and the

@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.base import KernelMods, ScoreMods, row_variants
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -163,3 +165,41 @@ def finalize(acc, m, l):
   out = acc / jnp.where(has, l, 1.0)[:, None]
   lse = jnp.where(has, (m + jnp.log2(jnp.where(has, l, 1.0))) * LN2, -jnp.inf)
   return out, lse
+
+
+class RowMods(NamedTuple):
+  """Score variants for a kernel over folded query rows (:func:`fold_rows`): the static
+  ``kind`` (a :class:`pallas_kernels.base.KernelMods`), each row's position ``pos`` (int32
+  ``[R]``, in the keys' coordinates: query ``t`` of sequence b at ``offset[b] + t``; None
+  where the kernel computes positions itself or none is needed) and each row's ALiBi slope
+  ``slopes`` (float32 ``[Hkv, R]``, None without ALiBi)."""
+
+  kind: KernelMods
+  pos: Any = None
+  slopes: Any = None
+
+
+def row_mods(mods: Optional[ScoreMods], b: int, tq: int, hq: int, hkv: int,
+             offset: Any = None) -> Optional[RowMods]:
+  """``mods`` (slopes ``[B, Hq]``) over the rows of ``fold_rows(q [B, Tq, Hq, D], hkv)``;
+  ``offset`` (int32 ``[B]``): a shared part's :func:`pallas_kernels.base.part_offsets`, giving
+  the rows' positions (needed for ALiBi or a window)."""
+  if mods is None:
+    return None
+  pos, slopes = row_variants(mods, b, tq, hq, hkv, offset)
+  return RowMods(KernelMods.of(mods), pos, slopes)
+
+
+def check_positions(fn: str, mods: RowMods) -> None:
+  """A shared part's kernel needs its rows' positions for ALiBi or a window."""
+  if (mods.kind.alibi or mods.kind.window is not None) and mods.pos is None:
+    raise ValueError(f"{fn}: ALiBi or a window needs the rows' positions (row_mods with the "
+                     f"part's offset, pallas_kernels.base.part_offsets)")
+
+
+def modified_scores(s, kind: KernelMods, distance, slopes):
+  """Float32 scaled scores ``s [M, N]`` (natural-log units) with the variants applied, in base
+  2 (what :func:`online_softmax_step` takes), keys outside the window at ``-inf``."""
+  s, visible = kind.apply(s, distance, None if slopes is None else slopes[:, None])
+  s = s * LOG2E
+  return s if visible is None else jnp.where(visible, s, -jnp.inf)

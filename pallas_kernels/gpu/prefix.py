@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.base import KernelMods
 from pallas_kernels.base import prefix_attention as prefix_attention_reference  # noqa: F401  (the reference of this kernel)
 from pallas_kernels.device import DeviceInfo
 from pallas_kernels.gpu import common, tuned
@@ -57,16 +58,28 @@ def default_config(rows: int, kv_heads: int, prefix: int, head_dim: int, *, devi
   return PrefixConfig(block_m, block_n, splits, num_warps=t.num_warps, num_stages=stages)
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, head_dim: int,
-            block_n: int, keys_per_split: int):
-  # len_ref: [1] int32; q_ref: [block_m, Dp]; k_ref/v_ref: [P, Dp]; o_ref: [block_m, Dp];
-  # lse_ref: [block_m]
+def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, block_n: int,
+            keys_per_split: int, mods: KernelMods | None = None):
+  # len_ref: [1] int32; q_ref: [block_m, Dp]; k_ref/v_ref: [P, Dp]; with ``mods``: the rows'
+  # positions [block_m] (ALiBi or a window), then their slopes [block_m] (ALiBi); o_ref:
+  # [block_m, Dp]; lse_ref: [block_m]
+  o_ref, lse_ref = refs[-2:]
   split = pl.program_id(1)
   dp = q_ref.shape[-1]
   d_mask = (jnp.arange(dp) < head_dim)[None, :] if dp != head_dim else None
   kv_len = len_ref[0]
   lo = split * keys_per_split
   hi = jnp.minimum(lo + keys_per_split, kv_len)
+  pos = slopes = None
+  if mods is not None:
+    extra = list(refs[:-2])
+    if mods.window is not None or mods.alibi:
+      pos = extra.pop(0)[...]
+    if mods.alibi:
+      slopes = extra.pop(0)[...]
+    if mods.window is not None:  # only the keys some row's window reaches
+      first, last = mods.key_bounds(jnp.min(pos), jnp.max(pos))
+      lo, hi = jnp.maximum(lo, first), jnp.minimum(hi, last)
   n_keys = jnp.maximum(hi - lo, 0)
   q = common.load(q_ref, d_mask)
   qk_scale = scale * common.LOG2E  # scores in base 2 (exp2 is the hardware op)
@@ -79,10 +92,16 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, head_
       kv_mask = d_mask if kv_mask is None else kv_mask & d_mask
     k = common.load(k_ref.at[pl.ds(start, block_n), :], kv_mask)
     v = common.load(v_ref.at[pl.ds(start, block_n), :], kv_mask)
-    s = common.dot(q, k, trans_b=True) * qk_scale
+    if mods is None:
+      s = common.dot(q, k, trans_b=True) * qk_scale
+    else:
+      dist = None if pos is None else pos[:, None] - keys[None, :]
+      s = common.modified_scores(common.dot(q, k, trans_b=True) * scale, mods, dist, slopes)
     if masked:
       s = jnp.where((keys < hi)[None, :], s, -jnp.inf)
-    return common.online_softmax_step(carry, s, v, masked_s=False)
+    # A window can hide a whole step from some rows: their scores are all -inf.
+    masked_s = mods is not None and mods.window is not None
+    return common.online_softmax_step(carry, s, v, masked_s=masked_s)
 
   bm = q_ref.shape[0]
   carry = (jnp.zeros((bm, dp), jnp.float32), jnp.full((bm,), -jnp.inf, jnp.float32),
@@ -96,13 +115,17 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, head_
   lse_ref[...] = lse
 
 
-def _call(kv_length, q_rows, k, v, *, scale, cfg: PrefixConfig, head_dim: int, interpret: bool):
+def _call(kv_length, q_rows, k, v, *row_args, scale, cfg: PrefixConfig, head_dim: int,
+          interpret: bool, mods: KernelMods | None = None):
+  # row_args: with ``mods``, the rows' positions [R] and/or slopes [Hkv, R] (R padded as q_rows)
   hkv, r, dp = q_rows.shape  # r: a multiple of block_m; dp: a power of two
   p = k.shape[0]
   keys_per_split = pl.cdiv(pl.cdiv(p, cfg.splits), cfg.block_n) * cfg.block_n
   grid = (pl.cdiv(r, cfg.block_m), cfg.splits, hkv)
   kernel = functools.partial(_kernel, scale=scale, head_dim=head_dim, block_n=cfg.block_n,
-                             keys_per_split=keys_per_split)
+                             keys_per_split=keys_per_split, mods=mods)
+  row_specs = [pl.BlockSpec((cfg.block_m,), lambda i, s, h: (i,)) if x.ndim == 1 else
+               pl.BlockSpec((None, cfg.block_m), lambda i, s, h: (h, i)) for x in row_args]
   return pl.pallas_call(
       kernel,
       grid=grid,
@@ -111,6 +134,7 @@ def _call(kv_length, q_rows, k, v, *, scale, cfg: PrefixConfig, head_dim: int, i
           pl.BlockSpec((None, cfg.block_m, dp), lambda i, s, h: (h, i, 0)),
           pl.BlockSpec((p, None, dp), lambda i, s, h: (0, h, 0)),
           pl.BlockSpec((p, None, dp), lambda i, s, h: (0, h, 0)),
+          *row_specs,
       ],
       out_specs=[
           pl.BlockSpec((None, None, cfg.block_m, dp), lambda i, s, h: (s, h, i, 0)),
@@ -123,16 +147,17 @@ def _call(kv_length, q_rows, k, v, *, scale, cfg: PrefixConfig, head_dim: int, i
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name="hydragen_prefix_attention",
-  )(kv_length, q_rows, k, v)
+  )(kv_length, q_rows, k, v, *row_args)
 
 
-def _triton_rows(kv_length, q_rows, k, v, *, scale, cfg: PrefixConfig, interpret: bool):
+def _triton_rows(kv_length, q_rows, k, v, *row_args, scale, cfg: PrefixConfig, interpret: bool,
+                 mods: KernelMods | None = None):
   hkv, r, d = q_rows.shape
   dp = common.padded_head_dim(d)
   if dp != d:  # blocks are powers of two: pad the (small) queries; K/V loads are masked
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, dp - d)))
-  out, lse = _call(kv_length, q_rows, k, v, scale=scale, cfg=cfg, head_dim=d,
-                   interpret=interpret)
+  out, lse = _call(kv_length, q_rows, k, v, *row_args, scale=scale, cfg=cfg, head_dim=d,
+                   interpret=interpret, mods=mods)
   return out[..., :d], lse
 
 
@@ -154,6 +179,7 @@ def prefix_attention_rows(
     scale: float,
     plan,
     interpret: bool | None = None,
+    mods: common.RowMods | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Prefix attention on folded rows as ``plan`` says
   (:func:`pallas_kernels.gpu.dispatch.plan_prefix`); returns the per-split partial states.
@@ -163,6 +189,9 @@ def prefix_attention_rows(
   the splits with :func:`pallas_kernels.gpu.merge.merge_parts` (or let the
   suffix kernel do it). A "mosaic" plan lowers the Hopper kernel for CUDA and
   the Triton kernel, interpreted, elsewhere.
+
+  ``mods``: score variants over these rows (:func:`pallas_kernels.gpu.common.row_mods`, with the
+  prefix's offset), applied by the Triton kernel (a "mosaic" plan takes none).
   """
   hkv, r, d = q_rows.shape
   if plan.kernel == "empty":
@@ -175,14 +204,26 @@ def prefix_attention_rows(
   r_pad = pl.cdiv(r, tile) * tile
   if r_pad != r:
     q_rows = jnp.pad(q_rows, ((0, 0), (0, r_pad - r), (0, 0)))
-  triton = functools.partial(_triton_rows, scale=scale, cfg=cfg)
+  row_args = ()
+  if mods is not None:
+    if use_mosaic:
+      raise ValueError(f"prefix_attention_rows: the Mosaic GPU prefix kernel takes no score "
+                       f"variants ({mods.kind}); plan the Triton kernel")
+    common.check_positions("prefix_attention_rows", mods)
+    pad = r_pad - r
+    row_args = tuple(x for x in (
+        None if mods.pos is None else jnp.pad(mods.pos, (0, pad), mode="edge"),
+        None if mods.slopes is None else jnp.pad(mods.slopes, ((0, 0), (0, pad))))
+        if x is not None)
+  triton = functools.partial(_triton_rows, scale=scale, cfg=cfg,
+                             mods=None if mods is None else mods.kind)
   if use_mosaic:
     native = functools.partial(_mosaic_rows, scale=scale, config=plan.mosaic)
     fallback = lambda n, q, k, v: tuple(
         x.astype(y) for x, y in zip(triton(n, q, k, v, interpret=True), (q.dtype, jnp.float32)))
     out, lse = jax.lax.platform_dependent(length, q_rows, k, v, cuda=native, default=fallback)
   else:
-    out, lse = common.run(triton, length, q_rows, k, v, interpret=interpret)
+    out, lse = common.run(triton, length, q_rows, k, v, *row_args, interpret=interpret)
   if r_pad != r:
     out, lse = out[:, :, :r], lse[:, :, :r]
   return out, lse

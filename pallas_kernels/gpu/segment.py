@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.base import merge_states
+from pallas_kernels.base import KernelMods, ScoreMods, merge_states
 from pallas_kernels.base import segment_attention as segment_attention_reference  # noqa: F401  (the reference of this kernel)
 from pallas_kernels.device import DeviceInfo
 from pallas_kernels.gpu import common, tuned
@@ -63,10 +63,13 @@ def default_config(rows: int, segments: int, head_dim: int, itemsize: int = 2, *
 
 
 def _kernel(tile_node_ref, len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int,
-            block_n: int, page_size: int | None, width: int, keys_per_split: int | None):
+            block_n: int, page_size: int | None, width: int, keys_per_split: int | None,
+            mods: KernelMods | None = None):
   # tile_node_ref: [tiles] int32; len_ref: [N]; q_ref: [block_m, Dp]; k_ref/v_ref: [N, T, Dp],
-  # or with ``page_size`` the pools [pages * page_size, Dp] and refs[0] the page table [N * width]
+  # or with ``page_size`` the pools [pages * page_size, Dp] and refs[0] the page table [N * width];
+  # with ``mods``: the rows' positions [block_m] (ALiBi or a window) and slopes [block_m] (ALiBi)
   o_ref, lse_ref = refs[-2:]
+  extra = list(refs[1 if page_size else 0:-2])
   tile = pl.program_id(0)
   node = tile_node_ref[tile]
   bm, dp = q_ref.shape
@@ -76,6 +79,13 @@ def _kernel(tile_node_ref, len_ref, q_ref, k_ref, v_ref, *refs, scale: float, he
   pages = common.Pages(refs[0], seg * width, page_size, width) if page_size else None
   q = common.load(q_ref, d_ok[None, :])
   qk_scale = scale * common.LOG2E
+  pos = slopes = None
+  if mods is not None:
+    if mods.window is not None or mods.alibi:
+      pos = extra.pop(0)[...]
+    if mods.alibi:
+      slopes = extra.pop(0)[...]
+  window = mods is not None and mods.window is not None
 
   def step(j, carry, masked):
     start = j * block_n
@@ -87,14 +97,26 @@ def _kernel(tile_node_ref, len_ref, q_ref, k_ref, v_ref, *refs, scale: float, he
     else:
       k = common.load_pages(k_ref, start, block_n, kv_mask, pages)
       v = common.load_pages(v_ref, start, block_n, kv_mask, pages)
-    s = common.dot(q, k, trans_b=True) * qk_scale
+    if mods is None:
+      s = common.dot(q, k, trans_b=True) * qk_scale
+    else:
+      dist = None if pos is None else pos[:, None] - keys[None, :]
+      s = common.modified_scores(common.dot(q, k, trans_b=True) * scale, mods, dist, slopes)
     if masked:
       s = jnp.where((keys < kv_len)[None, :], s, -jnp.inf)
-    return common.online_softmax_step(carry, s, v, masked_s=False)
+    return common.online_softmax_step(carry, s, v, masked_s=window)
 
   carry = (jnp.zeros((bm, dp), jnp.float32), jnp.full((bm,), -jnp.inf, jnp.float32),
            jnp.zeros((bm,), jnp.float32))
-  if keys_per_split is None:
+  if window:  # only the key blocks some row's window reaches, every one masked
+    first, last = mods.key_bounds(jnp.min(pos), jnp.max(pos))
+    b_lo, b_hi = jnp.maximum(first, 0) // block_n, pl.cdiv(jnp.minimum(last, kv_len), block_n)
+    if keys_per_split is not None:  # this program's key split
+      lo = pl.program_id(2) * (keys_per_split // block_n)
+      b_lo, b_hi = jnp.maximum(b_lo, lo), jnp.minimum(b_hi, lo + keys_per_split // block_n)
+    carry = lax.fori_loop(b_lo, jnp.maximum(b_lo, b_hi), functools.partial(step, masked=True),
+                          carry)
+  elif keys_per_split is None:
     n_full = kv_len // block_n
     carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
     carry = lax.fori_loop(n_full, pl.cdiv(kv_len, block_n),
@@ -111,8 +133,11 @@ def _kernel(tile_node_ref, len_ref, q_ref, k_ref, v_ref, *refs, scale: float, he
   lse_ref[...] = lse
 
 
-def _call(tile_node, lengths, q_tiles, k, v, *table, scale, cfg: SegmentConfig, head_dim: int,
-          page_size: int | None, interpret: bool):
+def _call(tile_node, lengths, q_tiles, k, v, *rest, scale, cfg: SegmentConfig, head_dim: int,
+          page_size: int | None, interpret: bool, mods: KernelMods | None = None):
+  # rest: the page table where ``page_size``, then the tiles' positions [tiles, bm] and slopes
+  # [Hkv, tiles, bm] where ``mods`` has them
+  table, row_args = (rest[:1], rest[1:]) if page_size else ((), rest)
   hkv, tiles, bm, dp = q_tiles.shape
   n = lengths.shape[0]
   width = table[0].shape[0] // n if table else 0
@@ -121,7 +146,8 @@ def _call(tile_node, lengths, q_tiles, k, v, *table, scale, cfg: SegmentConfig, 
   if cfg.splits > 1:
     keys_per_split = pl.cdiv(pl.cdiv(capacity, cfg.splits), cfg.block_n) * cfg.block_n
   kernel = functools.partial(_kernel, scale=scale, head_dim=head_dim, block_n=cfg.block_n,
-                             page_size=page_size, width=width, keys_per_split=keys_per_split)
+                             page_size=page_size, width=width, keys_per_split=keys_per_split,
+                             mods=mods)
   if cfg.splits == 1:  # grid (tiles, Hkv): the programs of the unsplit kernel as they were
     grid, ix = (tiles, hkv), lambda f: (lambda i, h: f(i, h, 0))
     out_shape = [(hkv, tiles, bm, dp), (hkv, tiles, bm)]
@@ -137,6 +163,8 @@ def _call(tile_node, lengths, q_tiles, k, v, *table, scale, cfg: SegmentConfig, 
   else:  # the pools as [pages * page_size, Hkv, D]: rows are found through the table
     kv_spec = pl.BlockSpec((k.shape[0], None, dp), ix(lambda i, h, j: (0, h, 0)))
   table_specs = [pl.BlockSpec(table[0].shape, ix(lambda i, h, j: (0,)))] if table else []
+  row_specs = [pl.BlockSpec((None, bm), ix(lambda i, h, j: (i, 0))) if x.ndim == 2 else
+               pl.BlockSpec((None, None, bm), ix(lambda i, h, j: (h, i, 0))) for x in row_args]
   return pl.pallas_call(
       kernel,
       grid=grid,
@@ -144,7 +172,7 @@ def _call(tile_node, lengths, q_tiles, k, v, *table, scale, cfg: SegmentConfig, 
           pl.BlockSpec((tiles,), ix(lambda i, h, j: (0,))),
           pl.BlockSpec((n,), ix(lambda i, h, j: (0,))),
           pl.BlockSpec((None, None, bm, dp), ix(lambda i, h, j: (h, i, 0, 0))),
-          kv_spec, kv_spec, *table_specs,
+          kv_spec, kv_spec, *table_specs, *row_specs,
       ],
       out_specs=[pl.BlockSpec(o_block, ix(o_map)), pl.BlockSpec(l_block, ix(l_map))],
       out_shape=[jax.ShapeDtypeStruct(out_shape[0], jnp.float32),
@@ -152,7 +180,7 @@ def _call(tile_node, lengths, q_tiles, k, v, *table, scale, cfg: SegmentConfig, 
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name="hydragen_paged_segment_attention" if table else "hydragen_segment_attention",
-  )(tile_node, lengths, q_tiles, k, v, *table)
+  )(tile_node, lengths, q_tiles, k, v, *table, *row_args)
 
 
 def tile_layout(node_of_seq: jax.Array, n: int, rows_per_seq: int, block_m: int):
@@ -211,13 +239,15 @@ def segment_rows(
     config: SegmentConfig,
     page_table: jax.Array | None = None,  # int32 [N, P]: segment n's pages in token order
     interpret: bool | None = None,
+    mods: common.RowMods | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """One tree level in the folded row layout: float32 ``out [splits, Hkv, R, D]``, ``lse
   [splits, Hkv, R]``, one partial state per key split (``config.splits``) to merge by LSE.
 
   With ``page_table``, ``k`` and ``v`` are page pools and segment n's token j is at page
   ``page_table[n, j // page_size]``, offset ``j % page_size``: the kernel reads the pages in
-  place (one gathered load per key step)."""
+  place (one gathered load per key step). ``mods``: score variants over these rows
+  (:func:`pallas_kernels.gpu.common.row_mods`, with the level's offset)."""
   hkv, r, d = q_rows.shape
   if page_table is None:
     n, t = k.shape[:2]
@@ -237,9 +267,18 @@ def segment_rows(
   rows = jnp.pad(q_rows, ((0, 0), (0, 1), (0, dp - d)))  # row R is the zero row for padding
   q_tiles = rows[:, jnp.where(gather >= 0, gather, b * rows_per_seq)]
   q_tiles = q_tiles.reshape(hkv, tiles, cfg.block_m, dp)
-  call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, page_size=page_size)
+  row_args = ()
+  if mods is not None:  # the rows' positions and slopes, laid out as the tiles
+    common.check_positions("segment_rows", mods)
+    src = gather.reshape(tiles, cfg.block_m)
+    src = jnp.where(src >= 0, src, jnp.maximum(src[:, :1], 0))  # padding: the tile's first row
+    row_args = tuple(x for x in (
+        None if mods.pos is None else mods.pos[src],
+        None if mods.slopes is None else mods.slopes[:, src]) if x is not None)
+  call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, page_size=page_size,
+                           mods=None if mods is None else mods.kind)
   out, lse = common.run(call, tile_node, jnp.asarray(lengths, jnp.int32), q_tiles, k, v, *table,
-                         interpret=interpret)
+                         *row_args, interpret=interpret)
   splits = cfg.splits
   has = slot_of_row >= 0
   idx = jnp.maximum(slot_of_row, 0)
@@ -258,12 +297,14 @@ def segment_attention(
     scale: float,
     config: SegmentConfig | None = None,
     interpret: bool | None = None,
+    mods: ScoreMods | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Same signature and result as the reference: float32 out, natural-log lse."""
   b, tq, hq, d = q.shape
   hkv = k.shape[2]
+  rows = None if mods is None else common.row_mods(mods, b, tq, hq, hkv, offset=mods.offset)
   out, lse = segment_rows(common.fold_rows(q, hkv), k, v, rows_per_seq=tq * (hq // hkv),
                           lengths=lengths, node_of_seq=node_of_seq, scale=scale, config=config,
-                          interpret=interpret)
+                          interpret=interpret, mods=rows)
   out, lse = merge_states(list(out), list(lse)) if config.splits > 1 else (out[0], lse[0])
   return common.unfold_rows(out, b, tq), common.unfold_rows(lse, b, tq)

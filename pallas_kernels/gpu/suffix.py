@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.base import merge_states
+from pallas_kernels.base import KernelMods, ScoreMods, merge_states
 from pallas_kernels.base import suffix_attention as suffix_attention_reference  # noqa: F401  (the reference of this kernel)
 from pallas_kernels.device import DeviceInfo
 from pallas_kernels.gpu import common, tuned
@@ -91,11 +91,12 @@ def _merge2(out, lse, p_out, p_lse):
 def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, rows: int,
             q_len: int, group: int, causal: bool, block_n: int, keys_per_split: int,
             prior_splits: tuple[int, ...], lead: bool, page_size: int | None = None,
-            width: int = 0):
+            width: int = 0, mods: KernelMods | None = None):
   # len_ref: [B] int32; q_ref: [Mp, Dp] (a tile of one sequence's rows for one KV head);
   # k_ref/v_ref: [S, Dp], or with ``page_size`` the pools [pages * page_size, Dp] followed by
   # the page table [B * width]; with ``lead``: lead_len_ref [1], lead_k_ref/lead_v_ref [P, Dp];
-  # then per prior: out [n, Mp, Dp], lse [n, Mp]; then o_ref, lse_ref.
+  # with ALiBi (``mods``): the rows' slopes [Mp]; then per prior: out [n, Mp, Dp], lse [n, Mp];
+  # then o_ref, lse_ref.
   b, tile, split = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   pages = None
   if page_size is not None:
@@ -104,6 +105,11 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
   if lead:
     lead_len_ref, lead_k_ref, lead_v_ref = refs[:3]
     refs = refs[3:]
+  slopes = None
+  if mods is not None and mods.alibi:
+    slopes = plgpu.load(refs[0], mask=tile * refs[0].shape[0] + jnp.arange(refs[0].shape[0])
+                        < rows, other=0.0)
+    refs = refs[1:]
   prior_refs = refs[:2 * len(prior_splits)]
   o_ref, lse_ref = refs[2 * len(prior_splits):]
   mp, dp = q_ref.shape
@@ -115,7 +121,9 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
   q = common.load(q_ref, q_mask if rows % mp or d_mask is not None else None)
   qk_scale = scale * common.LOG2E
 
-  def step(j, carry, masked, kref, vref, lo, hi, limit, paged):
+  window = mods is not None and mods.window is not None
+
+  def step(j, carry, masked, kref, vref, lo, hi, limit, paged, qpos):
     start = lo + j * block_n
     keys = start + jnp.arange(block_n)
     kv_mask = d_mask
@@ -127,18 +135,34 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
     else:
       k = common.load_pages(kref, start, block_n, kv_mask, paged)
       v = common.load_pages(vref, start, block_n, kv_mask, paged)
-    s = common.dot(q, k, trans_b=True) * qk_scale
+    if mods is None:
+      s = common.dot(q, k, trans_b=True) * qk_scale
+    else:  # qpos: each row's position in these keys' coordinates
+      s = common.modified_scores(common.dot(q, k, trans_b=True) * scale, mods,
+                                 qpos[:, None] - keys[None, :], slopes)
     if masked:
       visible = (keys < hi)[None, :]
       if limit is not None:
         visible = visible & (keys[None, :] <= limit[:, None])
       s = jnp.where(visible, s, -jnp.inf)
-    return common.online_softmax_step(carry, s, v, masked_s=masked)
+    return common.online_softmax_step(carry, s, v, masked_s=masked or window)
 
-  def stream(carry, kref, vref, lo, hi, n_full, limit=None, paged=None):
-    """Keys [lo, hi) of one K/V: ``n_full`` unmasked blocks, then the masked rest."""
+  # Each row's position among the own keys (query t at kv_len - q_len + t), and the tile's
+  # first and last valid rows' positions.
+  own_pos = kv_len - q_len + row // group
+  own_first = kv_len - q_len + (tile * mp) // group
+  own_last = kv_len - q_len + (jnp.minimum(tile * mp + mp, rows) - 1) // group
+
+  def stream(carry, kref, vref, lo, hi, n_full, limit=None, paged=None, shift=0):
+    """Keys [lo, hi) of one K/V: ``n_full`` unmasked blocks, then the masked rest. With
+    variants the rows sit ``shift`` positions further in these keys' coordinates than among
+    the own keys; a window keeps only the keys some row's window reaches, every block masked."""
+    if window:
+      first, last = mods.key_bounds(own_first + shift, own_last + shift)
+      lo, hi, n_full = jnp.maximum(lo, first), jnp.minimum(hi, last), 0
     n_keys = jnp.maximum(hi - lo, 0)
-    kw = dict(kref=kref, vref=vref, lo=lo, hi=hi, limit=limit, paged=paged)
+    kw = dict(kref=kref, vref=vref, lo=lo, hi=hi, limit=limit, paged=paged,
+              qpos=own_pos + shift)
     carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False, **kw), carry)
     return lax.fori_loop(n_full, pl.cdiv(n_keys, block_n),
                          functools.partial(step, masked=True, **kw), carry)
@@ -153,7 +177,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
     lead_len = lead_len_ref[0]
     lead_hi = jnp.minimum(hi, lead_len)
     carry = stream(carry, lead_k_ref, lead_v_ref, lo, lead_hi,
-                   jnp.maximum(lead_hi - lo, 0) // block_n)
+                   jnp.maximum(lead_hi - lo, 0) // block_n, shift=lead_len)
     lo, hi = jnp.maximum(lo - lead_len, 0), jnp.maximum(hi - lead_len, 0)
   hi = jnp.minimum(hi, kv_len)
   limit = kv_len - q_len + row // group  # last visible key of each row (causal)
@@ -179,7 +203,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
 def _call(lengths, q_rows, k, v, *rest, scale, cfg: SuffixConfig, head_dim: int, q_len: int,
           group: int, causal: bool, out_dtype, lead: bool, interpret: bool,
           by_sequence: bool = False, q_by_sequence: bool = False,
-          page_size: int | None = None):
+          page_size: int | None = None, mods: KernelMods | None = None):
   # by_sequence: out [splits, B, Hkv, M, D] (lse [splits, B, Hkv, M]) instead of
   # [splits, Hkv, B, M, D]; with Tq = 1 that is [B, Hq, D] as it is: no transpose after.
   # q_by_sequence: q_rows is [B, Hkv, M, D] (with Tq = 1, q itself reshaped) instead of
@@ -193,7 +217,9 @@ def _call(lengths, q_rows, k, v, *rest, scale, cfg: SuffixConfig, head_dim: int,
   table, rest = (rest[:1], rest[1:]) if page_size is not None else ((), rest)
   width = table[0].shape[0] // b if table else 0
   s = width * page_size if table else k.shape[1]
-  lead_args, priors = (rest[:3], rest[3:]) if lead else ((), rest)
+  lead_args, rest = (rest[:3], rest[3:]) if lead else ((), rest)
+  # with ALiBi: the rows' slopes, laid out as q_rows without D
+  slope_args, priors = (rest[:1], rest[1:]) if mods is not None and mods.alibi else ((), rest)
   # Decode (few rows): one tile of all rows. Prefill (Tq * G rows): flash-attention row tiles.
   mp = max(common.MIN_DOT, common.next_pow2(m)) if m <= MAX_ROWS else PREFILL_ROWS
   tiles = pl.cdiv(m, mp)
@@ -205,7 +231,7 @@ def _call(lengths, q_rows, k, v, *rest, scale, cfg: SuffixConfig, head_dim: int,
   kernel = functools.partial(
       _kernel, scale=scale, head_dim=head_dim, rows=m, q_len=q_len, group=group, causal=causal,
       block_n=cfg.block_n, keys_per_split=keys_per_split, prior_splits=prior_splits, lead=lead,
-      page_size=page_size, width=width)
+      page_size=page_size, width=width, mods=mods)
   if table:  # every program sees the whole pool of its KV head; rows come from the table
     kv_spec = pl.BlockSpec((k.shape[0], None, dp), lambda i, h, t, j: (0, h, 0))
   else:
@@ -219,6 +245,9 @@ def _call(lengths, q_rows, k, v, *rest, scale, cfg: SuffixConfig, head_dim: int,
   if lead:  # the shared K/V: the same block for every sequence
     lead_spec = pl.BlockSpec((lead_args[1].shape[0], None, dp), lambda i, h, t, j: (0, h, 0))
     in_specs += [pl.BlockSpec((1,), lambda i, h, t, j: (0,)), lead_spec, lead_spec]
+  if slope_args:
+    in_specs.append(pl.BlockSpec((None, None, mp), (lambda i, h, t, j: (i, h, t)) if q_by_sequence
+                                 else (lambda i, h, t, j: (h, i, t))))
   for n in prior_splits:
     in_specs += [pl.BlockSpec((n, None, None, mp, dp), lambda i, h, t, j: (0, h, i, t, 0)),
                  pl.BlockSpec((n, None, None, mp), lambda i, h, t, j: (0, h, i, t))]
@@ -242,7 +271,16 @@ def _call(lengths, q_rows, k, v, *rest, scale, cfg: SuffixConfig, head_dim: int,
       interpret=interpret,
       name=("hydragen_flat_attention" if lead else
             "hydragen_paged_suffix_attention" if table else "hydragen_suffix_attention"),
-  )(lengths, q_rows, k, v, *table, *lead_args, *priors)
+  )(lengths, q_rows, k, v, *table, *lead_args, *slope_args, *priors)
+
+
+def _slope_args(mods: common.RowMods | None, hkv: int, b: int, m: int, *, by_sequence: bool):
+  """The suffix kernel's ALiBi operand: the rows' slopes ``[Hkv, B, M]`` (``by_sequence``:
+  ``[B, Hkv, M]``), or none."""
+  if mods is None or mods.slopes is None:
+    return ()
+  slopes = mods.slopes.reshape(hkv, b, m)
+  return (jnp.swapaxes(slopes, 0, 1),) if by_sequence else (slopes,)
 
 
 def suffix_rows(
@@ -261,6 +299,7 @@ def suffix_rows(
     by_sequence: bool = False,
     page_table: jax.Array | None = None,  # int32 [B, O]: sequence b's pages in token order
     interpret: bool | None = None,
+    mods: common.RowMods | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Suffix attention in the folded row layout, every prior state merged in.
 
@@ -271,6 +310,9 @@ def suffix_rows(
 
   With ``page_table``, ``k`` and ``v`` are page pools and sequence b's own key j is at page
   ``page_table[b, j // page_size]``, offset ``j % page_size``, read in place.
+
+  ``mods``: score variants (:func:`pallas_kernels.gpu.common.row_mods`; the own keys' positions
+  come from ``lengths``, as in :func:`pallas_kernels.base.suffix_attention`).
   """
   hkv, b, m, d = q_rows.shape
   page_size, table = None, ()
@@ -298,9 +340,11 @@ def suffix_rows(
   flat = [x for pr in priors for x in pr] if fused else []
   call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, q_len=q_len, group=group,
                            causal=causal, out_dtype=out_dtype if fused else jnp.float32,
-                           lead=False, by_sequence=by_sequence and fused, page_size=page_size)
-  out, lse = common.run(call, jnp.asarray(lengths, jnp.int32), q_rows, k, v, *table, *flat,
-                         interpret=interpret)
+                           lead=False, by_sequence=by_sequence and fused, page_size=page_size,
+                           mods=None if mods is None else mods.kind)
+  slopes = _slope_args(mods, hkv, b, m, by_sequence=False)
+  out, lse = common.run(call, jnp.asarray(lengths, jnp.int32), q_rows, k, v, *table, *slopes,
+                         *flat, interpret=interpret)
   if fused:  # the kernel wrote the layout asked for
     return out[0], lse[0]
   # The splits and every prior state in one merge (XLA's, fused into the transpose, where the
@@ -338,6 +382,7 @@ def flat_rows(
     merge: MergeConfig,
     by_sequence: bool = False,
     interpret: bool | None = None,
+    mods: common.RowMods | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Attention of each sequence over the shared keys followed by its own, in ONE kernel.
 
@@ -353,6 +398,9 @@ def flat_rows(
   ``out [B, Hkv, M, D]``, ``lse [B, Hkv, M]``; in decoding (``M = G``) both are ``[B, 1, Hq, D]``
   reshaped, so no transpose runs before or after the kernel (and the split merge, in the merge
   kernel, writes the final layout).
+
+  ``mods``: score variants (:func:`pallas_kernels.gpu.common.row_mods`); each sequence's context
+  is the ``shared_length`` shared keys, then its own.
   """
   hkv, b, m, d = (q_rows.shape[1], q_rows.shape[0], *q_rows.shape[2:]) if by_sequence \
       else q_rows.shape
@@ -364,10 +412,12 @@ def flat_rows(
   call = functools.partial(_call, scale=scale, cfg=cfg, head_dim=d, q_len=q_len,
                            group=m // q_len, causal=causal,
                            out_dtype=out_dtype if fused else jnp.float32, lead=True,
-                           by_sequence=by_sequence, q_by_sequence=by_sequence)
+                           by_sequence=by_sequence, q_by_sequence=by_sequence,
+                           mods=None if mods is None else mods.kind)
   out, lse = common.run(call, jnp.asarray(lengths, jnp.int32), q_rows, k, v,
                          jnp.reshape(jnp.asarray(shared_length, jnp.int32), (1,)), shared_k,
-                         shared_v, interpret=interpret)
+                         shared_v, *_slope_args(mods, hkv, b, m, by_sequence=by_sequence),
+                         interpret=interpret)
   if fused:
     return out[0], lse[0]
   return merge_parts([(out, lse)], out_dtype=out_dtype, config=merge,
@@ -386,6 +436,7 @@ def suffix_attention(
     config: SuffixConfig,
     merge: MergeConfig,
     interpret: bool | None = None,
+    mods: ScoreMods | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Same signature and result as the reference (float32 out, natural-log lse), with the
   kernel's ``config`` and the split merge's ``merge`` (a plan's
@@ -399,5 +450,6 @@ def suffix_attention(
                    common.fold_rows(prior[1][..., None], hkv).reshape(1, hkv, b, m)))
   out, lse = suffix_rows(common.fold_rows(q, hkv).reshape(hkv, b, m, d), k, v, kv_lengths, priors,
                          q_len=tq, causal=causal, scale=scale, out_dtype=jnp.float32, config=config,
-                         merge=merge, by_sequence=True, interpret=interpret)
+                         merge=merge, by_sequence=True, interpret=interpret,
+                         mods=common.row_mods(mods, b, tq, hq, hkv))
   return common.unfold_seq_rows(out, tq), common.unfold_seq_rows(lse, tq)

@@ -212,16 +212,33 @@ def init_state_from(m_ref, l_ref, acc_ref, out_prior, lse_prior):
   acc_ref[...] = jnp.where(_widen(has, acc_ref.shape[-1]), out_prior, 0.0)
 
 
-def update_state(q, k, v, valid, m_ref, l_ref, acc_ref, *, scale: float):
+def lanes(x: jax.Array, width: int) -> jax.Array:
+  """``[r, 128]`` lane-replicated -> ``[r, width]`` for any ``width`` (a static lane slice
+  where it is not a multiple of 128)."""
+  if width % LANES == 0:
+    return _widen(x, width)
+  return _widen(x, round_up(width, LANES))[:, :width]
+
+
+def update_state(q, k, v, valid, m_ref, l_ref, acc_ref, *, scale: float, mods=None):
   """One key block of the online softmax (natural log), exact for fully masked rows.
 
   q ``[r, D]``, k/v ``[bk, D]``, valid ``[r, bk]`` bool; state refs m/l ``[r, 128]``
   (lane-replicated, the Mosaic idiom for per-row scalars) and acc ``[r, D]`` float32.
   Masked scores are -inf and their probabilities are selected to 0; the running max is
   replaced by 0 while a row has seen no key, so no ``inf - inf`` ever occurs.
+
+  ``mods``: score variants, ``(kind, distance, slopes)``: a
+  :class:`pallas_kernels.base.KernelMods`, the query-minus-key positions ``[r, bk]`` int32
+  (None where not needed) and the rows' ALiBi slopes ``[r, bk]`` (None without ALiBi).
   """
   prec = precision(q.dtype)
   s = lax.dot_general(q, k, NT_DIMS, precision=prec, preferred_element_type=jnp.float32) * scale
+  if mods is not None:
+    kind, distance, slopes = mods
+    s, visible = kind.apply(s, distance, slopes)
+    if visible is not None:
+      valid = valid & visible
   s = jnp.where(valid, s, -jnp.inf)
   m_blk = jnp.max(s, axis=1, keepdims=True)  # [r, 1]
   m_blk_safe = jnp.where(m_blk > -jnp.inf, m_blk, 0.0)
@@ -241,10 +258,14 @@ def update_state(q, k, v, valid, m_ref, l_ref, acc_ref, *, scale: float):
 
 
 def key_chunks(q_ref, k_ref, v_ref, start, length, chunk: int, m_ref, l_ref, acc_ref, *,
-               scale: float):
+               scale: float, mods=None):
   """Online-softmax updates over a ``[block_keys, D]`` K/V block whose first key is key
   ``start``, ``chunk`` keys per matrix product; chunks at or past ``length`` (the valid
-  keys) are skipped. Static slices at multiples of 16 rows: tile-aligned."""
+  keys) are skipped. Static slices at multiples of 16 rows: tile-aligned.
+
+  ``mods``: score variants, ``(kind, pos, slopes)``: a
+  :class:`pallas_kernels.base.KernelMods`, the rows' positions in the keys' coordinates and
+  their ALiBi slopes, ``[block_rows, 128]`` lane-replicated (each None where not needed)."""
   block_rows, block_keys = q_ref.shape[0], k_ref.shape[0]
   for c in range(block_keys // chunk):
     first = start + c * chunk
@@ -253,8 +274,13 @@ def key_chunks(q_ref, k_ref, v_ref, start, length, chunk: int, m_ref, l_ref, acc
     def _chunk():
       key = first + lax.broadcasted_iota(jnp.int32, (block_rows, chunk), 1)
       rows = slice(c * chunk, (c + 1) * chunk)
+      chunk_mods = None
+      if mods is not None:
+        kind, pos, slopes = mods
+        chunk_mods = (kind, None if pos is None else lanes(pos, chunk) - key,
+                      None if slopes is None else lanes(slopes, chunk))
       update_state(q_ref[...], k_ref[rows, :], v_ref[rows, :], key < length, m_ref, l_ref,
-                   acc_ref, scale=scale)
+                   acc_ref, scale=scale, mods=chunk_mods)
 
 
 def final_state(m_ref, l_ref, acc_ref):

@@ -42,11 +42,14 @@ def _prefix_kernel(
     q_ref,  # [block_rows, D]
     k_ref,  # [block_keys, D]
     v_ref,  # [block_keys, D]
-    out_ref,  # [block_rows, D] float32
-    lse_ref,  # [block_rows, 128] float32, lane-replicated natural-log LSE
-    m_ref, l_ref, acc_ref,  # scratch: [block_rows, 128] x2, [block_rows, D] float32
-    *, scale: float, chunk: int,
+    *refs,  # with ``mods``: the rows' positions (int32) and/or slopes (float32), each
+    # [block_rows, 128] lane-replicated; then out_ref [block_rows, D] float32, lse_ref
+    # [block_rows, 128] float32 (lane-replicated natural-log LSE) and the scratch m_ref,
+    # l_ref [block_rows, 128], acc_ref [block_rows, D] float32
+    scale: float, chunk: int, mods: Optional[base.KernelMods] = None,
 ):
+  out_ref, lse_ref, m_ref, l_ref, acc_ref = refs[-5:]
+  row_mods = row_values(mods, refs[:-5])
   j = pl.program_id(2)
   block_keys = k_ref.shape[0]
   length = length_ref[0]
@@ -56,13 +59,48 @@ def _prefix_kernel(
     common.init_state(m_ref, l_ref, acc_ref)
 
   common.key_chunks(q_ref, k_ref, v_ref, j * block_keys, length, chunk, m_ref, l_ref, acc_ref,
-                    scale=scale)
+                    scale=scale, mods=row_mods)
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _finish():
     out, lse = common.final_state(m_ref, l_ref, acc_ref)
     out_ref[...] = out
     lse_ref[...] = lse
+
+
+def row_values(mods: Optional[base.KernelMods], refs):
+  """``(kind, pos, slopes)`` for :func:`pallas_kernels.tpu.common.key_chunks` from the row
+  operands ``refs`` a kernel got for ``mods`` (None without variants)."""
+  if mods is None:
+    return None
+  refs = list(refs)
+  pos = refs.pop(0)[...] if mods.alibi or mods.window is not None else None
+  slopes = refs.pop(0)[...] if mods.alibi else None
+  return mods, pos, slopes
+
+
+def row_operands(mods, rows: int, hkv: int, rows_pad: int, order=None):
+  """The row operands of the prefix and segment kernels for ``mods = (kind, pos [R], slopes
+  [Hkv, R])`` (:func:`pallas_kernels.base.row_variants`): lane-replicated ``[Hkv, rows_pad,
+  128]`` arrays, rows permuted by ``order`` (``[R]``) where given; padding rows repeat the last
+  row (their results are dropped)."""
+  if mods is None:
+    return ()
+  kind, pos, slopes = mods
+  if (kind.alibi or kind.window is not None) and pos is None:
+    raise ValueError("tpu kernels: ALiBi or a window needs the rows' positions "
+                     "(pallas_kernels.base.row_variants with the part's offset)")
+  out = []
+  for x in (pos if kind.alibi or kind.window is not None else None,
+            slopes if kind.alibi else None):
+    if x is None:
+      continue
+    x = jnp.broadcast_to(x, (hkv, rows))
+    if order is not None:
+      x = x[:, order]
+    x = jnp.pad(x, ((0, 0), (0, rows_pad - rows)), mode="edge")
+    out.append(jnp.broadcast_to(x[..., None], (hkv, rows_pad, LANES)))
+  return tuple(out)
 
 
 def last_block(length, block: int):
@@ -75,16 +113,18 @@ def prefix_attention_head_major(
     k: jax.Array,  # [Hkv, P, D]; P % block_keys == 0; D % 128 == 0
     v: jax.Array,  # [Hkv, P, D]
     kv_length: jax.Array,  # int32 [1], in [0, P]
-    *,
+    *row_args,  # with ``mods``: the rows' positions and/or slopes [Hkv, R, 128]
     scale: float,
     block_rows: int,
     block_keys: int,
     chunk: Optional[int] = None,
     vmem_limit_bytes: Optional[int] = None,
     interpret: Optional[bool] = None,
+    mods: Optional[base.KernelMods] = None,
 ):
   """The prefix kernel on kernel-native arrays (``chunk``: keys per matrix product,
-  dividing ``block_keys``; default the whole block).
+  dividing ``block_keys``; default the whole block; ``mods`` and ``row_args``: score
+  variants, :func:`row_operands`).
 
   Returns float32 ``out [Hkv, R, D]`` and ``lse [Hkv, R, 128]``: the natural-log
   log-sum-exp of the scaled scores, replicated over the 128 lanes (take
@@ -114,12 +154,12 @@ def prefix_attention_head_major(
 
   def build(interpret_value):
     return pl.pallas_call(
-        functools.partial(_prefix_kernel, scale=scale, chunk=chunk or block_keys),
+        functools.partial(_prefix_kernel, scale=scale, chunk=chunk or block_keys, mods=mods),
         out_shape=(jax.ShapeDtypeStruct((hkv, rows, d), jnp.float32),
                    jax.ShapeDtypeStruct((hkv, rows, LANES), jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=grid,
-            in_specs=[row_spec, kv_spec, kv_spec],
+            in_specs=[row_spec, kv_spec, kv_spec] + [lse_spec] * len(row_args),
             out_specs=[row_spec, lse_spec],
             scratch_shapes=[pltpu.VMEM((block_rows, LANES), jnp.float32),
                             pltpu.VMEM((block_rows, LANES), jnp.float32),
@@ -128,7 +168,7 @@ def prefix_attention_head_major(
                                                vmem_limit_bytes),
         cost_estimate=cost, interpret=interpret_value, name="hydragen_prefix_attention")
 
-  return common.dispatch(build, (kv_length, q, k, v), interpret)
+  return common.dispatch(build, (kv_length, q, k, v, *row_args), interpret)
 
 
 def vmem_bytes(block_rows: int, block_keys: int, chunk: int, d: int, itemsize: int) -> int:
@@ -194,6 +234,7 @@ def prefix_attention(
     scale: float,
     block_sizes: BlockSizes,
     interpret: Optional[bool] = None,
+    mods: Optional[base.ScoreMods] = None,  # variants, with the prefix's offset
 ):
   """Attention of every query against one shared K/V sequence (non-causal), on TPU.
 
@@ -211,8 +252,17 @@ def prefix_attention(
   q_rows = fold_rows(q, k.shape[1])
   blocks = rows_blocks(q_rows, k, v, block_sizes)
   out, lse = prefix_rows(q_rows, k, v, kv_length, scale=scale, blocks=blocks,
-                         vmem_limit_bytes=block_sizes.vmem_limit_bytes, interpret=interpret)
+                         vmem_limit_bytes=block_sizes.vmem_limit_bytes, interpret=interpret,
+                         mods=variants(mods, b, tq, hq, k.shape[1], mods and mods.offset))
   return unfold_rows(out[..., :v.shape[-1]], b, tq, hq), unfold_rows(lse[..., 0], b, tq, hq)
+
+
+def variants(mods: Optional[base.ScoreMods], b: int, tq: int, hq: int, hkv: int, offset=None):
+  """``mods`` as the kernels take them over folded rows: ``(kind, pos [R], slopes [Hkv, R])``
+  (:func:`pallas_kernels.base.row_variants`; ``offset``: a shared part's), None without."""
+  if mods is None:
+    return None
+  return (base.KernelMods.of(mods),) + base.row_variants(mods, b, tq, hq, hkv, offset)
 
 
 def rows_blocks(q_rows, k, v, block_sizes: BlockSizes) -> Optional[tuple[int, int, int]]:
@@ -235,9 +285,11 @@ def prefix_rows(
     blocks: Optional[tuple[int, int, int]],
     vmem_limit_bytes: Optional[int] = None,
     interpret: Optional[bool] = None,
+    mods=None,
 ):
   """The prefix kernel on folded query rows with ``blocks = (block_rows, block_keys, chunk)``
-  (:func:`rows_blocks`), results left in kernel layout.
+  (:func:`rows_blocks`), results left in kernel layout; ``mods``: score variants over the
+  rows (:func:`variants`, with the prefix's offset).
 
   Returns float32 ``out [Hkv, R, Dp]`` (``Dp`` = D rounded up to 128 lanes; the extra
   lanes are 0) and ``lse [Hkv, R, 128]``: natural log, replicated over the lanes, as the
@@ -256,8 +308,9 @@ def prefix_rows(
   kh = common.pad_to(k.astype(dtype).transpose(1, 0, 2), (hkv, pp, dp))
   vh = common.pad_to(v.astype(dtype).transpose(1, 0, 2), (hkv, pp, dp))
   length = jnp.clip(jnp.asarray(kv_length, jnp.int32), 0, p).reshape(1)
-  out, lse = prefix_attention_head_major(qh, kh, vh, length, scale=scale, block_rows=block_rows,
-                                         block_keys=block_keys, chunk=chunk,
-                                         vmem_limit_bytes=vmem_limit_bytes,
-                                         interpret=interpret)
+  row_args = row_operands(mods, rows, hkv, qh.shape[1])
+  out, lse = prefix_attention_head_major(qh, kh, vh, length, *row_args, scale=scale,
+                                         block_rows=block_rows, block_keys=block_keys,
+                                         chunk=chunk, vmem_limit_bytes=vmem_limit_bytes,
+                                         interpret=interpret, mods=mods and mods[0])
   return out[:, :rows], lse[:, :rows]

@@ -40,7 +40,8 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import base
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import LANES, BlockSizes
-from pallas_kernels.tpu.prefix import fold_rows, last_block, prefix_blocks, unfold_rows
+from pallas_kernels.tpu.prefix import (fold_rows, last_block, prefix_blocks, row_operands,
+                                       row_values, unfold_rows, variants)
 
 segment_attention_reference = base.segment_attention
 
@@ -55,11 +56,14 @@ def _segment_kernel(
     q_ref,  # [block_rows, D]: sorted rows
     k_ref,  # [block_keys, D]: the visit's segment
     v_ref,  # [block_keys, D]
-    out_ref,  # [block_rows, D] float32 (revisited by the visits of one tile)
-    lse_ref,  # [block_rows, 128] float32, natural log, lane-replicated
-    m_ref, l_ref, acc_ref,  # scratch: [block_rows, 128] x2, [block_rows, D] float32
-    *, scale: float, chunk: int,
+    *refs,  # with ``mods``: the sorted rows' positions and/or slopes [block_rows, 128]; then
+    # out_ref [block_rows, D] float32 (revisited by the visits of one tile), lse_ref
+    # [block_rows, 128] float32 (natural log, lane-replicated) and the scratch m_ref, l_ref
+    # [block_rows, 128], acc_ref [block_rows, D] float32
+    scale: float, chunk: int, mods: Optional[base.KernelMods] = None,
 ):
+  out_ref, lse_ref, m_ref, l_ref, acc_ref = refs[-5:]
+  row_mods = row_values(mods, refs[:-5])
   v, j = pl.program_id(1), pl.program_id(2)
   block_rows, block_keys = q_ref.shape[0], k_ref.shape[0]
   group = visit_group_ref[v]
@@ -72,7 +76,7 @@ def _segment_kernel(
 
   # An inactive visit computes nothing: its "length" is 0.
   common.key_chunks(q_ref, k_ref, v_ref, j * block_keys, jnp.where(active, length, 0), chunk,
-                    m_ref, l_ref, acc_ref, scale=scale)
+                    m_ref, l_ref, acc_ref, scale=scale, mods=row_mods)
 
   @pl.when(jnp.logical_and(active, j == pl.num_programs(2) - 1))
   def _finish():
@@ -133,15 +137,17 @@ def segment_attention_head_major(
     v: jax.Array,  # [N, Hkv, T, D]
     group_length: jax.Array,  # int32 [N + 1]: valid keys per segment, then 0
     meta: GroupMetadata,
-    *,
+    *row_args,  # with ``mods``: the sorted rows' positions and/or slopes [Hkv, R, 128]
     scale: float,
     block_rows: int,
     block_keys: int,
     chunk: Optional[int] = None,
     vmem_limit_bytes: Optional[int] = None,
     interpret: Optional[bool] = None,
+    mods: Optional[base.KernelMods] = None,
 ):
-  """The grouped kernel on kernel-native arrays (``chunk`` as in the prefix kernel).
+  """The grouped kernel on kernel-native arrays (``chunk``, ``mods`` and ``row_args`` as in
+  the prefix kernel).
 
   Returns float32 ``out [Hkv, R, D]`` and ``lse [Hkv, R, 128]`` for the sorted rows:
   natural-log LSE replicated over the lanes; ``(0, -inf)`` for rows of group N.
@@ -174,12 +180,12 @@ def segment_attention_head_major(
 
   def build(interpret_value):
     return pl.pallas_call(
-        functools.partial(_segment_kernel, scale=scale, chunk=chunk or block_keys),
+        functools.partial(_segment_kernel, scale=scale, chunk=chunk or block_keys, mods=mods),
         out_shape=(jax.ShapeDtypeStruct((hkv, rows, d), jnp.float32),
                    jax.ShapeDtypeStruct((hkv, rows, LANES), jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6, grid=grid,
-            in_specs=[row_spec, kv_spec, kv_spec],
+            in_specs=[row_spec, kv_spec, kv_spec] + [lse_spec] * len(row_args),
             out_specs=[row_spec, lse_spec],
             scratch_shapes=[pltpu.VMEM((block_rows, LANES), jnp.float32),
                             pltpu.VMEM((block_rows, LANES), jnp.float32),
@@ -189,7 +195,7 @@ def segment_attention_head_major(
         cost_estimate=cost, interpret=interpret_value, name="hydragen_segment_attention")
 
   args = (meta.visit_group, meta.visit_tile, meta.visit_active, meta.group_start, meta.group_end,
-          group_length, q, k, v)
+          group_length, q, k, v, *row_args)
   return common.dispatch(build, args, interpret)
 
 
@@ -221,6 +227,7 @@ def segment_attention(
     scale: float,
     block_sizes: BlockSizes,
     interpret: Optional[bool] = None,
+    mods: Optional[base.ScoreMods] = None,  # variants, with the level's offset
 ):
   """One level of a sharing tree on TPU: sequence b attends to segment node_of_seq[b].
 
@@ -239,7 +246,8 @@ def segment_attention(
   q_rows = fold_rows(q, k.shape[2])
   out, lse = segment_rows(q_rows, k, v, lengths, node_of_seq, scale=scale,
                           blocks=rows_blocks(q_rows, k, v, block_sizes),
-                          vmem_limit_bytes=block_sizes.vmem_limit_bytes, interpret=interpret)
+                          vmem_limit_bytes=block_sizes.vmem_limit_bytes, interpret=interpret,
+                          mods=variants(mods, b, tq, hq, k.shape[2], mods and mods.offset))
   return unfold_rows(out[..., :v.shape[-1]], b, tq, hq), unfold_rows(lse[..., 0], b, tq, hq)
 
 
@@ -254,9 +262,11 @@ def segment_rows(
     blocks: Optional[tuple[int, int, int]],
     vmem_limit_bytes: Optional[int] = None,
     interpret: Optional[bool] = None,
+    mods=None,
 ):
   """The grouped kernel on folded rows (sorted and unsorted here) with ``blocks =
-  (block_rows, block_keys, chunk)`` (:func:`rows_blocks`), kernel layout out.
+  (block_rows, block_keys, chunk)`` (:func:`rows_blocks`), kernel layout out; ``mods``: score
+  variants over the rows (:func:`pallas_kernels.tpu.prefix.variants`, the level's offset).
 
   Returns float32 ``out [Hkv, R, Dp]`` (zero lanes past D) and ``lse [Hkv, R, 128]``
   (natural log, lane-replicated) in the original row order.
@@ -279,10 +289,13 @@ def segment_rows(
   vh = common.pad_to(jnp.swapaxes(v.astype(dtype), 1, 2), (n, hkv, tp, dp))
   seg_len = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, t)
   group_length = jnp.concatenate([seg_len, jnp.zeros((1,), jnp.int32)])
-  out, lse = segment_attention_head_major(qs, kh, vh, group_length, meta, scale=scale,
-                                          block_rows=block_rows, block_keys=block_keys,
-                                          chunk=chunk, vmem_limit_bytes=vmem_limit_bytes,
-                                          interpret=interpret)
+  sorted_rows = (meta.order[:, None] * rows_per_seq + jnp.arange(rows_per_seq)).reshape(-1)
+  row_args = row_operands(mods, rows, hkv, qs.shape[1], order=sorted_rows)
+  out, lse = segment_attention_head_major(qs, kh, vh, group_length, meta, *row_args,
+                                          scale=scale, block_rows=block_rows,
+                                          block_keys=block_keys, chunk=chunk,
+                                          vmem_limit_bytes=vmem_limit_bytes,
+                                          interpret=interpret, mods=mods and mods[0])
   inverse = jnp.argsort(meta.order)
 
   def unsort(x):

@@ -22,11 +22,12 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.base import ScoreMods, part_offsets
 from pallas_kernels.device import DeviceInfo
 from pallas_kernels.tpu import common, dispatch
 from pallas_kernels.tpu.common import BlockSizes
 from pallas_kernels.tpu.config import TpuConfig
-from pallas_kernels.tpu.prefix import fold_rows, prefix_rows, unfold_rows
+from pallas_kernels.tpu.prefix import fold_rows, prefix_rows, unfold_rows, variants
 from pallas_kernels.tpu.segment import segment_rows
 from pallas_kernels.tpu.suffix import suffix_rows
 
@@ -63,6 +64,7 @@ def shared_attention(
     block_sizes: BlockSizes,
     device: Optional[DeviceInfo] = None,
     interpret: Optional[bool] = None,
+    mods: Optional[ScoreMods] = None,
 ):
   """Attention over shared parts then each sequence's suffix, merged exactly by LSE: the plan
   of these shapes with ``block_sizes`` (:func:`pallas_kernels.tpu.dispatch.plan`), run by
@@ -82,13 +84,14 @@ def shared_attention(
   plan = dispatch.plan(q, parts, suffix_k, device=device or DeviceInfo.for_target("tpu"),
                        config=TpuConfig(block_sizes=block_sizes))
   return run_plan(plan, q, parts, suffix_k, suffix_v, kv_lengths=kv_lengths, causal=causal,
-                  scale=scale, interpret=interpret)
+                  scale=scale, interpret=interpret, mods=mods)
 
 
 def run_plan(plan: dispatch.TpuPlan, q, parts, suffix_k, suffix_v, *, kv_lengths, causal, scale,
-             interpret: Optional[bool] = None):
+             interpret: Optional[bool] = None, mods: Optional[ScoreMods] = None):
   """Executes ``plan`` (:func:`pallas_kernels.tpu.dispatch.plan` of these inputs): every
-  kernel with the plan's blocks."""
+  kernel with the plan's blocks; ``mods``: score variants (each shared part's rows at its
+  offset, :func:`pallas_kernels.base.part_offsets`)."""
   b, tq, hq = q.shape[:3]
   hkv = suffix_k.shape[2]
   if len(plan.prefix_blocks) != len(parts):
@@ -97,26 +100,31 @@ def run_plan(plan: dispatch.TpuPlan, q, parts, suffix_k, suffix_v, *, kv_lengths
   vmem = plan.block_sizes.vmem_limit_bytes
   dtype = common.compute_dtype(q, suffix_k, suffix_v, *[p[1] for p in parts])
   rows = fold_rows(q.astype(dtype), hkv)  # the one fold every kernel reads
+  offsets = [None] * len(parts)
+  if mods is not None and mods.positional:
+    offsets = part_offsets(parts, kv_lengths, tq, b)
   states = []
-  for (kind, k, v, lengths, nodes), blocks in zip(parts, plan.prefix_blocks):
+  for (kind, k, v, lengths, nodes), blocks, offset in zip(parts, plan.prefix_blocks, offsets):
+    part_mods = variants(mods, b, tq, hq, hkv, offset)
     if kind == "prefix":
       states.append(prefix_rows(rows, k, v, lengths, scale=scale, blocks=blocks,
-                                vmem_limit_bytes=vmem, interpret=interpret))
+                                vmem_limit_bytes=vmem, interpret=interpret, mods=part_mods))
     elif kind == "segments":
       states.append(segment_rows(rows, k, v, lengths, nodes, scale=scale, blocks=blocks,
-                                 vmem_limit_bytes=vmem, interpret=interpret))
+                                 vmem_limit_bytes=vmem, interpret=interpret, mods=part_mods))
     else:
       raise ValueError(f"shared_attention: a part's kind must be 'prefix' or 'segments'; "
                        f"got {kind!r}")
   prior = merge_rows(states) if states else None
   out, lse = suffix_rows(rows, suffix_k, suffix_v, kv_lengths, prior, q_len=tq, causal=causal,
                          scale=scale, d_out=suffix_v.shape[-1], out_dtype=q.dtype,
-                         blocks=plan.suffix_blocks, vmem_limit_bytes=vmem, interpret=interpret)
+                         blocks=plan.suffix_blocks, vmem_limit_bytes=vmem, interpret=interpret,
+                         mods=variants(mods, b, tq, hq, hkv))
   return unfold_rows(out, b, tq, hq), unfold_rows(lse, b, tq, hq)
 
 
 def run_suffix(plan: dispatch.TpuPlan, q, k, v, *, kv_lengths, causal, scale, prior=None,
-               interpret: Optional[bool] = None):
+               interpret: Optional[bool] = None, mods: Optional[ScoreMods] = None):
   """The suffix primitive (:func:`pallas_kernels.tpu.suffix.suffix_attention`) with the plan's
   suffix blocks: ``plan`` is the plan of a call without shared parts (``prior`` None) or with
   them (``prior`` their merged state)."""
@@ -131,5 +139,6 @@ def run_suffix(plan: dispatch.TpuPlan, q, k, v, *, kv_lengths, causal, scale, pr
              fold_rows(prior[1].astype(jnp.float32)[..., None], hkv)[..., 0])
   out, lse = suffix_rows(fold_rows(q, hkv), k, v, kv_lengths, state, q_len=tq, causal=causal,
                          scale=scale, d_out=v.shape[-1], blocks=plan.suffix_blocks,
-                         vmem_limit_bytes=plan.block_sizes.vmem_limit_bytes, interpret=interpret)
+                         vmem_limit_bytes=plan.block_sizes.vmem_limit_bytes, interpret=interpret,
+                         mods=variants(mods, b, tq, hq, hkv))
   return unfold_rows(out, b, tq, hq), unfold_rows(lse, b, tq, hq)

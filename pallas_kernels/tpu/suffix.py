@@ -44,7 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import base
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import LANES, BlockSizes
-from pallas_kernels.tpu.prefix import fold_rows, last_block, unfold_rows
+from pallas_kernels.tpu.prefix import fold_rows, last_block, unfold_rows, variants
 
 suffix_attention_reference = base.suffix_attention
 
@@ -55,10 +55,14 @@ def _suffix_kernel(
     q_ref,  # [block_heads, block_batch, rows, D], rows = (t, g) of Tq x G
     k_ref,  # [block_batch, block_heads, block_keys, D]
     v_ref,  # [block_batch, block_heads, block_keys, D]
-    *refs,  # [prior_out_ref, prior_lse_ref,] out_ref, lse_ref, m_ref, l_ref, acc_ref
-    # (prior/out/scratch: [block_heads, block_batch, rows, D or 128], float32)
+    *refs,  # [slopes_ref,] [prior_out_ref, prior_lse_ref,] out_ref, lse_ref, m_ref, l_ref,
+    # acc_ref (slopes/prior/out/scratch: [block_heads, block_batch, rows, D or 128], float32)
     scale: float, causal: bool, q_len: int, group: int, has_prior: bool,
+    mods: Optional[base.KernelMods] = None,
 ):
+  slopes_ref = None
+  if mods is not None and mods.alibi:
+    slopes_ref, refs = refs[0], refs[1:]
   if has_prior:
     prior_out_ref, prior_lse_ref, out_ref, lse_ref, m_ref, l_ref, acc_ref = refs
   else:
@@ -103,17 +107,32 @@ def _suffix_kernel(
     length = length_of(c)
     key = start + lax.broadcasted_iota(jnp.int32, (rows, block_keys), 1)
     valid = key < length
-    if causal:  # query t sits at position length - Tq + t
-      # lax.div (truncating) on non-negative rows: floor division lowers via sign(), which
-      # Mosaic lowering resolves by querying the chip (impossible when exporting from a CPU).
+    # query t sits at position length - Tq + t.
+    # lax.div (truncating) on non-negative rows: floor division lowers via sign(), which
+    # Mosaic lowering resolves by querying the chip (impossible when exporting from a CPU).
+    if causal or mods is not None:
       t = lax.div(lax.broadcasted_iota(jnp.int32, (rows, block_keys), 0), jnp.int32(group))
+    if causal:
       valid = valid & (key <= length - q_len + t)
+    row_mods = None
+    if mods is not None:
+      row_mods = (mods, length - q_len + t - key,
+                  None if slopes_ref is None else common.lanes(slopes_ref[h, c], block_keys))
     common.update_state(q_ref[h, c], k_ref[c, h], v_ref[c, h], valid, *state(h, c),
-                        scale=scale)
+                        scale=scale, mods=row_mods)
+
+  def has_keys(c):
+    """Sequence c has keys in this block (with a window: keys some query's window reaches)."""
+    length = length_of(c)
+    has = start < length
+    if mods is not None and mods.window is not None:
+      lo, hi = mods.key_bounds(length - q_len, length - 1)
+      has = has & (start < hi) & (start + block_keys > lo)
+    return has
 
   @pl.when(start < block_length_ref[i])  # some sequence of the step still has keys here
   def _blocks():
-    for_each_pair(update, when=lambda c: start < length_of(c))
+    for_each_pair(update, when=has_keys)
 
   @pl.when(s == pl.num_programs(2) - 1)
   def _finish():
@@ -190,8 +209,11 @@ def suffix_attention_head_major(
     out_dtype=jnp.float32,
     vmem_limit_bytes: Optional[int] = None,
     interpret: Optional[bool] = None,
+    mods: Optional[base.KernelMods] = None,
+    slopes: Optional[jax.Array] = None,  # with ALiBi: f32 [Hkv, B, rows, 128] lane-replicated
 ):
-  """The suffix kernel on kernel-native arrays.
+  """The suffix kernel on kernel-native arrays (``mods``: score variants; the own keys'
+  positions come from ``lengths``).
 
   Returns ``out [Hkv, B, rows, D]`` (``out_dtype``, float32 by default) and float32
   ``lse [Hkv, B, rows, 128]``: the natural-log log-sum-exp (merged with ``prior`` if
@@ -222,6 +244,9 @@ def suffix_attention_head_major(
   kv_spec = pl.BlockSpec((blocks.batch, blocks.heads, blocks.keys, d), kv_map)
   in_specs = [row_spec, kv_spec, kv_spec]
   args = [lengths, block_length, q, k, v]
+  if mods is not None and mods.alibi:
+    in_specs.append(lse_spec)
+    args.append(slopes)
   if prior is not None:
     in_specs += [row_spec, lse_spec]
     args += list(prior)
@@ -233,7 +258,7 @@ def suffix_attention_head_major(
                                 + rows * d * jnp.dtype(out_dtype).itemsize + rows * LANES * 4
                                 + (rows * (d + LANES) * 4 if prior is not None else 0)))
   kernel = functools.partial(_suffix_kernel, scale=scale, causal=causal, q_len=q_len, group=group,
-                             has_prior=prior is not None)
+                             has_prior=prior is not None, mods=mods)
 
   def build(interpret_value):
     return pl.pallas_call(
@@ -274,6 +299,7 @@ def suffix_attention(
     prior: Optional[Tuple[jax.Array, jax.Array]] = None,  # (out f32 [B,Tq,Hq,D], lse [B,Tq,Hq])
     block_sizes: BlockSizes,
     interpret: Optional[bool] = None,
+    mods: Optional[base.ScoreMods] = None,  # variants (own keys: no offset needed)
 ):
   """Per-sequence attention over each sequence's own ragged K/V, on TPU.
 
@@ -298,7 +324,8 @@ def suffix_attention(
   out, lse = suffix_rows(q_rows, k, v, kv_lengths, state, q_len=tq, causal=causal,
                          scale=scale, d_out=v.shape[-1],
                          blocks=rows_blocks(q_rows, k, v, block_sizes, state is not None),
-                         vmem_limit_bytes=block_sizes.vmem_limit_bytes, interpret=interpret)
+                         vmem_limit_bytes=block_sizes.vmem_limit_bytes, interpret=interpret,
+                         mods=variants(mods, b, tq, hq, hkv))
   return unfold_rows(out, b, tq, hq), unfold_rows(lse, b, tq, hq)
 
 
@@ -317,9 +344,10 @@ def suffix_rows(
     blocks: Optional[SuffixBlocks],
     vmem_limit_bytes: Optional[int] = None,
     interpret: Optional[bool] = None,
+    mods=None,
 ):
   """The suffix kernel on folded query rows with ``blocks`` (:func:`rows_blocks`): pads, runs,
-  slices.
+  slices; ``mods``: score variants over the rows (:func:`pallas_kernels.tpu.prefix.variants`).
 
   Returns ``out [Hkv, B*Tq*G, d_out]`` (``out_dtype``) and float32 natural-log
   ``lse [Hkv, B*Tq*G]``. A lane-replicated prior LSE (``[..., 128]``, as the prefix and
@@ -354,9 +382,14 @@ def suffix_rows(
     if bp > b:  # padding sequences: an empty prior
       p_lse = jnp.pad(p_lse, [(0, 0), (0, bp - b), (0, 0), (0, 0)], constant_values=-jnp.inf)
     state = (p_out, p_lse)
+  slopes = None
+  if mods is not None and mods[2] is not None:  # [Hkv, R] -> [Hkv, Bp, rows, 128]
+    slopes = common.pad_to(mods[2].reshape(hkv, b, rows), (hkv, bp, rows))
+    slopes = jnp.broadcast_to(slopes[..., None], (hkv, bp, rows, LANES))
   out, lse = suffix_attention_head_major(qr, kh, vh, lengths, state, causal=bool(causal),
                                          scale=scale, q_len=q_len, blocks=blocks,
                                          out_dtype=out_dtype,
                                          vmem_limit_bytes=vmem_limit_bytes,
-                                         interpret=interpret)
+                                         interpret=interpret, mods=mods and mods[0],
+                                         slopes=slopes)
   return (out[:, :b, :, :d_out].reshape(hkv, r, d_out), lse[:, :b, :, 0].reshape(hkv, r))

@@ -178,22 +178,28 @@ VARIANT_FAMILIES = ("xla", "triton", "tpu")
 def _variant_family(fn: str, impl: str, mods, platform: Optional[str],
                     device_kind: Optional[str]) -> tuple[str, str]:
   """The family that runs a call with score variants (``mods``, a
-  :class:`pallas_kernels.base.ScoreMods`) and why: ``impl``'s own where its kernels apply them
-  (:data:`VARIANT_FAMILIES`); for "auto" and "pallas" on Hopper the Triton kernels (the Mosaic
-  GPU kernels lack them); ``impl="pallas:mosaic_gpu"`` is an error naming the variants."""
-  family = choose_family(impl, fn, platform, device_kind)
+  :class:`pallas_kernels.base.ScoreMods`) and why. ``impl="auto"``: the XLA path (the Triton and
+  TPU kernels' variant code is checked interpreted, on the oracle; a kernel runs it when
+  ``impl`` names its family); an explicit impl: its own family where its kernels apply them
+  (:data:`VARIANT_FAMILIES`), "pallas" on Hopper the Triton kernels (the Mosaic GPU kernels
+  lack them); ``impl="pallas:mosaic_gpu"`` is an error naming the variants."""
   names = mods.describe()
+  if impl == "auto":
+    return "xla", (f"score variants ({names}): impl='auto' runs them on the XLA path (the "
+                   f"Triton and TPU kernels run them when impl names them)")
+  family = choose_family(impl, fn, platform, device_kind)
   if family == "xla":
     return family, f"score variants ({names}): the variants run on the XLA path"
   if family in VARIANT_FAMILIES:
     return family, f"score variants ({names}): the {family} kernels apply them"
-  if family == "mosaic_gpu" and impl in ("auto", "pallas"):
+  if family == "mosaic_gpu" and impl == "pallas":
     return "triton", (f"score variants ({names}): the Mosaic GPU kernels lack them, the Triton "
                       f"kernels apply them")
   names_of = [f"the {f} kernels" for f in VARIANT_FAMILIES]
   kernels = ", ".join(names_of[:-1]) + " and " + names_of[-1]
   raise ValueError(f"{fn}: {', '.join(mods.arguments())} run on {kernels} only; impl={impl!r} "
-                   f"has no kernel for them: use impl='xla' or 'auto' (which plans them)")
+                   f"has no kernel for them: use impl='auto', 'xla', 'pallas:triton' or "
+                   f"'pallas:tpu'")
 
 
 def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
@@ -208,9 +214,9 @@ def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
   segment_of_seq)``.
 
   ``mods``: the call's score variants (a :class:`pallas_kernels.base.ScoreMods`, None: none):
-  they run where the kernels apply them (:data:`VARIANT_FAMILIES`): ``impl="auto"`` plans the
-  Triton kernels on a GPU (Hopper included), the TPU kernels on a TPU, XLA on a CPU;
-  ``impl="pallas:mosaic_gpu"`` is an error. Their backward is the XLA one."""
+  ``impl="auto"`` plans the XLA path for them; an explicit impl the Triton or TPU kernels,
+  which apply them (:data:`VARIANT_FAMILIES`); ``impl="pallas:mosaic_gpu"`` is an error. Their
+  backward is the XLA one."""
   backend = _platform(fn, platform)
   why_variants = None
   if mods is not None:

@@ -506,7 +506,7 @@ def call_prefix(**kw):
     (dict(softcap=5.0, impl="pallas:mosaic_gpu"), ValueError,
      "softcap run on the xla kernels, the triton kernels and the tpu kernels only; "
      "impl='pallas:mosaic_gpu' "
-     ".*impl='xla'"),
+     ".*impl='auto', 'xla'"),
 ])
 def test_bad_variants_name_the_argument(kw, error, message):
   with pytest.raises(error, match=message):
@@ -542,19 +542,19 @@ def test_traced_slopes_are_not_checked_for_finiteness_but_run():
   assert np.isfinite(run(jnp.asarray([0.5, 0.25], jnp.float32))).all()
 
 
-def test_explain_plans_the_xla_path_for_variants_on_a_cpu():
+def test_explain_plans_the_xla_path_for_variants_under_auto():
   rng = np.random.default_rng(4)
   q, _ = rand(rng, (2, 1, 4, 16), "float32")
   pk, _ = rand(rng, (5, 2, 16), "float32")
   sk, _ = rand(rng, (2, 3, 2, 16), "float32")
   args = (shared_prefix_attention, q, pk, pk, sk, sk)
-  # (the GPU and TPU plans, their kernels: tests/kernels/test_kernel_variants.py)
-  for platform, kind in (("cpu", None),):
+  # (explicit kernel impls: tests/kernels/test_kernel_variants.py)
+  for platform, kind in (("cpu", None), ("gpu", "NVIDIA H100 80GB HBM3"), ("tpu", "TPU v5 lite")):
     plan = explain(*args, platform=platform, device_kind=kind, softcap=50.0,
                    local_window_size=(7, 0), alibi_slopes=jnp.ones((4,), jnp.float32))
     assert plan.impl == "xla" and plan.backward == "xla", plan
     text = str(plan)
-    assert "variants run on the XLA path" in text
+    assert "on the XLA path" in text
     assert "alibi_slopes [2, 4], softcap=50.0, local_window_size=(7, 0)" in text, text
     # without variants the plan is the family's own
     plain = explain(*args, platform=platform, device_kind=kind)

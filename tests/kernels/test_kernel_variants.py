@@ -379,17 +379,20 @@ SLOPES8 = jax.ShapeDtypeStruct((8,), jnp.float32)
 
 @pytest.mark.parametrize("kind", [A100, H100])
 @pytest.mark.parametrize("batch", [2, 64])
-def test_auto_plans_the_triton_kernels_on_gpus(kind, batch):
-  """On a GPU ``auto`` runs variant calls on the Triton kernels (Hopper included: its Mosaic
-  GPU kernels lack them), never a Mosaic GPU kernel, with the XLA backward."""
-  plan = explain(shared_prefix_attention, *_shapes(b=batch), platform="gpu", device_kind=kind,
-                 alibi_slopes=SLOPES8, local_window_size=(63, 0))
+def test_pallas_plans_the_triton_kernels_on_gpus_and_auto_the_xla_path(kind, batch):
+  """On a GPU ``impl="pallas"`` runs variant calls on the Triton kernels (Hopper included: its
+  Mosaic GPU kernels lack them), never a Mosaic GPU kernel, with the XLA backward; ``auto``
+  plans the XLA path for them."""
+  kw = dict(platform="gpu", device_kind=kind, alibi_slopes=SLOPES8, local_window_size=(63, 0))
+  plan = explain(shared_prefix_attention, *_shapes(b=batch), impl="pallas", **kw)
   assert plan.impl == "pallas:triton" and plan.backward == "xla", plan
   assert plan.backend.path in ("flat", "split"), plan
   assert all(p is None or p.kernel == "triton" for p in plan.backend.prefixes), plan
   text = str(plan)
   assert "alibi_slopes [%d, 8], local_window_size=(63, 0)" % batch in text, text
   assert ("Mosaic GPU kernels lack them" in text) == (kind == H100), text
+  auto = explain(shared_prefix_attention, *_shapes(b=batch), **kw)
+  assert auto.impl == "xla" and "impl='auto' runs them on the XLA path" in str(auto), auto
   # without variants Hopper plans its own kernels
   if kind == H100:
     assert explain(shared_prefix_attention, *_shapes(b=batch), platform="gpu",
@@ -405,16 +408,18 @@ def test_pallas_on_hopper_and_triton_explicit_plan_triton():
 
 def test_mosaic_gpu_raises_and_tpu_plans_its_kernels():
   """The Mosaic GPU kernels lack the variants: the explicit impl raises naming them. On a TPU
-  ``auto`` plans the TPU kernels, with the XLA backward."""
+  ``impl="pallas:tpu"`` plans the TPU kernels, with the XLA backward, and ``auto`` the XLA
+  path."""
   with pytest.raises(ValueError, match=r"softcap, local_window_size run on the xla kernels, the "
                                        r"triton kernels and the tpu kernels only; "
                                        r"impl='pallas:mosaic_gpu'"):
     explain(shared_prefix_attention, *_shapes(), platform="cpu", impl="pallas:mosaic_gpu",
             softcap=30.0, local_window_size=4)
-  plan = explain(shared_prefix_attention, *_shapes(), platform="tpu", device_kind="TPU v5 lite",
-                 softcap=30.0)
+  tpu = dict(platform="tpu", device_kind="TPU v5 lite", softcap=30.0)
+  plan = explain(shared_prefix_attention, *_shapes(), impl="pallas:tpu", **tpu)
   assert plan.impl == "pallas:tpu" and plan.backward == "xla", plan
   assert "score variants (softcap=30.0): the tpu kernels apply them" in str(plan), plan
+  assert explain(shared_prefix_attention, *_shapes(), **tpu).impl == "xla"
 
 
 @pytest.mark.parametrize("case", [

@@ -209,15 +209,15 @@ def init_state_from(m_ref, l_ref, acc_ref, out_prior, lse_prior):
   has = lse_prior > -jnp.inf  # [r, 128]
   m_ref[...] = lse_prior
   l_ref[...] = jnp.where(has, 1.0, 0.0)
-  acc_ref[...] = jnp.where(_widen(has, acc_ref.shape[-1]), out_prior, 0.0)
+  acc_ref[...] = jnp.where(lanes(has, acc_ref.shape[-1]), out_prior, 0.0)
 
 
 def lanes(x: jax.Array, width: int) -> jax.Array:
-  """``[r, 128]`` lane-replicated -> ``[r, width]`` for any ``width`` (a static lane slice
-  where it is not a multiple of 128)."""
+  """``[..., r, 128]`` lane-replicated -> ``[..., r, width]`` for any ``width`` (a static lane
+  slice where it is not a multiple of 128: the paged suffix kernel's head dims)."""
   if width % LANES == 0:
     return _widen(x, width)
-  return _widen(x, round_up(width, LANES))[:, :width]
+  return _widen(x, round_up(width, LANES))[..., :width]
 
 
 def update_state(q, k, v, valid, m_ref, l_ref, acc_ref, *, scale: float, mods=None):
@@ -254,7 +254,7 @@ def update_state(q, k, v, valid, m_ref, l_ref, acc_ref, *, scale: float, mods=No
   m_ref[...] = m_next
   l_ref[...] = alpha * l_ref[...] + beta * l_blk
   width = acc_ref.shape[-1]
-  acc_ref[...] = _widen(alpha, width) * acc_ref[...] + _widen(beta, width) * pv
+  acc_ref[...] = lanes(alpha, width) * acc_ref[...] + lanes(beta, width) * pv
 
 
 def key_chunks(q_ref, k_ref, v_ref, start, length, chunk: int, m_ref, l_ref, acc_ref, *,
@@ -289,7 +289,7 @@ def final_state(m_ref, l_ref, acc_ref):
   l = l_ref[...]
   has = l > 0.0
   safe = jnp.where(has, l, 1.0)
-  out = acc_ref[...] / _widen(safe, acc_ref.shape[-1])
-  out = jnp.where(_widen(has, acc_ref.shape[-1]), out, 0.0)
+  out = acc_ref[...] / lanes(safe, acc_ref.shape[-1])
+  out = jnp.where(lanes(has, acc_ref.shape[-1]), out, 0.0)
   lse = jnp.where(has, m_ref[...] + jnp.log(safe), -jnp.inf)
   return out, lse

@@ -249,11 +249,10 @@ def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
                    + (" (Triton: Mosaic GPU has none)" if family == "mosaic_gpu" else ""))
   reasons.append(f"planned for {device.device_kind} ({device.cores} "
                  f"{'SMs' if native == 'gpu' else 'TensorCores'})")
-  if paged and family == "tpu":  # the TPU kernels on the gathered pages
+  if paged and family == "tpu":
     from pallas_kernels.tpu import dispatch as tpu_dispatch
-    gathered, suffix = _gathered_shapes(parts, suffix_k, page_table)
-    bplan = tpu_dispatch.plan(q, gathered, suffix, device=device, config=config)
-    reasons.append("the pages gathered into contiguous buffers, then the TPU kernels")
+    bplan = tpu_dispatch.plan_paged(q, [t for t, _, _ in parts], suffix_k, page_table,
+                                    device=device, config=config)
   elif paged:
     from pallas_kernels.gpu import dispatch as gpu_dispatch
     bplan = gpu_dispatch.plan_paged(q, [t for t, _, _ in parts], suffix_k, page_table,
@@ -286,15 +285,3 @@ def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
   return Plan(fn, name, backend, device, bplan, backward, tiles,
               tuple(reasons) + tuple(bplan.reasons) + (why_backward,))
 
-
-def _gathered_shapes(levels, k_pages, page_table):
-  """The contiguous buffers' shapes once the pages are gathered: the levels as ``("segments",
-  k [S, P * page_size, Hkv, D], v, lengths, nodes)`` parts, and the own keys ``[B, O *
-  page_size, Hkv, D]``."""
-  ps, rest = k_pages.shape[1], tuple(k_pages.shape[2:])
-
-  def buf(table):
-    return jax.ShapeDtypeStruct((table.shape[0], table.shape[1] * ps) + rest, k_pages.dtype)
-
-  parts = [("segments", buf(t), buf(t), lengths, nodes) for t, lengths, nodes in levels]
-  return parts, buf(page_table)

@@ -10,9 +10,11 @@ visible key, never NaN):
                 segment ids by scalar prefetch (megablox style, Sec. 3.3).
 ``suffix.py``   per-sequence ragged attention, causal ``Tq > 1``, blocks past a
                 sequence's length skipped by scalar prefetch, ``prior`` merged in the
-                kernel's finalisation (Sec. 3.1).
+                kernel's finalisation (Sec. 3.1); its paged variant reads each sequence's
+                own pages in place from page pools through its page table.
 ``shared.py``   the whole decomposition (shared parts, merge, suffix) with every
-                intermediate kept in the kernels' row layout: no copy between kernels.
+                intermediate kept in the kernels' row layout: no copy between kernels;
+                ``paged_attention``, the same over page pools.
 ``common.py``   block sizes per chip (:class:`BlockSizes`), padding, the online softmax,
                 native/interpret dispatch.
 ``config.py``   :class:`TpuConfig`, the choices a call passes (static under jit).
@@ -40,13 +42,15 @@ from pallas_kernels.tpu.common import CHIPS, BlockSizes, block_sizes_for, chip_o
 from pallas_kernels.tpu.config import TpuConfig
 from pallas_kernels.tpu.prefix import prefix_attention, prefix_attention_head_major
 from pallas_kernels.tpu.segment import segment_attention, segment_attention_head_major
-from pallas_kernels.tpu.shared import run_plan, run_suffix, shared_attention
-from pallas_kernels.tpu.suffix import suffix_attention, suffix_attention_head_major
+from pallas_kernels.tpu.shared import paged_attention, run_plan, run_suffix, shared_attention
+from pallas_kernels.tpu.suffix import (paged_suffix_attention, paged_suffix_head_major,
+                                       suffix_attention, suffix_attention_head_major)
 
 __all__ = ["get_ops", "TpuConfig", "BlockSizes", "block_sizes_for", "CHIPS",
            "chip_of_device_kind", "prefix_attention", "segment_attention", "suffix_attention",
            "shared_attention", "run_plan", "prefix_attention_head_major", "segment_attention_head_major",
-           "suffix_attention_head_major"]
+           "suffix_attention_head_major", "paged_attention", "paged_suffix_attention",
+           "paged_suffix_head_major"]
 
 
 def get_ops(interpret: Optional[bool] = None, *, chip: Optional[str] = None,
@@ -63,8 +67,9 @@ def get_ops(interpret: Optional[bool] = None, *, chip: Optional[str] = None,
     chip, block_sizes: shorthand for ``config=TpuConfig(chip, block_sizes)``.
     device: the device planned for (None: the default TPU, else v5e's numbers).
     plan: a :class:`~pallas_kernels.tpu.dispatch.TpuPlan` of one call's shapes: the
-      ``shared_attention`` and ``suffix_attention`` entries execute it as it is; the others
-      run with its block sizes.
+      ``shared_attention`` and ``suffix_attention`` entries execute it as it is (a paged plan,
+      :func:`~pallas_kernels.tpu.dispatch.plan_paged`: the ``paged_attention`` entry); the
+      others run with its block sizes.
   """
   if config is not None and not isinstance(config, TpuConfig):
     raise TypeError(f"pallas_kernels.tpu.get_ops: config must be a TpuConfig or None; got "
@@ -84,8 +89,11 @@ def get_ops(interpret: Optional[bool] = None, *, chip: Optional[str] = None,
   knobs = dict(block_sizes=bs, interpret=interpret)
   suffix = bind(suffix_attention, **knobs)
   shared = bind(shared_attention, device=device, **knobs)
-  if plan is not None:  # the call's own plan, as it is
+  paged = bind(paged_attention, device=device, **knobs)
+  if plan is not None and plan.path == "paged":
+    paged = bind(paged_attention, plan=plan, interpret=interpret)
+  elif plan is not None:  # the call's own plan, as it is
     suffix = bind(run_suffix, plan, interpret=interpret)
     shared = bind(run_plan, plan, interpret=interpret)
   return AttentionOps("pallas:tpu", bind(prefix_attention, **knobs),
-                      bind(segment_attention, **knobs), suffix, shared)
+                      bind(segment_attention, **knobs), suffix, shared, paged)

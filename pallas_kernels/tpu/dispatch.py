@@ -27,9 +27,11 @@ class TpuPlan:
       (:func:`pallas_kernels.tpu.prefix.rows_blocks`), or the segment kernel's
       (:func:`pallas_kernels.tpu.segment.rows_blocks`) for a tree level; None where it has no
       rows or no keys (nothing runs).
-    suffix_blocks: the suffix kernel's :class:`~pallas_kernels.tpu.suffix.SuffixBlocks`
+    suffix_blocks: the suffix kernel's :class:`~pallas_kernels.tpu.suffix.SuffixBlocks`, or for
+      a paged call the paged suffix kernel's :class:`~pallas_kernels.tpu.suffix.PagedBlocks`
       (None where it has no keys or no rows).
     reasons: why, in words.
+    path: "paged" for a plan of ``paged_attention`` (:func:`plan_paged`), None otherwise.
   """
 
   device: DeviceInfo
@@ -38,6 +40,7 @@ class TpuPlan:
   prefix_blocks: tuple = ()
   suffix_blocks: object = None
   reasons: tuple[str, ...] = ()
+  path: Optional[str] = None
 
 
 def chip_for(config: Optional[TpuConfig], device: DeviceInfo) -> str:
@@ -54,13 +57,8 @@ def block_sizes(config: Optional[TpuConfig], device: DeviceInfo) -> BlockSizes:
   return common.block_sizes_for(chip_for(config, device))
 
 
-def plan(q, parts=(), suffix_k=None, *, device: DeviceInfo,
-         config: Optional[TpuConfig] = None) -> TpuPlan:
-  """The plan for ``q [B, Tq, Hq, D]``, shared ``parts`` (``(kind, k, ...)`` as the kernels take
-  them; arrays or ``jax.ShapeDtypeStruct``) and ``suffix_k [B, S, Hkv, D]``."""
-  config = TpuConfig() if config is None else config
+def _block_sizes_and_reasons(config: TpuConfig, device: DeviceInfo):
   chip = chip_for(config, device)
-  bs = block_sizes(config, device)
   if config.block_sizes is not None:
     reasons = ["block sizes given by the config"]
   elif config.chip is not None:
@@ -68,6 +66,15 @@ def plan(q, parts=(), suffix_k=None, *, device: DeviceInfo,
   else:
     reasons = [f"block sizes of {chip}, the chip planned for ({device.device_kind}; v5e's "
                f"where it is no TPU)"]
+  return chip, block_sizes(config, device), reasons
+
+
+def plan(q, parts=(), suffix_k=None, *, device: DeviceInfo,
+         config: Optional[TpuConfig] = None) -> TpuPlan:
+  """The plan for ``q [B, Tq, Hq, D]``, shared ``parts`` (``(kind, k, ...)`` as the kernels take
+  them; arrays or ``jax.ShapeDtypeStruct``) and ``suffix_k [B, S, Hkv, D]``."""
+  config = TpuConfig() if config is None else config
+  chip, bs, reasons = _block_sizes_and_reasons(config, device)
   b, tq, hq, d = q.shape
   hkv = suffix_k.shape[2] if suffix_k is not None else parts[0][1].shape[-2]
   # The kernels read q folded once, in the dtype of all the inputs (run_plan).
@@ -84,3 +91,46 @@ def plan(q, parts=(), suffix_k=None, *, device: DeviceInfo,
     sblocks = suffix.rows_blocks(rows, suffix_k, suffix_k, bs, bool(parts))
     reasons.append(f"suffix kernel: {sblocks}")
   return TpuPlan(device, chip, bs, tuple(blocks), sblocks, tuple(reasons))
+
+
+def paged_levels(level_tables, k_pages):
+  """The shared parts a paged call runs, as shapes: a level of one segment is a ``("prefix",
+  k [P * page_size, Hkv, D], ...)`` part (its pages gathered once, read once for every query
+  by the prefix kernel), a level of several a ``("segments", k [S, P * page_size, Hkv, D],
+  ...)`` part (its pages gathered, for the segment kernel)."""
+  ps, rest = k_pages.shape[1], tuple(k_pages.shape[2:])
+  parts = []
+  for table in level_tables:
+    n, p = table.shape
+    if n == 1:
+      k = jax.ShapeDtypeStruct((p * ps,) + rest, k_pages.dtype)
+      parts.append(("prefix", k, k, None, None))
+    else:
+      k = jax.ShapeDtypeStruct((n, p * ps) + rest, k_pages.dtype)
+      parts.append(("segments", k, k, None, None))
+  return parts
+
+
+def plan_paged(q, level_tables, k_pages, page_table, *, device: DeviceInfo,
+               config: Optional[TpuConfig] = None) -> TpuPlan:
+  """The plan of ``paged_attention`` for ``q [B, Tq, Hq, D]``, the levels' page tables
+  ``[S, P]`` (arrays or shapes), the pools ``k_pages [pages, page_size, Hkv, D]`` and the own
+  pages ``page_table [B, O]``: the shared levels' kernels on their gathered pages
+  (:func:`paged_levels`), each sequence's own pages read in place by the paged suffix kernel."""
+  config = TpuConfig() if config is None else config
+  chip, bs, reasons = _block_sizes_and_reasons(config, device)
+  b, tq, hq, d = q.shape
+  hkv = k_pages.shape[2]
+  parts = paged_levels(level_tables, k_pages)
+  dtype = common.compute_dtype(q, k_pages)
+  rows = jax.ShapeDtypeStruct((hkv, b * tq * (hq // hkv), d), dtype)
+  blocks = [(prefix if kind == "prefix" else segment).rows_blocks(rows, k, v, bs)
+            for kind, k, v, _, _ in parts]
+  if parts:
+    reasons.append("shared levels: the pages of each gathered once (one segment: one copy "
+                   "read by the prefix kernel for every query; several: the segment kernel), "
+                   f"(block_rows, block_keys, chunk) per level: {blocks}")
+  pblocks = suffix.paged_rows_blocks(rows, k_pages, page_table, bs, bool(parts))
+  reasons.append(f"own pages read in place by the paged suffix kernel (page table by scalar "
+                 f"prefetch, {k_pages.shape[1]}-token pages): {pblocks}")
+  return TpuPlan(device, chip, bs, tuple(blocks), pblocks, tuple(reasons), path="paged")

@@ -22,14 +22,14 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.base import ScoreMods, part_offsets
+from pallas_kernels.base import ScoreMods, gather_pages, part_offsets
 from pallas_kernels.device import DeviceInfo
 from pallas_kernels.tpu import common, dispatch
 from pallas_kernels.tpu.common import BlockSizes
 from pallas_kernels.tpu.config import TpuConfig
 from pallas_kernels.tpu.prefix import fold_rows, prefix_rows, unfold_rows, variants
 from pallas_kernels.tpu.segment import segment_rows
-from pallas_kernels.tpu.suffix import suffix_rows
+from pallas_kernels.tpu.suffix import paged_suffix_rows, suffix_rows
 
 
 def merge_rows(states):
@@ -100,26 +100,98 @@ def run_plan(plan: dispatch.TpuPlan, q, parts, suffix_k, suffix_v, *, kv_lengths
   vmem = plan.block_sizes.vmem_limit_bytes
   dtype = common.compute_dtype(q, suffix_k, suffix_v, *[p[1] for p in parts])
   rows = fold_rows(q.astype(dtype), hkv)  # the one fold every kernel reads
+  prior = _shared_state(plan, rows, parts, kv_lengths, q.shape, scale=scale,
+                        interpret=interpret, mods=mods)
+  out, lse = suffix_rows(rows, suffix_k, suffix_v, kv_lengths, prior, q_len=tq, causal=causal,
+                         scale=scale, d_out=suffix_v.shape[-1], out_dtype=q.dtype,
+                         blocks=plan.suffix_blocks, vmem_limit_bytes=vmem, interpret=interpret,
+                         mods=variants(mods, b, tq, hq, hkv))
+  return unfold_rows(out, b, tq, hq), unfold_rows(lse, b, tq, hq)
+
+
+def _shared_state(plan: dispatch.TpuPlan, rows, parts, kv_lengths, q_shape, *, scale, interpret,
+                  mods, seq_of_part=None, offset_parts=None):
+  """The shared parts' kernels on the folded ``rows`` and their merged kernel-layout state
+  (None without parts). ``seq_of_part[i]``: for a ``"prefix"`` part that stands for a level of
+  one segment, int32 ``[B]`` (the level's ``segment_of_seq``): rows of sequences outside it
+  drop out (LSE -inf). ``offset_parts``: the parts as :func:`pallas_kernels.base.part_offsets`
+  counts them for the variants' positions (None: ``parts``)."""
+  b, tq, hq = q_shape[:3]
+  hkv = rows.shape[0]
+  vmem = plan.block_sizes.vmem_limit_bytes
   offsets = [None] * len(parts)
   if mods is not None and mods.positional:
-    offsets = part_offsets(parts, kv_lengths, tq, b)
+    offsets = part_offsets(parts if offset_parts is None else offset_parts, kv_lengths, tq, b)
+  seq_of_part = seq_of_part or [None] * len(parts)
   states = []
-  for (kind, k, v, lengths, nodes), blocks, offset in zip(parts, plan.prefix_blocks, offsets):
+  for (kind, k, v, lengths, nodes), blocks, offset, members in zip(
+      parts, plan.prefix_blocks, offsets, seq_of_part):
     part_mods = variants(mods, b, tq, hq, hkv, offset)
     if kind == "prefix":
-      states.append(prefix_rows(rows, k, v, lengths, scale=scale, blocks=blocks,
-                                vmem_limit_bytes=vmem, interpret=interpret, mods=part_mods))
+      out, lse = prefix_rows(rows, k, v, lengths, scale=scale, blocks=blocks,
+                             vmem_limit_bytes=vmem, interpret=interpret, mods=part_mods)
+      if members is not None:  # [B] -> the rows (b, t, g) of each KV head
+        mine = jnp.repeat(members == 0, rows.shape[1] // b)
+        lse = jnp.where(mine[None, :, None], lse, -jnp.inf)
+      states.append((out, lse))
     elif kind == "segments":
       states.append(segment_rows(rows, k, v, lengths, nodes, scale=scale, blocks=blocks,
                                  vmem_limit_bytes=vmem, interpret=interpret, mods=part_mods))
     else:
       raise ValueError(f"shared_attention: a part's kind must be 'prefix' or 'segments'; "
                        f"got {kind!r}")
-  prior = merge_rows(states) if states else None
-  out, lse = suffix_rows(rows, suffix_k, suffix_v, kv_lengths, prior, q_len=tq, causal=causal,
-                         scale=scale, d_out=suffix_v.shape[-1], out_dtype=q.dtype,
-                         blocks=plan.suffix_blocks, vmem_limit_bytes=vmem, interpret=interpret,
-                         mods=variants(mods, b, tq, hq, hkv))
+  return merge_rows(states) if states else None
+
+
+def paged_attention(q, k_pages, v_pages, levels, page_table, kv_lengths, *, causal, scale,
+                    block_sizes: Optional[BlockSizes] = None,
+                    plan: Optional[dispatch.TpuPlan] = None,
+                    device: Optional[DeviceInfo] = None, interpret: Optional[bool] = None,
+                    mods: Optional[ScoreMods] = None):
+  """Attention over page pools (see :func:`pallas_kernels.base.paged_attention`) on TPU: runs
+  ``plan`` (path "paged", :func:`pallas_kernels.tpu.dispatch.plan_paged`) where given, else
+  the plan for these shapes with ``block_sizes`` on ``device``.
+
+  Each shared level's pages are gathered once (a level of one segment: one copy of the segment,
+  read by the prefix kernel for all its queries; several segments: the segment kernel), the
+  levels merged by LSE and fused as the prior into the paged suffix kernel, which reads every
+  sequence's own pages in place. Returns ``out [B, Tq, Hq, D]`` in q's dtype and float32
+  natural-log ``lse [B, Tq, Hq]``.
+  """
+  if plan is None:
+    config = TpuConfig(block_sizes=block_sizes)
+    plan = dispatch.plan_paged(q, [t for t, _, _ in levels], k_pages, page_table,
+                               device=device or DeviceInfo.for_target("tpu"), config=config)
+  if plan.path != "paged":
+    raise ValueError("tpu paged_attention: the plan must be a paged plan "
+                     "(pallas_kernels.tpu.dispatch.plan_paged)")
+  if len(plan.prefix_blocks) != len(levels):
+    raise ValueError(f"tpu paged_attention: the plan has {len(plan.prefix_blocks)} levels, the "
+                     f"call {len(levels)}")
+  b, tq, hq = q.shape[:3]
+  hkv = k_pages.shape[2]
+  parts, members = [], []
+  for table, lengths, nodes in levels:
+    if table.shape[0] == 1:  # one segment: its pages gathered once, for the prefix kernel
+      parts.append(("prefix", gather_pages(k_pages, table)[0], gather_pages(v_pages, table)[0],
+                    lengths[0], nodes))
+      members.append(nodes)
+    else:
+      parts.append(("segments", gather_pages(k_pages, table), gather_pages(v_pages, table),
+                    lengths, nodes))
+      members.append(None)
+  # Offsets (variants) count a one-segment level only for the sequences that continue it.
+  offset_parts = [("segments", None, None, jnp.reshape(lengths, (-1,)), nodes)
+                  for _, _, _, lengths, nodes in parts]
+  rows = fold_rows(q.astype(common.compute_dtype(q, k_pages, v_pages)), hkv)
+  prior = _shared_state(plan, rows, parts, kv_lengths, q.shape, scale=scale,
+                        interpret=interpret, mods=mods, seq_of_part=members,
+                        offset_parts=offset_parts)
+  out, lse = paged_suffix_rows(rows, k_pages, v_pages, page_table, kv_lengths, prior, q_len=tq,
+                               causal=causal, scale=scale, out_dtype=q.dtype,
+                               blocks=plan.suffix_blocks,
+                               vmem_limit_bytes=plan.block_sizes.vmem_limit_bytes,
+                               interpret=interpret, mods=variants(mods, b, tq, hq, hkv))
   return unfold_rows(out, b, tq, hq), unfold_rows(lse, b, tq, hq)
 
 

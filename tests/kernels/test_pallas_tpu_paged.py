@@ -17,7 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jax_shared_attn import PagedLevel, explain, paged_attention
 from jax_shared_attn.testing import oracle_tree
+from pallas_kernels import tpu
 from pallas_kernels.tpu import common, suffix
 from strategies import SEEDS, assert_close, count_case, lengths, rand
 
@@ -87,6 +89,76 @@ def test_paged_blocks_obey_the_tiling_rule():
   assert not suffix.paged_heads_legal(1, 4, 64) and suffix.paged_heads_legal(2, 4, 64)
 
 
+# (B, Tq, Hq, Hkv, D, page_size, own pages, level structure ((segments, pages), ...), dtype)
+API_CASES = [
+    (4, 1, 4, 2, 128, 8, 3, ((1, 2), (3, 2)), "float32"),  # a system prompt, then a fork
+    (3, 3, 2, 1, 64, 16, 2, ((2, 2),), "bfloat16"),  # prefill chunks over pages
+]
+CONFIG = tpu.TpuConfig(block_sizes=BLOCK_SIZES)
+
+
+@functools.partial(jax.jit, static_argnames=("causal",))
+def paged_api(q, kp, vp, table, lens, levels, *, causal):
+  return paged_attention(q, kp, vp, table, lens, levels=levels, causal=causal, impl="pallas:tpu",
+                         return_lse=True, config=CONFIG)
+
+
+@pytest.mark.parametrize("case", API_CASES, ids=["decode-levels", "chunk-level"])
+@settings(max_examples=2, deadline=None)
+@given(data=st.data(), seed=SEEDS)
+def test_paged_attention_entry_equals_the_oracle(case, data, seed):
+  """The public paged_attention on the TPU family: levels gathered once each (the prefix kernel
+  for one segment, the segment kernel for several), own pages read in place; pages shuffled
+  and shared between the levels and the sequences."""
+  count_case("tpu_paged_attention")
+  b, tq, hq, hkv, d, ps, o, structure, dtype = case
+  rng = np.random.default_rng(seed)
+  n_pages = 2 + b * o + sum(n * p for n, p in structure) // 2
+  kp, kp64 = rand(rng, (n_pages, ps, hkv, d), dtype)
+  vp, vp64 = rand(rng, (n_pages, ps, hkv, d), dtype)
+
+  def tokens(x64, pages, length):  # float64 [length, Hkv, D] of a page list
+    return x64[pages].reshape(-1, hkv, d)[:length]
+
+  levels, seg_k, seg_v = [], [[] for _ in range(b)], [[] for _ in range(b)]
+  for n, p in structure:
+    t = rng.integers(0, n_pages, size=(n, p)).astype(np.int32)
+    lens = lengths(data.draw, n, p * ps)
+    nodes = np.asarray(data.draw(st.lists(st.integers(-1, n - 1), min_size=b, max_size=b)),
+                       np.int32)
+    levels.append(PagedLevel(jnp.asarray(t), jnp.asarray(lens), jnp.asarray(nodes)))
+    for i, node in enumerate(nodes):
+      if node >= 0:
+        seg_k[i].append(tokens(kp64, t[node], lens[node]))
+        seg_v[i].append(tokens(vp64, t[node], lens[node]))
+  own = rng.permutation(n_pages)[:b * o].reshape(b, o).astype(np.int32)
+  own_len = lengths(data.draw, b, o * ps)
+  if tq > 1:
+    own_len = np.maximum(own_len, tq).astype(np.int32)
+  q, q64 = rand(rng, (b, tq, hq, d), dtype)
+  out, lse = paged_api(q, kp, vp, jnp.asarray(own), jnp.asarray(own_len), levels,
+                       causal=tq > 1)
+  assert out.dtype == q.dtype and lse.dtype == jnp.float32
+  sk64 = np.stack([tokens(kp64, own[i], o * ps) for i in range(b)])
+  sv64 = np.stack([tokens(vp64, own[i], o * ps) for i in range(b)])
+  assert_close(out, lse, *oracle_tree(q64, seg_k, seg_v, sk64, sv64, own_len, causal=tq > 1),
+               dtype)
+
+
+def test_explain_names_the_paged_tpu_path():
+  q = S((4, 1, 8, 128), jnp.bfloat16)
+  pool = S((64, 128, 2, 128), jnp.bfloat16)
+  levels = [PagedLevel(S((1, 4), jnp.int32), S((1,), jnp.int32), S((4,), jnp.int32)),
+            PagedLevel(S((2, 3), jnp.int32), S((2,), jnp.int32), S((4,), jnp.int32))]
+  plan = explain(paged_attention, q, pool, pool, S((4, 5), jnp.int32), S((4,), jnp.int32),
+                 levels=levels, platform="tpu", device_kind="TPU v5 lite")
+  assert plan.impl == "pallas:tpu" and plan.backend.path == "paged", plan
+  assert isinstance(plan.backend.suffix_blocks, suffix.PagedBlocks), plan
+  assert plan.backend.suffix_blocks.pages == 4  # suffix_keys 512 / 128-token pages
+  assert len(plan.backend.prefix_blocks) == 2 and plan.backward == "none"
+  assert any("read in place by the paged suffix kernel" in r for r in plan.reasons), plan
+
+
 def export_tpu(fn, *args) -> str:
   text = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
   assert "callback" not in text  # no interpreter branch in the TPU program
@@ -110,5 +182,28 @@ def test_paged_suffix_kernel_lowers_to_mosaic():
     text = export_tpu(fn, S((b, tq, hq, d), dtype), pool, pool, S((b, o), jnp.int32),
                       S((b,), jnp.int32), S((b, tq, hq, d), jnp.float32),
                       S((b, tq, hq), jnp.float32))
-    assert text.count("tpu_custom_call") == 1
+    assert text.count("tpu_custom_call") == 1 and "hydragen_paged_suffix_attention" in text
     assert "gather" not in text  # the pages are read in place
+
+
+def test_paged_attention_exports_as_one_tpu_program():
+  """The jitted public paged_attention for a TPU: the prefix kernel (a one-segment level), the
+  segment kernel (a level of two) and the paged suffix kernel, no interpreter; the only
+  gathers are the levels' pages."""
+  b, hq, hkv, d, ps = 8, 8, 2, 128, 64
+  pool = S((200, ps, hkv, d), jnp.bfloat16)
+
+  def fn(q, kp, vp, table, lens, t0, l0, n0, t1, l1, n1):
+    levels = [PagedLevel(t0, l0, n0), PagedLevel(t1, l1, n1)]
+    return paged_attention(q, kp, vp, table, lens, levels=levels, impl="pallas:tpu")
+
+  i32 = jnp.int32
+  text = export_tpu(fn, S((b, 1, hq, d), jnp.bfloat16), pool, pool, S((b, 6), i32), S((b,), i32),
+                    S((1, 8), i32), S((1,), i32), S((b,), i32), S((2, 4), i32), S((2,), i32),
+                    S((b,), i32))
+  assert text.count("tpu_custom_call") == 3 and "hydragen_paged_suffix_attention" in text
+  # Without levels nothing is gathered: the own pages are read in place.
+  own_only = export_tpu(lambda q, kp, vp, table, lens: paged_attention(
+      q, kp, vp, table, lens, impl="pallas:tpu"), S((b, 1, hq, d), jnp.bfloat16), pool, pool,
+      S((b, 6), i32), S((b,), i32))
+  assert own_only.count("tpu_custom_call") == 1 and "gather" not in own_only

@@ -371,8 +371,9 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array,
   (skipped where -1), then its own keys: the first ``kv_lengths[b]`` tokens of its pages
   ``page_table[b]``. Each segment is attended once by the queries of every sequence that
   continues it (:func:`hierarchical_attention`'s decomposition); the parts are merged by LSE.
-  On GPUs the segment and suffix kernels read the pages through the tables (no copy); the
-  "xla" path (and the TPU family) gather the pages into contiguous buffers first. Forward
+  On GPUs the segment and suffix kernels read the pages through the tables (no copy); on TPUs
+  the suffix kernel reads the own pages in place and each level's pages are gathered once; the
+  "xla" path gathers the pages into contiguous buffers first. Forward
   only: ``jax.grad`` of it is an error (differentiate :func:`hierarchical_attention`).
 
   Args:
@@ -385,8 +386,8 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array,
     causal, scale, impl, return_lse, config: as in :func:`shared_prefix_attention`.
     alibi_slopes, softcap, local_window_size: score variants, as in
       :func:`hierarchical_attention` (positions in each sequence's context: its segments in
-      level order, then its own keys); they run on the XLA path or the TPU kernels (the pages
-      gathered) or the Triton kernels (the pages read in place).
+      level order, then its own keys); they run on the XLA path, the TPU kernels or the Triton
+      kernels.
 
   Page ids are not range-checked inside a traced program (an id outside ``[0, pages)`` reads
   clamped rows); concrete tables are checked.

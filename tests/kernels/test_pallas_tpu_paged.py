@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from jax_shared_attn import PagedLevel, explain, paged_attention
 from jax_shared_attn.testing import oracle_tree
-from pallas_kernels import tpu
+from pallas_kernels import base, tpu
 from pallas_kernels.tpu import common, suffix
 from strategies import SEEDS, assert_close, count_case, lengths, rand
 
@@ -77,6 +77,56 @@ def test_paged_suffix_kernel_equals_the_oracle(case, data, seed):
   sv64 = vp64[table].reshape(b, o * ps, hkv, d)
   assert_close(out, lse, *oracle_tree(q64, seg_k, seg_v, sk64, sv64, own, causal=tq > 1),
                dtype)
+
+
+def oracle_own_variants(q, ctx_k, ctx_v, causal, scale, slopes, softcap, window):
+  """Float64 attention of each sequence's queries (the last Tq positions of its own keys) over
+  its own keys ``ctx_k[b] [L_b, Hkv, D]`` with ALiBi ``slopes [B, Hq]``, ``softcap``, ``window
+  (left, right)``; (0, -inf) where a query sees nothing."""
+  b, tq, hq, _ = q.shape
+  out, lse = np.zeros_like(q), np.full((b, tq, hq), -np.inf)
+  for i in range(b):
+    k, v = ctx_k[i], ctx_v[i]
+    n, g = len(k), hq // k.shape[1]
+    kpos = np.arange(n)
+    for t in range(tq):
+      qpos = n - tq + t
+      vis = (kpos <= qpos) if causal else np.ones(n, bool)
+      vis &= (kpos >= qpos - window[0]) & (kpos <= qpos + window[1])
+      if not vis.any():
+        continue
+      for h in range(hq):
+        s = scale * (k[vis, h // g] @ q[i, t, h])
+        s = softcap * np.tanh(s / softcap) - slopes[i, h] * (qpos - kpos[vis])
+        m = s.max()
+        p = np.exp(s - m)
+        lse[i, t, h] = m + np.log(p.sum())
+        out[i, t, h] = (p / p.sum()) @ v[vis, h // g]
+  return out, lse
+
+
+@settings(max_examples=3, deadline=None)
+@given(data=st.data(), seed=SEEDS)
+def test_paged_suffix_kernel_applies_the_variants(data, seed):
+  """ALiBi, softcap and a sliding window together over shuffled pages, causal Tq = 2: the
+  window skips whole pages, the positions count from each sequence's own length."""
+  count_case("tpu_paged_suffix_variants")
+  b, tq, hq, hkv, d, ps, o, scale = 3, 2, 4, 2, 128, 8, 4, 0.3
+  rng = np.random.default_rng(seed)
+  kp, kp64 = rand(rng, (b * o + 1, ps, hkv, d), "float32")
+  vp, vp64 = rand(rng, (b * o + 1, ps, hkv, d), "float32")
+  table = rng.permutation(b * o + 1)[:b * o].reshape(b, o).astype(np.int32)
+  own = np.maximum(lengths(data.draw, b, o * ps), tq).astype(np.int32)
+  slopes = rng.uniform(-0.5, 1.0, size=(b, hq)).astype(np.float32)
+  mods = base.ScoreMods(alibi_slopes=jnp.asarray(slopes), softcap=1.5, window=(9, 0))
+  q, q64 = rand(rng, (b, tq, hq, d), "float32")
+  out, lse = suffix.paged_suffix_attention(q, kp, vp, jnp.asarray(table), kv_lengths=own,
+                                           causal=True, scale=scale, block_sizes=BLOCK_SIZES,
+                                           mods=mods)
+  ctx = lambda x64, i: x64[table[i]].reshape(-1, hkv, d)[:own[i]]
+  ref = oracle_own_variants(q64, [ctx(kp64, i) for i in range(b)], [ctx(vp64, i) for i in range(b)],
+                            True, scale, slopes.astype(np.float64), 1.5, (9, 0))
+  assert_close(out, lse, *ref, "float32")
 
 
 def test_paged_blocks_obey_the_tiling_rule():

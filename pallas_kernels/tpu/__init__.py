@@ -10,8 +10,9 @@ visible key, never NaN):
                 segment ids by scalar prefetch (megablox style, Sec. 3.3).
 ``suffix.py``   per-sequence ragged attention, causal ``Tq > 1``, blocks past a
                 sequence's length skipped by scalar prefetch, ``prior`` merged in the
-                kernel's finalisation (Sec. 3.1); its paged variant reads each sequence's
-                own pages in place from page pools through its page table.
+                kernel's finalisation (Sec. 3.1).
+``paged.py``    the suffix kernel over page pools: each sequence's own pages read in place
+                through its page table (scalar prefetch).
 ``shared.py``   the whole decomposition (shared parts, merge, suffix) with every
                 intermediate kept in the kernels' row layout: no copy between kernels;
                 ``paged_attention``, the same over page pools.
@@ -43,8 +44,8 @@ from pallas_kernels.tpu.config import TpuConfig
 from pallas_kernels.tpu.prefix import prefix_attention, prefix_attention_head_major
 from pallas_kernels.tpu.segment import segment_attention, segment_attention_head_major
 from pallas_kernels.tpu.shared import paged_attention, run_plan, run_suffix, shared_attention
-from pallas_kernels.tpu.suffix import (paged_suffix_attention, paged_suffix_head_major,
-                                       suffix_attention, suffix_attention_head_major)
+from pallas_kernels.tpu.paged import paged_suffix_attention, paged_suffix_head_major
+from pallas_kernels.tpu.suffix import suffix_attention, suffix_attention_head_major
 
 __all__ = ["get_ops", "TpuConfig", "BlockSizes", "block_sizes_for", "CHIPS",
            "chip_of_device_kind", "prefix_attention", "segment_attention", "suffix_attention",

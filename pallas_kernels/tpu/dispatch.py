@@ -10,7 +10,7 @@ from typing import Optional
 import jax
 
 from pallas_kernels.device import DeviceInfo
-from pallas_kernels.tpu import common, prefix, segment, suffix
+from pallas_kernels.tpu import common, paged, prefix, segment, suffix
 from pallas_kernels.tpu.common import BlockSizes
 from pallas_kernels.tpu.config import TpuConfig
 
@@ -28,7 +28,7 @@ class TpuPlan:
       (:func:`pallas_kernels.tpu.segment.rows_blocks`) for a tree level; None where it has no
       rows or no keys (nothing runs).
     suffix_blocks: the suffix kernel's :class:`~pallas_kernels.tpu.suffix.SuffixBlocks`, or for
-      a paged call the paged suffix kernel's :class:`~pallas_kernels.tpu.suffix.PagedBlocks`
+      a paged call the paged suffix kernel's :class:`~pallas_kernels.tpu.paged.PagedBlocks`
       (None where it has no keys or no rows).
     reasons: why, in words.
     path: "paged" for a plan of ``paged_attention`` (:func:`plan_paged`), None otherwise.
@@ -130,7 +130,7 @@ def plan_paged(q, level_tables, k_pages, page_table, *, device: DeviceInfo,
     reasons.append("shared levels: the pages of each gathered once (one segment: one copy "
                    "read by the prefix kernel for every query; several: the segment kernel), "
                    f"(block_rows, block_keys, chunk) per level: {blocks}")
-  pblocks = suffix.paged_rows_blocks(rows, k_pages, page_table, bs, bool(parts))
+  pblocks = paged.paged_rows_blocks(rows, k_pages, page_table, bs, bool(parts))
   reasons.append(f"own pages read in place by the paged suffix kernel (page table by scalar "
                  f"prefetch, {k_pages.shape[1]}-token pages): {pblocks}")
   return TpuPlan(device, chip, bs, tuple(blocks), pblocks, tuple(reasons), path="paged")

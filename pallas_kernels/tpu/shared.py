@@ -29,7 +29,8 @@ from pallas_kernels.tpu.common import BlockSizes
 from pallas_kernels.tpu.config import TpuConfig
 from pallas_kernels.tpu.prefix import fold_rows, prefix_rows, unfold_rows, variants
 from pallas_kernels.tpu.segment import segment_rows
-from pallas_kernels.tpu.suffix import paged_suffix_rows, suffix_rows
+from pallas_kernels.tpu.paged import paged_suffix_rows
+from pallas_kernels.tpu.suffix import suffix_rows
 
 
 def merge_rows(states):

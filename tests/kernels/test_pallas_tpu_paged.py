@@ -1,5 +1,5 @@
 """The TPU family's paged path: each sequence's own pages read in place by the paged suffix
-kernel (:func:`pallas_kernels.tpu.suffix.paged_suffix_head_major`), interpreted on a CPU
+kernel (:func:`pallas_kernels.tpu.paged.paged_suffix_head_major`), interpreted on a CPU
 against the float64 oracle of each sequence's explicit context, and lowered to Mosaic for a
 TPU from this CPU.
 
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from jax_shared_attn import PagedLevel, explain, paged_attention
 from jax_shared_attn.testing import oracle_tree
 from pallas_kernels import base, tpu
-from pallas_kernels.tpu import common, suffix
+from pallas_kernels.tpu import common, paged
 from strategies import SEEDS, assert_close, count_case, lengths, rand
 
 S = jax.ShapeDtypeStruct
@@ -46,8 +46,8 @@ def oracle_prior(rng, b, hkv, d, dtype, q64):
 
 
 @functools.partial(jax.jit, static_argnames=("causal",))
-def paged(q, kp, vp, table, lens, prior, *, causal):
-  return suffix.paged_suffix_attention(q, kp, vp, table, kv_lengths=lens, causal=causal,
+def paged_suffix_jit(q, kp, vp, table, lens, prior, *, causal):
+  return paged.paged_suffix_attention(q, kp, vp, table, kv_lengths=lens, causal=causal,
                                        scale=q.shape[-1]**-0.5, prior=prior,
                                        block_sizes=BLOCK_SIZES)
 
@@ -72,7 +72,8 @@ def test_paged_suffix_kernel_equals_the_oracle(case, data, seed):
   if with_prior:
     prior, pk64, pv64 = oracle_prior(rng, b, hkv, d, dtype, q64)
     seg_k, seg_v = [[pk64[i]] for i in range(b)], [[pv64[i]] for i in range(b)]
-  out, lse = paged(q, kp, vp, jnp.asarray(table), jnp.asarray(own), prior, causal=tq > 1)
+  out, lse = paged_suffix_jit(q, kp, vp, jnp.asarray(table), jnp.asarray(own), prior,
+                              causal=tq > 1)
   sk64 = kp64[table].reshape(b, o * ps, hkv, d)
   sv64 = vp64[table].reshape(b, o * ps, hkv, d)
   assert_close(out, lse, *oracle_tree(q64, seg_k, seg_v, sk64, sv64, own, causal=tq > 1),
@@ -120,7 +121,7 @@ def test_paged_suffix_kernel_applies_the_variants(data, seed):
   slopes = rng.uniform(-0.5, 1.0, size=(b, hq)).astype(np.float32)
   mods = base.ScoreMods(alibi_slopes=jnp.asarray(slopes), softcap=1.5, window=(9, 0))
   q, q64 = rand(rng, (b, tq, hq, d), "float32")
-  out, lse = suffix.paged_suffix_attention(q, kp, vp, jnp.asarray(table), kv_lengths=own,
+  out, lse = paged.paged_suffix_attention(q, kp, vp, jnp.asarray(table), kv_lengths=own,
                                            causal=True, scale=scale, block_sizes=BLOCK_SIZES,
                                            mods=mods)
   ctx = lambda x64, i: x64[table[i]].reshape(-1, hkv, d)[:own[i]]
@@ -132,11 +133,11 @@ def test_paged_suffix_kernel_applies_the_variants(data, seed):
 def test_paged_blocks_obey_the_tiling_rule():
   """Heads per step: lanes a multiple of 128 or all heads; pages per block up to suffix_keys."""
   bs = common.block_sizes_for("v5e")
-  blocks = suffix.paged_blocks(8, 8, 128, 16, 4, 128, 2, bs)
+  blocks = paged.paged_blocks(8, 8, 128, 16, 4, 128, 2, bs)
   assert blocks.pages == 4 and 8 % blocks.heads == 0
-  assert suffix.paged_blocks(8, 8, 16, 64, 4, 64, 2, bs).heads % 2 == 0
-  assert suffix.paged_blocks(8, 4, 16, 64, 4, 80, 2, bs).heads == 4
-  assert not suffix.paged_heads_legal(1, 4, 64) and suffix.paged_heads_legal(2, 4, 64)
+  assert paged.paged_blocks(8, 8, 16, 64, 4, 64, 2, bs).heads % 2 == 0
+  assert paged.paged_blocks(8, 4, 16, 64, 4, 80, 2, bs).heads == 4
+  assert not paged.paged_heads_legal(1, 4, 64) and paged.paged_heads_legal(2, 4, 64)
 
 
 # (B, Tq, Hq, Hkv, D, page_size, own pages, level structure ((segments, pages), ...), dtype)
@@ -203,7 +204,7 @@ def test_explain_names_the_paged_tpu_path():
   plan = explain(paged_attention, q, pool, pool, S((4, 5), jnp.int32), S((4,), jnp.int32),
                  levels=levels, platform="tpu", device_kind="TPU v5 lite")
   assert plan.impl == "pallas:tpu" and plan.backend.path == "paged", plan
-  assert isinstance(plan.backend.suffix_blocks, suffix.PagedBlocks), plan
+  assert isinstance(plan.backend.suffix_blocks, paged.PagedBlocks), plan
   assert plan.backend.suffix_blocks.pages == 4  # suffix_keys 512 / 128-token pages
   assert len(plan.backend.prefix_blocks) == 2 and plan.backward == "none"
   assert any("read in place by the paged suffix kernel" in r for r in plan.reasons), plan
@@ -225,7 +226,7 @@ def test_paged_suffix_kernel_lowers_to_mosaic():
     bs = common.block_sizes_for("v5e")
 
     def fn(q, kp, vp, table, lens, p_out, p_lse):
-      return suffix.paged_suffix_attention(q, kp, vp, table, kv_lengths=lens, causal=tq > 1,
+      return paged.paged_suffix_attention(q, kp, vp, table, kv_lengths=lens, causal=tq > 1,
                                            scale=d**-0.5, prior=(p_out, p_lse), block_sizes=bs)
 
     pool = S((11, ps, hkv, d), dtype)

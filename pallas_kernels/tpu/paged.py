@@ -196,8 +196,8 @@ def paged_suffix_head_major(
   Grid ``(Hkv / heads, B, cdiv(O, pages))``, semantics (parallel, parallel, arbitrary). The
   page table travels by scalar prefetch; the index map of page operand ``p`` at key block ``j``
   picks the physical page ``page_table[b, j * pages + p]``, clamped to the sequence's last page
-  holding a key, so a page past the length maps to the block already in VMEM (no DMA) and its
-  compute is skipped. The pool is read as stored, ``[pages, page_size, Hkv * D]`` (a free
+  holding a key (with a window, and at least its first page), so a page past the length
+  (or before the window) maps to a block already in VMEM (no DMA) and its compute is skipped. The pool is read as stored, ``[pages, page_size, Hkv * D]`` (a free
   reshape of ``[pages, page_size, Hkv, D]``): a block is one page's ``[page_size, heads * D]``
   tile, head h its lanes ``[h * D, (h + 1) * D)``. Pages are read in their own dtype and
   converted to q's in VMEM.
@@ -224,7 +224,13 @@ def paged_suffix_head_major(
 
   def page_map(p):
     def index(hh, i, j, lengths_ref, table_ref):
-      page = jnp.minimum(j * ppb + p, last_block(lengths_ref[i], page_size))
+      length = lengths_ref[i]
+      page = jnp.minimum(j * ppb + p, last_block(length, page_size))
+      if mods is not None and mods.window is not None:
+        # Pages wholly before the window repeat its first page: no DMA (their compute is
+        # skipped). lax.div: truncating, on a non-negative scalar.
+        lo, _ = mods.key_bounds(length - q_len, length - 1)
+        page = jnp.maximum(page, lax.div(jnp.clip(lo, 0, o * page_size - 1), page_size))
       return (table_ref[i * o + page], 0, hh)
     return index
 

@@ -237,6 +237,22 @@ def test_paged_suffix_kernel_lowers_to_mosaic():
     assert "gather" not in text  # the pages are read in place
 
 
+def test_paged_suffix_kernel_with_variants_lowers_to_mosaic():
+  """ALiBi, softcap and a window (whose first page clamps the index maps) lower too."""
+  b, tq, hq, hkv, d, ps, o = 4, 2, 8, 2, 128, 64, 6
+  bs = common.block_sizes_for("v6e")
+
+  def fn(q, kp, vp, table, lens, slopes):
+    mods = base.ScoreMods(alibi_slopes=slopes, softcap=30.0, window=(100, 0))
+    return paged.paged_suffix_attention(q, kp, vp, table, kv_lengths=lens, causal=True,
+                                        scale=d**-0.5, block_sizes=bs, mods=mods)
+
+  pool = S((40, ps, hkv, d), jnp.bfloat16)
+  text = export_tpu(fn, S((b, tq, hq, d), jnp.bfloat16), pool, pool, S((b, o), jnp.int32),
+                    S((b,), jnp.int32), S((b, hq), jnp.float32))
+  assert text.count("tpu_custom_call") == 1 and "gather" not in text
+
+
 def test_paged_attention_exports_as_one_tpu_program():
   """The jitted public paged_attention for a TPU: the prefix kernel (a one-segment level), the
   segment kernel (a level of two) and the paged suffix kernel, no interpreter; the only

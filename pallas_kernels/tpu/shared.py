@@ -27,9 +27,9 @@ from pallas_kernels.device import DeviceInfo
 from pallas_kernels.tpu import common, dispatch
 from pallas_kernels.tpu.common import BlockSizes
 from pallas_kernels.tpu.config import TpuConfig
+from pallas_kernels.tpu.paged import paged_suffix_rows
 from pallas_kernels.tpu.prefix import fold_rows, prefix_rows, unfold_rows, variants
 from pallas_kernels.tpu.segment import segment_rows
-from pallas_kernels.tpu.paged import paged_suffix_rows
 from pallas_kernels.tpu.suffix import suffix_rows
 
 

@@ -55,7 +55,8 @@ def test_explain_shows_the_paged_kernels_or_the_gather():
   assert any("read in place" in r for r in gpu.reasons)
   tpu = explain(paged_attention, q, k, v, own, lens, levels=[level], platform="tpu",
                 device_kind="TPU v5 lite")
-  assert any("gathered" in r for r in tpu.reasons)
+  assert tpu.impl == "pallas:tpu" and tpu.backend.path == "paged"
+  assert any("read in place" in r for r in tpu.reasons)
   xla = explain(paged_attention, q, k, v, own, lens, levels=[level], impl="xla")
   assert xla.impl == "xla" and any("gathered" in r for r in xla.reasons)
 

@@ -208,8 +208,8 @@ class TestTritonInterpret:
   @pytest.mark.parametrize("variant", [ALL_THREE], ids=["alibi+softcap+window"])
   def test_paged(self, variant):
     """Page pools: a one-segment level (gathered for the prefix kernel), a level of two
-    segments and the own keys read in place (the segment and suffix kernels; the TPU kernels
-    run on the gathered pages)."""
+    segments and the own keys read in place (the segment and suffix kernels; on the TPU the
+    levels are gathered and the own pages read in place by the paged suffix kernel)."""
     alibi, softcap, window, causal = variant
     page, pages, width = 2, 20, 3  # up to 6 keys per segment and per sequence
 

@@ -35,8 +35,10 @@ def tokens(n, seed):
   return [int(t) for t in np.random.default_rng(seed).integers(0, 256, n)]
 
 
-@pytest.mark.parametrize("mesh_shape", [(4, 2), (8, 1)])
-def test_sharded_step_equals_the_unsharded_step(mesh_shape):
+@pytest.fixture(scope="module")
+def unsharded():
+  """The model, batch, optimizer, reference parameters and the one-device step's result
+  ``(state, metrics)``: computed once, the reference of every mesh shape."""
   model = random_init(CONFIG, seed=2, std=0.15)
   root = tokens(10, 0)
   tree = PromptTree.from_prompts([root + tokens(4, 1), root + tokens(4, 2)], 4,
@@ -51,9 +53,14 @@ def test_sharded_step_equals_the_unsharded_step(mesh_shape):
   # would magnify rounding in near-zero gradients), and momentum is optimizer state to place.
   opt = optax.sgd(0.1, momentum=0.9)
   reference = nnx.split(model)[1]
+  one = train_step(init_train_state(model, opt), batch, config, optimizer=opt,
+                   reference=reference)
+  return model, batch, config, opt, one
 
-  one, m1 = train_step(init_train_state(model, opt), batch, config, optimizer=opt,
-                       reference=reference)
+
+@pytest.mark.parametrize("mesh_shape", [(4, 2), (8, 1)])
+def test_sharded_step_equals_the_unsharded_step(unsharded, mesh_shape):
+  model, batch, config, opt, (one, m1) = unsharded
   mesh = S.make_mesh(mesh_shape)
   state = init_train_state(model, opt, mesh=mesh)
   ref_sharded = nnx.split(S.shard_model(model, mesh))[1]

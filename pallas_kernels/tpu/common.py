@@ -184,6 +184,37 @@ def compiler_params(semantics, vmem_limit_bytes: Optional[int] = None):
                               vmem_limit_bytes=vmem_limit_bytes)
 
 
+def suffix_call(kernel, args, *, grid, in_specs, row_spec, lse_spec, out_shape, state, keys: int,
+                q_itemsize: int, kv_itemsize: int, out_dtype, has_prior: bool, vmem_limit_bytes,
+                name: str, interpret: Optional[bool]):
+  """Runs a suffix kernel (contiguous or paged) on ``args`` (two scalar-prefetch operands
+  first) over ``grid`` (semantics parallel, parallel, arbitrary): outputs ``out`` of
+  ``out_shape = (Hkv, B, rows, D)`` in ``out_dtype`` and float32 ``lse [Hkv, B, rows, 128]``;
+  the online-softmax state ``(m, l, acc)`` in VMEM scratch with the leading dims ``state``; a
+  cost estimate of reading ``keys`` keys per sequence once."""
+  hkv, b, rows, d = out_shape
+  cost = pl.CostEstimate(
+      flops=4 * b * hkv * rows * keys * d, transcendentals=b * hkv * rows * keys,
+      bytes_accessed=b * hkv * (2 * keys * d * kv_itemsize + rows * d * q_itemsize
+                                + rows * d * jnp.dtype(out_dtype).itemsize + rows * LANES * 4
+                                + (rows * (d + LANES) * 4 if has_prior else 0)))
+
+  def build(interpret_value):
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct(out_shape, out_dtype),
+                   jax.ShapeDtypeStruct((hkv, b, rows, LANES), jnp.float32)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=[row_spec, lse_spec],
+            scratch_shapes=[pltpu.VMEM(state + (LANES,), jnp.float32),
+                            pltpu.VMEM(state + (LANES,), jnp.float32),
+                            pltpu.VMEM(state + (d,), jnp.float32)]),
+        compiler_params=compiler_params(("parallel", "parallel", "arbitrary"), vmem_limit_bytes),
+        cost_estimate=cost, interpret=interpret_value, name=name)
+
+  return dispatch(build, tuple(args), interpret)
+
+
 # ------------------------------------------------------------------------------------------
 # Online softmax over key blocks (the body shared by the three kernels)
 # ------------------------------------------------------------------------------------------

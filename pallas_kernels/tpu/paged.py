@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import base
 from pallas_kernels.tpu import common
@@ -197,7 +196,8 @@ def paged_suffix_head_major(
   page table travels by scalar prefetch; the index map of page operand ``p`` at key block ``j``
   picks the physical page ``page_table[b, j * pages + p]``, clamped to the sequence's last page
   holding a key (with a window, and at least its first page), so a page past the length
-  (or before the window) maps to a block already in VMEM (no DMA) and its compute is skipped. The pool is read as stored, ``[pages, page_size, Hkv * D]`` (a free
+  (or before the window) maps to a block already in VMEM (no DMA) and its compute is skipped.
+  The pool is read as stored, ``[pages, page_size, Hkv * D]`` (a free
   reshape of ``[pages, page_size, Hkv, D]``): a block is one page's ``[page_size, heads * D]``
   tile, head h its lanes ``[h * D, (h + 1) * D)``. Pages are read in their own dtype and
   converted to q's in VMEM.
@@ -246,31 +246,14 @@ def paged_suffix_head_major(
     in_specs += [row_spec, lse_spec]
     args += list(prior)
   state = (blocks.heads, rows)
-  s = o * page_size
-  itemsize = k_pages.dtype.itemsize
-  cost = pl.CostEstimate(
-      flops=4 * b * hkv * rows * s * d, transcendentals=b * hkv * rows * s,
-      bytes_accessed=b * hkv * (2 * s * d * itemsize + rows * d * q.dtype.itemsize
-                                + rows * d * jnp.dtype(out_dtype).itemsize + rows * LANES * 4
-                                + (rows * (d + LANES) * 4 if prior is not None else 0)))
   kernel = functools.partial(_paged_suffix_kernel, scale=scale, causal=causal, q_len=q_len,
                              group=group, has_prior=prior is not None, pages=ppb, mods=mods)
-
-  def build(interpret_value):
-    return pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((hkv, b, rows, d), out_dtype),
-                   jax.ShapeDtypeStruct((hkv, b, rows, LANES), jnp.float32)),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=[row_spec, lse_spec],
-            scratch_shapes=[pltpu.VMEM(state + (LANES,), jnp.float32),
-                            pltpu.VMEM(state + (LANES,), jnp.float32),
-                            pltpu.VMEM(state + (d,), jnp.float32)]),
-        compiler_params=common.compiler_params(("parallel", "parallel", "arbitrary"),
-                                               vmem_limit_bytes),
-        cost_estimate=cost, interpret=interpret_value, name="hydragen_paged_suffix_attention")
-
-  return common.dispatch(build, tuple(args), interpret)
+  return common.suffix_call(kernel, args, grid=grid, in_specs=in_specs, row_spec=row_spec,
+                            lse_spec=lse_spec, out_shape=(hkv, b, rows, d), state=state,
+                            keys=o * page_size, q_itemsize=q.dtype.itemsize,
+                            kv_itemsize=k_pages.dtype.itemsize, out_dtype=out_dtype,
+                            has_prior=prior is not None, vmem_limit_bytes=vmem_limit_bytes,
+                            name="hydragen_paged_suffix_attention", interpret=interpret)
 
 
 def paged_suffix_rows(

@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import base
 from pallas_kernels.tpu import common
@@ -251,30 +250,14 @@ def suffix_attention_head_major(
     in_specs += [row_spec, lse_spec]
     args += list(prior)
   state = (blocks.heads, blocks.batch, rows)
-  itemsize = q.dtype.itemsize
-  cost = pl.CostEstimate(
-      flops=4 * b * hkv * rows * s * d, transcendentals=b * hkv * rows * s,
-      bytes_accessed=b * hkv * (2 * s * d * itemsize + rows * d * itemsize
-                                + rows * d * jnp.dtype(out_dtype).itemsize + rows * LANES * 4
-                                + (rows * (d + LANES) * 4 if prior is not None else 0)))
   kernel = functools.partial(_suffix_kernel, scale=scale, causal=causal, q_len=q_len, group=group,
                              has_prior=prior is not None, mods=mods)
-
-  def build(interpret_value):
-    return pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((hkv, b, rows, d), out_dtype),
-                   jax.ShapeDtypeStruct((hkv, b, rows, LANES), jnp.float32)),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=[row_spec, lse_spec],
-            scratch_shapes=[pltpu.VMEM(state + (LANES,), jnp.float32),
-                            pltpu.VMEM(state + (LANES,), jnp.float32),
-                            pltpu.VMEM(state + (d,), jnp.float32)]),
-        compiler_params=common.compiler_params(("parallel", "parallel", "arbitrary"),
-                                               vmem_limit_bytes),
-        cost_estimate=cost, interpret=interpret_value, name="hydragen_suffix_attention")
-
-  return common.dispatch(build, tuple(args), interpret)
+  return common.suffix_call(kernel, args, grid=grid, in_specs=in_specs, row_spec=row_spec,
+                            lse_spec=lse_spec, out_shape=(hkv, b, rows, d), state=state,
+                            keys=s, q_itemsize=q.dtype.itemsize, kv_itemsize=q.dtype.itemsize,
+                            out_dtype=out_dtype, has_prior=prior is not None,
+                            vmem_limit_bytes=vmem_limit_bytes, name="hydragen_suffix_attention",
+                            interpret=interpret)
 
 
 def rows_blocks(q_rows, k, v, block_sizes: BlockSizes, has_prior: bool) -> Optional[SuffixBlocks]:

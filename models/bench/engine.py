@@ -64,6 +64,7 @@ def configure(d: argparse.ArgumentParser) -> None:
                  help="pages per shared segment (default: powers of two)")
   d.add_argument("--own-page-buckets", type=common.ints, default=None,
                  help="own pages per sequence (default: powers of two)")
+  d.add_argument("--dtype", default="bfloat16", help="weights, activations and page pools")
   d.add_argument("--impl", default="auto")
   d.add_argument("--seed", type=int, default=0)
   d.add_argument("--out", default="runs/engine")
@@ -231,13 +232,13 @@ def _run(args: argparse.Namespace) -> int:
   from models.model.config import preset
 
   os.makedirs(args.out, exist_ok=True)
-  config = preset(args.model)
+  config = preset(args.model).replace(dtype=args.dtype)
   t0 = time.perf_counter()
   model = device_random_init(config, seed=0)
   print(f"model {args.model}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
   requests = requests_of(args, config.vocab_size)
   bw, rate = timing.ceilings()
-  info = common.stamp(model=args.model, workload=args.workload, impl=args.impl,
+  info = common.stamp(model=args.model, dtype=args.dtype, workload=args.workload, impl=args.impl,
                       requests=len(requests), max_running=args.max_running,
                       page_size=args.page_size, decode_steps=args.decode_steps,
                       bandwidth_GBps=bw / 1e9, matmul_TFLOPs=rate / 1e12,
@@ -265,8 +266,8 @@ def _run(args: argparse.Namespace) -> int:
 def _markdown(rows, info) -> str:
   f = info["floors"]
   base = {r["mode"]: r for r in rows}
-  head = (f"Engine, {info['workload']} workload, {info['model']} (random bf16), {info['device']}, "
-          f"{info['date']}: {info['requests']} requests, max running {info['max_running']}, "
+  head = (f"Engine, {info['workload']} workload, {info['model']} (random {info['dtype']}), "
+          f"{info['device']}, {info['date']}: {info['requests']} requests, max running {info['max_running']}, "
           f"pages of {info['page_size']}, {info['decode_steps']} decode steps per call. "
           f"Attention floors of one decode step at {f['batch']} sequences ({f['shared']} shared "
           f"+ ~{f['own']} own tokens): no cascade {f['no_cascade_GB']:.0f} GB, "

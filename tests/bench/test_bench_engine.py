@@ -22,6 +22,7 @@ def test_engine_bench_serves_every_mode(tmp_path):
     assert r["tokens"] == 6 * 4 and r["requests_per_s"] > 0 and r["decode_calls"] > 0
     assert r["compiles"] == 0
   assert rows["cascade"]["prefix_hit_rate"] > 0 and rows["no-sharing"]["prefix_hit_rate"] == 0
+  assert report["info"]["dtype"] == "bfloat16"  # the bench's default: what GPUs serve
   floors = report["info"]["floors"]
   assert floors["no_cascade_GB"] > floors["cascade_GB"] and floors["floor_ratio"] >= 1
   md = (out / "engine-relay.md").read_text()

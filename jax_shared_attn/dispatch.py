@@ -178,15 +178,21 @@ VARIANT_FAMILIES = ("xla", "triton", "tpu")
 def _variant_family(fn: str, impl: str, mods, platform: Optional[str],
                     device_kind: Optional[str]) -> tuple[str, str]:
   """The family that runs a call with score variants (``mods``, a
-  :class:`pallas_kernels.base.ScoreMods`) and why. ``impl="auto"``: the XLA path (the Triton and
-  TPU kernels' variant code is checked interpreted, on the oracle; a kernel runs it when
-  ``impl`` names its family); an explicit impl: its own family where its kernels apply them
-  (:data:`VARIANT_FAMILIES`), "pallas" on Hopper the Triton kernels (the Mosaic GPU kernels
-  lack them); ``impl="pallas:mosaic_gpu"`` is an error naming the variants."""
+  :class:`pallas_kernels.base.ScoreMods`) and why. ``impl="auto"``: on a GPU the Triton kernels
+  (on Hopper too: the Mosaic GPU kernels lack the variants), elsewhere the XLA path (the TPU
+  kernels' variant code runs when ``impl`` names it); an explicit impl: its own family where its
+  kernels apply them (:data:`VARIANT_FAMILIES`), "pallas" on Hopper the Triton kernels;
+  ``impl="pallas:mosaic_gpu"`` is an error naming the variants."""
   names = mods.describe()
   if impl == "auto":
-    return "xla", (f"score variants ({names}): impl='auto' runs them on the XLA path (the "
-                   f"Triton and TPU kernels run them when impl names them)")
+    backend = _platform(fn, platform)
+    if backend == "gpu":
+      lack = (" (the Mosaic GPU kernels lack them)" if _gpu_family(device_kind) == "mosaic_gpu"
+              else "")
+      return "triton", f"score variants ({names}): impl='auto' on a GPU: the Triton kernels{lack}"
+    why = (" (the TPU kernels run them with impl='pallas:tpu'; they have not run on a TPU yet)"
+           if backend == "tpu" else "")
+    return "xla", f"score variants ({names}): impl='auto' runs them on the XLA path{why}"
   family = choose_family(impl, fn, platform, device_kind)
   if family == "xla":
     return family, f"score variants ({names}): the variants run on the XLA path"
@@ -214,9 +220,9 @@ def plan(fn: str, q, parts, suffix_k, *, impl: str = "auto", config=None,
   segment_of_seq)``.
 
   ``mods``: the call's score variants (a :class:`pallas_kernels.base.ScoreMods`, None: none):
-  ``impl="auto"`` plans the XLA path for them; an explicit impl the Triton or TPU kernels,
-  which apply them (:data:`VARIANT_FAMILIES`); ``impl="pallas:mosaic_gpu"`` is an error. Their
-  backward is the XLA one."""
+  ``impl="auto"`` plans the Triton kernels for them on a GPU and the XLA path elsewhere; an
+  explicit impl the Triton or TPU kernels, which apply them (:data:`VARIANT_FAMILIES`);
+  ``impl="pallas:mosaic_gpu"`` is an error. Their backward is the XLA one."""
   backend = _platform(fn, platform)
   why_variants = None
   if mods is not None:

@@ -72,12 +72,38 @@ def _duplicated(shape: AttentionShape, dtype, seed: int, capacity: int):
   return q, full(pk, sk), full(pv, sv)
 
 
-def ours(impl: str = "auto", config=None):
-  """``shared_prefix_attention`` with ``impl`` and ``config`` as an op of this benchmark: A/B
-  two configs in one process with ``compare_variants({"a": ours(config=a), "b": ours(config=b)},
-  ...)`` (each config is its own trace)."""
+VARIANTS = ("none", "softcap", "window", "alibi")
+
+
+def parse_variant(spec: str) -> dict:
+  """``--variant``: "none", "softcap:CAP", "window:KEYS" (each query sees the last KEYS keys)
+  or "alibi" (slopes ``2 ** (-8 h / Hq)``): the score variant every op of the run applies, as
+  ``shared_prefix_attention`` keywords (ALiBi's as ``{"alibi": True}``, the slopes made per
+  shape)."""
+  name, _, value = spec.partition(":")
+  if name not in VARIANTS or (name in ("softcap", "window")) != bool(value):
+    raise ValueError(f"--variant: {spec!r} is not none, softcap:CAP, window:KEYS or alibi")
+  if name == "softcap":
+    return {"softcap": float(value)}
+  if name == "window":
+    return {"local_window_size": int(value)}
+  return {"alibi": True} if name == "alibi" else {}
+
+
+def ours(impl: str = "auto", config=None, variant=None):
+  """``shared_prefix_attention`` with ``impl``, ``config`` and ``variant`` (a
+  :func:`parse_variant` dict) as an op of this benchmark: A/B two configs in one process with
+  ``compare_variants({"a": ours(config=a), "b": ours(config=b)}, ...)`` (each config is its
+  own trace)."""
+  kw = dict(variant or {})
+
   def op(q, pk, pv, sk, sv):
-    return shared_prefix_attention(q, pk, pv, sk, sv, impl=impl, config=config)
+    extra = dict(kw)
+    if extra.pop("alibi", False):
+      b, _, hq, _ = q.shape
+      slopes = 2.0 ** (-8.0 * jnp.arange(1, hq + 1, dtype=jnp.float32) / hq)
+      extra["alibi_slopes"] = jnp.broadcast_to(slopes, (b, hq))
+    return shared_prefix_attention(q, pk, pv, sk, sv, impl=impl, config=config, **extra)
   return op
 
 
@@ -171,7 +197,12 @@ def _device_memory() -> int:
   return int(stats.get("bytes_limit", 16 * 2**30))
 
 
-def run_config(shape: AttentionShape, impls, dtype, ceilings, trials: int) -> dict:
+def run_config(shape: AttentionShape, impls, dtype, ceilings, trials: int,
+               variant: dict | None = None) -> dict:
+  """One configuration's row. With a ``variant`` only ours, split, triton and xla run (the
+  per-sequence baselines do not apply it)."""
+  if variant:
+    impls = set(impls) & {"ours", "split", "triton", "xla"}
   row = dict(B=shape.batch, P=shape.prefix, S=shape.suffix, Hq=shape.q_heads, Hkv=shape.kv_heads,
              D=shape.head_dim)
   bw, rate = ceilings
@@ -206,13 +237,13 @@ def run_config(shape: AttentionShape, impls, dtype, ceilings, trials: int) -> di
 
   make_shared = functools.partial(_inputs, shape, dtype)
   if "ours" in impls:
-    timed("ours", ours("auto"), make_shared, shared_set)
+    timed("ours", ours("auto", variant=variant), make_shared, shared_set)
   if on_gpu and "split" in impls:
-    timed("split", ours("auto", _split_config()), make_shared, shared_set)
+    timed("split", ours("auto", _split_config(), variant), make_shared, shared_set)
   if on_gpu and "triton" in impls:
-    timed("triton", ours("pallas:triton"), make_shared, shared_set)
+    timed("triton", ours("pallas:triton", variant=variant), make_shared, shared_set)
   if "xla" in impls:
-    timed("xla", ours("xla"), make_shared, shared_set)
+    timed("xla", ours("xla", variant=variant), make_shared, shared_set)
   if on_gpu and "jax_pallas_hydragen" in impls:
     timed("jax_pallas_hydragen", _jax_pallas_hydragen, make_shared, shared_set)
   ctx = shape.prefix + shape.suffix
@@ -256,7 +287,9 @@ def to_markdown(rows, info) -> str:
   method = {r.get("timing") for r in rows} - {None}
   clock = ("device time from the profiler (kernel busy time per call); ours_wall_us is the host "
            "clock's" if method == {"profiler"} else "host clock (median per call)")
-  head = (f"Device: {info['device']} ({info['backend']}), jax {info['jax']}, {info['date']}; "
+  variant = info.get("variant", "none")
+  head = (f"Device: {info['device']} ({info['backend']}), jax {info['jax']}, {info['date']}"
+          + ("" if variant == "none" else f", score variant {variant}") + "; "
           f"copy bandwidth {info['bandwidth_GBps']:.0f} GB/s, bf16 matmul "
           f"{info['matmul_TFLOPs']:.0f} TFLOP/s (measured in this run). Times: {clock}.\n\n")
   lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
@@ -301,6 +334,9 @@ def main(argv=None):
   ap.add_argument("--shapes", default="paper,llama-3-8b", help=f"from {sorted(SHAPES)}")
   ap.add_argument("--impls", default=",".join(IMPLS))
   ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--variant", default="none",
+                  help="none, softcap:CAP, window:KEYS or alibi: the score variant of every op "
+                       "(then only ours, split, triton and xla run)")
   ap.add_argument("--trials", type=int, default=7)
   ap.add_argument("--out", default="runs/attention")
   ap.add_argument("--ceiling-bytes", type=int, default=2 * 2**30,
@@ -316,10 +352,14 @@ def main(argv=None):
   for name in args.shapes.split(","):
     if name not in SHAPES:
       ap.error(f"--shapes: unknown {name!r}; choose from {sorted(SHAPES)}")
+  try:
+    variant = parse_variant(args.variant)
+  except ValueError as e:
+    ap.error(str(e))
   os.makedirs(args.out, exist_ok=True)
   from tqdm import tqdm
 
-  info = common.stamp()
+  info = common.stamp(variant=args.variant)
   bw = timing.copy_bandwidth(args.ceiling_bytes)
   rate = timing.matmul_rate(args.matmul_n, dtype)
   info.update(bandwidth_GBps=bw / 1e9, matmul_TFLOPs=rate / 1e12)
@@ -330,7 +370,7 @@ def main(argv=None):
              for p, s, b in itertools.product(ints(args.prefix), ints(args.suffix), ints(args.batch))]
   rows = []
   for shape in tqdm(configs, desc="attention configs", file=sys.stderr):
-    rows.append(run_config(shape, impls, dtype, (bw, rate), args.trials))
+    rows.append(run_config(shape, impls, dtype, (bw, rate), args.trials, variant))
     with open(os.path.join(args.out, "attention.json"), "w") as f:
       json.dump({"info": info, "rows": rows}, f, indent=1)
   md = to_markdown(rows, info)

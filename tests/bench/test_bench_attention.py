@@ -4,25 +4,41 @@ import json
 import os
 
 import jax
+import pytest
 
 from models.bench import attention
 from jax_shared_attn.iomodel import AttentionShape
 from jax_shared_attn.testing import tolerance
 
 
-def test_attention_benchmark_tiny(tmp_path, monkeypatch):
+@pytest.mark.parametrize("variant", ["none", "alibi", "window:20"])
+def test_attention_benchmark_tiny(tmp_path, monkeypatch, variant):
   if jax.default_backend() == "cpu":  # "auto" is the XLA path here: time the kernels instead
     ours = attention.ours
-    monkeypatch.setattr(attention, "ours", lambda impl="auto", config=None: ours(
-        "pallas:triton" if impl == "auto" else impl, config))
+    monkeypatch.setattr(attention, "ours", lambda impl="auto", config=None, variant=None: ours(
+        "pallas:triton" if impl == "auto" else impl, config, variant))
   rows = attention.main(["--batch", "2", "--prefix", "40", "--suffix", "8", "--shapes", "paper",
-                         "--impls", "ours,xla", "--trials", "1", "--out", str(tmp_path),
-                         "--ceiling-bytes", str(2**22), "--matmul-n", "128"])
+                         "--impls", "ours,xla,cudnn", "--trials", "1", "--out", str(tmp_path),
+                         "--ceiling-bytes", str(2**22), "--matmul-n", "128",
+                         "--variant", variant])
   assert len(rows) == 1 and isinstance(rows[0]["ours_us"], float)
   assert rows[0]["err_xla"] <= 2 * tolerance("bfloat16")  # two bf16 results of one function
   data = json.load(open(os.path.join(tmp_path, "attention.json")))
+  assert data["info"]["variant"] == variant
   assert data["info"]["bandwidth_GBps"] > 0 and data["info"]["matmul_TFLOPs"] > 0
   assert os.path.getsize(os.path.join(tmp_path, "attention.png")) > 0
+
+
+def test_variant_specs():
+  assert attention.parse_variant("softcap:30") == {"softcap": 30.0}
+  assert attention.parse_variant("window:128") == {"local_window_size": 128}
+  assert attention.parse_variant("none") == {}
+  for bad in ("softcap", "window:", "alibi:2", "gelu"):
+    with pytest.raises(ValueError, match="--variant"):
+      attention.parse_variant(bad)
+  with pytest.raises(SystemExit) as e:
+    attention.main(["--variant", "softcap"])
+  assert e.value.code == 2
 
 
 def test_io_model_matches_the_paper_floor():

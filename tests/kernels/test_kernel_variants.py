@@ -379,10 +379,10 @@ SLOPES8 = jax.ShapeDtypeStruct((8,), jnp.float32)
 
 @pytest.mark.parametrize("kind", [A100, H100])
 @pytest.mark.parametrize("batch", [2, 64])
-def test_pallas_plans_the_triton_kernels_on_gpus_and_auto_the_xla_path(kind, batch):
-  """On a GPU ``impl="pallas"`` runs variant calls on the Triton kernels (Hopper included: its
-  Mosaic GPU kernels lack them), never a Mosaic GPU kernel, with the XLA backward; ``auto``
-  plans the XLA path for them."""
+def test_pallas_and_auto_plan_the_triton_kernels_on_gpus(kind, batch):
+  """On a GPU ``impl="pallas"`` and ``"auto"`` run variant calls on the Triton kernels (Hopper
+  included: its Mosaic GPU kernels lack them), never a Mosaic GPU kernel, with the XLA
+  backward."""
   kw = dict(platform="gpu", device_kind=kind, alibi_slopes=SLOPES8, local_window_size=(63, 0))
   plan = explain(shared_prefix_attention, *_shapes(b=batch), impl="pallas", **kw)
   assert plan.impl == "pallas:triton" and plan.backward == "xla", plan
@@ -392,7 +392,9 @@ def test_pallas_plans_the_triton_kernels_on_gpus_and_auto_the_xla_path(kind, bat
   assert "alibi_slopes [%d, 8], local_window_size=(63, 0)" % batch in text, text
   assert ("Mosaic GPU kernels lack them" in text) == (kind == H100), text
   auto = explain(shared_prefix_attention, *_shapes(b=batch), **kw)
-  assert auto.impl == "xla" and "impl='auto' runs them on the XLA path" in str(auto), auto
+  assert auto.impl == "pallas:triton" and auto.backward == "xla", auto
+  assert "impl='auto' on a GPU: the Triton kernels" in str(auto), auto
+  assert ("Mosaic GPU kernels lack them" in str(auto)) == (kind == H100), auto
   # without variants Hopper plans its own kernels
   if kind == H100:
     assert explain(shared_prefix_attention, *_shapes(b=batch), platform="gpu",

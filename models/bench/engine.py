@@ -57,6 +57,8 @@ def configure(d: argparse.ArgumentParser) -> None:
   d.add_argument("--page-size", type=int, default=16)
   d.add_argument("--num-pages", type=int, default=0, help="0: what the device memory allows")
   d.add_argument("--decode-steps", type=int, default=16)
+  d.add_argument("--prefill-ticks", type=int, default=1,
+                 help="decode after at most this many prefilling ticks (EngineConfig)")
   d.add_argument("--max-prefill-tokens", type=int, default=4096)
   d.add_argument("--batch-buckets", type=common.ints, default=None,
                  help="decode batch buckets (default: 64, x4 up to --max-running)")
@@ -101,7 +103,8 @@ def _engine_config(args, mode: str, config):
   tuple_or_none = lambda v: tuple(v) if v else None
   return EngineConfig(page_size=args.page_size, num_pages=num_pages,
                       max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
-                      decode_steps=args.decode_steps, cascade=mode == "cascade",
+                      decode_steps=args.decode_steps, prefill_ticks=args.prefill_ticks,
+                      cascade=mode == "cascade",
                       prefix_caching=mode != "no-sharing", batch_buckets=buckets,
                       prefill_buckets=_pow2_up_to(args.max_prefill_tokens), level_buckets=(1, 2),
                       segment_buckets=(1, 2, 4), page_buckets=tuple_or_none(args.page_buckets),
@@ -241,6 +244,7 @@ def _run(args: argparse.Namespace) -> int:
   info = common.stamp(model=args.model, dtype=args.dtype, workload=args.workload, impl=args.impl,
                       requests=len(requests), max_running=args.max_running,
                       page_size=args.page_size, decode_steps=args.decode_steps,
+                      prefill_ticks=args.prefill_ticks,
                       bandwidth_GBps=bw / 1e9, matmul_TFLOPs=rate / 1e12,
                       floors=floors(args, config, bw, rate),
                       **({"system_prompt": args.system_prompt, "input": args.input,
@@ -268,7 +272,8 @@ def _markdown(rows, info) -> str:
   base = {r["mode"]: r for r in rows}
   head = (f"Engine, {info['workload']} workload, {info['model']} (random {info['dtype']}), "
           f"{info['device']}, {info['date']}: {info['requests']} requests, max running {info['max_running']}, "
-          f"pages of {info['page_size']}, {info['decode_steps']} decode steps per call. "
+          f"pages of {info['page_size']}, {info['decode_steps']} decode steps per call, a decode "
+          f"call at least every {info.get('prefill_ticks', 1)} prefilling ticks. "
           f"Attention floors of one decode step at {f['batch']} sequences ({f['shared']} shared "
           f"+ ~{f['own']} own tokens): no cascade {f['no_cascade_GB']:.0f} GB, "
           f"{f['floor_no_cascade_ms']:.1f} ms; cascade {f['cascade_GB']:.0f} GB and "

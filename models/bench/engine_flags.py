@@ -13,7 +13,8 @@ from models.errors import UsageError
 
 # Engine flags -> (EngineConfig field, minimum).
 _ENGINE_INTS = {"page_size": 1, "num_pages": 2, "max_running": 1, "max_prefill_tokens": 1,
-                "decode_steps": 1, "min_shared_tokens": 0, "max_logprobs": 0}
+                "decode_steps": 1, "prefill_ticks": 1, "min_shared_tokens": 0,
+                "max_logprobs": 0}
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,6 +38,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                  help="prompt tokens prefilled per scheduler tick")
   p.add_argument("--decode-steps", type=int, default=d.decode_steps,
                  help="decode steps per device call")
+  p.add_argument("--prefill-ticks", type=int, default=d.prefill_ticks,
+                 help="while prompts are prefilled, decode after at most this many prefilling "
+                 "ticks (1: every tick; more: fuller decode batches, longer token gaps)")
   p.add_argument("--min-shared-tokens", type=int, default=d.min_shared_tokens,
                  help="a prompt part shared by running sequences is read once for all of them "
                  "from this length on")

@@ -108,7 +108,7 @@ class Engine:
     self._stop = False
     self._generated = self._preemptions = 0
     self._decode_calls = self._cascade_calls = 0  # device calls; those with a shared level
-    self._prefill_calls = 0
+    self._prefill_calls = self._prefill_streak = 0  # streak: ticks in a row that prefilled
     self._busy_s = 0.0
     self._prompt_total = self._prompt_cached = 0
 
@@ -187,13 +187,18 @@ class Engine:
     return bool(self._inbox or self._waiting or self._active)
 
   def step(self) -> None:
-    """One scheduler tick: admit, prefill one chunk budget, decode, retire."""
+    """One scheduler tick: admit, prefill one chunk budget, decode (unless the tick prefilled
+    and fewer than ``EngineConfig.prefill_ticks`` ticks in a row have), retire."""
     with self._lock:
       start = time.perf_counter()
       self._drain()
       self._admit()
+      calls = self._prefill_calls
       self._prefill()
-      self._decode()
+      self._prefill_streak = self._prefill_streak + 1 if self._prefill_calls > calls else 0
+      if self._prefill_streak == 0 or self._prefill_streak >= self.config.prefill_ticks:
+        self._decode()
+        self._prefill_streak = 0
       self._busy_s += time.perf_counter() - start
 
   def _running_seqs(self) -> list[Seq]:

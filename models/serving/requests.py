@@ -47,6 +47,11 @@ class EngineConfig:
     max_running: sequences decoding at once (a request's ``n`` samples count ``n``).
     max_prefill_tokens: prompt tokens prefilled per tick (one chunk per device call).
     decode_steps: decode steps per device call (one cascade plan for all of them).
+    prefill_ticks: while prompts are being prefilled, a decode call runs after at most this
+      many ticks that prefilled. 1 (the default) decodes every tick: running sequences never
+      wait on a prefill burst. Larger values fill the batch before decoding (what SGLang's
+      and vLLM's default schedulers do when requests arrive together): fewer decode calls
+      at larger batches, longer waits between a running sequence's tokens.
     min_shared_tokens: a segment shared by >= 2 running sequences is read once for all of
       them from this many tokens on.
     cascade: False: shared prompt pages are stored once but every sequence reads them as its
@@ -72,6 +77,7 @@ class EngineConfig:
   max_running: int = 64
   max_prefill_tokens: int = 256
   decode_steps: int = 8
+  prefill_ticks: int = 1
   min_shared_tokens: int = 16
   cascade: bool = True
   prefix_caching: bool = True
@@ -85,7 +91,8 @@ class EngineConfig:
   max_logprobs: int = MAX_TOP_LOGPROBS
 
   def __post_init__(self):
-    for name in ("page_size", "max_running", "max_prefill_tokens", "decode_steps"):
+    for name in ("page_size", "max_running", "max_prefill_tokens", "decode_steps",
+                 "prefill_ticks"):
       _positive_int("EngineConfig", name, getattr(self, name))
     _positive_int("EngineConfig", "max_logprobs", self.max_logprobs, 0)
     if self.max_logprobs > MAX_TOP_LOGPROBS:

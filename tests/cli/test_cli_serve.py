@@ -23,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     (["--max-running", "-2"], "--max-running"),
     (["--max-logprobs", "-1"], "--max-logprobs"),
     (["--max-logprobs", "21"], "--max-logprobs"),
+    (["--prefill-ticks", "0"], "--prefill-ticks"),
     (["--port", "70000"], "--port"),
     (["--impl", "magic"], "--impl"),
     (["--model", "/no/such/model.gguf"], "--model"),
@@ -43,10 +44,12 @@ def test_engine_flags_reach_the_engine_config():
   from models.bench import engine_flags
   p = argparse.ArgumentParser()
   engine_flags.add_engine_arguments(p)
-  args = p.parse_args(["--max-logprobs", "3", "--page-size", "8", "--no-cascade"])
+  args = p.parse_args(["--max-logprobs", "3", "--page-size", "8", "--no-cascade",
+                       "--prefill-ticks", "4"])
   engine_flags.check_engine_args(args)
   config = engine_flags.engine_config(args)
-  assert (config.max_logprobs, config.page_size, config.cascade) == (3, 8, False)
+  assert (config.max_logprobs, config.page_size, config.cascade, config.prefill_ticks) == (
+      3, 8, False, 4)
   assert engine_flags.engine_config(p.parse_args([])).max_logprobs == 20
 
 

@@ -407,6 +407,42 @@ def test_prefill_chunks_of_several_requests_share_a_device_call(model):
   assert_drained(engine)
 
 
+@pytest.mark.parametrize("ticks", [1, 3])
+def test_prefill_ticks_bounds_the_prefill_burst_and_keeps_the_tokens(model, ticks):
+  """``prefill_ticks``: a decode call after at most that many ticks that prefilled (while
+  sequences run); more prefill ticks per decode call give fewer, fuller decode calls and the
+  same tokens."""
+  rng = np.random.default_rng(5)
+  requests = [Request(rng.integers(0, 256, int(rng.integers(6, 13))).tolist(), max_tokens=4,
+                      ignore_eos=True) for _ in range(8)]
+  engine = Engine(model, config=config(prefill_ticks=ticks), settings=SETTINGS)
+  ticks_seen = []  # per tick: [prefilled, decoded]
+  prefill, decode = engine._prefill, engine._decode
+
+  def logged_prefill():
+    calls = engine._prefill_calls
+    prefill()
+    ticks_seen.append([engine._prefill_calls > calls, False])
+
+  def logged_decode():
+    ticks_seen[-1][1] = True
+    decode()
+
+  engine._prefill, engine._decode = logged_prefill, logged_decode
+  for request, out in zip(requests, engine.generate(requests)):
+    assert got(out) == expected(model, request)
+  burst = 0
+  for prefilled, decoded in ticks_seen:
+    burst = burst + 1 if prefilled else 0
+    assert decoded == (not prefilled or burst % ticks == 0), ticks_seen
+  calls = engine.stats()["decode_calls"]
+  if ticks == 1:
+    assert all(decoded for _, decoded in ticks_seen)
+  else:  # 8 prompts of 6-12 tokens, 8 per tick: a decode call every third prefilling tick
+    assert sum(d for _, d in ticks_seen) == calls < len(ticks_seen)
+  assert_drained(engine)
+
+
 @pytest.mark.slow
 def test_tensor_parallel_engine_in_a_subprocess():
   """tests/serving/test_engine_mesh.py on 4 CPU devices (the flag must precede JAX's start)."""
@@ -448,7 +484,7 @@ def test_bad_requests_name_the_field(kwargs, field):
     (dict(cascade=1), "cascade"), (dict(batch_buckets=(4,)), "batch_buckets"),
     (dict(prefill_row_buckets=(4,)), "prefill_row_buckets"),
     (dict(prefill_row_buckets=(4, 2, 8)), "prefill_row_buckets"),
-    (dict(decode_steps=-1), "decode_steps")])
+    (dict(decode_steps=-1), "decode_steps"), (dict(prefill_ticks=0), "prefill_ticks")])
 def test_bad_engine_configs_name_the_field(kwargs, field):
   with pytest.raises(ValueError, match=field):
     config(**kwargs)

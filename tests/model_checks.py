@@ -17,6 +17,36 @@ def run(model, ids, cache=None, skip_attention=False):
   return model(ids, cache=cache, skip_attention=skip_attention)
 
 
+def check_tree_logprobs(model, root_len: int, completion_len: int) -> None:
+  """``completion_logprobs`` under a prompt tree (the shared segment once, hydragen) equals
+  log_softmax of the plain model run on each sample's whole sequence as its own right-padded
+  row (causal: the padding is unseen; nothing shared)."""
+  import jax
+  import jax.numpy as jnp
+
+  from models.generation.prompt_tree import PromptTree
+  from models.training.logprobs import completion_logprobs, prompt_arrays
+
+  v = model.config.vocab_size
+  rng = np.random.default_rng(3)
+  root = [int(t) for t in rng.integers(0, v, root_len)]
+  prompts = [root + [1, 2, 3], root + [4, 5, 6, 7], [9]]
+  tree = PromptTree.from_prompts(prompts, [2, 1, 1], min_shared_tokens=4)
+  comp = rng.integers(0, v, (tree.num_samples, completion_len)).astype(np.int32)
+  comp[1, completion_len - 2:] = -1
+  got = np.asarray(nnx.jit(completion_logprobs)(model, prompt_arrays(tree), jnp.asarray(comp)))
+  seqs = [tree.prompt(b) + [int(c) for c in comp[b] if c >= 0] for b in range(tree.num_samples)]
+  rows = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+  for b, seq in enumerate(seqs):
+    rows[b, :len(seq)] = seq
+  logp = np.asarray(jax.nn.log_softmax(run(model, jnp.asarray(rows)), axis=-1))
+  for b in range(tree.num_samples):
+    start = len(tree.prompt(b)) - 1
+    want = [0.0 if c < 0 else logp[b, start + t, c] for t, c in enumerate(comp[b])]
+    np.testing.assert_allclose(got[b], want, atol=2e-5, rtol=0, err_msg=f"sample {b}")
+  assert got.min() < -3  # not a near-uniform distribution
+
+
 def rel_err(x, ref) -> float:
   x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
   return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))

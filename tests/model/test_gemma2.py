@@ -17,12 +17,11 @@ from flax import nnx
 
 from models.checkpoints.loading import from_pretrained, hf_tensors, model_from_tensors
 from models.generation.loop import generate
-from models.generation.prompt_tree import PromptTree
 from models.model.config import LlamaConfig, preset
 from models.model.llama import build, flat_params
-from models.training.logprobs import completion_logprobs, prompt_arrays
 
-from model_checks import SEQ, hf_logits, make_hf_llama, rel_err, run, token_ids
+from model_checks import (SEQ, check_tree_logprobs, hf_logits, make_hf_llama, rel_err, run,
+                          token_ids)
 
 WINDOW = 9  # < SEQ (37) and < the greedy test's prompts: the window hides keys everywhere
 GEMMA = dict(family="gemma2", num_hidden_layers=3, head_dim=24, query_pre_attn_scalar=20,
@@ -140,27 +139,9 @@ def test_serving_engine_tokens_equal_generate(loaded, greedy):
 
 
 def test_training_logprobs_under_a_tree_equal_the_plain_model(loaded):
-  """completion_logprobs (the shared prompt segment once, hydragen) equals log_softmax of the
-  plain model run on each sample's whole sequence; the segment is longer than the window."""
-  _, model = loaded
-  v = model.config.vocab_size
-  rng = np.random.default_rng(3)
-  root = [int(t) for t in rng.integers(0, v, 12)]
-  prompts = [root + [1, 2, 3], root + [4, 5, 6, 7], [9]]
-  tree = PromptTree.from_prompts(prompts, [2, 1, 1], min_shared_tokens=4)
-  comp = rng.integers(0, v, (tree.num_samples, 5)).astype(np.int32)
-  comp[1, 3:] = -1
-  got = np.asarray(nnx.jit(completion_logprobs)(model, prompt_arrays(tree), jnp.asarray(comp)))
-  seqs = [tree.prompt(b) + [int(c) for c in comp[b] if c >= 0] for b in range(tree.num_samples)]
-  rows = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
-  for b, seq in enumerate(seqs):
-    rows[b, :len(seq)] = seq
-  logp = np.asarray(jax.nn.log_softmax(run(model, jnp.asarray(rows)), axis=-1))
-  for b in range(tree.num_samples):
-    start = len(tree.prompt(b)) - 1
-    want = [0.0 if c < 0 else logp[b, start + t, c] for t, c in enumerate(comp[b])]
-    np.testing.assert_allclose(got[b], want, atol=2e-5, rtol=0, err_msg=f"sample {b}")
-  assert got.min() < -3  # not a near-uniform distribution
+  """completion_logprobs under a tree equals the plain model; the shared segment (12 tokens)
+  is longer than the window."""
+  check_tree_logprobs(loaded[1], root_len=12, completion_len=5)
 
 
 def write_gemma2_gguf(path, hf) -> str:

@@ -5,20 +5,16 @@ log-probs under a prompt tree equal the plain model's; the family registry's err
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from models.checkpoints.loading import (CheckpointError, from_pretrained, hf_tensors,
                                         model_from_tensors)
 from models.generation.loop import generate
-from models.generation.prompt_tree import PromptTree
 from models.model.llama import build, flat_params
-from models.training.logprobs import completion_logprobs, prompt_arrays
 
-from model_checks import hf_logits, make_hf_llama, rel_err, run, token_ids
+from model_checks import check_tree_logprobs, hf_logits, make_hf_llama, rel_err, run, token_ids
 
 # family -> transformers config fields (on top of make_hf_llama's tiny sizes)
 CASES = {
@@ -124,27 +120,7 @@ def test_greedy_tokens_hydragen_equal_standard_and_transformers(loaded, case):
 def test_training_logprobs_under_a_tree_equal_the_plain_model(loaded, case):
   """completion_logprobs (shared prompt segments once, hydragen) equals log_softmax of the
   plain model run on each sample's whole sequence."""
-  _, model = loaded[case]
-  v = model.config.vocab_size
-  rng = np.random.default_rng(3)
-  root = [int(t) for t in rng.integers(0, v, 9)]
-  prompts = [root + [1, 2, 3], root + [4, 5, 6, 7], [9]]
-  tree = PromptTree.from_prompts(prompts, [2, 1, 1], min_shared_tokens=4)
-  comp = rng.integers(0, v, (tree.num_samples, 4)).astype(np.int32)
-  comp[1, 2:] = -1
-  got = np.asarray(nnx.jit(completion_logprobs)(model, prompt_arrays(tree), jnp.asarray(comp)))
-  # The oracle: each sample's whole sequence as its own right-padded row (causal: the padding
-  # is unseen), nothing shared.
-  seqs = [tree.prompt(b) + [int(c) for c in comp[b] if c >= 0] for b in range(tree.num_samples)]
-  rows = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
-  for b, seq in enumerate(seqs):
-    rows[b, :len(seq)] = seq
-  logp = np.asarray(jax.nn.log_softmax(run(model, jnp.asarray(rows)), axis=-1))
-  for b in range(tree.num_samples):
-    start = len(tree.prompt(b)) - 1
-    want = [0.0 if c < 0 else logp[b, start + t, c] for t, c in enumerate(comp[b])]
-    np.testing.assert_allclose(got[b], want, atol=2e-5, rtol=0, err_msg=f"sample {b}")
-  assert got.min() < -3  # not a near-uniform distribution
+  check_tree_logprobs(loaded[case][1], root_len=9, completion_len=4)
 
 
 def test_unsupported_checkpoints_get_one_clear_error(tmp_path):

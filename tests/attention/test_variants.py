@@ -210,16 +210,14 @@ TREE_SHAPES = (
 )
 
 
-@settings(max_examples=8)
-@given(data=st.data(), seed=SEEDS, causal=st.booleans(), combo=st.sampled_from(COMBOS),
-       shape=st.sampled_from(TREE_SHAPES))
-def test_hierarchical_attention(data, seed, causal, combo, shape):
-  count_case("variants hierarchical_attention")
-  rng = np.random.default_rng(seed)
-  (b, tq, hq, hkv, d, s), structure = shape
-  c = draw_tree(data.draw, rng, b, tq, hq, hkv, d, s, structure)
-  kw, slopes = variant_kwargs(data.draw, rng, combo, b, hq)
-  (out, lse), (dq, dks, dvs, dsk, dsv, dslopes) = tree_vjp(causal, static_of(kw))(
+def check_tree_vjp(vjp, draw, rng, causal, combo, shape, structure):
+  """Draws a tree of ``structure`` and the variants of ``combo``, runs ``vjp`` (a
+  :func:`tree_vjp`-like builder) and checks its outputs, LSE and gradients (the slopes' too)
+  against the float64 oracle."""
+  b, tq, hq, hkv, d, s = shape
+  c = draw_tree(draw, rng, b, tq, hq, hkv, d, s, structure)
+  kw, slopes = variant_kwargs(draw, rng, combo, b, hq)
+  (out, lse), (dq, dks, dvs, dsk, dsv, dslopes) = vjp(causal, static_of(kw))(
       c["q"], c["levels"], c["sk"], c["sv"], jnp.asarray(c["lens"]), kw.get("alibi_slopes"),
       c["do"], c["dl"])
   want_out, want_lse, want_dq, want, want_dslopes = oracle(
@@ -229,6 +227,15 @@ def test_hierarchical_attention(data, seed, causal, combo, shape):
   names = ["suffix"] + list(range(len(structure)))
   check_grads((dq, [(dsk, dsv)] + list(zip(dks, dvs))), want_dq, want, c, names, dslopes,
               want_dslopes)
+
+
+@settings(max_examples=8)
+@given(data=st.data(), seed=SEEDS, causal=st.booleans(), combo=st.sampled_from(COMBOS),
+       shape=st.sampled_from(TREE_SHAPES))
+def test_hierarchical_attention(data, seed, causal, combo, shape):
+  count_case("variants hierarchical_attention")
+  rng = np.random.default_rng(seed)
+  check_tree_vjp(tree_vjp, data.draw, rng, causal, combo, *shape)
 
 
 @functools.lru_cache(maxsize=None)
@@ -263,19 +270,8 @@ def test_backward_small_tiles(data, seed, causal, combo):
   earlier block holds, keys of a block moved back), gradients of the slopes included."""
   count_case("variants backward (6 x 4 tiles)")
   rng = np.random.default_rng(seed)
-  (b, tq, hq, hkv, d, s), structure = (5, 3, 4, 2, 16, 7), ((1, 9, False), (3, 5, False))
-  c = draw_tree(data.draw, rng, b, tq, hq, hkv, d, s, structure)
-  kw, slopes = variant_kwargs(data.draw, rng, combo, b, hq)
-  (out, lse), (dq, dks, dvs, dsk, dsv, dslopes) = small_tiles_vjp(causal, static_of(kw))(
-      c["q"], c["levels"], c["sk"], c["sv"], jnp.asarray(c["lens"]), kw.get("alibi_slopes"),
-      c["do"], c["dl"])
-  want_out, want_lse, want_dq, want, want_dslopes = oracle(
-      c["q64"], c["do64"], c["dl64"], c["sources"], c["contexts"], c["lens"], causal,
-      d ** -0.5, **oracle_kwargs(kw, slopes))
-  check_attention(out, lse, want_out, want_lse, "float32")
-  names = ["suffix"] + list(range(len(structure)))
-  check_grads((dq, [(dsk, dsv)] + list(zip(dks, dvs))), want_dq, want, c, names, dslopes,
-              want_dslopes)
+  check_tree_vjp(small_tiles_vjp, data.draw, rng, causal, combo, (5, 3, 4, 2, 16, 7),
+                 ((1, 9, False), (3, 5, False)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -59,6 +59,8 @@ def configure(d: argparse.ArgumentParser) -> None:
   d.add_argument("--decode-steps", type=int, default=16)
   d.add_argument("--prefill-ticks", type=int, default=1,
                  help="decode after at most this many prefilling ticks (EngineConfig)")
+  d.add_argument("--scan-layers", action="store_true",
+                 help="the layers under one lax.scan (EngineConfig.scan_layers)")
   d.add_argument("--max-prefill-tokens", type=int, default=4096)
   d.add_argument("--batch-buckets", type=common.ints, default=None,
                  help="decode batch buckets (default: 64, x4 up to --max-running)")
@@ -104,7 +106,7 @@ def _engine_config(args, mode: str, config):
   return EngineConfig(page_size=args.page_size, num_pages=num_pages,
                       max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
                       decode_steps=args.decode_steps, prefill_ticks=args.prefill_ticks,
-                      cascade=mode == "cascade",
+                      scan_layers=args.scan_layers, cascade=mode == "cascade",
                       prefix_caching=mode != "no-sharing", batch_buckets=buckets,
                       prefill_buckets=_pow2_up_to(args.max_prefill_tokens), level_buckets=(1, 2),
                       segment_buckets=(1, 2, 4), page_buckets=tuple_or_none(args.page_buckets),
@@ -244,7 +246,7 @@ def _run(args: argparse.Namespace) -> int:
   info = common.stamp(model=args.model, dtype=args.dtype, workload=args.workload, impl=args.impl,
                       requests=len(requests), max_running=args.max_running,
                       page_size=args.page_size, decode_steps=args.decode_steps,
-                      prefill_ticks=args.prefill_ticks,
+                      prefill_ticks=args.prefill_ticks, scan_layers=args.scan_layers,
                       bandwidth_GBps=bw / 1e9, matmul_TFLOPs=rate / 1e12,
                       floors=floors(args, config, bw, rate),
                       **({"system_prompt": args.system_prompt, "input": args.input,

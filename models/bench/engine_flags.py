@@ -50,6 +50,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--no-cascade", action="store_true",
                  help="every sequence reads shared pages as its own (the paged baseline)")
   p.add_argument("--no-prefix-caching", action="store_true", help="no radix tree")
+  p.add_argument("--scan-layers", action="store_true",
+                 help="the layers as one lax.scan over stacked weights (compiling does not grow "
+                 "with the layer count; the layers must share one sliding window)")
   p.add_argument("--mesh", default=None,
                  help="tensor parallel over devices: 'auto' (every device on the model axis) or "
                  "1xM (M model shards); default: one device")
@@ -95,7 +98,8 @@ def engine_config(args: argparse.Namespace, **changes):
   """The :class:`EngineConfig` of the flags (``changes`` override fields)."""
   from models.serving import EngineConfig
   fields = {name: getattr(args, name) for name in _ENGINE_INTS}
-  fields.update(cascade=not args.no_cascade, prefix_caching=not args.no_prefix_caching)
+  fields.update(cascade=not args.no_cascade, prefix_caching=not args.no_prefix_caching,
+                scan_layers=args.scan_layers)
   return EngineConfig(**{**fields, **changes})
 
 

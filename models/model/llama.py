@@ -195,7 +195,11 @@ class Attention(nnx.Module):
 
   def __call__(self, x: Array, positions: Array, cache: Optional[Any], *,
                skip_attention: bool, settings: GenerationSettings,
-               sharding: Optional[AttentionSharding] = None) -> tuple[Array, Optional[KVCache]]:
+               sharding: Optional[AttentionSharding] = None,
+               layer_index=None) -> tuple[Array, Optional[KVCache]]:
+    """``layer_index``: this layer's index in ``cache`` (default its own; a traced int32 when
+    the layers run under one ``lax.scan``, see :meth:`Llama.__call__`)."""
+    layer = self.layer if layer_index is None else layer_index
     xq = _heads_in(x, self.q_proj)  # (bs, seqlen, n_heads, head_dim)
     rows = x.shape[0] * x.shape[1]
     x_k, x_v = _unshared(x, 2) if rows >= SEPARATE_PROJECTIONS_MIN_ROWS else (x, x)
@@ -223,9 +227,9 @@ class Attention(nnx.Module):
                                                         impl=settings.impl, config=settings.config,
                                                         **variants)
     else:
-      cache = (cache.write(self.layer, keys, values) if sharding is None
-               else write_per_shard(cache, self.layer, keys, values, sharding))
-      out = cache.attention(xq, self.layer, x.shape[1], settings, sharding, **variants)
+      cache = (cache.write(layer, keys, values) if sharding is None
+               else write_per_shard(cache, layer, keys, values, sharding))
+      out = cache.attention(xq, layer, x.shape[1], settings, sharding, **variants)
     return _heads_out(out, self.o_proj), cache
 
 
@@ -284,10 +288,11 @@ class DecoderLayer(nnx.Module):
     self.sandwich_norms = config.sandwich_norms
     self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, x, positions, cache, *, skip_attention, settings, sharding=None):
+  def __call__(self, x, positions, cache, *, skip_attention, settings, sharding=None,
+               layer_index=None):
     attn_out, cache = self.self_attn(self.input_layernorm(x), positions, cache,
                                      skip_attention=skip_attention, settings=settings,
-                                     sharding=sharding)
+                                     sharding=sharding, layer_index=layer_index)
     if not self.sandwich_norms:
       h = x + attn_out
       return h + self.mlp(self.post_attention_layernorm(h)), cache
@@ -316,7 +321,8 @@ class Llama(nnx.Module):
   def __call__(self, tokens: Array, *, positions: Optional[Array] = None,
                cache: Optional[KVCache] = None, skip_attention: bool = False,
                settings: Optional[GenerationSettings] = None, impl: Optional[str] = None,
-               sharding: Optional[AttentionSharding] = None):
+               sharding: Optional[AttentionSharding] = None,
+               stacked_layers: Optional[tuple[Any, Any]] = None):
     """Runs the decoder on int ``tokens [B, T]``.
 
     Args:
@@ -337,6 +343,11 @@ class Llama(nnx.Module):
         (:func:`models.parallel.sharding.attention_sharding`); attention then runs
         per shard under ``shard_map``. The parameters, tokens and cache must
         be laid out by the rules of :mod:`models.parallel.sharding`. None: no mesh.
+      stacked_layers: ``(graphdef, weights)`` of :func:`stack_layers`: the layers run as one
+        ``lax.scan`` over these weights (each ``[num_layers, ...]``), the layer's index a
+        traced int the cache must take (the serving engine's one-pool cache), instead of the
+        unrolled ``self.layers`` (whose weights are then unused). One layer's code per
+        program: compiling does not grow with the layer count.
 
     Returns:
       float32 logits ``[B, T, vocab]``; with a cache, ``(logits, new_cache)``
@@ -350,9 +361,22 @@ class Llama(nnx.Module):
       start = cache.context_lengths() if cache is not None else jnp.zeros((b,), jnp.int32)
       positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     x = self.embed(tokens)
-    for layer in self.layers:
-      x, cache = layer(x, positions, cache, skip_attention=skip_attention, settings=settings,
-                       sharding=sharding)
+    if stacked_layers is None:
+      for layer in self.layers:
+        x, cache = layer(x, positions, cache, skip_attention=skip_attention, settings=settings,
+                         sharding=sharding)
+    else:
+      layer_def, weights = stacked_layers
+
+      def body(carry, xs):
+        x, cache = carry
+        w, index = xs
+        return nnx.merge(layer_def, w)(x, positions, cache, skip_attention=skip_attention,
+                                       settings=settings, sharding=sharding,
+                                       layer_index=index), None
+
+      n = len(self.layers)
+      (x, cache), _ = lax.scan(body, (x, cache), (weights, jnp.arange(n, dtype=jnp.int32)))
     logits = self.logits(self.norm(x))
     if cache is None:
       return logits
@@ -379,6 +403,26 @@ class Llama(nnx.Module):
 
 
 # -- building models from arrays ---------------------------------------------------------------
+
+def layers_scannable(config: LlamaConfig) -> bool:
+  """Whether every layer runs the same code (one sliding window, or none, for all), so that
+  the layers can run as one ``lax.scan`` (:func:`stack_layers`)."""
+  return len({config.local_window(i) for i in range(config.num_layers)}) == 1
+
+
+def stack_layers(model: "Llama"):
+  """``(graphdef, weights)`` for ``Llama.__call__(stacked_layers=...)``: layer 0's graph and
+  every layer's weights stacked on a leading axis (a copy: ``[num_layers, ...]`` each).
+
+  Raises ValueError when the layers differ (:func:`layers_scannable`)."""
+  if not layers_scannable(model.config):
+    windows = sorted({str(model.config.local_window(i)) for i in range(model.config.num_layers)})
+    raise ValueError(f"stack_layers: the layers run different code (sliding windows "
+                     f"{', '.join(windows)}): they cannot run under one scan")
+  layer_def = nnx.split(model.layers[0])[0]
+  states = [nnx.split(layer)[1] for layer in model.layers]
+  return layer_def, jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
 
 def param_shapes(config: LlamaConfig) -> dict[str, jax.ShapeDtypeStruct]:
   """Dotted parameter path (``layers.0.self_attn.q_proj``) -> shape and dtype (from the

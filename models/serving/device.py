@@ -32,7 +32,9 @@ from jax_shared_attn.sharding import shard_map
 
 from models.generation.settings import GenerationSettings
 from models.parallel.mesh import MODEL
-from models.serving.paged_cache import PagedKVCache
+from models.model.llama import stack_layers
+from models.serving.pages import NULL_PAGE
+from models.serving.paged_cache import PagedKVCache, attend_pages, write_pages
 from models.serving.sampling import RowRules, sample_rows
 
 
@@ -42,12 +44,12 @@ def keys_of(seeds, sample_ids, steps):
   return jax.vmap(one)(seeds, sample_ids, steps)
 
 
-_DATA_FIELDS = [f.name for f in dataclasses.fields(PagedKVCache)]
+_DATA_FIELDS = [f.name for f in dataclasses.fields(PagedKVCache) if f.name != "layer_pages"]
 HEADS = P(None, None, MODEL, None)  # pools [pages, ps, Hkv, D] and q/k/v [B, T, H, D]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=_DATA_FIELDS,
-                   meta_fields=["mesh"])
+                   meta_fields=["layer_pages", "mesh"])
 @dataclasses.dataclass(frozen=True)
 class HeadShardedPagedKVCache(PagedKVCache):
   """:class:`PagedKVCache` with pools split over ``mesh``'s "model" axis by KV head: each
@@ -55,45 +57,82 @@ class HeadShardedPagedKVCache(PagedKVCache):
 
   mesh: Optional[Mesh] = None
 
-  def _tables(self):
-    return (self.page_table, self.seg_lengths, self.segment_of_seq, self.own_page_table,
-            self.own_lengths, self.write_limit)
+  def write(self, layer, k_new, v_new) -> "HeadShardedPagedKVCache":
+    k, v, offset = self.pools(layer)
+    tables = self.tables(offset)
 
-  def write(self, layer: int, k_new, v_new) -> "HeadShardedPagedKVCache":
-    def local(k, v, k_new, v_new, *tables):
-      shard = PagedKVCache((k,), (v,), *tables).write(0, k_new, v_new)
-      return shard.k[0], shard.v[0]
+    def local(k, v, k_new, v_new, own_page_table, own_lengths, write_limit, null_page):
+      return write_pages(k, v, k_new, v_new, own_page_table, own_lengths, write_limit, null_page)
 
-    whole = (P(),) * 6
-    k_layer, v_layer = shard_map(local, self.mesh, (HEADS,) * 4 + whole, (HEADS, HEADS))(
-        self.k[layer], self.v[layer], k_new, v_new, *self._tables())
-    k, v = list(self.k), list(self.v)
-    k[layer], v[layer] = k_layer, v_layer
-    return dataclasses.replace(self, k=tuple(k), v=tuple(v))
+    k, v = shard_map(local, self.mesh, (HEADS,) * 4 + (P(),) * 4, (HEADS, HEADS))(
+        k, v, k_new, v_new, *tables[3:], NULL_PAGE + offset)
+    return self.with_pools(layer, k, v)
 
-  def attention(self, xq, layer: int, t: int, settings, sharding=None, **variants):
+  def attention(self, xq, layer, t: int, settings, sharding=None, **variants):
     if sharding is not None:
       raise ValueError("HeadShardedPagedKVCache carries its mesh: sharding must be None")
+    k, v, offset = self.pools(layer)
+    tables = self.tables(offset)
     # The scale, soft-cap and window are the same on every shard; ALiBi slopes [Hq] split with
     # their query heads.
     slopes = variants.pop("alibi_slopes", None)
     if slopes is None:
       def local(xq, k, v, *tables):
-        return PagedKVCache((k,), (v,), *tables).attention(xq, 0, t, settings, **variants)
+        return attend_pages(xq, k, v, *tables, t=t, settings=settings, **variants)
 
-      return shard_map(local, self.mesh, (HEADS,) * 3 + (P(),) * 6, HEADS)(
-          xq, self.k[layer], self.v[layer], *self._tables())
+      return shard_map(local, self.mesh, (HEADS,) * 3 + (P(),) * 6, HEADS)(xq, k, v, *tables)
 
     def local_alibi(xq, k, v, slopes, *tables):
-      return PagedKVCache((k,), (v,), *tables).attention(xq, 0, t, settings, alibi_slopes=slopes,
-                                                         **variants)
+      return attend_pages(xq, k, v, *tables, t=t, settings=settings, alibi_slopes=slopes,
+                          **variants)
 
     return shard_map(local_alibi, self.mesh, (HEADS,) * 3 + (P(MODEL),) + (P(),) * 6, HEADS)(
-        xq, self.k[layer], self.v[layer], slopes, *self._tables())
+        xq, k, v, slopes, *tables)
 
 
-def _cache(mesh: Optional[Mesh], *arrays) -> PagedKVCache:
-  return PagedKVCache(*arrays) if mesh is None else HeadShardedPagedKVCache(*arrays, mesh=mesh)
+@dataclasses.dataclass(frozen=True)
+class ScannedGraph:
+  """The graph of a model whose layers run under one ``lax.scan`` (``EngineConfig.scan_layers``):
+  the whole model's graph, layer 0's, and the layer count. Its weights are ``(rest, stacked)``:
+  the model's state without the layers, and :func:`models.model.llama.stack_layers`' stack."""
+
+  model: nnx.GraphDef
+  layer: nnx.GraphDef
+  num_layers: int
+
+
+def split_model(model, scan_layers: bool):
+  """``(graph, weights)`` of ``model`` for the programs here: ``nnx.split``'s, or with
+  ``scan_layers`` a :class:`ScannedGraph` and ``(rest, stacked)``."""
+  graphdef, state = nnx.split(model)
+  if not scan_layers:
+    return graphdef, state
+  layer_def, stacked = stack_layers(model)
+  rest = nnx.State({k: v for k, v in state.items() if k != "layers"})
+  return ScannedGraph(graphdef, layer_def, model.config.num_layers), (rest, stacked)
+
+
+def _merge(graph, weights):
+  """``(model, stacked_layers)`` for ``model(..., stacked_layers=...)``."""
+  if not isinstance(graph, ScannedGraph):
+    return nnx.merge(graph, weights), None
+  rest, stacked = weights
+  # The unrolled layers' weights are never read under the scan: each is the stack (no copy).
+  layers = nnx.State({i: stacked for i in range(graph.num_layers)})
+  return nnx.merge(graph.model, nnx.State({**rest, "layers": layers})), (graph.layer, stacked)
+
+
+def layer_pages(graph, k) -> int:
+  """:attr:`PagedKVCache.layer_pages` of pools ``k`` for ``graph``: 0 (one pool per layer)
+  unless the layers run under a scan (one pool of all layers' pages)."""
+  return k[0].shape[0] // graph.num_layers if isinstance(graph, ScannedGraph) else 0
+
+
+def _cache(graph, mesh: Optional[Mesh], k, v, *arrays) -> PagedKVCache:
+  pages = layer_pages(graph, k)
+  if mesh is None:
+    return PagedKVCache(k, v, *arrays, layer_pages=pages)
+  return HeadShardedPagedKVCache(k, v, *arrays, layer_pages=pages, mesh=mesh)
 
 
 def pool_sharding(mesh: Mesh) -> NamedSharding:
@@ -113,9 +152,9 @@ def prefill(graphdef, params, k, v, tokens, page_table, start, end, *,
   """Writes the K/V of ``tokens [R, T]``: row r's chunk at positions ``start[r] + t`` of the
   pages ``page_table [R, W]`` (each row its own request; positions ``>= end[r]``, the padding,
   are not stored); attention reads each row's own pages only. Returns ``(k, v)``."""
-  model = nnx.merge(graphdef, params)
-  cache = _cache(mesh, k, v, *no_levels(tokens.shape[0]), page_table, start, end)
-  _, cache = model(tokens, cache=cache, settings=settings)
+  model, stacked = _merge(graphdef, params)
+  cache = _cache(graphdef, mesh, k, v, *no_levels(tokens.shape[0]), page_table, start, end)
+  _, cache = model(tokens, cache=cache, settings=settings, stacked_layers=stacked)
   return cache.k, cache.v
 
 
@@ -138,13 +177,13 @@ def decode(graphdef, params, k, v, tokens, page_table, seg_lengths, segment_of_s
   each sampled token's log-prob and the ``top_logprobs`` most likely tokens (descending;
   a static size, so 0 compiles no top-k).
   """
-  model = nnx.merge(graphdef, params)
-  cache = _cache(mesh, k, v, page_table, seg_lengths, segment_of_seq, own_page_table,
+  model, stacked = _merge(graphdef, params)
+  cache = _cache(graphdef, mesh, k, v, page_table, seg_lengths, segment_of_seq, own_page_table,
                  own_lengths, write_limit)
 
   def body(j, carry):
     cache, tokens, out, logprobs, top_ids, top_values = carry
-    logits, cache = model(tokens, cache=cache, settings=settings)
+    logits, cache = model(tokens, cache=cache, settings=settings, stacked_layers=stacked)
     if mesh is not None:  # the whole vocabulary on every device: one draw, the same everywhere
       logits = lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
     keys = keys_of(seeds, sample_ids, first_step + j)
@@ -168,10 +207,20 @@ def decode(graphdef, params, k, v, tokens, page_table, seg_lengths, segment_of_s
   return cache.k, cache.v, out, logprobs, top_ids, top_values
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def copy_page(k, v, src, dst):
-  """Every layer's page ``src`` copied to page ``dst``."""
-  return (tuple(x.at[dst].set(x[src]) for x in k), tuple(x.at[dst].set(x[src]) for x in v))
+@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=("layers",))
+def copy_page(k, v, src, dst, *, layers: int = 1):
+  """Every layer's page ``src`` copied to page ``dst``; ``layers``: the layers one pool of
+  ``k``, ``v`` holds (``PagedKVCache.layer_pages``: each layer's pages after the one before)."""
+  def copy(x):
+    offsets = (x.shape[0] // layers) * jnp.arange(layers, dtype=jnp.int32)
+    return x.at[dst + offsets].set(x[src + offsets])
+
+  return tuple(map(copy, k)), tuple(map(copy, v))
+
+
+def pool_layers(graph) -> int:
+  """The layers each pool holds: all of them under a scan (:class:`ScannedGraph`), else 1."""
+  return graph.num_layers if isinstance(graph, ScannedGraph) else 1
 
 
 def _sizes(buckets, largest: int) -> list[int]:
@@ -230,5 +279,5 @@ def warm_up(graphdef, params, k, v, config, max_context: int, vocab_size: int,
                       zeros(b, own), zeros(b), zeros(b), RowRules.of([None] * b),
                       np.zeros(b, np.uint32), zeros(b), zeros(b), num_steps=config.decode_steps,
                       settings=settings, top_logprobs=top, mesh=mesh)
-  k, v = copy_page(k, v, np.int32(0), np.int32(0))
+  k, v = copy_page(k, v, np.int32(0), np.int32(0), layers=pool_layers(graphdef))
   return k, v, len(prefill_shapes) + len(decode_shapes) * len(tops) + 1

@@ -37,7 +37,6 @@ from typing import Iterable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from models.generation.compile_cache import CompileCache
 from models.generation.settings import GenerationSettings
@@ -92,7 +91,8 @@ class Engine:
     self.eos_id = model.config.eos_token_id if eos is None else eos
     self.pool = PagePool(config.num_pages, config.page_size)
     self.tree = RadixTree(self.pool) if config.prefix_caching else None
-    self._k, self._v = empty_pools(self._placed_config, config.num_pages, config.page_size)
+    self._k, self._v = empty_pools(self._placed_config, config.num_pages, config.page_size,
+                                   one_pool=config.scan_layers)
     if self.mesh is not None:
       self._k, self._v = jax.device_put((self._k, self._v), device.pool_sharding(self.mesh))
     self._lock = threading.RLock()
@@ -137,7 +137,10 @@ class Engine:
       from models.parallel.sharding import shard_model
       model = shard_model(model, self.mesh)
     self._placed_config = model.config  # KV heads replicated where the model axis needs it
-    return nnx.split(model)
+    try:
+      return device.split_model(model, self.config.scan_layers)
+    except ValueError as e:  # layers that cannot run under one scan
+      raise ValueError(f"EngineConfig.scan_layers: {e}") from None
 
   def _check(self, request: Request) -> np.ndarray:
     return prompt_ids(request, self.model_config, self.config, self.tokenizer)
@@ -335,7 +338,8 @@ class Engine:
     if tail:
       src = int(req.pages[full])
       for dst in req.copies:
-        self._k, self._v = device.copy_page(self._k, self._v, np.int32(src), np.int32(dst))
+        self._k, self._v = device.copy_page(self._k, self._v, np.int32(src), np.int32(dst),
+                                            layers=device.pool_layers(self._graphdef))
     firsts = [[int(req.pages[full])]] + [[int(p)] for p in req.copies] if tail else [[]] * n
     req.seqs = [Seq(req, i, list(firsts[i]), tail) for i in range(n)]
     req.match_node, req.state = None, "running"

@@ -45,11 +45,11 @@ def test_engine_flags_reach_the_engine_config():
   p = argparse.ArgumentParser()
   engine_flags.add_engine_arguments(p)
   args = p.parse_args(["--max-logprobs", "3", "--page-size", "8", "--no-cascade",
-                       "--prefill-ticks", "4"])
+                       "--prefill-ticks", "4", "--scan-layers"])
   engine_flags.check_engine_args(args)
   config = engine_flags.engine_config(args)
-  assert (config.max_logprobs, config.page_size, config.cascade, config.prefill_ticks) == (
-      3, 8, False, 4)
+  assert (config.max_logprobs, config.page_size, config.cascade, config.prefill_ticks,
+          config.scan_layers) == (3, 8, False, 4, True)
   assert engine_flags.engine_config(p.parse_args([])).max_logprobs == 20
 
 

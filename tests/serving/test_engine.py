@@ -18,7 +18,7 @@ from models.generation.sampling import sample
 from models.generation.settings import GenerationSettings
 from models.model.config import preset
 from models.model.llama import random_init
-from models.serving import Engine, EngineConfig, Request
+from models.serving import Engine, EngineConfig, Request, RowRules, device
 
 SETTINGS = GenerationSettings(impl="xla")
 PAD = 64  # the oracle's padded length: prompt + max_tokens stays below it
@@ -174,7 +174,8 @@ def test_random_arrivals_and_sharing_give_each_request_its_tokens(model, seed):
 
 
 @pytest.mark.parametrize("changes", [dict(cascade=False), dict(prefix_caching=False),
-                                     dict(decode_steps=1, min_shared_tokens=0)])
+                                     dict(decode_steps=1, min_shared_tokens=0),
+                                     dict(scan_layers=True)])
 def test_cascade_off_and_prefix_caching_off_give_the_same_tokens(model, changes):
   rng = np.random.default_rng(2)
   requests = workload(rng)
@@ -407,6 +408,27 @@ def test_prefill_chunks_of_several_requests_share_a_device_call(model):
   assert_drained(engine)
 
 
+def test_scan_layers_runs_one_layers_code_and_needs_uniform_layers():
+  """Under ``scan_layers`` a decode program's trace is the same size whatever the layer count
+  (one layer's code in a scan); layers with different windows are refused, naming the field."""
+  def decode_eqns(layers):
+    engine = Engine(random_init(preset("tiny", num_layers=layers), seed=0),
+                    config=config(scan_layers=True), settings=SETTINGS)
+    assert len(engine._k) == 1 and engine._k[0].shape[0] == layers * engine.config.num_pages
+    b, z = 8, lambda *shape: np.zeros(shape, np.int32)
+    traced = device.decode.trace(
+        engine._graphdef, engine._params, engine._k, engine._v, jnp.asarray(z(b, 1)),
+        *device.no_levels(b), z(b, 8), z(b), z(b), RowRules.of([None] * b),
+        np.zeros(b, np.uint32), z(b), z(b), num_steps=2, settings=SETTINGS)
+    return str(traced.jaxpr).count(" = ")
+
+  assert decode_eqns(2) == decode_eqns(5)
+  gemma_like = preset("tiny", sliding_window=4, layer_types=("sliding_attention",
+                                                             "full_attention"))
+  with pytest.raises(ValueError, match="EngineConfig.scan_layers"):
+    Engine(random_init(gemma_like, seed=0), config=config(scan_layers=True), settings=SETTINGS)
+
+
 @pytest.mark.parametrize("ticks", [1, 3])
 def test_prefill_ticks_bounds_the_prefill_burst_and_keeps_the_tokens(model, ticks):
   """``prefill_ticks``: a decode call after at most that many ticks that prefilled (while
@@ -464,7 +486,7 @@ def test_tensor_parallel_engine_in_a_subprocess():
   report = proc.stdout[-6000:] + proc.stderr[-2000:]
   assert proc.returncode == 0, report
   summary = proc.stdout.strip().splitlines()[-1]
-  assert re.search(r"\b3 passed", summary) and "skipped" not in summary, report
+  assert re.search(r"\b4 passed", summary) and "skipped" not in summary, report
 
 
 # -- errors -----------------------------------------------------------------------------------------

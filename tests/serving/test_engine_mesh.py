@@ -25,13 +25,15 @@ if jax.device_count() < 4 or jax.default_backend() != "cpu":
               allow_module_level=True)
 
 
-@pytest.mark.parametrize("model_axis", [2, 4])  # 2 KV heads: split; 4: each repeated twice
-def test_tensor_parallel_engine_gives_the_one_device_tokens(model_axis):
+# 2 KV heads: split; 4: each repeated twice; the layers unrolled or under one scan
+@pytest.mark.parametrize("model_axis, scan", [(2, False), (4, False), (2, True)])
+def test_tensor_parallel_engine_gives_the_one_device_tokens(model_axis, scan):
   model = random_init(preset("tiny"), seed=0)
   rng = np.random.default_rng(7)
   requests = workload(rng) + [Request(list(range(30, 41)), n=2, max_tokens=4, temperature=1.0,
                                       top_k=7, seed=3, ignore_eos=True)]
-  engine = Engine(model, config=config(), settings=SETTINGS, mesh=(1, model_axis))
+  engine = Engine(model, config=config(scan_layers=scan), settings=SETTINGS,
+                  mesh=(1, model_axis))
   heads = max(2, model_axis)  # KV heads after replication
   for pool in engine._k + engine._v:
     assert pool.shape[2] == heads
@@ -44,8 +46,10 @@ def test_tensor_parallel_engine_gives_the_one_device_tokens(model_axis):
   # Each layer's write and attention run per shard (shard_map: what a kernel with no
   # partitioning rule needs, e.g. a native Pallas call), and no collective carries K, V or
   # queries (their last dimension is head_dim = 16; the hidden size is 64, the vocabulary 256).
+  # Under the scan the program holds one layer's.
   traced, hlo = decode_program(engine, levels=2)
-  assert str(traced.jaxpr).count("shard_map[") == 2 * preset("tiny").num_layers
+  layers = 1 if scan else preset("tiny").num_layers
+  assert str(traced.jaxpr).count("shard_map[") == 2 * layers
   moved = [c["type"] for c in parse_collectives(hlo) if re.search(r",16\]", c["type"])]
   assert "all-reduce" in hlo and moved == []
   engine.reset(model=random_init(preset("tiny"), seed=1))  # new weights placed on the mesh

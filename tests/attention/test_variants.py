@@ -538,7 +538,9 @@ def test_traced_slopes_are_not_checked_for_finiteness_but_run():
   assert np.isfinite(run(jnp.asarray([0.5, 0.25], jnp.float32))).all()
 
 
-def test_explain_plans_the_xla_path_for_variants_under_auto():
+def test_explain_plans_variants_under_auto():
+  """``impl="auto"``: the Triton kernels on a GPU, the XLA path on a CPU and a TPU; the backward
+  is the XLA one everywhere."""
   rng = np.random.default_rng(4)
   q, _ = rand(rng, (2, 1, 4, 16), "float32")
   pk, _ = rand(rng, (5, 2, 16), "float32")
@@ -548,9 +550,10 @@ def test_explain_plans_the_xla_path_for_variants_under_auto():
   for platform, kind in (("cpu", None), ("gpu", "NVIDIA H100 80GB HBM3"), ("tpu", "TPU v5 lite")):
     plan = explain(*args, platform=platform, device_kind=kind, softcap=50.0,
                    local_window_size=(7, 0), alibi_slopes=jnp.ones((4,), jnp.float32))
-    assert plan.impl == "xla" and plan.backward == "xla", plan
+    assert plan.impl == ("pallas:triton" if platform == "gpu" else "xla"), plan
+    assert plan.backward == "xla", plan
     text = str(plan)
-    assert "on the XLA path" in text
+    assert ("the Triton kernels" if platform == "gpu" else "on the XLA path") in text, text
     assert "alibi_slopes [2, 4], softcap=50.0, local_window_size=(7, 0)" in text, text
     # without variants the plan is the family's own
     plain = explain(*args, platform=platform, device_kind=kind)

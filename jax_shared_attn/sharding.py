@@ -146,7 +146,9 @@ def sharded(fn: Callable, mesh: Mesh, batch_axis: AxisName = "data",
 
     specs = tuple(in_specs["args"]) + tuple(in_specs[n] for n in dynamic)
     out_specs = (batch4, heads3) if with_lse else batch4
-    return shard_map(local, mesh, specs, out_specs)(*args, *(kwargs[n] for n in dynamic))
+    # Jitted: called eagerly, shard_map would dispatch every op of every shard one by one.
+    return jax.jit(shard_map(local, mesh, specs, out_specs))(*args,
+                                                            *(kwargs[n] for n in dynamic))
 
   return call
 

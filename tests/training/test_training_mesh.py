@@ -47,7 +47,7 @@ def unsharded():
   comp[2, 2:] = -1
   rewards = np.random.default_rng(4).standard_normal(8)
   config = GRPOConfig(group_size=4, kl_coef=0.05)
-  old = completion_logprobs(model, prompt_arrays(tree), jnp.asarray(comp)) - 0.1
+  old = nnx.jit(completion_logprobs)(model, prompt_arrays(tree), jnp.asarray(comp)) - 0.1
   batch = make_batch(tree, comp, rewards, config, CONFIG, old_logprobs=old)
   # SGD with momentum: the update is linear in the gradients (Adam's first step, g / |g|,
   # would magnify rounding in near-zero gradients), and momentum is optimizer state to place.

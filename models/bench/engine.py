@@ -273,9 +273,10 @@ def _markdown(rows, info) -> str:
   f = info["floors"]
   base = {r["mode"]: r for r in rows}
   head = (f"Engine, {info['workload']} workload, {info['model']} (random {info['dtype']}), "
-          f"{info['device']}, {info['date']}: {info['requests']} requests, max running {info['max_running']}, "
-          f"pages of {info['page_size']}, {info['decode_steps']} decode steps per call, a decode "
-          f"call at least every {info.get('prefill_ticks', 1)} prefilling ticks. "
+          f"{info['device']}, {info['date']}: {info['requests']} requests, max running "
+          f"{info['max_running']}, pages of {info['page_size']}, {info['decode_steps']} decode "
+          f"steps per call, a decode call at least every {info.get('prefill_ticks', 1)} "
+          f"prefilling ticks{', layers under one scan' if info.get('scan_layers') else ''}. "
           f"Attention floors of one decode step at {f['batch']} sequences ({f['shared']} shared "
           f"+ ~{f['own']} own tokens): no cascade {f['no_cascade_GB']:.0f} GB, "
           f"{f['floor_no_cascade_ms']:.1f} ms; cascade {f['cascade_GB']:.0f} GB and "

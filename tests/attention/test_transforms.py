@@ -65,8 +65,10 @@ def test_grad_equals_grad_of_full_attention(tree):
 
   full = lambda q, pk, pv, sk, sv: full_over_concat(q, pk, pv, sk, sv, lens)
   args = (q, pk, pv, sk, sv)
-  g1 = jax.grad(functools.partial(loss, decomposed, w_out, w_lse), argnums=range(5))(*args)
-  g2 = jax.grad(functools.partial(loss, full, w_out, w_lse), argnums=range(5))(*args)
+  # jitted: the same gradients, one program each instead of every op compiled eagerly
+  g1 = small_jit(jax.grad(functools.partial(loss, decomposed, w_out, w_lse),
+                          argnums=range(5)))(*args)
+  g2 = small_jit(jax.grad(functools.partial(loss, full, w_out, w_lse), argnums=range(5)))(*args)
   for name, a, b in zip(["q", "prefix_k", "prefix_v", "suffix_k", "suffix_v"], g1, g2):
     assert rel_err(a, b) <= 1e-5, name
 
@@ -80,7 +82,7 @@ def test_grad_is_finite_on_fully_masked_rows():
                                        impl="xla", return_lse=True)
     return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
-  for g in jax.grad(f, argnums=(0, 1))(q, sk):
+  for g in small_jit(jax.grad(f, argnums=(0, 1)))(q, sk):
     assert np.all(np.isfinite(np.asarray(g)))
 
 
@@ -89,24 +91,26 @@ def test_vmap_over_layers_and_over_queries():
   stacked = [jnp.stack(xs) for xs in zip(*layers)]
   f = lambda q, pk, pv, sk, sv, lens: shared_prefix_attention(q, pk, pv, sk, sv,
                                                               suffix_lengths=lens, impl="xla")
-  batched = jax.vmap(f)(*stacked)
+  jf = small_jit(f)  # jitted, as the mapped calls are: one program, not every op compiled
+  batched = small_jit(jax.vmap(f))(*stacked)
   for i, xs in enumerate(layers):
-    np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(f(*xs)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(jf(*xs)), rtol=1e-6, atol=1e-6)
   # Several query sets against one cache: only q is mapped.
   q, pk, pv, sk, sv, lens = layers[0]
   qs = jnp.stack([q, 2 * q])
-  out = jax.vmap(f, in_axes=(0, None, None, None, None, None))(qs, pk, pv, sk, sv, lens)
-  np.testing.assert_allclose(np.asarray(out[1]), np.asarray(f(2 * q, pk, pv, sk, sv, lens)),
+  out = small_jit(jax.vmap(f, in_axes=(0, None, None, None, None, None)))(qs, pk, pv, sk, sv,
+                                                                          lens)
+  np.testing.assert_allclose(np.asarray(out[1]), np.asarray(jf(2 * q, pk, pv, sk, sv, lens)),
                              rtol=1e-6, atol=1e-6)
 
 
 def test_vmap_attention_with_lse_and_merge():
   q, pk, pv, sk, sv, lens = inputs(3)
   f = lambda q, k, v: attention_with_lse(q, k, v, impl="xla")
-  out, lse = jax.vmap(f, in_axes=(0, 0, 0))(q[None], sk[None], sv[None])
-  ref = f(q, sk, sv)
+  out, lse = small_jit(jax.vmap(f, in_axes=(0, 0, 0)))(q[None], sk[None], sv[None])
+  ref = small_jit(f)(q, sk, sv)
   np.testing.assert_allclose(np.asarray(out[0]), np.asarray(ref[0]), rtol=1e-6, atol=1e-6)
-  m = jax.vmap(lambda a, b, la, lb: merge_attention_states([a, b], [la, lb]))
+  m = small_jit(jax.vmap(lambda a, b, la, lb: merge_attention_states([a, b], [la, lb])))
   o2, l2 = m(out, out, lse, lse)
   np.testing.assert_allclose(np.asarray(o2), np.asarray(out), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(np.asarray(l2), np.asarray(lse) + np.log(2.0), rtol=1e-6)
@@ -118,5 +122,6 @@ def test_vmap_hierarchical():
                       jnp.array([1, 0, 1], jnp.int32))
   f = lambda q, level: hierarchical_attention(q, [level], sk, sv, suffix_lengths=lens, impl="xla")
   levels = jax.tree.map(lambda x: jnp.stack([x, x]), level)
-  out = jax.vmap(f)(jnp.stack([q, -q]), levels)
-  np.testing.assert_allclose(np.asarray(out[1]), np.asarray(f(-q, level)), rtol=1e-6, atol=1e-6)
+  out = small_jit(jax.vmap(f))(jnp.stack([q, -q]), levels)
+  np.testing.assert_allclose(np.asarray(out[1]), np.asarray(small_jit(f)(-q, level)), rtol=1e-6,
+                             atol=1e-6)

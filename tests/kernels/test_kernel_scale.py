@@ -8,7 +8,7 @@ from jax_shared_attn import SharedLevel, attention_with_lse, hierarchical_attent
 from jax_shared_attn.ops import resolve
 from jax_shared_attn.testing import check_attention, check_rows, lse_err, oracle_full, \
     oracle_tree, tolerance
-from strategies import rand
+from strategies import rand, small_jit
 
 B, HQ, HKV, D, P, N, T, S = 3, 4, 2, 64, 24, 2, 9, 7
 
@@ -43,12 +43,14 @@ def test_scale_and_large_logits(family, scale, large):
   seg_lens, nodes = np.array([9, 4], np.int32), np.array([1, -1, 0], np.int32)
   levels = [SharedLevel.shared_by_all(pk, pv, batch_size=B, length=plen),
             SharedLevel(lk, lv, jax.numpy.asarray(seg_lens), jax.numpy.asarray(nodes))]
-  out, lse = hierarchical_attention(q, levels, sk, sv, suffix_lengths=lens, scale=scale,
-                                    impl=family, return_lse=True)
+  # jitted: one program per call, not every op compiled eagerly
+  out, lse = small_jit(lambda *a: hierarchical_attention(
+      *a, suffix_lengths=lens, scale=scale, impl=family, return_lse=True))(q, levels, sk, sv)
   segs_k = [[pk64[:plen]] + ([lk64[j, :seg_lens[j]]] if j >= 0 else []) for j in nodes]
   segs_v = [[pv64[:plen]] + ([lv64[j, :seg_lens[j]]] if j >= 0 else []) for j in nodes]
   ref_out, ref_lse = oracle_tree(q64, segs_k, segs_v, sk64, sv64, lens, scale=scale)
-  full_out, full_lse = attention_with_lse(q, sk, sv, kv_lengths=lens, scale=scale, impl=family)
+  full_out, full_lse = small_jit(lambda *a: attention_with_lse(
+      *a, kv_lengths=lens, scale=scale, impl=family))(q, sk, sv)
   full_ref = oracle_full(q64, sk64, sv64, lens, causal=False, scale=scale)
   if not large:
     check_attention(out, lse, ref_out, ref_lse, dtype)

@@ -31,8 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_shared_attn.sharding import shard_map
 
 from models.generation.settings import GenerationSettings
-from models.parallel.mesh import MODEL
 from models.model.llama import stack_layers
+from models.parallel.mesh import MODEL
 from models.serving.pages import NULL_PAGE
 from models.serving.paged_cache import PagedKVCache, attend_pages, write_pages
 from models.serving.sampling import RowRules, sample_rows

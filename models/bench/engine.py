@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -59,8 +60,9 @@ def configure(d: argparse.ArgumentParser) -> None:
   d.add_argument("--decode-steps", type=int, default=16)
   d.add_argument("--prefill-ticks", type=int, default=1,
                  help="decode after at most this many prefilling ticks (EngineConfig)")
-  d.add_argument("--scan-layers", action="store_true",
-                 help="the layers under one lax.scan (EngineConfig.scan_layers)")
+  d.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                 help="the layers under one lax.scan (EngineConfig.scan_layers; default: when "
+                 "they run the same code)")
   d.add_argument("--max-prefill-tokens", type=int, default=4096)
   d.add_argument("--batch-buckets", type=common.ints, default=None,
                  help="decode batch buckets (default: 64, x4 up to --max-running)")
@@ -177,6 +179,8 @@ def run_engine(model, args, mode: str, requests) -> dict:
     outputs = engine.generate(requests)
     seconds = time.perf_counter() - t0
   stats = engine.stats()
+  del engine
+  gc.collect()  # the pool is freed before the next mode sizes its own
   tokens = sum(len(s.token_ids) for o in outputs for s in o.samples)
   return dict(mode=mode, seconds=seconds, warmup_s=warm_s, requests_per_s=len(requests) / seconds,
               tokens_per_s=tokens / seconds, tokens=tokens, compiles=len(compiles),
@@ -235,6 +239,7 @@ def _run(args: argparse.Namespace) -> int:
   from models.bench import timing
   from models.bench.decode import device_random_init
   from models.model.config import preset
+  from models.model.llama import layers_scannable
 
   os.makedirs(args.out, exist_ok=True)
   config = preset(args.model).replace(dtype=args.dtype)
@@ -246,7 +251,9 @@ def _run(args: argparse.Namespace) -> int:
   info = common.stamp(model=args.model, dtype=args.dtype, workload=args.workload, impl=args.impl,
                       requests=len(requests), max_running=args.max_running,
                       page_size=args.page_size, decode_steps=args.decode_steps,
-                      prefill_ticks=args.prefill_ticks, scan_layers=args.scan_layers,
+                      prefill_ticks=args.prefill_ticks,
+                      scan_layers=(layers_scannable(config) if args.scan_layers is None
+                                   else args.scan_layers),
                       bandwidth_GBps=bw / 1e9, matmul_TFLOPs=rate / 1e12,
                       floors=floors(args, config, bw, rate),
                       **({"system_prompt": args.system_prompt, "input": args.input,

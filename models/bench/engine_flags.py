@@ -15,6 +15,9 @@ from models.errors import UsageError
 _ENGINE_INTS = {"page_size": 1, "num_pages": 2, "max_running": 1, "max_prefill_tokens": 1,
                 "decode_steps": 1, "prefill_ticks": 1, "min_shared_tokens": 0,
                 "max_logprobs": 0}
+# Bucket flags -> EngineConfig field (the padded sizes of the device programs).
+_ENGINE_BUCKETS = ("batch_buckets", "prefill_buckets", "prefill_row_buckets", "level_buckets",
+                   "segment_buckets", "page_buckets", "own_page_buckets")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,12 +53,25 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--no-cascade", action="store_true",
                  help="every sequence reads shared pages as its own (the paged baseline)")
   p.add_argument("--no-prefix-caching", action="store_true", help="no radix tree")
-  p.add_argument("--scan-layers", action="store_true",
+  p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                  help="the layers as one lax.scan over stacked weights (compiling does not grow "
-                 "with the layer count; the layers must share one sliding window)")
+                 "with the layer count; the layers must share one sliding window); default: "
+                 "when they do")
+  for name in _ENGINE_BUCKETS:
+    p.add_argument(f"--{name.replace('_', '-')}", type=_ints, default=None, metavar="N,N,...",
+                   help=f"padded sizes of the device programs: EngineConfig.{name} "
+                   "(ascending; default: powers of two)")
   p.add_argument("--mesh", default=None,
                  help="tensor parallel over devices: 'auto' (every device on the model axis) or "
                  "1xM (M model shards); default: one device")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+  """An argparse type: ``"16,64,256"`` -> ``(16, 64, 256)``."""
+  try:
+    return tuple(int(x) for x in text.split(",") if x)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated ints; got {text!r}") from None
 
 
 def check_engine_args(args: argparse.Namespace) -> None:
@@ -98,9 +114,16 @@ def engine_config(args: argparse.Namespace, **changes):
   """The :class:`EngineConfig` of the flags (``changes`` override fields)."""
   from models.serving import EngineConfig
   fields = {name: getattr(args, name) for name in _ENGINE_INTS}
+  fields.update({name: getattr(args, name) for name in _ENGINE_BUCKETS})
   fields.update(cascade=not args.no_cascade, prefix_caching=not args.no_prefix_caching,
                 scan_layers=args.scan_layers)
-  return EngineConfig(**{**fields, **changes})
+  try:
+    return EngineConfig(**{**fields, **changes})
+  except ValueError as e:  # the message in the flags' words
+    message = str(e).replace("EngineConfig: ", "")
+    for name in _ENGINE_BUCKETS + tuple(_ENGINE_INTS):
+      message = re.sub(rf"\b{name}\b", "--" + name.replace("_", "-"), message)
+    raise UsageError(message) from None
 
 
 def loader(args: argparse.Namespace, name: Optional[str] = None):

@@ -223,7 +223,10 @@ def run_series(args, url: str, points, label: str, stats=None) -> list[dict]:
     warm, c = make_prompts(args, vocab, args.seed + 1), 1
     while c <= args.warmup:
       batch = (warm * (c // len(warm) + 1))[:c]
-      asyncio.run(run_load(url, model, batch, args.output_tokens, concurrency=c))
+      results, _ = asyncio.run(run_load(url, model, batch, args.output_tokens, concurrency=c))
+      refused = [r.error for r in results if r.error is not None and r.error.startswith("HTTP 4")]
+      if refused:  # the server refuses this workload: every point would fail the same way
+        raise UsageError(f"the server refused the workload's requests: {refused[0]}")
       c *= 2
   rows = []
   for kind, value in points:

@@ -40,6 +40,7 @@ import numpy as np
 
 from models.generation.compile_cache import CompileCache
 from models.generation.settings import GenerationSettings
+from models.model.llama import layers_scannable
 from models.serving import device
 from models.serving.cascade import plan_cascade
 from models.serving.pages import NULL_PAGE, PagePool
@@ -86,13 +87,15 @@ class Engine:
     if compile_cache is not None:
       self.compile_cache = _use_compile_cache(compile_cache)
     self.mesh = None if mesh is None else _engine_mesh(mesh)
+    self.scan_layers = (layers_scannable(model.config) if config.scan_layers is None
+                        else config.scan_layers)
     self._graphdef, self._params = self._place(model)
     eos = getattr(tokenizer, "eos_id", None)
     self.eos_id = model.config.eos_token_id if eos is None else eos
     self.pool = PagePool(config.num_pages, config.page_size)
     self.tree = RadixTree(self.pool) if config.prefix_caching else None
     self._k, self._v = empty_pools(self._placed_config, config.num_pages, config.page_size,
-                                   one_pool=config.scan_layers)
+                                   one_pool=self.scan_layers)
     if self.mesh is not None:
       self._k, self._v = jax.device_put((self._k, self._v), device.pool_sharding(self.mesh))
     self._lock = threading.RLock()
@@ -138,7 +141,7 @@ class Engine:
       model = shard_model(model, self.mesh)
     self._placed_config = model.config  # KV heads replicated where the model axis needs it
     try:
-      return device.split_model(model, self.config.scan_layers)
+      return device.split_model(model, self.scan_layers)
     except ValueError as e:  # layers that cannot run under one scan
       raise ValueError(f"EngineConfig.scan_layers: {e}") from None
 

@@ -69,8 +69,9 @@ class EngineConfig:
       ``own_page_buckets`` also pads a prefill chunk's page table.
     scan_layers: run the decoder's layers as one ``lax.scan`` over stacked weights (a copy of
       the layers' weights) and one page pool of all layers: each device program holds one
-      layer's code, so compiling does not grow with the layer count. The layers must run the
-      same code (one sliding window for all); False: the layers unrolled, a pool per layer.
+      layer's code, so compiling does not grow with the layer count. None (the default): when
+      the layers run the same code (one sliding window for all), else unrolled; True: the
+      scan, refusing layers that differ; False: the layers unrolled, a pool per layer.
     max_logprobs: the most top log-probs per token a request may ask for (0 to 20): a
       decode call in which a row asks for any returns this many for every row (a second
       program per decode shape; 0: none, and no second program).
@@ -92,7 +93,7 @@ class EngineConfig:
   segment_buckets: Optional[tuple[int, ...]] = None
   page_buckets: Optional[tuple[int, ...]] = None
   own_page_buckets: Optional[tuple[int, ...]] = None
-  scan_layers: bool = False
+  scan_layers: Optional[bool] = None
   max_logprobs: int = MAX_TOP_LOGPROBS
 
   def __post_init__(self):
@@ -106,8 +107,10 @@ class EngineConfig:
     _positive_int("EngineConfig", "num_pages", self.num_pages, 2)
     _positive_int("EngineConfig", "min_shared_tokens", self.min_shared_tokens, 0)
     for name in ("cascade", "prefix_caching", "scan_layers"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"EngineConfig: {name}={getattr(self, name)!r} must be a bool")
+      if not isinstance(getattr(self, name), bool) and not (
+          name == "scan_layers" and self.scan_layers is None):
+        kinds = "None or a bool" if name == "scan_layers" else "a bool"
+        raise ValueError(f"EngineConfig: {name}={getattr(self, name)!r} must be {kinds}")
     for name in _BUCKET_FIELDS:
       value = getattr(self, name)
       if isinstance(value, list):

@@ -64,3 +64,16 @@ def test_bench_serve_cascade_on_and_off(tmp_path, capsys):
 def test_bad_flags(capsys, argv, words):
   assert cli.main(["bench", "serve", *argv]) == 2
   assert words in capsys.readouterr().err
+
+
+def test_a_workload_the_server_refuses_stops_at_the_warm_up(tmp_path, capsys):
+  """Requests the engine can never hold (page tables past the largest bucket) are answered 400;
+  the warm-up stops there with the server's message instead of timing failures."""
+  status = cli.main(["bench", "serve", "--model", "tiny", "--dtype", "float32", "--impl", "xla",
+                     "--system-tokens", "24", "--question-tokens", "4", "--output-tokens", "6",
+                     "--num-requests", "2", "--warmup", "1", "--page-size", "4",
+                     "--num-pages", "64", "--max-running", "4", "--own-page-buckets", "2,4",
+                     "--out", str(tmp_path / "r")])
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert status == 2 and "refused" in err and "own_page_buckets" in err
+  assert not (tmp_path / "r").exists()

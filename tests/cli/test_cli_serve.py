@@ -24,6 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     (["--max-logprobs", "-1"], "--max-logprobs"),
     (["--max-logprobs", "21"], "--max-logprobs"),
     (["--prefill-ticks", "0"], "--prefill-ticks"),
+    (["--batch-buckets", "16,4"], "--batch-buckets"),
+    (["--max-running", "64", "--batch-buckets", "16,32"], "--batch-buckets"),
+    (["--page-buckets", "8,x"], "--page-buckets"),
     (["--port", "70000"], "--port"),
     (["--impl", "magic"], "--impl"),
     (["--model", "/no/such/model.gguf"], "--model"),
@@ -45,12 +48,18 @@ def test_engine_flags_reach_the_engine_config():
   p = argparse.ArgumentParser()
   engine_flags.add_engine_arguments(p)
   args = p.parse_args(["--max-logprobs", "3", "--page-size", "8", "--no-cascade",
-                       "--prefill-ticks", "4", "--scan-layers"])
+                       "--prefill-ticks", "4", "--scan-layers", "--batch-buckets", "16,64",
+                       "--max-running", "64", "--page-buckets", "128", "--level-buckets",
+                       "1,2"])
   engine_flags.check_engine_args(args)
   config = engine_flags.engine_config(args)
   assert (config.max_logprobs, config.page_size, config.cascade, config.prefill_ticks,
           config.scan_layers) == (3, 8, False, 4, True)
-  assert engine_flags.engine_config(p.parse_args([])).max_logprobs == 20
+  assert (config.batch_buckets, config.page_buckets, config.level_buckets,
+          config.own_page_buckets) == ((16, 64), (128,), (1, 2), None)
+  default = engine_flags.engine_config(p.parse_args([]))
+  assert (default.max_logprobs, default.scan_layers) == (20, None)
+  assert engine_flags.engine_config(p.parse_args(["--no-scan-layers"])).scan_layers is False
 
 
 def test_serve_answers_on_a_mesh_then_drains_on_sigterm(tiny_dir):

@@ -175,7 +175,7 @@ def test_random_arrivals_and_sharing_give_each_request_its_tokens(model, seed):
 
 @pytest.mark.parametrize("changes", [dict(cascade=False), dict(prefix_caching=False),
                                      dict(decode_steps=1, min_shared_tokens=0),
-                                     dict(scan_layers=True)])
+                                     dict(scan_layers=False)])
 def test_cascade_off_and_prefix_caching_off_give_the_same_tokens(model, changes):
   rng = np.random.default_rng(2)
   requests = workload(rng)
@@ -427,6 +427,13 @@ def test_scan_layers_runs_one_layers_code_and_needs_uniform_layers():
                                                              "full_attention"))
   with pytest.raises(ValueError, match="EngineConfig.scan_layers"):
     Engine(random_init(gemma_like, seed=0), config=config(scan_layers=True), settings=SETTINGS)
+  # The default: the scan where the layers allow it, else the layers unrolled.
+  assert Engine(random_init(gemma_like, seed=0), config=config(),
+                settings=SETTINGS).scan_layers is False
+  assert Engine(random_init(preset("tiny"), seed=0), config=config(),
+                settings=SETTINGS).scan_layers is True
+  with pytest.raises(ValueError, match="scan_layers=1 must be None or a bool"):
+    config(scan_layers=1)
 
 
 @pytest.mark.parametrize("ticks", [1, 3])

@@ -271,17 +271,24 @@ def _plot(rows, path: str, title: str) -> None:
 
   kind = "rate" if "rate" in rows[0] else "concurrency"
   fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-  for label in sorted({r["cascade"] for r in rows}):
+  for n, label in enumerate(sorted({r["cascade"] for r in rows})):
     rs = [r for r in rows if r["cascade"] == label]
-    x = [r[kind] if math.isfinite(r[kind]) else r["requests_per_s"] for r in rs]
+    line = sorted((r for r in rs if math.isfinite(r[kind])), key=lambda r: r[kind])
+    burst = [r for r in rs if not math.isfinite(r[kind])]  # all at once: at its measured rate
+    color = f"C{n}"
     for ax, key, name in ((axes[0], "output_tok_s", "output tokens / s"),
                           (axes[1], "ttft_p50_ms", "TTFT p50 (ms)"),
                           (axes[2], "tpot_p50_ms", "TPOT p50 (ms)")):
-      ax.plot(x, [r[key] for r in rs], marker="o", label=f"cascade {label}")
+      ax.plot([r[kind] for r in line], [r[key] for r in line], marker="o", color=color,
+              label=f"cascade {label}")
+      if burst:
+        ax.plot([r["requests_per_s"] for r in burst], [r[key] for r in burst], marker="*",
+                markersize=11, linestyle="none", color=color,
+                label=f"cascade {label}, all at once (x: completed requests/s)")
       ax.set_xlabel("arrival rate (requests/s)" if kind == "rate" else "concurrent clients")
       ax.set_ylabel(name)
       ax.grid(alpha=0.3)
-  axes[0].legend()
+  axes[0].legend(fontsize=7)
   fig.suptitle(title, fontsize=9)
   common.save_png(fig, path)
 

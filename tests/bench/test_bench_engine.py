@@ -25,6 +25,9 @@ def test_engine_bench_serves_every_mode(tmp_path):
   assert report["info"]["dtype"] == "bfloat16"  # the bench's default: what GPUs serve
   floors = report["info"]["floors"]
   assert floors["no_cascade_GB"] > floors["cascade_GB"] and floors["floor_ratio"] >= 1
+  # The step's floors add the weights (read once, multiplied for every sequence) to both.
+  assert 1 <= floors["step_floor_ratio"] <= floors["floor_ratio"]
+  assert floors["step_floor_cascade_ms"] >= floors["floor_cascade_ms"]
   md = (out / "engine-relay.md").read_text()
   assert "| cascade |" in md and "| no-sharing |" in md and "| compiles |" in md
   assert (out / "engine-relay.png").stat().st_size > 0

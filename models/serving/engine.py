@@ -228,10 +228,12 @@ class Engine:
 
   def _admit(self) -> None:
     c, ps = self.config, self.config.page_size
+    prefilling = [r for r in self._active if r.state == "prefill"]
+    running = sum(r.request.n for r in self._active)
+    reserve = self._decode_need(self._running_seqs())  # admitting changes no running sequence
     while self._waiting:
       req = self._waiting[0]
       n = req.request.n
-      running = sum(r.request.n for r in self._active)
       if running + n > c.max_running:
         return
       full, tail = divmod(req.context.size, ps)
@@ -240,11 +242,10 @@ class Engine:
         m = self.tree.match(req.context[:full * ps])
         match_node, matched = m.node, m.pages
         self.tree.lock(match_node)
-      if self.tree is not None and self._waits_for_a_prefill(req, matched.size):
+      if self.tree is not None and self._waits_for_a_prefill(req, matched.size, prefilling):
         self.tree.unlock(match_node)
         return
       need = full - matched.size + (n if tail else 0)
-      reserve = self._decode_need(self._running_seqs())
       if not self._free_pages(need + reserve):
         if match_node is not None:
           self.tree.unlock(match_node)
@@ -263,21 +264,22 @@ class Engine:
       req.admitted = next(self._admissions)
       req.state = "prefill"
       self._active.append(req)
+      prefilling.append(req)
+      running += n
 
-  def _waits_for_a_prefill(self, req: Req, matched_pages: int) -> bool:
-    """Whether a request being prefilled shares more whole pages with ``req``'s prompt than the
-    tree holds now (``matched_pages``): those pages join the tree when its prefill ends, so
-    ``req`` is admitted after it and reuses them instead of computing them again (requests
-    submitted together under one system prompt)."""
-    ps = self.config.page_size
-    for other in self._active:
-      if other.state != "prefill":
-        continue
-      n = min(req.context.size, other.context.size) // ps * ps
-      if n <= matched_pages * ps:
-        continue
-      differ = np.flatnonzero(req.context[:n] != other.context[:n])
-      if (differ[0] if differ.size else n) // ps > matched_pages:
+  def _waits_for_a_prefill(self, req: Req, matched_pages: int, prefilling: list[Req]) -> bool:
+    """Whether a request being prefilled (``prefilling``) shares more whole pages with
+    ``req``'s prompt than the tree holds now (``matched_pages``): those pages join the tree
+    when its prefill ends, so ``req`` is admitted after it and reuses them instead of
+    computing them again (requests submitted together under one system prompt)."""
+    ps, m = self.config.page_size, matched_pages
+    keys = req.page_keys(ps)
+    if len(keys) <= m:  # no whole page beyond the matched ones
+      return False
+    for other in prefilling:  # sharing the first m + 1 pages: the same key, then checked
+      other_keys = other.page_keys(ps)
+      if (len(other_keys) > m and other_keys[m] == keys[m]
+          and np.array_equal(other.context[:(m + 1) * ps], req.context[:(m + 1) * ps])):
         return True
     return False
 

@@ -39,7 +39,19 @@ class Req:
   def __init__(self, handle: Handle, prompt: np.ndarray):
     self.handle, self.request, self.prompt = handle, handle.request, prompt
     self.context = prompt[:-1]  # prefilled; the last token is fed by the first decode step
+    self._page_keys = None
     self.reset()
+
+  def page_keys(self, page_size: int) -> list[int]:
+    """``keys[k]`` stands for the context's first ``k + 1`` whole pages (equal keys: equal
+    pages, up to a hash collision), computed once: a chain of hashes, page by page."""
+    if self._page_keys is None:
+      keys, key = [], 0
+      for k in range(self.context.size // page_size):
+        key = hash((key, self.context[k * page_size:(k + 1) * page_size].tobytes()))
+        keys.append(key)
+      self._page_keys = keys
+    return self._page_keys
 
   def reset(self) -> None:
     self.state = "waiting"

@@ -319,6 +319,12 @@ def test_requests_submitted_together_reuse_the_pages_of_the_first_prefill(model)
   requests = [Request(system + [70 + i], max_tokens=3, ignore_eos=True) for i in range(4)]
   outputs = engine.generate(requests)
   assert [o.cached_tokens for o in outputs] == [0, 16, 16, 16]
+  # Sharing 2 of its 4 pages, or none: the tree's pages where there are any.
+  more = [Request(system[:8] + [99] * 8 + [1], max_tokens=2, ignore_eos=True),
+          Request([98] * 17, max_tokens=2, ignore_eos=True)]
+  engine.reset()
+  assert [o.cached_tokens for o in engine.generate(more + requests[:1] + more)] == [
+      0, 0, 8, 16, 16]  # the third waits for the first's 2 pages; the last pair hits its own
   alone = [Engine(model, config=config(), settings=SETTINGS).generate([r])[0] for r in requests]
   assert ([o.samples[0].token_ids for o in outputs]
           == [o.samples[0].token_ids for o in alone])

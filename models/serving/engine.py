@@ -284,16 +284,19 @@ class Engine:
     return False
 
   def _prefill(self) -> None:
-    """Up to ``max_prefill_tokens`` prompt tokens: one chunk per request in admission order
-    (the next one only once the one before is done); chunks of one padded length run in one
-    device call, a row each."""
+    """Up to ``max_prefill_tokens`` prompt tokens, each chunk counted at its padded length
+    (the work its row does): one chunk per request in admission order (the next one only once
+    the one before is done); chunks of one padded length run in one device call, a row each."""
     budget, chunks = self.config.max_prefill_tokens, []
     prefilling = [r for r in self._active if r.state == "prefill"]
     for req in prefilling:
       n = min(budget, req.context.size - req.prefilled)
+      padded = self.config.prefill_bucket(n) if n > 0 else 0
+      if chunks and padded > budget:  # the next tick's, whole rather than split
+        break
       if n > 0:
         chunks.append((req, req.prefilled, n))
-        budget -= n
+        budget -= padded
       if req.prefilled + n < req.context.size:
         break
     groups = collections.defaultdict(list)

@@ -45,7 +45,8 @@ class EngineConfig:
     page_size: tokens per KV page.
     num_pages: pages in the pool (page 0 is the null page: ``num_pages - 1`` usable).
     max_running: sequences decoding at once (a request's ``n`` samples count ``n``).
-    max_prefill_tokens: prompt tokens prefilled per tick (one chunk per device call).
+    max_prefill_tokens: prompt tokens prefilled per tick, each chunk counted at its padded
+      length (``prefill_bucket``): the rows a tick's calls compute.
     decode_steps: decode steps per device call (one cascade plan for all of them).
     prefill_ticks: while prompts are being prefilled, a decode call runs after at most this
       many ticks that prefilled. 1 (the default) decodes every tick: running sequences never

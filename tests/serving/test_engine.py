@@ -404,13 +404,31 @@ def test_prefill_chunks_of_several_requests_share_a_device_call(model):
   rng = np.random.default_rng(4)
   requests = [Request(rng.integers(0, 256, int(rng.integers(2, 9))).tolist(), max_tokens=3,
                       ignore_eos=True, **MIXES[i % len(MIXES)]) for i in range(6)]
-  engine = Engine(model, config=config(max_prefill_tokens=16, prefill_buckets=(4, 8, 16)),
+  engine = Engine(model, config=config(max_prefill_tokens=32, prefill_buckets=(4, 8, 32)),
                   settings=SETTINGS)
   outs = engine.generate(requests)
   for request, out in zip(requests, outs):
     assert got(out) == expected(model, request)
-  # 6 prompts of 1..7 context tokens, at most 16 per tick: fewer calls than chunks.
+  # 6 prompts of 1..7 context tokens, at most 32 padded tokens per tick: fewer calls than chunks.
   assert engine.stats()["prefill_calls"] < len(requests)
+  assert_drained(engine)
+
+
+def test_the_prefill_budget_counts_padded_chunks(model, monkeypatch):
+  """``max_prefill_tokens`` bounds the padded work of a tick: 5-token chunks padded to 8 fill a
+  16-token budget two at a time (three would be 15 real tokens but 24 computed)."""
+  shapes = []
+  prefill = device.prefill
+  monkeypatch.setattr(device, "prefill", lambda graph, params, k, v, tokens, *a, **kw: (
+      shapes.append(tokens.shape), prefill(graph, params, k, v, tokens, *a, **kw))[1])
+  rng = np.random.default_rng(9)
+  requests = [Request(rng.integers(0, 256, 6).tolist(), max_tokens=2, ignore_eos=True)
+              for _ in range(6)]
+  engine = Engine(model, config=config(max_prefill_tokens=16, prefill_buckets=(8, 16)),
+                  settings=SETTINGS)
+  for request, out in zip(requests, engine.generate(requests)):
+    assert got(out) == expected(model, request)
+  assert [t for _, t in shapes] == [8, 8, 8]  # two chunks a call (rows padded to a bucket)
   assert_drained(engine)
 
 

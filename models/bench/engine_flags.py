@@ -126,9 +126,10 @@ def engine_config(args: argparse.Namespace, **changes):
     raise UsageError(message) from None
 
 
-def loader(args: argparse.Namespace, name: Optional[str] = None):
+def loader(args: argparse.Namespace, name: Optional[str] = None, precompile: bool = False):
   """``load()`` for :func:`models.server.app.build_app`: the model of ``--model``, its engine
-  and its name in the API."""
+  (every device program compiled first with ``precompile``: :meth:`Engine.warmup`) and its
+  name in the API."""
 
   def load():
     from models.generation.settings import GenerationSettings
@@ -137,6 +138,8 @@ def loader(args: argparse.Namespace, name: Optional[str] = None):
     model, tokenizer, served = load_model(args.model, args.dtype)
     engine = Engine(model, tokenizer, engine_config(args), GenerationSettings(impl=args.impl),
                     mesh=mesh_spec(args))
+    if precompile:
+      engine.warmup()
     return engine, name or served
 
   return load

@@ -27,6 +27,10 @@ def configure(p: argparse.ArgumentParser) -> None:
   p.add_argument("--drain-timeout", type=float, default=30.0,
                  help="on SIGTERM, seconds the answers in progress may take before they are "
                  "cancelled (default 30)")
+  p.add_argument("--precompile", action="store_true",
+                 help="compile every device program the buckets allow before /health turns 200 "
+                 "(needs --level-buckets, --segment-buckets and --page-buckets with cascade on; "
+                 "keep the buckets few: the count is their product)")
   p.add_argument("--log-level", default="info",
                  choices=("critical", "error", "warning", "info", "debug"))
   p.set_defaults(handler=_run)
@@ -38,7 +42,11 @@ def _run(args: argparse.Namespace) -> int:
     raise UsageError(f"--port must lie in [0, 65535]; got {args.port}")
   if not args.drain_timeout >= 0:
     raise UsageError(f"--drain-timeout must be >= 0; got {args.drain_timeout}")
-  engine_flags.engine_config(args)  # the engine's own checks, before anything loads
+  config = engine_flags.engine_config(args)  # the engine's own checks, before anything loads
+  if args.precompile and config.cascade and None in (
+      config.level_buckets, config.segment_buckets, config.page_buckets):
+    raise UsageError("--precompile needs --level-buckets, --segment-buckets and --page-buckets "
+                     "(with cascade on, powers of two have no bound)")
   if args.model is None:
     from models.checkpoints.default_model import default_model_path
     default_model_path()  # a missing default model is a usage error now, not in the server
@@ -49,7 +57,8 @@ def _run(args: argparse.Namespace) -> int:
                      "fastapi uvicorn prometheus_client") from None
   print(f"hydragen serve: http://{args.host}:{args.port} (the model loads; GET /health "
         "answers 503 until it is ready)", file=sys.stderr, flush=True)
-  error = serve(engine_flags.loader(args, args.served_model_name), host=args.host,
+  error = serve(engine_flags.loader(args, args.served_model_name, precompile=args.precompile),
+                host=args.host,
                 port=args.port, drain_s=args.drain_timeout, log_level=args.log_level)
   if error is not None:
     raise error if isinstance(error, (UsageError, ValueError, OSError)) else RuntimeError(

@@ -14,7 +14,6 @@ distinct keys. ``text_offset`` counts the characters of the choice's text before
 
 from __future__ import annotations
 
-import codecs
 import re
 from typing import Optional, Sequence
 
@@ -62,17 +61,32 @@ class TokenPieces:
     return piece.replace("\u2581", " ").encode("utf-8")
 
 
+def _settled(data: bytes) -> int:
+  """How many leading bytes of ``data`` no later byte can change the decoding of: all but a
+  last UTF-8 character still incomplete. (Python's incremental decoder also holds back bytes
+  that can never be completed, such as ``ED A0``, a surrogate's start.)"""
+  for k in (1, 2, 3):
+    try:
+      data[-k:].decode("utf-8")
+    except UnicodeDecodeError as e:
+      if e.start == 0 and e.reason == "unexpected end of data":
+        return len(data) - k
+  return len(data)
+
+
 class TextOffsets:
   """A choice's ``text_offset`` as its tokens come: the characters their bytes complete."""
 
   def __init__(self):
-    self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    self._pending = b""
     self.chars = 0
 
   def next(self, data: bytes) -> int:
     """The offset of a token with bytes ``data``; advances past it."""
-    at = self.chars
-    self.chars += len(self._decoder.decode(data))
+    at, data = self.chars, self._pending + data
+    n = _settled(data)
+    self.chars += len(data[:n].decode("utf-8", "replace"))
+    self._pending = data[n:]
     return at
 
 

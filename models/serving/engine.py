@@ -96,8 +96,11 @@ class Engine:
     self.tree = RadixTree(self.pool) if config.prefix_caching else None
     self._k, self._v = empty_pools(self._placed_config, config.num_pages, config.page_size,
                                    one_pool=self.scan_layers)
-    if self.mesh is not None:
-      self._k, self._v = jax.device_put((self._k, self._v), device.pool_sharding(self.mesh))
+    # Placed (committed) as every device call returns them, so that the first call's pools
+    # have the shardings of the later ones' (the same program, compiled once).
+    self._k, self._v = jax.device_put(
+        (self._k, self._v),
+        jax.devices()[0] if self.mesh is None else device.pool_sharding(self.mesh))
     self._lock = threading.RLock()
     self._wake = threading.Event()
     self._ids = itertools.count()

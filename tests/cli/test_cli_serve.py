@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     (["--max-logprobs", "21"], "--max-logprobs"),
     (["--prefill-ticks", "0"], "--prefill-ticks"),
     (["--batch-buckets", "16,4"], "--batch-buckets"),
+    (["--precompile", "--level-buckets", "1"], "--precompile"),
     (["--max-running", "64", "--batch-buckets", "16,32"], "--batch-buckets"),
     (["--page-buckets", "8,x"], "--page-buckets"),
     (["--port", "70000"], "--port"),
@@ -60,6 +61,35 @@ def test_engine_flags_reach_the_engine_config():
   default = engine_flags.engine_config(p.parse_args([]))
   assert (default.max_logprobs, default.scan_layers) == (20, None)
   assert engine_flags.engine_config(p.parse_args(["--no-scan-layers"])).scan_layers is False
+
+
+def test_precompile_compiles_every_program_before_serving(tiny_dir):
+  """``--precompile``: the loader runs ``Engine.warmup`` (every program of the buckets); a
+  request after it compiles nothing."""
+  import argparse
+
+  import jax
+
+  from models.bench import engine_flags
+  from models.serving import Request
+  p = argparse.ArgumentParser()
+  engine_flags.add_engine_arguments(p)
+  args = p.parse_args([
+      "--model", tiny_dir, "--impl", "xla", "--dtype", "float32", "--page-size", "4",
+      "--num-pages", "64", "--max-running", "2", "--max-prefill-tokens", "8", "--decode-steps",
+      "2", "--max-logprobs", "0", "--batch-buckets", "2", "--prefill-buckets", "8",
+      "--prefill-row-buckets", "2", "--level-buckets", "1", "--segment-buckets", "1",
+      "--page-buckets", "4", "--own-page-buckets", "16"])
+  engine, _ = engine_flags.loader(args, precompile=True)()
+  events = []
+  listener = (lambda event, duration, **kw: events.append(event)
+              if event == "/jax/core/compile/backend_compile_duration" else None)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    (out,) = engine.generate([Request(list(range(40, 50)), n=2, max_tokens=4, ignore_eos=True)])
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert [len(s.token_ids) for s in out.samples] == [4, 4] and events == []
 
 
 def test_serve_answers_on_a_mesh_then_drains_on_sigterm(tiny_dir):

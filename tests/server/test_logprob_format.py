@@ -74,6 +74,14 @@ def test_offsets_count_the_characters_made_certain(ids, data):
   assert BYTES.decode(ids).startswith(certain(bytes(ids)).decode("utf-8", "replace"))
 
 
+def test_offsets_do_not_wait_on_bytes_that_never_complete():
+  """``ED A0`` starts a surrogate, invalid in UTF-8 whatever follows: two replacement characters
+  at once (Python's incremental decoder holds them back)."""
+  offsets = TextOffsets()
+  assert [offsets.next(bytes([b])) for b in (0xED, 0xA0, 0x41)] == [0, 0, 2]
+  assert [TextOffsets().next(b"\xc3"), offsets.next(b"\xc3"), offsets.next(b"\xbc")] == [0, 3, 3]
+
+
 def test_both_formats_carry_the_values():
   pieces = TokenPieces(BYTES)
   ids = [72, 195, 188]  # "H", then "ü" in two bytes

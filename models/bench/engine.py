@@ -14,8 +14,9 @@ Modes, each run in this process on the same model and requests:
 * ``no-cascade``: prefix pages cached and stored once, but every sequence reads them as its
   own keys (what vLLM and SGLang do in decode);
 * ``no-sharing``: no prefix cache (each request stores and reads its own prompt);
-* ``static``: :func:`models.generate` on batches of ``--max-running`` sequences (prompts known
-  up front; every batch decodes to its longest sample).
+* ``static``: :func:`models.generate` on batches of ``--static-batch`` sequences (default
+  ``--max-running``; prompts known up front; every batch decodes to its longest sample, and its
+  cache holds that many tokens for every sequence, so a smaller batch may be all that fits).
 
 Each engine mode first serves the workload under other seeds (compiling its programs), then
 the workload again, timed on the host clock: requests/s, generated tokens/s, decode calls, and
@@ -55,6 +56,8 @@ def configure(d: argparse.ArgumentParser) -> None:
                  help="rollouts: max_tokens drawn uniformly in [lo, hi]")
   d.add_argument("--modes", default=",".join(MODES))
   d.add_argument("--max-running", type=int, default=1024)
+  d.add_argument("--static-batch", type=int, default=0,
+                 help="static: sequences per generate call (0: --max-running)")
   d.add_argument("--page-size", type=int, default=16)
   d.add_argument("--num-pages", type=int, default=0, help="0: what the device memory allows")
   d.add_argument("--decode-steps", type=int, default=16)
@@ -66,6 +69,10 @@ def configure(d: argparse.ArgumentParser) -> None:
   d.add_argument("--max-prefill-tokens", type=int, default=4096)
   d.add_argument("--batch-buckets", type=common.ints, default=None,
                  help="decode batch buckets (default: 64, x4 up to --max-running)")
+  d.add_argument("--level-buckets", type=common.ints, default=[1, 2],
+                 help="shared levels per decode step")
+  d.add_argument("--segment-buckets", type=common.ints, default=[1, 2, 4],
+                 help="shared segments per level (one per prompt the running samples share)")
   d.add_argument("--page-buckets", type=common.ints, default=None,
                  help="pages per shared segment (default: powers of two)")
   d.add_argument("--own-page-buckets", type=common.ints, default=None,
@@ -110,8 +117,9 @@ def _engine_config(args, mode: str, config):
                       decode_steps=args.decode_steps, prefill_ticks=args.prefill_ticks,
                       scan_layers=args.scan_layers, cascade=mode == "cascade",
                       prefix_caching=mode != "no-sharing", batch_buckets=buckets,
-                      prefill_buckets=_pow2_up_to(args.max_prefill_tokens), level_buckets=(1, 2),
-                      segment_buckets=(1, 2, 4), page_buckets=tuple_or_none(args.page_buckets),
+                      prefill_buckets=_pow2_up_to(args.max_prefill_tokens),
+                      level_buckets=tuple(args.level_buckets),
+                      segment_buckets=tuple(args.segment_buckets), page_buckets=tuple_or_none(args.page_buckets),
                       own_page_buckets=tuple_or_none(args.own_page_buckets))
 
 
@@ -195,7 +203,8 @@ def run_static(model, args, requests) -> dict:
   from models.generation.settings import GenerationSettings
 
   settings = GenerationSettings(impl=args.impl)
-  batches = [requests[i:i + args.max_running] for i in range(0, len(requests), args.max_running)]
+  size = args.static_batch or args.max_running
+  batches = [requests[i:i + size] for i in range(0, len(requests), size)]
 
   def one(batch):
     prompts = [list(r.prompt) for r in batch]
@@ -203,7 +212,11 @@ def run_static(model, args, requests) -> dict:
     return generate(model, prompts, num_samples=1, max_new_tokens=longest, settings=settings,
                     seed=args.seed)
 
-  for batch in {len(b): b for b in batches}.values():  # compiles each batch size's programs
+  # One batch of each shape compiles every program: the batch size, its longest sample (the
+  # decode loop's length) and its prompts' lengths.
+  shapes = {(len(b), max(r.max_tokens for r in b), tuple(sorted(len(r.prompt) for r in b))): b
+            for b in batches}
+  for batch in shapes.values():
     jax.block_until_ready(one(batch))
   with _counting_compiles() as compiles:
     t0 = time.perf_counter()
@@ -211,7 +224,7 @@ def run_static(model, args, requests) -> dict:
       jax.block_until_ready(one(batch))
     seconds = time.perf_counter() - t0
   tokens = sum(r.max_tokens for r in requests)  # useful tokens (a batch decodes to its longest)
-  return dict(mode="static", seconds=seconds, requests_per_s=len(requests) / seconds,
+  return dict(mode="static", batch=size, seconds=seconds, requests_per_s=len(requests) / seconds,
               tokens_per_s=tokens / seconds, tokens=tokens, compiles=len(compiles))
 
 

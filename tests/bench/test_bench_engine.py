@@ -31,3 +31,21 @@ def test_engine_bench_serves_every_mode(tmp_path):
   md = (out / "engine-relay.md").read_text()
   assert "| cascade |" in md and "| no-sharing |" in md and "| compiles |" in md
   assert (out / "engine-relay.png").stat().st_size > 0
+
+
+def test_rollouts_static_batches_compile_nothing_when_timed(tmp_path):
+  # Each static batch decodes to its own longest sample: the warm-up compiles every batch
+  # shape, so the timed run compiles nothing; the engine serves every sample its max_tokens.
+  out = tmp_path / "engine"
+  rc = main(["bench", "engine", "--model", "tiny", "--workload", "rollouts", "--prompts", "2",
+             "--samples", "3", "--prompt-len", "8", "--output-range", "2,9",
+             "--max-running", "6", "--static-batch", "2", "--page-size", "4",
+             "--num-pages", "64", "--max-prefill-tokens", "16", "--decode-steps", "2",
+             "--impl", "xla", "--page-buckets", "2", "--own-page-buckets", "4,8",
+             "--modes", "cascade,static", "--out", str(out)])
+  assert rc == 0
+  report = json.loads((out / "engine-rollouts.json").read_text())
+  rows = {r["mode"]: r for r in report["rows"]}
+  assert rows["static"]["batch"] == 2 and rows["static"]["compiles"] == 0
+  assert rows["cascade"]["compiles"] == 0
+  assert rows["static"]["tokens"] == rows["cascade"]["tokens"]  # the same useful tokens

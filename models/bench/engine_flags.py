@@ -9,6 +9,7 @@ import os
 import re
 from typing import Optional
 
+from models.bench import common
 from models.errors import UsageError
 
 # Engine flags -> (EngineConfig field, minimum).
@@ -58,20 +59,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                  "with the layer count; the layers must share one sliding window); default: "
                  "when they do")
   for name in _ENGINE_BUCKETS:
-    p.add_argument(f"--{name.replace('_', '-')}", type=_ints, default=None, metavar="N,N,...",
+    p.add_argument(f"--{name.replace('_', '-')}", type=common.ints, default=None, metavar="N,N,...",
                    help=f"padded sizes of the device programs: EngineConfig.{name} "
                    "(ascending; default: powers of two)")
   p.add_argument("--mesh", default=None,
                  help="tensor parallel over devices: 'auto' (every device on the model axis) or "
                  "1xM (M model shards); default: one device")
-
-
-def _ints(text: str) -> tuple[int, ...]:
-  """An argparse type: ``"16,64,256"`` -> ``(16, 64, 256)``."""
-  try:
-    return tuple(int(x) for x in text.split(",") if x)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected comma-separated ints; got {text!r}") from None
 
 
 def check_engine_args(args: argparse.Namespace) -> None:

@@ -39,19 +39,20 @@ class Req:
   def __init__(self, handle: Handle, prompt: np.ndarray):
     self.handle, self.request, self.prompt = handle, handle.request, prompt
     self.context = prompt[:-1]  # prefilled; the last token is fed by the first decode step
-    self._page_keys = None
+    self._page_keys: tuple[int, list[int]] | None = None  # (page size, keys)
     self.reset()
 
   def page_keys(self, page_size: int) -> list[int]:
     """``keys[k]`` stands for the context's first ``k + 1`` whole pages (equal keys: equal
-    pages, up to a hash collision), computed once: a chain of hashes, page by page."""
-    if self._page_keys is None:
+    pages, up to a hash collision), computed once per page size: a chain of hashes, page by
+    page."""
+    if self._page_keys is None or self._page_keys[0] != page_size:
       keys, key = [], 0
       for k in range(self.context.size // page_size):
         key = hash((key, self.context[k * page_size:(k + 1) * page_size].tobytes()))
         keys.append(key)
-      self._page_keys = keys
-    return self._page_keys
+      self._page_keys = page_size, keys
+    return self._page_keys[1]
 
   def reset(self) -> None:
     self.state = "waiting"

@@ -115,3 +115,24 @@ def test_errors_name_the_argument():
   with pytest.raises(ValueError, match="page "):
     pool.refcount(9)
   assert pool.num_free == 3  # failed calls changed nothing
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40),
+       st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 6))
+def test_page_keys_are_equal_exactly_for_equal_whole_pages(a, b, page_size):
+  # Admission compares prompts by these keys: key k stands for the first k + 1 whole pages of
+  # the context (the prompt without its last token), for the page size asked.
+  import types
+
+  from models.serving.state import Req
+
+  def req(tokens):
+    return Req(types.SimpleNamespace(request=None), np.asarray(tokens + [0], np.int32))
+
+  ra, rb = req(a), req(b)
+  for ps in (page_size, page_size + 1):  # a second page size: keys of its own pages
+    ka, kb = ra.page_keys(ps), rb.page_keys(ps)
+    assert len(ka) == len(a) // ps and len(kb) == len(b) // ps
+    for k in range(min(len(ka), len(kb))):
+      assert (ka[k] == kb[k]) == (a[:(k + 1) * ps] == b[:(k + 1) * ps])

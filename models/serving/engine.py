@@ -49,7 +49,7 @@ from models.serving.radix import RadixTree
 from models.serving.requests import (EngineConfig, Handle, Request, RequestOutput,
                                      SampleOutput, TokenLogprobs, prompt_ids)
 from models.serving.sampling import RowRules
-from models.serving.state import PromptPages, Req, Seq
+from models.serving.state import PrefillIndex, PromptPages, Req, Seq
 
 
 class Engine:
@@ -231,7 +231,7 @@ class Engine:
 
   def _admit(self) -> None:
     c, ps = self.config, self.config.page_size
-    prefilling = [r for r in self._active if r.state == "prefill"]
+    prefilling = PrefillIndex((r for r in self._active if r.state == "prefill"), ps)
     running = sum(r.request.n for r in self._active)
     reserve = self._decode_need(self._running_seqs())  # admitting changes no running sequence
     while self._waiting:
@@ -267,10 +267,11 @@ class Engine:
       req.admitted = next(self._admissions)
       req.state = "prefill"
       self._active.append(req)
-      prefilling.append(req)
+      prefilling.add(req)
       running += n
 
-  def _waits_for_a_prefill(self, req: Req, matched_pages: int, prefilling: list[Req]) -> bool:
+  def _waits_for_a_prefill(self, req: Req, matched_pages: int,
+                           prefilling: PrefillIndex) -> bool:
     """Whether a request being prefilled (``prefilling``) shares more whole pages with
     ``req``'s prompt than the tree holds now (``matched_pages``): those pages join the tree
     when its prefill ends, so ``req`` is admitted after it and reuses them instead of
@@ -279,12 +280,9 @@ class Engine:
     keys = req.page_keys(ps)
     if len(keys) <= m:  # no whole page beyond the matched ones
       return False
-    for other in prefilling:  # sharing the first m + 1 pages: the same key, then checked
-      other_keys = other.page_keys(ps)
-      if (len(other_keys) > m and other_keys[m] == keys[m]
-          and np.array_equal(other.context[:(m + 1) * ps], req.context[:(m + 1) * ps])):
-        return True
-    return False
+    # Sharing the first m + 1 pages: the same key, then the tokens checked.
+    return any(np.array_equal(other.context[:(m + 1) * ps], req.context[:(m + 1) * ps])
+               for other in prefilling.sharing(m, keys[m]))
 
   def _prefill(self) -> None:
     """Up to ``max_prefill_tokens`` prompt tokens, each chunk counted at its padded length
@@ -431,28 +429,33 @@ class Engine:
     """Takes a decode call's tokens (and their log-probs, if the request asks) for ``seq`` up
     to its first stop."""
     request, handle = seq.req.request, seq.req.handle
-    for j, tok in enumerate(tokens.tolist()):
-      seq.generated.append(tok)
-      self._generated += 1
-      with handle._changed:
-        if len(seq.generated) > len(handle.tokens[seq.index]):  # not re-sent after preemption
-          handle.tokens[seq.index].append(tok)
-          if logprobs is not None:
-            handle.logprobs[seq.index].append(logprobs[j])
-      reason = None
+    toks = tokens.tolist()
+    take, reason = len(toks), None
+    for j, tok in enumerate(toks):
       if (not request.ignore_eos and tok == self.eos_id) or tok in request.stop_token_ids:
         reason = "stop"
       elif request.stop:
-        text = self.tokenizer.decode(seq.generated)
+        text = self.tokenizer.decode(seq.generated + toks[:j + 1])
         cut = min((text.find(s) for s in request.stop if s in text), default=-1)
         if cut >= 0:
           reason, seq.text = "stop", text[:cut]
-      if reason is None and len(seq.generated) >= request.max_tokens:
+      if reason is None and len(seq.generated) + j + 1 >= request.max_tokens:
         reason = "length"
       if reason is not None:
-        seq.finish_reason = reason
-        self._retire(seq)
+        take = j + 1
         break
+    start = len(seq.generated)
+    seq.generated.extend(toks[:take])
+    self._generated += take
+    with handle._changed:  # tokens sent before a preemption are not sent again
+      sent = max(len(handle.tokens[seq.index]) - start, 0)
+      if sent < take:
+        handle.tokens[seq.index].extend(toks[sent:take])
+        if logprobs is not None:
+          handle.logprobs[seq.index].extend(logprobs[sent:take])
+    if reason is not None:
+      seq.finish_reason = reason
+      self._retire(seq)
     else:
       seq.own_len += tokens.size
       seq.next_token = int(tokens[-1])

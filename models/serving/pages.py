@@ -60,7 +60,11 @@ class PagePool:
 
   def refcount(self, page: int) -> int:
     """References held on ``page`` (0: free)."""
-    return int(self._refs[self._check(np.asarray([page]), "page")[0]])
+    return int(self.refcounts(np.asarray([page]))[0])
+
+  def refcounts(self, pages) -> np.ndarray:
+    """References held on each of ``pages`` (int[n]; 0: free)."""
+    return self._refs[self._check(pages, "pages")]
 
   def alloc(self, n: int) -> np.ndarray | None:
     """``n`` free pages, int32[n], one reference each; None (nothing taken) if fewer are free."""

@@ -118,7 +118,7 @@ class RadixTree:
       raise ValueError(f"pages (shape {pages.shape}) must be int[len(tokens) // page_size] = "
                        f"int[{tokens.size / self.page_size:g}] (page_size {self.page_size})")
     pages = pages.astype(np.int32)
-    if any(self.pool.refcount(p) == 0 for p in pages):  # checked before anything changes
+    if np.any(self.pool.refcounts(pages) == 0):  # checked before anything changes
       raise ValueError(f"pages {pages.tolist()} must all be allocated (the caller's references)")
     node, pos, path_pages, now = self._walk(tokens, pages)
     if pos < tokens.size:  # the rest is new: one node owns it

@@ -65,3 +65,34 @@ class Req:
     self.cached_tokens = 0
     self.seqs: list[Seq] = []
     self.finished: dict[int, SampleOutput] = {}
+
+
+class PrefillIndex:
+  """Requests being prefilled, found by the key of their first ``m + 1`` whole pages
+  (:meth:`Req.page_keys`): one dict per page count ``m`` asked for, built on first use and kept
+  up to date as requests join, so each lookup is a dict lookup, not a scan of every request."""
+
+  def __init__(self, reqs, page_size: int):
+    self.page_size = page_size
+    self._reqs: list[Req] = list(reqs)
+    self._by_key: dict[int, dict[int, list[Req]]] = {}  # m -> key of pages 0..m -> requests
+
+  def add(self, req: Req) -> None:
+    self._reqs.append(req)
+    for m, table in self._by_key.items():
+      self._put(table, req, m)
+
+  def sharing(self, m: int, key: int) -> list[Req]:
+    """The requests whose first ``m + 1`` whole pages have key ``key``."""
+    table = self._by_key.get(m)
+    if table is None:
+      table = self._by_key[m] = {}
+      for req in self._reqs:
+        self._put(table, req, m)
+    return table.get(key, [])
+
+  def _put(self, table: dict[int, list[Req]], req: Req, m: int) -> None:
+    keys = req.page_keys(self.page_size)
+    if len(keys) > m:
+      table.setdefault(keys[m], []).append(req)
+

@@ -19,6 +19,8 @@ def _check_invariants(pool: PagePool, refs: dict[int, int]):
   assert NULL_PAGE not in free and pool.refcount(1) >= 0
   for p in range(1, pool.num_pages):
     assert pool.refcount(p) == refs.get(p, 0)
+  every = np.arange(1, pool.num_pages)
+  assert pool.refcounts(every).tolist() == [refs.get(p, 0) for p in every]
   assert pool.num_free + pool.num_used == pool.num_pages - 1
 
 
@@ -136,3 +138,34 @@ def test_page_keys_are_equal_exactly_for_equal_whole_pages(a, b, page_size):
     assert len(ka) == len(a) // ps and len(kb) == len(b) // ps
     for k in range(min(len(ka), len(kb))):
       assert (ka[k] == kb[k]) == (a[:(k + 1) * ps] == b[:(k + 1) * ps])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=14), min_size=1, max_size=8),
+       st.integers(0, 3), st.integers(1, 3))
+def test_prefill_index_finds_exactly_the_requests_with_a_key(prompts, split, page_size):
+  # The admission's index of prefilling requests against a scan of them all, with requests
+  # joining after some lookups were made (the index keeps its built tables up to date).
+  import types
+
+  from models.serving.state import PrefillIndex, Req
+
+  reqs = [Req(types.SimpleNamespace(request=None), np.asarray(p + [0], np.int32))
+          for p in prompts]
+  index = PrefillIndex(reqs[:split], page_size)
+  members = list(reqs[:split])
+
+  def check():
+    for m in range(4):
+      for probe in reqs:
+        keys = probe.page_keys(page_size)
+        if len(keys) > m:
+          want = [r for r in members if len(r.page_keys(page_size)) > m
+                  and r.page_keys(page_size)[m] == keys[m]]
+          assert index.sharing(m, keys[m]) == want
+
+  check()
+  for r in reqs[split:]:
+    index.add(r)
+    members.append(r)
+    check()

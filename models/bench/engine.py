@@ -119,7 +119,8 @@ def _engine_config(args, mode: str, config):
                       prefix_caching=mode != "no-sharing", batch_buckets=buckets,
                       prefill_buckets=_pow2_up_to(args.max_prefill_tokens),
                       level_buckets=tuple(args.level_buckets),
-                      segment_buckets=tuple(args.segment_buckets), page_buckets=tuple_or_none(args.page_buckets),
+                      segment_buckets=tuple(args.segment_buckets),
+                      page_buckets=tuple_or_none(args.page_buckets),
                       own_page_buckets=tuple_or_none(args.own_page_buckets))
 
 

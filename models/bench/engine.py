@@ -77,6 +77,12 @@ def configure(d: argparse.ArgumentParser) -> None:
                  help="pages per shared segment (default: powers of two)")
   d.add_argument("--own-page-buckets", type=common.ints, default=None,
                  help="own pages per sequence (default: powers of two)")
+  d.add_argument("--profile", action="store_true",
+                 help="after each engine mode's timed run, serve the workload once more under "
+                 "the profiler: device time by kernel category and the busiest kernels "
+                 "(``profile`` in the JSON; none on a CPU, whose trace has no device plane)")
+  d.add_argument("--profile-top", type=int, default=16,
+                 help="with --profile: how many of the busiest kernels the JSON lists")
   d.add_argument("--dtype", default="bfloat16", help="weights, activations and page pools")
   d.add_argument("--impl", default="auto")
   d.add_argument("--seed", type=int, default=0)
@@ -188,13 +194,21 @@ def run_engine(model, args, mode: str, requests) -> dict:
     outputs = engine.generate(requests)
     seconds = time.perf_counter() - t0
   stats = engine.stats()
+  tokens = sum(len(s.token_ids) for o in outputs for s in o.samples)
+  row = dict(mode=mode, seconds=seconds, warmup_s=warm_s, requests_per_s=len(requests) / seconds,
+             tokens_per_s=tokens / seconds, tokens=tokens, compiles=len(compiles),
+             decode_calls=stats.get("decode_calls", 0) - before.get("decode_calls", 0),
+             prefix_hit_rate=stats.get("prefix_hit_rate"), preemptions=stats.get("preemptions"))
+  if args.profile:  # the same run again, under the profiler (it slows the host)
+    from models.bench import profile
+
+    engine.reset()
+    events = profile.device_events(lambda e=engine: e.generate(requests))
+    if events:
+      row["profile"] = profile.breakdown(events, top=args.profile_top)
   del engine
   gc.collect()  # the pool is freed before the next mode sizes its own
-  tokens = sum(len(s.token_ids) for o in outputs for s in o.samples)
-  return dict(mode=mode, seconds=seconds, warmup_s=warm_s, requests_per_s=len(requests) / seconds,
-              tokens_per_s=tokens / seconds, tokens=tokens, compiles=len(compiles),
-              decode_calls=stats.get("decode_calls", 0) - before.get("decode_calls", 0),
-              prefix_hit_rate=stats.get("prefix_hit_rate"), preemptions=stats.get("preemptions"))
+  return row
 
 
 def run_static(model, args, requests) -> dict:
@@ -324,8 +338,23 @@ def _markdown(rows, info) -> str:
     nc = base.get("no-cascade", {}).get("tokens_per_s")
     ratio = lambda x: f"{r['tokens_per_s'] / x:.2f}" if x else "-"
     lines.append(f"| {r['mode']} | {r['seconds']:.1f} | {r['requests_per_s']:.2f} | "
-                 f"{r['tokens_per_s']:.0f} | {ratio(ns)} | {ratio(nc)} | {r.get('compiles', '-')} |")
-  return head + "\n".join(lines) + "\n"
+                 f"{r['tokens_per_s']:.0f} | {ratio(ns)} | {ratio(nc)} | "
+                 f"{r.get('compiles', '-')} |")
+  text = head + "\n".join(lines) + "\n"
+  profiled = [r for r in rows if "profile" in r]
+  if profiled:  # where each mode's device time went (--profile)
+    text += ("\nDevice time of one more run of the workload under the profiler (s; streams "
+             "overlap, so the categories may sum past the busy time):\n\n"
+             "| mode | busy | attention | matmul | copy | other | busiest kernels (calls) |\n"
+             "|---|---:|---:|---:|---:|---:|---|\n")
+    for r in profiled:
+      p = r["profile"]
+      cat = {k: v / 1e6 for k, v in p["by_category_us"].items()}
+      busiest = ", ".join(f"{k['name'][:40]} ({k['count']:.0f})" for k in p["kernels"][:3])
+      text += (f"| {r['mode']} | {p['busy_us'] / 1e6:.2f} | {cat.get('attention', 0):.2f} | "
+               f"{cat.get('matmul', 0):.2f} | {cat.get('copy', 0):.2f} | "
+               f"{cat.get('other', 0):.2f} | {busiest} |\n")
+  return text
 
 
 def _plot(rows, info, path: str) -> None:

@@ -95,4 +95,3 @@ class PrefillIndex:
     keys = req.page_keys(self.page_size)
     if len(keys) > m:
       table.setdefault(keys[m], []).append(req)
-

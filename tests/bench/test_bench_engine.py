@@ -7,13 +7,20 @@ import json
 from models.cli import main
 
 
+def _relay(out, requests: int, output: int, max_running: int, num_pages: int, *flags) -> int:
+  """``hydragen bench engine`` on the tiny model's relay workload (a 24-token system prompt,
+  3 user tokens), the XLA path."""
+  return main(["bench", "engine", "--model", "tiny", "--requests", str(requests),
+               "--system-prompt", "24", "--input", "3", "--output", str(output),
+               "--max-running", str(max_running), "--page-size", "4",
+               "--num-pages", str(num_pages), "--max-prefill-tokens", "32", "--decode-steps", "2",
+               "--impl", "xla", "--page-buckets", "8", "--own-page-buckets", "4,16", *flags,
+               "--out", str(out)])
+
+
 def test_engine_bench_serves_every_mode(tmp_path):
   out = tmp_path / "engine"
-  rc = main(["bench", "engine", "--model", "tiny", "--requests", "6", "--system-prompt", "24",
-             "--input", "3", "--output", "4", "--max-running", "8", "--page-size", "4",
-             "--num-pages", "128", "--max-prefill-tokens", "32", "--decode-steps", "2",
-             "--impl", "xla", "--page-buckets", "8", "--own-page-buckets", "4,16",
-             "--modes", "cascade,no-cascade,no-sharing", "--out", str(out)])
+  rc = _relay(out, 6, 4, 8, 128, "--modes", "cascade,no-cascade,no-sharing")
   assert rc == 0
   report = json.loads((out / "engine-relay.json").read_text())
   rows = {r["mode"]: r for r in report["rows"]}
@@ -69,11 +76,7 @@ def test_profile_reports_each_modes_device_time(tmp_path, monkeypatch):
 
   monkeypatch.setattr(profile, "device_events", fake_device_events)
   out = tmp_path / "engine"
-  rc = main(["bench", "engine", "--model", "tiny", "--requests", "3", "--system-prompt", "24",
-             "--input", "3", "--output", "2", "--max-running", "4", "--page-size", "4",
-             "--num-pages", "64", "--max-prefill-tokens", "32", "--decode-steps", "2",
-             "--impl", "xla", "--page-buckets", "8", "--own-page-buckets", "4,16",
-             "--modes", "cascade,static", "--profile", "--out", str(out)])
+  rc = _relay(out, 3, 2, 4, 64, "--modes", "cascade,static", "--profile")
   assert rc == 0 and len(calls) == 1  # the engine mode only
   report = json.loads((out / "engine-relay.json").read_text())
   rows = {r["mode"]: r for r in report["rows"]}

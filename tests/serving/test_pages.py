@@ -119,20 +119,21 @@ def test_errors_name_the_argument():
   assert pool.num_free == 3  # failed calls changed nothing
 
 
+def _req(tokens: list[int]):
+  """A request's scheduler state for ``tokens`` (its context: all but one more last token)."""
+  import types
+
+  from models.serving.state import Req
+  return Req(types.SimpleNamespace(request=None), np.asarray(tokens + [0], np.int32))
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(0, 3), min_size=1, max_size=40),
        st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 6))
 def test_page_keys_are_equal_exactly_for_equal_whole_pages(a, b, page_size):
   # Admission compares prompts by these keys: key k stands for the first k + 1 whole pages of
   # the context (the prompt without its last token), for the page size asked.
-  import types
-
-  from models.serving.state import Req
-
-  def req(tokens):
-    return Req(types.SimpleNamespace(request=None), np.asarray(tokens + [0], np.int32))
-
-  ra, rb = req(a), req(b)
+  ra, rb = _req(a), _req(b)
   for ps in (page_size, page_size + 1):  # a second page size: keys of its own pages
     ka, kb = ra.page_keys(ps), rb.page_keys(ps)
     assert len(ka) == len(a) // ps and len(kb) == len(b) // ps
@@ -146,12 +147,9 @@ def test_page_keys_are_equal_exactly_for_equal_whole_pages(a, b, page_size):
 def test_prefill_index_finds_exactly_the_requests_with_a_key(prompts, split, page_size):
   # The admission's index of prefilling requests against a scan of them all, with requests
   # joining after some lookups were made (the index keeps its built tables up to date).
-  import types
+  from models.serving.state import PrefillIndex
 
-  from models.serving.state import PrefillIndex, Req
-
-  reqs = [Req(types.SimpleNamespace(request=None), np.asarray(p + [0], np.int32))
-          for p in prompts]
+  reqs = [_req(p) for p in prompts]
   index = PrefillIndex(reqs[:split], page_size)
   members = list(reqs[:split])
 

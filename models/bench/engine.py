@@ -65,7 +65,7 @@ def configure(d: argparse.ArgumentParser) -> None:
                  help="decode after at most this many prefilling ticks (EngineConfig)")
   d.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                  help="the layers under one lax.scan (EngineConfig.scan_layers; default: when "
-                 "they run the same code)")
+                 "they run the same code, except on a GPU)")
   d.add_argument("--max-prefill-tokens", type=int, default=4096)
   d.add_argument("--batch-buckets", type=common.ints, default=None,
                  help="decode batch buckets (default: 64, x4 up to --max-running)")
@@ -275,10 +275,12 @@ def floors(args, config, bw: float, rate: float) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
+  import jax
+
   from models.bench import timing
   from models.bench.decode import device_random_init
   from models.model.config import preset
-  from models.model.llama import layers_scannable
+  from models.serving.device import scan_by_default
 
   os.makedirs(args.out, exist_ok=True)
   config = preset(args.model).replace(dtype=args.dtype)
@@ -291,8 +293,8 @@ def _run(args: argparse.Namespace) -> int:
                       requests=len(requests), max_running=args.max_running,
                       page_size=args.page_size, decode_steps=args.decode_steps,
                       prefill_ticks=args.prefill_ticks,
-                      scan_layers=(layers_scannable(config) if args.scan_layers is None
-                                   else args.scan_layers),
+                      scan_layers=(scan_by_default(config, jax.default_backend())
+                                   if args.scan_layers is None else args.scan_layers),
                       bandwidth_GBps=bw / 1e9, matmul_TFLOPs=rate / 1e12,
                       floors=floors(args, config, bw, rate),
                       **({"system_prompt": args.system_prompt, "input": args.input,

@@ -57,7 +57,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                  help="the layers as one lax.scan over stacked weights (compiling does not grow "
                  "with the layer count; the layers must share one sliding window); default: "
-                 "when they do")
+                 "when they do, except on a GPU (its weight slices are copied every step)")
   for name in _ENGINE_BUCKETS:
     p.add_argument(f"--{name.replace('_', '-')}", type=common.ints, default=None, metavar="N,N,...",
                    help=f"padded sizes of the device programs: EngineConfig.{name} "

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_shared_attn.sharding import shard_map
 
 from models.generation.settings import GenerationSettings
-from models.model.llama import stack_layers
+from models.model.llama import layers_scannable, stack_layers
 from models.parallel.mesh import MODEL
 from models.serving.pages import NULL_PAGE
 from models.serving.paged_cache import PagedKVCache, attend_pages, write_pages
@@ -99,6 +99,16 @@ class ScannedGraph:
   model: nnx.GraphDef
   layer: nnx.GraphDef
   num_layers: int
+
+
+def scan_by_default(model_config, platform: str) -> bool:
+  """``EngineConfig.scan_layers=None`` resolved: the layers under one scan when they run the
+  same code (:func:`models.model.llama.layers_scannable`), except on a GPU. There XLA copies
+  each layer's weight slices out of the stack before its GEMMs at every step (a read and a
+  write of the weights per step), which costs more than the longer compiles of the unrolled
+  layers; on a CPU or a TPU the scan's compiles win. ``platform`` is a device's
+  ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``)."""
+  return layers_scannable(model_config) and platform != "gpu"
 
 
 def split_model(model, scan_layers: bool):

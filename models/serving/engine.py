@@ -40,7 +40,6 @@ import numpy as np
 
 from models.generation.compile_cache import CompileCache
 from models.generation.settings import GenerationSettings
-from models.model.llama import layers_scannable
 from models.serving import device
 from models.serving.cascade import plan_cascade
 from models.serving.pages import NULL_PAGE, PagePool
@@ -87,8 +86,10 @@ class Engine:
     if compile_cache is not None:
       self.compile_cache = _use_compile_cache(compile_cache)
     self.mesh = None if mesh is None else _engine_mesh(mesh)
-    self.scan_layers = (layers_scannable(model.config) if config.scan_layers is None
-                        else config.scan_layers)
+    platform = (jax.default_backend() if self.mesh is None
+                else self.mesh.devices.flat[0].platform)
+    self.scan_layers = (device.scan_by_default(model.config, platform)
+                        if config.scan_layers is None else config.scan_layers)
     self._graphdef, self._params = self._place(model)
     eos = getattr(tokenizer, "eos_id", None)
     self.eos_id = model.config.eos_token_id if eos is None else eos

@@ -71,8 +71,10 @@ class EngineConfig:
     scan_layers: run the decoder's layers as one ``lax.scan`` over stacked weights (a copy of
       the layers' weights) and one page pool of all layers: each device program holds one
       layer's code, so compiling does not grow with the layer count. None (the default): when
-      the layers run the same code (one sliding window for all), else unrolled; True: the
-      scan, refusing layers that differ; False: the layers unrolled, a pool per layer.
+      the layers run the same code (one sliding window for all), except on a GPU, where XLA
+      copies each layer's weights out of the stack at every step
+      (:func:`models.serving.device.scan_by_default`); True: the scan, refusing layers that
+      differ; False: the layers unrolled, a pool per layer.
     max_logprobs: the most top log-probs per token a request may ask for (0 to 20): a
       decode call in which a row asks for any returns this many for every row (a second
       program per decode shape; 0: none, and no second program).

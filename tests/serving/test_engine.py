@@ -458,6 +458,10 @@ def test_scan_layers_runs_one_layers_code_and_needs_uniform_layers():
                 settings=SETTINGS).scan_layers is True
   with pytest.raises(ValueError, match="scan_layers=1 must be None or a bool"):
     config(scan_layers=1)
+  # On a GPU the default unrolls (XLA would copy each layer's weight slices every step).
+  assert [device.scan_by_default(preset("tiny"), p) for p in ("cpu", "tpu", "gpu")] == [
+      True, True, False]
+  assert device.scan_by_default(gemma_like, "cpu") is False
 
 
 @pytest.mark.parametrize("ticks", [1, 3])

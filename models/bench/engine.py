@@ -346,17 +346,39 @@ def _markdown(rows, info) -> str:
   profiled = [r for r in rows if "profile" in r]
   if profiled:  # where each mode's device time went (--profile)
     text += ("\nDevice time of one more run of the workload under the profiler (s; streams "
-             "overlap, so the categories may sum past the busy time):\n\n"
-             "| mode | busy | attention | matmul | copy | other | busiest kernels (calls) |\n"
-             "|---|---:|---:|---:|---:|---:|---|\n")
+             "overlap, so the categories may sum past the busy time). Attention a step: the "
+             "attention's time (prefill included) over the decode steps run, beside the "
+             "step's attention floor at the full batch:\n\n"
+             "| mode | busy | attention | matmul | copy | other | attention a step (ms) | "
+             "its floor (ms) | busiest kernels (calls) |\n"
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|\n")
     for r in profiled:
       p = r["profile"]
       cat = {k: v / 1e6 for k, v in p["by_category_us"].items()}
       busiest = ", ".join(f"{k['name'][:40]} ({k['count']:.0f})" for k in p["kernels"][:3])
+      step, floor = _attention_a_step(r, info)
       text += (f"| {r['mode']} | {p['busy_us'] / 1e6:.2f} | {cat.get('attention', 0):.2f} | "
                f"{cat.get('matmul', 0):.2f} | {cat.get('copy', 0):.2f} | "
-               f"{cat.get('other', 0):.2f} | {busiest} |\n")
+               f"{cat.get('other', 0):.2f} | {step:.2f} | {floor:.2f} | {busiest} |\n")
+    nc = base.get("no-cascade", {})
+    if info["workload"] == "relay" and "profile" in nc:
+      step, floor = _attention_a_step(nc, info)
+      if step < floor:  # every step runs (about) the full batch in this workload
+        text += (f"\nNo-cascade's attention took {step:.2f} ms a step, {floor / step:.2f}x "
+                 f"faster than its bytes allow at {info['bandwidth_GBps']:.0f} GB/s: its "
+                 "sequences share the same prefix pages, and the cache between HBM and the "
+                 "cores serves them after the first read, so its floor (and the floors' ratio) "
+                 "does not bound it.\n")
   return text
+
+
+def _attention_a_step(row, info) -> tuple[float, float]:
+  """``(measured, floor)`` in ms: a profiled row's attention time over its decode steps, and
+  the attention floor of one step of its mode at the full batch (``floors``)."""
+  steps = max(1, row["decode_calls"] * info["decode_steps"])
+  measured = row["profile"]["by_category_us"].get("attention", 0) / 1e3 / steps
+  f = info["floors"]
+  return measured, f["floor_no_cascade_ms" if row["mode"] != "cascade" else "floor_cascade_ms"]
 
 
 def _plot(rows, info, path: str) -> None:

@@ -198,6 +198,10 @@ def run_engine(model, args, mode: str, requests) -> dict:
   row = dict(mode=mode, seconds=seconds, warmup_s=warm_s, requests_per_s=len(requests) / seconds,
              tokens_per_s=tokens / seconds, tokens=tokens, compiles=len(compiles),
              decode_calls=stats.get("decode_calls", 0) - before.get("decode_calls", 0),
+             # the rows the decode calls ran per token generated (>= 1: padded rows, and a
+             # row's steps after it finished within a call)
+             row_steps_per_token=((stats["decode_row_steps"] - before["decode_row_steps"])
+                                  / max(1, tokens)),
              prefix_hit_rate=stats.get("prefix_hit_rate"), preemptions=stats.get("preemptions"))
   if args.profile:  # the same run again, under the profiler (it slows the host)
     from models.bench import profile
@@ -332,16 +336,19 @@ def _markdown(rows, info) -> str:
           f"{f['floor_ratio']:.2f}. The whole step (with {f['weights_GB']:.1f} GB of weights "
           f"and {f['step_TFLOP']:.1f} TFLOP): {f['step_floor_no_cascade_ms']:.1f} ms against "
           f"{f['step_floor_cascade_ms']:.1f} ms, a ratio of {f['step_floor_ratio']:.2f}.\n\n"
-          "| mode | seconds | requests/s | tokens/s | vs no-sharing | vs no-cascade | compiles |\n"
-          "|---|---:|---:|---:|---:|---:|---:|\n")
+          "| mode | seconds | requests/s | tokens/s | vs no-sharing | vs no-cascade | compiles | "
+          "decode row steps a token |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|\n")
   lines = []
   for r in rows:
     ns = base.get("no-sharing", {}).get("tokens_per_s")
     nc = base.get("no-cascade", {}).get("tokens_per_s")
     ratio = lambda x: f"{r['tokens_per_s'] / x:.2f}" if x else "-"
+    rows_a_token = r.get("row_steps_per_token")  # the engine's modes (static has none)
     lines.append(f"| {r['mode']} | {r['seconds']:.1f} | {r['requests_per_s']:.2f} | "
                  f"{r['tokens_per_s']:.0f} | {ratio(ns)} | {ratio(nc)} | "
-                 f"{r.get('compiles', '-')} |")
+                 f"{r.get('compiles', '-')} | "
+                 f"{'-' if rows_a_token is None else f'{rows_a_token:.2f}'} |")
   text = head + "\n".join(lines) + "\n"
   profiled = [r for r in rows if "profile" in r]
   if profiled:  # where each mode's device time went (--profile)

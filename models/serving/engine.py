@@ -115,6 +115,7 @@ class Engine:
     self._stop = False
     self._generated = self._preemptions = 0
     self._decode_calls = self._cascade_calls = 0  # device calls; those with a shared level
+    self._decode_row_steps = 0  # rows (padding included) times steps, over decode calls
     self._prefill_calls = self._prefill_streak = 0  # streak: ticks in a row that prefilled
     self._busy_s = 0.0
     self._prompt_total = self._prompt_cached = 0
@@ -384,6 +385,7 @@ class Engine:
     self._decode_calls += 1
     self._cascade_calls += levels > 0
     b = plan.order.size
+    self._decode_row_steps += b * k
     tokens = np.zeros((b, 1), np.int32)
     limit = np.zeros(b, np.int32)
     seeds = np.zeros(b, np.uint32)
@@ -603,7 +605,9 @@ class Engine:
   # -- inspection and reset ---------------------------------------------------------------------
 
   def stats(self) -> dict:
-    """Requests running and waiting, pages used/shared/free, prefix hit rate, tokens/s."""
+    """Requests running and waiting, pages used/shared/free, prefix hit rate, tokens/s, and
+    counters of the device calls (``decode_row_steps``: the decode calls' padded rows times
+    their steps, against ``generated_tokens`` what the batch buckets cost)."""
     with self._lock:
       tree = self.tree.stats() if self.tree is not None else None
       return dict(
@@ -616,7 +620,7 @@ class Engine:
                            if self._prompt_total else 0.0),
           generated_tokens=self._generated, preemptions=self._preemptions,
           decode_calls=self._decode_calls, cascade_calls=self._cascade_calls,
-          prefill_calls=self._prefill_calls,
+          decode_row_steps=self._decode_row_steps, prefill_calls=self._prefill_calls,
           compile_cache_hits=self.compile_cache.hits if self.compile_cache else 0,
           compile_cache_requests=self.compile_cache.requests if self.compile_cache else 0,
           tokens_per_s=self._generated / self._busy_s if self._busy_s else 0.0)

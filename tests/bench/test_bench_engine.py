@@ -28,6 +28,7 @@ def test_engine_bench_serves_every_mode(tmp_path):
   for r in rows.values():
     assert r["tokens"] == 6 * 4 and r["requests_per_s"] > 0 and r["decode_calls"] > 0
     assert r["compiles"] == 0
+    assert r["row_steps_per_token"] >= 1  # padded rows and finished rows' steps included
   assert rows["cascade"]["prefix_hit_rate"] > 0 and rows["no-sharing"]["prefix_hit_rate"] == 0
   assert report["info"]["dtype"] == "bfloat16"  # the bench's default: what GPUs serve
   floors = report["info"]["floors"]

@@ -170,6 +170,9 @@ def test_random_arrivals_and_sharing_give_each_request_its_tokens(model, seed):
   stats = engine.stats()
   assert stats["prefix_hit_rate"] > 0  # the system prompt was reused
   assert 0 < stats["cascade_calls"] < stats["decode_calls"]  # with and without shared levels
+  # Each call ran its padded batch (the one bucket, 8) for decode_steps steps.
+  assert stats["decode_row_steps"] == stats["decode_calls"] * 8 * config().decode_steps
+  assert stats["decode_row_steps"] >= stats["generated_tokens"]
   assert_drained(engine)
 
 

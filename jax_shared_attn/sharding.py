@@ -137,20 +137,32 @@ def sharded(fn: Callable, mesh: Mesh, batch_axis: AxisName = "data",
     _check_divisible(name, "q", q.shape[0], "sequences", batch_axis, nb)
     _check_divisible(name, "q", q.shape[2], "query heads", head_axis, nh)
     _check_divisible(name, kv_name, kv.shape[2], "key/value heads", head_axis, nh)
-    names = sorted(kwargs)
-    dynamic = [n for n in names if n in in_specs]
+    dynamic = tuple(n for n in sorted(kwargs) if n in in_specs)
     with_lse = fn is attention_with_lse or static.get("return_lse", False)
-
-    def local(*xs):
-      return fn(*xs[:len(args)], **dict(zip(dynamic, xs[len(args):])), **static)
-
     specs = tuple(in_specs["args"]) + tuple(in_specs[n] for n in dynamic)
     out_specs = (batch4, heads3) if with_lse else batch4
-    # Jitted: called eagerly, shard_map would dispatch every op of every shard one by one.
-    return jax.jit(shard_map(local, mesh, specs, out_specs))(*args,
-                                                            *(kwargs[n] for n in dynamic))
+    key = (fn, mesh, len(args), dynamic, tuple(sorted(static.items())), specs, out_specs)
+    try:
+      program = _program(*key)
+    except TypeError:  # an unhashable static value: a program for this call alone
+      program = _program.__wrapped__(*key)
+    return program(*args, *(kwargs[n] for n in dynamic))
 
   return call
+
+
+@functools.lru_cache(maxsize=256)
+def _program(fn, mesh, num_args, dynamic, static, specs, out_specs):
+  """The jitted ``shard_map`` of one call's structure, kept so that eager calls of the same
+  structure reuse its compiled executables (a new function each call would compile each
+  time). Jitted: called eagerly, ``shard_map`` would dispatch every op of every shard one by
+  one."""
+  static = dict(static)
+
+  def local(*xs):
+    return fn(*xs[:num_args], **dict(zip(dynamic, xs[num_args:])), **static)
+
+  return jax.jit(shard_map(local, mesh, specs, out_specs))
 
 
 _STATIC = frozenset({"causal", "scale", "impl", "return_lse", "config", "softcap",

@@ -59,13 +59,9 @@ class HeadShardedPagedKVCache(PagedKVCache):
 
   def write(self, layer, k_new, v_new) -> "HeadShardedPagedKVCache":
     k, v, offset = self.pools(layer)
-    tables = self.tables(offset)
-
-    def local(k, v, k_new, v_new, own_page_table, own_lengths, write_limit, null_page):
-      return write_pages(k, v, k_new, v_new, own_page_table, own_lengths, write_limit, null_page)
-
-    k, v = shard_map(local, self.mesh, (HEADS,) * 4 + (P(),) * 4, (HEADS, HEADS))(
-        k, v, k_new, v_new, *tables[3:], NULL_PAGE + offset)
+    k, v = shard_map(write_pages, self.mesh, (HEADS,) * 4 + (P(),) * 4, (HEADS, HEADS))(
+        k, v, k_new, v_new, self.own_page_table + offset, self.own_lengths, self.write_limit,
+        NULL_PAGE + offset)
     return self.with_pools(layer, k, v)
 
   def attention(self, xq, layer, t: int, settings, sharding=None, **variants):
@@ -80,13 +76,13 @@ class HeadShardedPagedKVCache(PagedKVCache):
       def local(xq, k, v, *tables):
         return attend_pages(xq, k, v, *tables, t=t, settings=settings, **variants)
 
-      return shard_map(local, self.mesh, (HEADS,) * 3 + (P(),) * 6, HEADS)(xq, k, v, *tables)
+      return shard_map(local, self.mesh, (HEADS,) * 3 + (P(),) * 5, HEADS)(xq, k, v, *tables)
 
     def local_alibi(xq, k, v, slopes, *tables):
       return attend_pages(xq, k, v, *tables, t=t, settings=settings, alibi_slopes=slopes,
                           **variants)
 
-    return shard_map(local_alibi, self.mesh, (HEADS,) * 3 + (P(MODEL),) + (P(),) * 6, HEADS)(
+    return shard_map(local_alibi, self.mesh, (HEADS,) * 3 + (P(MODEL),) + (P(),) * 5, HEADS)(
         xq, k, v, slopes, *tables)
 
 
@@ -217,20 +213,17 @@ def decode(graphdef, params, k, v, tokens, page_table, seg_lengths, segment_of_s
   return cache.k, cache.v, out, logprobs, top_ids, top_values
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=("layers",))
-def copy_page(k, v, src, dst, *, layers: int = 1):
-  """Every layer's page ``src`` copied to page ``dst``; ``layers``: the layers one pool of
-  ``k``, ``v`` holds (``PagedKVCache.layer_pages``: each layer's pages after the one before)."""
+@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=("layer_pages",))
+def copy_page(k, v, src, dst, *, layer_pages: int = 0):
+  """Every layer's page ``src`` copied to page ``dst``; ``layer_pages``: as
+  :attr:`PagedKVCache.layer_pages` (0: a pool per layer; n: one pool of all layers, each
+  layer's n pages after the one before; :func:`layer_pages`)."""
   def copy(x):
-    offsets = (x.shape[0] // layers) * jnp.arange(layers, dtype=jnp.int32)
+    layers = x.shape[0] // layer_pages if layer_pages else 1
+    offsets = layer_pages * jnp.arange(layers, dtype=jnp.int32)
     return x.at[dst + offsets].set(x[src + offsets])
 
   return tuple(map(copy, k)), tuple(map(copy, v))
-
-
-def pool_layers(graph) -> int:
-  """The layers each pool holds: all of them under a scan (:class:`ScannedGraph`), else 1."""
-  return graph.num_layers if isinstance(graph, ScannedGraph) else 1
 
 
 def _sizes(buckets, largest: int) -> list[int]:
@@ -289,5 +282,5 @@ def warm_up(graphdef, params, k, v, config, max_context: int, vocab_size: int,
                       zeros(b, own), zeros(b), zeros(b), RowRules.of([None] * b),
                       np.zeros(b, np.uint32), zeros(b), zeros(b), num_steps=config.decode_steps,
                       settings=settings, top_logprobs=top, mesh=mesh)
-  k, v = copy_page(k, v, np.int32(0), np.int32(0), layers=pool_layers(graphdef))
+  k, v = copy_page(k, v, np.int32(0), np.int32(0), layer_pages=layer_pages(graphdef, k))
   return k, v, len(prefill_shapes) + len(decode_shapes) * len(tops) + 1

@@ -349,8 +349,9 @@ class Engine:
     if tail:
       src = int(req.pages[full])
       for dst in req.copies:
-        self._k, self._v = device.copy_page(self._k, self._v, np.int32(src), np.int32(dst),
-                                            layers=device.pool_layers(self._graphdef))
+        self._k, self._v = device.copy_page(
+            self._k, self._v, np.int32(src), np.int32(dst),
+            layer_pages=device.layer_pages(self._graphdef, self._k))
     firsts = [[int(req.pages[full])]] + [[int(p)] for p in req.copies] if tail else [[]] * n
     req.seqs = [Seq(req, i, list(firsts[i]), tail) for i in range(n)]
     req.match_node, req.state = None, "running"

@@ -82,10 +82,10 @@ class PagedKVCache:
     return dataclasses.replace(self, k=tuple(ks), v=tuple(vs))
 
   def tables(self, offset) -> tuple[Array, ...]:
-    """The step's arrays with page ids offset by ``offset`` (a layer's page 0 in its pool):
-    ``(page_table, seg_lengths, segment_of_seq, own_page_table, own_lengths, write_limit)``."""
+    """The step's attention arrays with page ids offset by ``offset`` (a layer's page 0 in its
+    pool): ``(page_table, seg_lengths, segment_of_seq, own_page_table, own_lengths)``."""
     return (self.page_table + offset, self.seg_lengths, self.segment_of_seq,
-            self.own_page_table + offset, self.own_lengths, self.write_limit)
+            self.own_page_table + offset, self.own_lengths)
 
   def context_lengths(self) -> Array:
     """int32 ``[B]``: tokens before this step's (shared levels + own): the next position."""
@@ -132,10 +132,8 @@ def write_pages(k: Array, v: Array, k_new: Array, v_new: Array, own_page_table: 
 
 
 def attend_pages(xq: Array, k: Array, v: Array, page_table, seg_lengths, segment_of_seq,
-                 own_page_table, own_lengths, write_limit, *, t: int, settings,
-                 **variants) -> Array:
+                 own_page_table, own_lengths, *, t: int, settings, **variants) -> Array:
   """:meth:`PagedKVCache.attention` on one pool whose page ids the tables hold."""
-  del write_limit
   levels = [PagedLevel(page_table[l], seg_lengths[l], segment_of_seq[l])
             for l in range(page_table.shape[0])]
   return paged_attention(xq, k, v, own_page_table, own_lengths + t, levels=levels, causal=True,

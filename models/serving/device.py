@@ -16,6 +16,7 @@ logits are gathered before sampling, so every device draws the same tokens.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -266,21 +267,33 @@ def top_sizes(config, vocab_size: int) -> list[int]:
 
 
 def warm_up(graphdef, params, k, v, config, max_context: int, vocab_size: int,
-            settings: GenerationSettings, mesh: Optional[Mesh] = None):
+            settings: GenerationSettings, mesh: Optional[Mesh] = None, threads: int = 1):
   """Runs every program of :func:`program_shapes` once on the null page (compiling it), the
-  decode programs at each of :func:`top_sizes`; returns ``(k, v, programs)``."""
+  decode programs at each of :func:`top_sizes`; returns ``(k, v, programs)``.
+
+  With ``threads`` > 1 the programs are traced and lowered here, one after another, then
+  compiled side by side on that many threads (XLA compiles without Python's lock); the runs
+  that follow find each program compiled (the jitted functions' caches hold the lowerings).
+  """
   prefill_shapes, decode_shapes = program_shapes(config, max_context)
   tops = top_sizes(config, vocab_size)
   zeros = lambda *shape: np.zeros(shape, np.int32)
-  for rows, t, width in prefill_shapes:
-    k, v = prefill(graphdef, params, k, v, jnp.asarray(zeros(rows, t)), zeros(rows, width),
-                   zeros(rows), zeros(rows), settings=settings, mesh=mesh)
+  calls = [(prefill, (jnp.asarray(zeros(rows, t)), zeros(rows, width), zeros(rows),
+                      zeros(rows)), dict(settings=settings, mesh=mesh))
+           for rows, t, width in prefill_shapes]
   for (b, levels, segments, pages, own), top in itertools.product(decode_shapes, tops):
     cascade = ((zeros(levels, segments, pages), zeros(levels, segments),
                 np.full((levels, b), -1, np.int32)) if levels else no_levels(b))
-    k, v, *_ = decode(graphdef, params, k, v, jnp.asarray(zeros(b, 1)), *cascade,
-                      zeros(b, own), zeros(b), zeros(b), RowRules.of([None] * b),
-                      np.zeros(b, np.uint32), zeros(b), zeros(b), num_steps=config.decode_steps,
-                      settings=settings, top_logprobs=top, mesh=mesh)
+    calls.append((decode, (jnp.asarray(zeros(b, 1)), *cascade, zeros(b, own), zeros(b),
+                           zeros(b), RowRules.of([None] * b), np.zeros(b, np.uint32), zeros(b),
+                           zeros(b)),
+                  dict(num_steps=config.decode_steps, settings=settings, top_logprobs=top,
+                       mesh=mesh)))
+  if threads > 1:
+    lowered = [fn.lower(graphdef, params, k, v, *args, **kw) for fn, args, kw in calls]
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+      list(pool.map(lambda program: program.compile(), lowered))
+  for fn, args, kw in calls:
+    k, v = fn(graphdef, params, k, v, *args, **kw)[:2]
   k, v = copy_page(k, v, np.int32(0), np.int32(0), layer_pages=layer_pages(graphdef, k))
   return k, v, len(prefill_shapes) + len(decode_shapes) * len(tops) + 1

@@ -594,13 +594,15 @@ class Engine:
     the null page, so that serving compiles nothing; returns how many.
 
     Needs the level, segment and page buckets set (with ``cascade`` on); the count is the
-    product of the buckets' sizes, so keep them few.
+    product of the buckets' sizes, so keep them few. The programs compile side by side on
+    ``EngineConfig.compile_threads`` threads.
     """
+    threads = self.config.compile_threads or min(8, os.cpu_count() or 1)
     with self._lock:
       self._k, self._v, programs = device.warm_up(
           self._graphdef, self._params, self._k, self._v, self.config,
           self.model_config.max_position_embeddings, self.model_config.vocab_size,
-          self.settings, self.mesh)
+          self.settings, self.mesh, threads=threads)
     return programs
 
   # -- inspection and reset ---------------------------------------------------------------------

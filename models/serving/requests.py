@@ -78,6 +78,8 @@ class EngineConfig:
     max_logprobs: the most top log-probs per token a request may ask for (0 to 20): a
       decode call in which a row asks for any returns this many for every row (a second
       program per decode shape; 0: none, and no second program).
+    compile_threads: threads on which :meth:`Engine.warmup` compiles its programs side by
+      side (None: the machine's cores, at most 8; 1: one after another).
   """
 
   page_size: int = 16
@@ -98,6 +100,7 @@ class EngineConfig:
   own_page_buckets: Optional[tuple[int, ...]] = None
   scan_layers: Optional[bool] = None
   max_logprobs: int = MAX_TOP_LOGPROBS
+  compile_threads: Optional[int] = None
 
   def __post_init__(self):
     for name in ("page_size", "max_running", "max_prefill_tokens", "decode_steps",
@@ -109,6 +112,8 @@ class EngineConfig:
                        f"{MAX_TOP_LOGPROBS}")
     _positive_int("EngineConfig", "num_pages", self.num_pages, 2)
     _positive_int("EngineConfig", "min_shared_tokens", self.min_shared_tokens, 0)
+    if self.compile_threads is not None:
+      _positive_int("EngineConfig", "compile_threads", self.compile_threads)
     for name in ("cascade", "prefix_caching", "scan_layers"):
       if not isinstance(getattr(self, name), bool) and not (
           name == "scan_layers" and self.scan_layers is None):

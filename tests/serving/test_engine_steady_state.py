@@ -4,6 +4,7 @@ log-probs and top log-probs, random arrivals) compile nothing, and a sample of t
 tokens of each request alone."""
 
 import numpy as np
+import pytest
 from test_engine import MIXES, SETTINGS, assert_drained, count_compiles, expected, got, model  # noqa: F401
 
 from models.serving import Engine, EngineConfig, Request
@@ -66,3 +67,30 @@ def test_a_thousand_requests_compile_nothing_after_warm_up(model):
         assert len(s.logprobs) == len(s.token_ids)
         assert all(len(lp.top) == h.request.top_logprobs for lp in s.logprobs)
   assert_drained(engine)
+
+
+def test_warmup_on_threads_compiles_each_program_once(model):
+  """Compiled side by side (``compile_threads=2``), the warm-up's programs are the ones its runs
+  then use: as many XLA compiles as one after another, and none when serving."""
+  compiled = []
+  # Other pool shapes: programs of their own. The first warm-up also compiles helpers of the
+  # process's first engine; the two after it are compared.
+  for threads, num_pages in ((1, 36), (1, 40), (2, 44)):
+    config = EngineConfig(page_size=4, num_pages=num_pages, max_running=4, max_prefill_tokens=8,
+                          decode_steps=2, min_shared_tokens=4, batch_buckets=(4,),
+                          prefill_row_buckets=(4,), prefill_buckets=(8,), level_buckets=(1,),
+                          segment_buckets=(2,), page_buckets=(2,), own_page_buckets=(4,),
+                          max_logprobs=0, compile_threads=threads)
+    engine = Engine(model, config=config, settings=SETTINGS)
+    with count_compiles() as events:
+      assert engine.warmup() == 1 + 2 + 1  # prefill; decode without and with a level; copy
+    compiled.append(events.count("/jax/core/compile/backend_compile_duration"))
+    rng = np.random.default_rng(threads)
+    reqs = [Request(rng.integers(0, 256, 9).tolist(), n=2, max_tokens=3, ignore_eos=True)
+            for _ in range(3)]
+    with count_compiles() as events:
+      outs = engine.generate(reqs)
+    assert events == [] and all(len(s.token_ids) == 3 for o in outs for s in o.samples)
+  assert compiled[1] == compiled[2] == 4
+  with pytest.raises(ValueError, match="compile_threads=0 must be an int >= 1"):
+    EngineConfig(compile_threads=0)

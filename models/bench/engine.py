@@ -243,8 +243,10 @@ def run_static(model, args, requests) -> dict:
       jax.block_until_ready(one(batch))
     seconds = time.perf_counter() - t0
   tokens = sum(r.max_tokens for r in requests)  # useful tokens (a batch decodes to its longest)
+  row_steps = sum(len(b) * max(r.max_tokens for r in b) for b in batches)
   return dict(mode="static", batch=size, seconds=seconds, requests_per_s=len(requests) / seconds,
-              tokens_per_s=tokens / seconds, tokens=tokens, compiles=len(compiles))
+              tokens_per_s=tokens / seconds, tokens=tokens, compiles=len(compiles),
+              row_steps_per_token=row_steps / tokens)
 
 
 def floors(args, config, bw: float, rate: float) -> dict:
@@ -344,7 +346,7 @@ def _markdown(rows, info) -> str:
     ns = base.get("no-sharing", {}).get("tokens_per_s")
     nc = base.get("no-cascade", {}).get("tokens_per_s")
     ratio = lambda x: f"{r['tokens_per_s'] / x:.2f}" if x else "-"
-    rows_a_token = r.get("row_steps_per_token")  # the engine's modes (static has none)
+    rows_a_token = r.get("row_steps_per_token")
     lines.append(f"| {r['mode']} | {r['seconds']:.1f} | {r['requests_per_s']:.2f} | "
                  f"{r['tokens_per_s']:.0f} | {ratio(ns)} | {ratio(nc)} | "
                  f"{r.get('compiles', '-')} | "

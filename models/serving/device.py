@@ -103,8 +103,8 @@ def scan_by_default(model_config, platform: str) -> bool:
   same code (:func:`models.model.llama.layers_scannable`), except on a GPU. There XLA copies
   each layer's weight slices out of the stack before its GEMMs at every step (a read and a
   write of the weights per step), which costs more than the longer compiles of the unrolled
-  layers; on a CPU or a TPU the scan's compiles win. ``platform`` is a device's
-  ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``)."""
+  layers. On a CPU the scan's shorter compiles win; a TPU keeps the scan (not measured there).
+  ``platform`` is a device's ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``)."""
   return layers_scannable(model_config) and platform != "gpu"
 
 

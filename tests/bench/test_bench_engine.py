@@ -2,9 +2,14 @@
 workload, its timed run compiles nothing (the warm-up covered every shape), and the report
 holds its rows, ratios and the attention floors."""
 
+import argparse
 import json
 
+import pytest
+
+from models.bench import engine as be
 from models.cli import main
+from models.model.config import preset
 
 
 def _relay(out, requests: int, output: int, max_running: int, num_pages: int, *flags) -> int:
@@ -57,6 +62,13 @@ def test_rollouts_static_batches_compile_nothing_when_timed(tmp_path):
   assert rows["static"]["batch"] == 2 and rows["static"]["compiles"] == 0
   assert rows["cascade"]["compiles"] == 0
   assert rows["static"]["tokens"] == rows["cascade"]["tokens"]  # the same useful tokens
+  # Static decodes each batch of 2 to its longest sample: its row steps over the useful tokens.
+  requests = be.requests_of(argparse.Namespace(workload="rollouts", prompts=2, samples=3,
+                                               prompt_len=8, output_range=[2, 9], seed=0),
+                             preset("tiny").vocab_size)
+  longest = [max(r.max_tokens for r in requests[i:i + 2]) for i in range(0, 6, 2)]
+  assert rows["static"]["row_steps_per_token"] == pytest.approx(
+      2 * sum(longest) / sum(r.max_tokens for r in requests))
 
 
 def test_profile_reports_each_modes_device_time(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 
-from models import sharding as S
+from models.parallel import sharding as S
 from models.model.config import preset
 from models.model.llama import param_shapes
 from strategies import DEVICE_FLAGS  # also what tests/test_models_training.py imports from here

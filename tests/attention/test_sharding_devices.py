@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_shared_attn import (SharedLevel, attention_with_lse, hierarchical_attention,
                              shared_prefix_attention)
 from jax_shared_attn.sharding import sharded
-from models import sharding as S
+from models.parallel import sharding as S
 from models.model.config import preset
 from models.generation.loop import decode, generate, lower_decode, prefill
 from models.model.llama import flat_params, random_init

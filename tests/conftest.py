@@ -101,6 +101,10 @@ def _crash_reports() -> list[tuple[str, list[str]]]:
 
 
 def pytest_unconfigure(config):
+  if _crash_file is not None:  # a worker's dump: the session is over, nothing more to catch
+    import faulthandler
+    faulthandler.disable()
+    _crash_file.close()
   if _MADE_CRASH_DIR:
     shutil.rmtree(_CRASH_DIR, ignore_errors=True)
   if _RUN_CACHE is not None:  # the process that made it (the controller, or a run without -n)

@@ -43,10 +43,12 @@ def _run(args: argparse.Namespace) -> int:
   if not args.drain_timeout >= 0:
     raise UsageError(f"--drain-timeout must be >= 0; got {args.drain_timeout}")
   config = engine_flags.engine_config(args)  # the engine's own checks, before anything loads
-  if args.precompile and config.cascade and None in (
-      config.level_buckets, config.segment_buckets, config.page_buckets):
-    raise UsageError("--precompile needs --level-buckets, --segment-buckets and --page-buckets "
-                     "(with cascade on, powers of two have no bound)")
+  if args.precompile:
+    from models.serving.device import unbounded_buckets
+    if unbounded_buckets(config):
+      flags = ", ".join("--" + name.replace("_", "-") for name in unbounded_buckets(config))
+      raise UsageError(f"--precompile needs {flags} (with cascade on, powers of two have no "
+                       "bound)")
   if args.model is None:
     from models.checkpoints.default_model import default_model_path
     default_model_path()  # a missing default model is a usage error now, not in the server

@@ -235,6 +235,13 @@ def _sizes(buckets, largest: int) -> list[int]:
   return [s for s in buckets if s <= top]
 
 
+def unbounded_buckets(config) -> list[str]:
+  """The bucket fields :func:`program_shapes` needs set and ``config`` leaves None: with
+  ``cascade`` on, the level, segment and page buckets (powers of two have no bound there)."""
+  fields = ("level_buckets", "segment_buckets", "page_buckets") if config.cascade else ()
+  return [name for name in fields if getattr(config, name) is None]
+
+
 def program_shapes(config, max_context: int):
   """(prefill, decode): the padded shapes of every program the engine can run.
 
@@ -244,9 +251,9 @@ def program_shapes(config, max_context: int):
   (powers of two have no bound there).
   """
   c, ps = config, config.page_size
-  if c.cascade and None in (c.level_buckets, c.segment_buckets, c.page_buckets):
-    raise ValueError("warmup: EngineConfig.level_buckets, segment_buckets and page_buckets "
-                     "must be set (with cascade on, powers of two have no bound)")
+  if unbounded_buckets(c):
+    raise ValueError(f"warmup: EngineConfig.{', '.join(unbounded_buckets(c))} must be set "
+                     "(with cascade on, powers of two have no bound)")
   batch = _sizes(c.batch_buckets, c.max_running)
   chunks = _sizes(c.prefill_buckets, c.max_prefill_tokens)
   own = _sizes(c.own_page_buckets, -(-(max_context + chunks[-1]) // ps))

@@ -94,3 +94,7 @@ def test_warmup_on_threads_compiles_each_program_once(model):
   assert compiled[1] == compiled[2] == 4
   with pytest.raises(ValueError, match="compile_threads=0 must be an int >= 1"):
     EngineConfig(compile_threads=0)
+  with pytest.raises(ValueError, match=r"warmup: EngineConfig\.segment_buckets, page_buckets "
+                     "must be set"):
+    Engine(model, config=EngineConfig(num_pages=8, level_buckets=(1,)),
+           settings=SETTINGS).warmup()

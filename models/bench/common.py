@@ -1,9 +1,11 @@
 """What every benchmark shares: the out-of-memory test, the device and date stamp of a report,
-its JSON/Markdown/PNG files, comma-separated integer flags. Timing is :mod:`models.bench.timing`."""
+its JSON/Markdown/PNG files, comma-separated integer flags, counting compiles. Timing is
+:mod:`models.bench.timing`."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -51,3 +53,21 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
   except ValueError:
     raise argparse.ArgumentTypeError(f"expected comma-separated ints; got {text!r}") from None
+
+
+COMPILE = "/jax/core/compile/backend_compile_duration"  # one XLA compile
+TRACE = "/jax/core/compile/jaxpr_trace_duration"  # one trace to a jaxpr
+
+
+@contextlib.contextmanager
+def counting_compiles(kinds=(COMPILE,)):
+  """A list of the JAX events of ``kinds`` (:data:`COMPILE`, :data:`TRACE`) inside it."""
+  import jax
+
+  events = []
+  listener = lambda event, duration, **kw: events.append(event) if event in kinds else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield events
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)

@@ -29,7 +29,6 @@ Writes JSON, Markdown and a plot.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -162,21 +161,6 @@ def _warmup(requests):
   return [dataclasses.replace(r, seed=r.seed + 10**6) for r in requests]
 
 
-@contextlib.contextmanager
-def _counting_compiles():
-  """Collects XLA compile events inside it."""
-  import jax
-
-  events = []
-  listener = (lambda event, duration, **kw: events.append(event)
-              if event == "/jax/core/compile/backend_compile_duration" else None)
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield events
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 def run_engine(model, args, mode: str, requests) -> dict:
   from models.generation.settings import GenerationSettings
   from models.serving import Engine
@@ -189,7 +173,7 @@ def run_engine(model, args, mode: str, requests) -> dict:
   print(f"[{mode}] warm-up {warm_s:.1f} s", file=sys.stderr, flush=True)
   engine.reset()
   before = engine.stats()
-  with _counting_compiles() as compiles:
+  with common.counting_compiles() as compiles:
     t0 = time.perf_counter()
     outputs = engine.generate(requests)
     seconds = time.perf_counter() - t0
@@ -237,7 +221,7 @@ def run_static(model, args, requests) -> dict:
             for b in batches}
   for batch in shapes.values():
     jax.block_until_ready(one(batch))
-  with _counting_compiles() as compiles:
+  with common.counting_compiles() as compiles:
     t0 = time.perf_counter()
     for batch in batches:
       jax.block_until_ready(one(batch))

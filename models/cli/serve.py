@@ -45,8 +45,9 @@ def _run(args: argparse.Namespace) -> int:
   config = engine_flags.engine_config(args)  # the engine's own checks, before anything loads
   if args.precompile:
     from models.serving.device import unbounded_buckets
-    if unbounded_buckets(config):
-      flags = ", ".join("--" + name.replace("_", "-") for name in unbounded_buckets(config))
+    unbounded = unbounded_buckets(config)
+    if unbounded:
+      flags = ", ".join("--" + name.replace("_", "-") for name in unbounded)
       raise UsageError(f"--precompile needs {flags} (with cascade on, powers of two have no "
                        "bound)")
   if args.model is None:

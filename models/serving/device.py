@@ -251,9 +251,10 @@ def program_shapes(config, max_context: int):
   (powers of two have no bound there).
   """
   c, ps = config, config.page_size
-  if unbounded_buckets(c):
-    raise ValueError(f"warmup: EngineConfig.{', '.join(unbounded_buckets(c))} must be set "
-                     "(with cascade on, powers of two have no bound)")
+  unbounded = unbounded_buckets(c)
+  if unbounded:
+    raise ValueError(f"warmup: EngineConfig.{', '.join(unbounded)} must be set (with cascade "
+                     "on, powers of two have no bound)")
   batch = _sizes(c.batch_buckets, c.max_running)
   chunks = _sizes(c.prefill_buckets, c.max_prefill_tokens)
   own = _sizes(c.own_page_buckets, -(-(max_context + chunks[-1]) // ps))

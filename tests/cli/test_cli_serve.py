@@ -11,6 +11,7 @@ import threading
 import httpx
 import pytest
 
+from models.bench.common import counting_compiles
 from models.cli import app as cli
 from models.server.launch import free_port
 
@@ -69,8 +70,6 @@ def test_precompile_compiles_every_program_before_serving(tiny_dir):
   request after it compiles nothing."""
   import argparse
 
-  import jax
-
   from models.bench import engine_flags
   from models.serving import Request
   p = argparse.ArgumentParser()
@@ -82,14 +81,8 @@ def test_precompile_compiles_every_program_before_serving(tiny_dir):
       "--prefill-row-buckets", "2", "--level-buckets", "1", "--segment-buckets", "1",
       "--page-buckets", "4", "--own-page-buckets", "16"])
   engine, _ = engine_flags.loader(args, precompile=True)()
-  events = []
-  listener = (lambda event, duration, **kw: events.append(event)
-              if event == "/jax/core/compile/backend_compile_duration" else None)
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with counting_compiles() as events:
     (out,) = engine.generate([Request(list(range(40, 50)), n=2, max_tokens=4, ignore_eos=True)])
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   assert [len(s.token_ids) for s in out.samples] == [4, 4] and events == []
 
 

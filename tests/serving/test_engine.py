@@ -13,6 +13,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from models.bench.common import COMPILE, TRACE, counting_compiles
 from models.generation.loop import generate
 from models.generation.sampling import sample
 from models.generation.settings import GenerationSettings
@@ -358,21 +359,7 @@ def test_a_second_workload_of_the_same_shapes_compiles_nothing(model):
 
 def count_compiles():
   """A context manager collecting the compile events (tracing, XLA compiles) inside it."""
-  import contextlib
-
-  names = ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_trace_duration")
-
-  @contextlib.contextmanager
-  def counting():
-    events = []
-    listener = lambda event, duration, **kw: events.append(event) if event in names else None
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-      yield events
-    finally:
-      jax.monitoring.unregister_event_duration_listener(listener)
-
-  return counting()
+  return counting_compiles((COMPILE, TRACE))
 
 
 MIXES = [dict(), dict(temperature=1.0), dict(temperature=0.7, top_k=3),

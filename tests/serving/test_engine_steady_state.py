@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from test_engine import MIXES, SETTINGS, assert_drained, count_compiles, expected, got, model  # noqa: F401
 
+from models.bench.common import COMPILE
 from models.serving import Engine, EngineConfig, Request
 
 CONFIG = EngineConfig(page_size=4, num_pages=160, max_running=16, max_prefill_tokens=32,
@@ -84,7 +85,7 @@ def test_warmup_on_threads_compiles_each_program_once(model):
     engine = Engine(model, config=config, settings=SETTINGS)
     with count_compiles() as events:
       assert engine.warmup() == 1 + 2 + 1  # prefill; decode without and with a level; copy
-    compiled.append(events.count("/jax/core/compile/backend_compile_duration"))
+    compiled.append(events.count(COMPILE))
     rng = np.random.default_rng(threads)
     reqs = [Request(rng.integers(0, 256, 9).tolist(), n=2, max_tokens=3, ignore_eos=True)
             for _ in range(3)]

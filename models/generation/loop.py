@@ -45,7 +45,6 @@ from typing import Callable, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax import lax
 
 from jax_shared_attn.ops import segment_alignment, suffix_alignment
@@ -55,6 +54,7 @@ from models.generation.programs import ProgramStore
 from models.generation.prompt_tree import PromptTree
 from models.generation.sampling import sample, sampling_keys
 from models.generation.settings import GenerationSettings, resolve
+from models.model import graph as model_graph
 from models.model.llama import Llama
 from models.parallel import distributed
 from models.parallel import sharding as sharding_lib
@@ -247,12 +247,12 @@ def prefill(model: Llama, prompt_ids: Prompts, *, num_samples=1, max_new_tokens:
   order = tree.decode_order()
   if mesh is not None:
     sharding_lib.check_batch(len(order), mesh)
-  graphdef, params = nnx.split(model)
+  graph, weights = model_graph.split(model)
   if attention == "none":
     needed, lengths = 0, contexts[order]
     levels = ()
   else:
-    stored = _prefill_levels(config, graphdef, params, tree, settings, progress, prefill_chunk,
+    stored = _prefill_levels(config, graph, weights, tree, settings, progress, prefill_chunk,
                              mesh, programs)
     nodes = [np.asarray(tree.node_of_sample(l)[order]) for l in range(len(stored))]
     levels = tuple(SegmentLevel(k, v, *jax.device_put((lens, nodes[l])),
@@ -338,15 +338,15 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
   if int(progress_every) < 1:
     raise ValueError(f"progress_every must be >= 1; got {progress_every}")
   model, state, mesh = _on_mesh(model, state, mesh)
-  graphdef, params = nnx.split(model)
+  graph, weights = model_graph.split(model)
   # The stop step as a host int32 (not an eager addition on the device: a program of its own).
   stop = np.int32(int(state.step) + num_steps)
   static = dict(settings=settings, eos_id=eos_id, pad_id=int(pad_id), progress=progress,
                 progress_every=int(progress_every), mesh=mesh)
   if programs is not None and mesh is None and progress is None:
-    return programs.call("decode", _decode_loop, (graphdef,), (params, state, stop),
+    return programs.call("decode", _decode_loop, (graph,), (weights, state, stop),
                          static=static, out_like=lambda p, s, t: s, donate=(1,))
-  return _decode_loop(graphdef, params, state, stop, **static)
+  return _decode_loop(graph, weights, state, stop, **static)
 
 
 def _max_length(lengths: Array) -> int:
@@ -363,8 +363,8 @@ def lower_decode(model: Llama, state: DecodeState, *,
   """The decode program, lowered (``.compile()`` it to inspect HLO or memory)."""
   settings = resolve(settings, "lower_decode", **shorthands)
   model, state, mesh = _on_mesh(model, state, mesh)
-  graphdef, params = nnx.split(model)
-  return _decode_loop.lower(graphdef, params, state, state.step, settings=settings,
+  graph, weights = model_graph.split(model)
+  return _decode_loop.lower(graph, weights, state, state.step, settings=settings,
                             eos_id=eos_id, pad_id=int(pad_id), progress=None, progress_every=1,
                             mesh=mesh)
 
@@ -375,7 +375,9 @@ def _on_mesh(model: Llama, state: DecodeState, mesh):
   if mesh is None:
     # Committed where it lives: a state fresh from prefill (uncommitted) and one a decode call
     # returned (committed) would otherwise be two programs to compile.
-    return model, jax.device_put(state, next(iter(state.tokens.devices()))), None
+    if not all(getattr(x, "committed", True) for x in jax.tree.leaves(state)):
+      state = jax.device_put(state, next(iter(state.tokens.devices())))
+    return model, state, None
   return sharding_lib.shard_model(model, mesh), sharding_lib.shard_state(state, mesh), mesh
 
 
@@ -389,7 +391,7 @@ def _check_tokens(tree: PromptTree, vocab_size: int) -> None:
                      f"got values in [{lo}, {hi}]")
 
 
-def _prefill_levels(config, graphdef, params, tree: PromptTree, settings: GenerationSettings,
+def _prefill_levels(config, graph, weights, tree: PromptTree, settings: GenerationSettings,
                     progress,
                     chunk: Optional[int] = None, mesh=None,
                     programs: Optional[ProgramStore] = None):
@@ -431,14 +433,14 @@ def _prefill_levels(config, graphdef, params, tree: PromptTree, settings: Genera
         None if mesh is None else sharding_lib.own_kv_sharding(mesh, batch_sharded=False)))
     k, v = own.k, own.v
     for start in range(0, width, step):
-      args = (params, jax.device_put(tokens[:, start:start + step]), ancestors, k, v,
+      args = (weights, jax.device_put(tokens[:, start:start + step]), ancestors, k, v,
               jax.device_put(np.int32(start)))
       if programs is not None and mesh is None:
-        k, v = programs.call("prefill", _prefill_chunk, (graphdef,), args,
+        k, v = programs.call("prefill", _prefill_chunk, (graph,), args,
                              static=dict(settings=settings, sharding=None),
                              out_like=lambda p, t, a, k, v, s: (k, v), donate=(3, 4))
       else:
-        k, v = _prefill_chunk(graphdef, *args, settings=settings, sharding=sharding)
+        k, v = _prefill_chunk(graph, *args, settings=settings, sharding=sharding)
       if progress is not None:
         done += int(np.clip(lengths - start, 0, step).sum())
         progress(done)
@@ -448,14 +450,14 @@ def _prefill_levels(config, graphdef, params, tree: PromptTree, settings: Genera
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("settings", "sharding"),
                    donate_argnames=("k", "v"))
-def _prefill_chunk(graphdef, params, tokens, ancestors, k, v, start, *, settings,
+def _prefill_chunk(graph, weights, tokens, ancestors, k, v, start, *, settings,
                    sharding=None):
   """Segment tokens ``[N, C]`` at own positions ``start..start+C`` -> updated own K/V.
 
   Padded positions hold garbage K/V past each segment's length; no valid query
   sees them (causal), and the stored lengths mask them afterwards.
   """
-  model = nnx.merge(graphdef, params)
+  model = graph.merge(weights)
   lengths = jnp.full((tokens.shape[0],), start, jnp.int32)
   cache = KVCache(tuple(ancestors), k, v, lengths)
   _, cache = model(tokens, cache=cache, settings=settings, sharding=sharding)
@@ -506,9 +508,9 @@ def _copy_prompts_per_sample(levels: tuple[SegmentLevel, ...], capacity: int, me
                    static_argnames=("settings", "eos_id", "pad_id", "progress",
                                     "progress_every", "mesh"),
                    donate_argnames=("state",))
-def _decode_loop(graphdef, params, state: DecodeState, stop, *, settings: GenerationSettings,
+def _decode_loop(graph, weights, state: DecodeState, stop, *, settings: GenerationSettings,
                  eos_id: Optional[int], pad_id: int, progress, progress_every: int, mesh=None):
-  model = nnx.merge(graphdef, params)
+  model = graph.merge(weights)
   skip_attention = state.attention == "none"
   sharding = None if mesh is None else sharding_lib.attention_sharding(mesh)
   layout = (lambda s: s) if mesh is None else (  # the loop carry keeps the state's layout

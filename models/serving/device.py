@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_shared_attn.sharding import shard_map
 
 from models.generation.settings import GenerationSettings
+from models.model import graph as model_graph
 from models.model.llama import layers_scannable, stack_layers
 from models.parallel.mesh import MODEL
 from models.serving.pages import NULL_PAGE
@@ -87,15 +88,27 @@ class HeadShardedPagedKVCache(PagedKVCache):
         xq, k, v, slopes, *tables)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ScannedGraph:
   """The graph of a model whose layers run under one ``lax.scan`` (``EngineConfig.scan_layers``):
   the whole model's graph, layer 0's, and the layer count. Its weights are ``(rest, stacked)``:
-  the model's state without the layers, and :func:`models.model.llama.stack_layers`' stack."""
+  the model's state without the layers, and :func:`models.model.llama.stack_layers`' stack.
+  Hashed once (jit hashes its static arguments at every call)."""
 
   model: nnx.GraphDef
   layer: nnx.GraphDef
   num_layers: int
+
+  def __post_init__(self):
+    object.__setattr__(self, "_hash", hash((self.model, self.layer, self.num_layers)))
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other) -> bool:
+    return self is other or (isinstance(other, ScannedGraph) and self._hash == other._hash
+                             and (self.model, self.layer, self.num_layers)
+                             == (other.model, other.layer, other.num_layers))
 
 
 def scan_by_default(model_config, platform: str) -> bool:
@@ -109,11 +122,12 @@ def scan_by_default(model_config, platform: str) -> bool:
 
 
 def split_model(model, scan_layers: bool):
-  """``(graph, weights)`` of ``model`` for the programs here: ``nnx.split``'s, or with
-  ``scan_layers`` a :class:`ScannedGraph` and ``(rest, stacked)``."""
-  graphdef, state = nnx.split(model)
+  """``(graph, weights)`` of ``model`` for the programs here: :func:`models.model.graph.split`'s
+  (a :class:`~models.model.graph.Graph` and the weights as a flat list), or with ``scan_layers``
+  a :class:`ScannedGraph` and ``(rest, stacked)``."""
   if not scan_layers:
-    return graphdef, state
+    return model_graph.split(model)
+  graphdef, state = nnx.split(model)
   layer_def, stacked = stack_layers(model)
   rest = nnx.State({k: v for k, v in state.items() if k != "layers"})
   return ScannedGraph(graphdef, layer_def, model.config.num_layers), (rest, stacked)
@@ -122,7 +136,7 @@ def split_model(model, scan_layers: bool):
 def _merge(graph, weights):
   """``(model, stacked_layers)`` for ``model(..., stacked_layers=...)``."""
   if not isinstance(graph, ScannedGraph):
-    return nnx.merge(graph, weights), None
+    return graph.merge(weights), None
   rest, stacked = weights
   # The unrolled layers' weights are never read under the scan: each is the stack (no copy).
   layers = nnx.State({i: stacked for i in range(graph.num_layers)})

@@ -442,3 +442,31 @@ def test_decode_after_prefill_compiles_the_loop_once(tiny, attention):
     counts.append(compiles.names)
   assert len(counts[0]) == 1 and "_decode_loop" in counts[0][0], counts
   assert counts[1:] == [[], []], counts
+
+
+@pytest.mark.parametrize("attention", ["hydragen", "none"])
+def test_decode_calls_after_the_first_trace_nothing_and_do_not_walk_the_model(
+    tiny, attention, monkeypatch):
+  """A decode call's fixed cost: after the first, a call neither traces a program nor walks the
+  model's graph (``nnx.split``; the split is kept per model), and yet sees weights changed in
+  place between calls."""
+  from models.bench.common import COMPILE, TRACE, counting_compiles
+
+  model = random_init(preset("tiny"), seed=4)
+  state = prefill(model, [[3, 1, 4, 1, 5, 9, 2, 6]], num_samples=2, max_new_tokens=9,
+                  attention=attention)
+  state = decode(model, state, 1)
+  splits = []
+  real_split = nnx.split
+  monkeypatch.setattr(nnx, "split", lambda *a, **k: splits.append(1) or real_split(*a, **k))
+  with counting_compiles((COMPILE, TRACE)) as events:
+    for _ in range(2):
+      state = decode(model, state, 1)
+  assert events == [] and splits == [], (events, splits)
+  # Weights changed in place: the next call reads them (the same tokens as a fresh model's).
+  fresh = random_init(preset("tiny"), seed=5)
+  nnx.update(model, nnx.state(fresh))
+  copy = jax.tree.map(jnp.copy, state)  # decode donates its state
+  a = decode(model, state, 3)
+  b = decode(fresh, copy, 3)
+  np.testing.assert_array_equal(np.asarray(a.out), np.asarray(b.out))

@@ -324,14 +324,15 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
                          sharding_lib.make_mesh(mesh), num_steps=num_steps,
                          settings=settings, eos_id=eos_id, pad_id=pad_id,
                          progress=(progress is not None, progress_every))
-  remaining = state.max_new_tokens - int(state.step)
+  done, longest = _step_and_longest(state)
+  remaining = state.max_new_tokens - done
   num_steps = remaining if num_steps is None else int(num_steps)
   if not 0 <= num_steps <= remaining:
     raise ValueError(f"num_steps must lie in [0, {remaining}] (the state was prefilled for "
-                     f"max_new_tokens={state.max_new_tokens} and has done {int(state.step)}); "
+                     f"max_new_tokens={state.max_new_tokens} and has done {done}); "
                      f"got {num_steps}")
   if state.attention != "none":
-    worst = _max_length(state.cache.lengths) + num_steps
+    worst = longest + num_steps
     if worst > state.cache.capacity:
       raise ValueError(f"num_steps={num_steps} would exceed the per-sample cache capacity of "
                        f"{state.cache.capacity} tokens ({worst} needed)")
@@ -340,7 +341,7 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
   model, state, mesh = _on_mesh(model, state, mesh)
   graph, weights = model_graph.split(model)
   # The stop step as a host int32 (not an eager addition on the device: a program of its own).
-  stop = np.int32(int(state.step) + num_steps)
+  stop = np.int32(done + num_steps)
   static = dict(settings=settings, eos_id=eos_id, pad_id=int(pad_id), progress=progress,
                 progress_every=int(progress_every), mesh=mesh)
   if programs is not None and mesh is None and progress is None:
@@ -349,12 +350,15 @@ def decode(model: Llama, state: DecodeState, num_steps: Optional[int] = None, *,
   return _decode_loop(graph, weights, state, stop, **static)
 
 
-def _max_length(lengths: Array) -> int:
-  """The longest own length, read on the host where the array is (no eager device program,
-  whose sharding would differ between the state of ``prefill`` and that of ``decode``)."""
-  if lengths.is_fully_addressable:
-    return int(np.max(np.asarray(lengths)))
-  return int(jnp.max(lengths))
+def _step_and_longest(state: DecodeState) -> tuple[int, int]:
+  """The steps done and the longest own length, read on the host in one transfer where the
+  arrays are (no eager device program, whose sharding would differ between the state of
+  ``prefill`` and that of ``decode``)."""
+  lengths = state.cache.lengths
+  if lengths.is_fully_addressable and state.step.is_fully_addressable:
+    step, lengths = jax.device_get((state.step, lengths))
+    return int(step), int(np.max(lengths, initial=0))
+  return int(state.step), int(jnp.max(lengths))
 
 
 def lower_decode(model: Llama, state: DecodeState, *,

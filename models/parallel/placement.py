@@ -3,6 +3,7 @@ model, a decode state. Each device receives only its block."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from models.model import graph as model_graph
 from models.model.config import LlamaConfig
 from models.parallel.mesh import MODEL, MeshSpec, make_mesh
 from models.parallel.rules import (check_batch, kv_head_axis, kv_replication, param_spec,
@@ -83,17 +85,29 @@ def place_param_from(path: str, shape: Sequence[int], read, config: LlamaConfig,
 
 
 
+# Models found laid out on a mesh: (the model, weakly; the mesh; its weights' shardings then).
+_PLACED: dict[int, tuple[weakref.ref, Mesh, list]] = {}
+
+
+def _shardings(model) -> list:
+  return [getattr(w, "sharding", None) for w in model_graph.split(model)[1]]
+
 
 def shard_model(model, mesh: MeshSpec):
   """``model`` with every parameter on its shards of ``mesh`` (see the rules table).
 
-  Returns the model itself when it is laid out so already; otherwise a new
+  Returns the model itself when it is laid out so already (checked once per model, then by its
+  weights' shardings alone: a decode call on a mesh does not walk the graph); otherwise a new
   model of the same class (with ``num_kv_heads`` replicated where the model
   axis needs it: :func:`sharded_config`). Works on any NNX module built as
   ``cls(config, rngs=...)`` whose parameter paths the rules name, so this
   module needs no import of :mod:`models.model.llama` (which imports this one).
   """
   mesh = make_mesh(mesh)
+  placed_as = _PLACED.get(id(model))
+  if (placed_as is not None and placed_as[0]() is model and placed_as[1] == mesh
+      and _shardings(model) == placed_as[2]):
+    return model  # laid out as when last checked: no walk of the graph
   config = sharded_config(model.config, mesh)
   graphdef, state = nnx.split(model)
   tree = nnx.to_pure_dict(state)
@@ -102,6 +116,9 @@ def shard_model(model, mesh: MeshSpec):
   if config == model.config and all(
       getattr(v, "sharding", None) == NamedSharding(mesh, param_spec(dotted(p), config, mesh))
       for p, v in leaves):
+    key = id(model)
+    _PLACED[key] = (weakref.ref(model, lambda _, key=key: _PLACED.pop(key, None)), mesh,
+                    _shardings(model))
     return model
   placed = jax.tree_util.tree_map_with_path(
       lambda p, v: place_param(dotted(p), v, model.config, mesh), tree)

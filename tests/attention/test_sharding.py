@@ -128,3 +128,25 @@ def test_the_model_on_a_one_device_mesh_is_laid_out_by_the_rules():
   for path, x in flat_params(model).items():
     assert x.sharding.spec == S.param_spec(path, model.config, mesh), path
   assert S.shard_model(model, mesh) is model  # placed already: nothing to do
+
+
+def test_a_placed_model_is_checked_by_its_shardings_alone_until_one_changes(monkeypatch):
+  """After the first check a placed model is not walked again (a decode call on a mesh places
+  its model each call); a weight moved off its sharding is placed again."""
+  from flax import nnx
+
+  from models.model.llama import flat_params, random_init
+
+  mesh = S.make_mesh((1, 1))
+  model = S.shard_model(random_init(preset("tiny"), seed=0), mesh)
+  assert S.shard_model(model, mesh) is model
+  splits = []
+  real_split = nnx.split
+  monkeypatch.setattr(nnx, "split", lambda *a, **k: splits.append(1) or real_split(*a, **k))
+  assert S.shard_model(model, mesh) is model and splits == []
+  weight = model.layers[0].self_attn.q_proj
+  weight.set_value(jax.device_put(np.asarray(weight.get_value())))  # off the mesh
+  placed = S.shard_model(model, mesh)
+  assert splits and placed is not model
+  for path, x in flat_params(placed).items():
+    assert x.sharding.spec == S.param_spec(path, placed.config, mesh), path

@@ -84,7 +84,6 @@ def place_param_from(path: str, shape: Sequence[int], read, config: LlamaConfig,
   return jax.make_array_from_single_device_arrays(global_shape, sharding, arrays)
 
 
-
 # Models found laid out on a mesh: (the model, weakly; the mesh; its weights' shardings then).
 _PLACED: dict[int, tuple[weakref.ref, Mesh, list]] = {}
 

@@ -53,10 +53,15 @@ def test_the_cache_lets_go_of_a_model_and_forget_drops_its_split():
   assert key not in model_graph._SPLITS
 
 
-def test_a_model_with_a_replaced_variable_is_seen_after_forget():
+def test_a_variable_set_in_place_is_seen_and_a_replaced_one_after_forget():
   model = random_init(preset("tiny"), seed=0)
-  _, weights = model_graph.split(model)
-  new = np.asarray(weights[0]) + 1
-  path_leaf = jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
-  path_leaf.set_value(jnp.asarray(new))  # in place: seen without forget
-  np.testing.assert_array_equal(np.asarray(model_graph.split(model)[1][0]), new)
+  weight = model.layers[0].self_attn.q_proj
+  index = next(i for i, w in enumerate(model_graph.split(model)[1]) if w is weight.get_value())
+  new = np.asarray(weight.get_value()) + 1
+  weight.set_value(jnp.asarray(new))  # in place: seen at once
+  np.testing.assert_array_equal(np.asarray(model_graph.split(model)[1][index]), new)
+  replaced = np.asarray(weight.get_value()) + 1
+  model.layers[0].self_attn.q_proj = nnx.Param(jnp.asarray(replaced))  # a new variable
+  np.testing.assert_array_equal(np.asarray(model_graph.split(model)[1][index]), new)  # kept
+  model_graph.forget(model)
+  np.testing.assert_array_equal(np.asarray(model_graph.split(model)[1][index]), replaced)

@@ -12,14 +12,14 @@ attention modes
 Sweeps: ``batch`` (Figure 1: batch 32..1024 at a 2048-token prompt),
 ``prefix`` (Figure 4: prompt 1K..16K at batch 1024), ``document`` (Figure 6:
 one long shared document and many short questions, time per batch of
-questions). Each point: prefill, one decode step (compiles), one more step
-alone, then ``new_tokens - 2`` steps in ONE call of the same compiled
-program; tokens/s = batch * steps / time of that call. The per-step time of
-the 1-step call next to the long call's shows that no host round-trip
-happens per token. Points that do not fit in memory are reported as "x".
-Every point runs greedily and with the CLI's default sampling (temperature
-0.7, top-p 0.9; ``--sampling``): ``vs_greedy`` and ``sampler_share`` say
-what sampling costs a step (with ``--profile-steps``, also from the device
+questions). Each point: prefill, one decode step (compiles), up to 5 one-step calls
+each timed to its result (their median: ``one_step_call_ms``), then the remaining steps in
+ONE call of the same compiled program; tokens/s = batch * steps / time of that call.
+``call_overhead_ms`` (a one-step call less a step of the long call) is what a call costs
+beyond its step; the long call's step time shows that no host round-trip happens per token.
+Points that do not fit in memory are reported as "x". Every point runs greedily and with
+the CLI's default sampling (temperature 0.7, top-p 0.9; ``--sampling``): ``vs_greedy`` and
+``sampler_share`` say what sampling costs a step (with ``--profile-steps``, also from the device
 time per step). Writes JSON, a Markdown table and PNG plots.
 """
 
@@ -38,6 +38,7 @@ from models.errors import UsageError
 MODES = ("hydragen", "standard", "none")
 # Decoding greedily and with the CLI's default sampling (hydragen generate: temperature 0.7, top-p 0.9).
 SAMPLINGS = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.9)}
+ONE_STEP_CALLS = 5  # one-step calls timed at each point (at most new_tokens - 3)
 SWEEPS = {
     "batch": dict(batch=[32, 64, 128, 256, 512, 1024], prefix=[2048]),
     "prefix": dict(batch=[1024], prefix=[1024, 2048, 4096, 8192, 16384]),
@@ -166,15 +167,19 @@ def run_point(model, mode: str, batch: int, prefix: int, new_tokens: int, *, imp
     t0 = time.perf_counter()
     state = jax.block_until_ready(decode(model, state, 1, **how))
     row["compile_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    state = jax.block_until_ready(decode(model, state, 1, **how))
-    row["one_step_call_ms"] = (time.perf_counter() - t0) * 1e3
-    steps = new_tokens - 2
+    calls = []  # one-step calls, each timed to its result: a call's cost, fixed part included
+    for _ in range(min(ONE_STEP_CALLS, new_tokens - 3)):
+      t0 = time.perf_counter()
+      state = jax.block_until_ready(decode(model, state, 1, **how))
+      calls.append((time.perf_counter() - t0) * 1e3)
+    row["one_step_call_ms"] = float(np.median(calls))
+    steps = new_tokens - 1 - len(calls)
     t0 = time.perf_counter()
     state = jax.block_until_ready(decode(model, state, steps, **how))
     dt = time.perf_counter() - t0
     row.update(steps=steps, decode_s=dt, step_ms=dt / steps * 1e3,
                tokens_per_s=batch * steps / dt)
+    row["call_overhead_ms"] = row["one_step_call_ms"] - row["step_ms"]
     if question_tokens:
       row["s_per_batch"] = new_tokens * dt / steps  # answering the batch of questions
     if profile_steps:
@@ -262,8 +267,8 @@ def _plot(rows, sweep: str, path: str, title: str) -> None:
 
 def _markdown(rows, info) -> str:
   cols = ["mode", "sampling", "batch", "prefix", "new_tokens", "tokens_per_s", "step_ms",
-          "one_step_call_ms", "s_per_batch", "vs_none", "vs_standard", "vs_greedy",
-          "sampler_share", "prefill_s", "compile_s"]
+          "one_step_call_ms", "call_overhead_ms", "s_per_batch", "vs_none", "vs_standard",
+          "vs_greedy", "sampler_share", "prefill_s", "compile_s"]
   cols = [c for c in cols if any(c in r for r in rows)]
   fmt = lambda v: f"{v:.1f}" if isinstance(v, float) and abs(v) >= 10 else (
       f"{v:.3f}" if isinstance(v, float) else str(v))

@@ -20,10 +20,12 @@ def test_bench_decode_tiny(tmp_path):
       (m, s) for m in ("hydragen", "standard", "none") for s in ("greedy", "sampled")}
   for r in rows:
     assert isinstance(r["tokens_per_s"], float) and r["tokens_per_s"] > 0
-    assert r["steps"] == 3
+    assert r["steps"] == 2  # 5 new tokens: a compiling step, 2 one-step calls, 2 in one call
+    assert r["call_overhead_ms"] == pytest.approx(r["one_step_call_ms"] - r["step_ms"])
     assert ("vs_greedy" in r and "sampler_share" in r) == (r["sampling"] == "sampled")
   md = open(stem + ".md").read()
   assert os.path.getsize(stem + ".png") > 0 and "tokens_per_s" in md and "| sampled |" in md
+  assert "call_overhead_ms" in md
 
 
 def test_bench_decode_document_sweep(tmp_path):

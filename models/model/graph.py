@@ -22,24 +22,32 @@ import jax
 from flax import nnx
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Graph:
-  """A static argument of jitted programs: a model's ``GraphDef`` and the tree structure of its
-  weights, with the hash computed once. :meth:`merge` rebuilds the model inside a trace."""
+class HashedOnce:
+  """For frozen dataclasses (``eq=False``) passed as static arguments of jitted programs, which
+  jit hashes at every call: equality by the fields, the hash of the fields computed once, and
+  an object equal to itself at once."""
 
-  graphdef: Any
-  treedef: Any
+  def _fields(self) -> tuple:
+    return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
   def __post_init__(self):
-    object.__setattr__(self, "_hash", hash((self.graphdef, self.treedef)))
+    object.__setattr__(self, "_hash", hash(self._fields()))
 
   def __hash__(self) -> int:
     return self._hash
 
   def __eq__(self, other) -> bool:
-    return self is other or (isinstance(other, Graph) and self._hash == other._hash
-                             and self.graphdef == other.graphdef
-                             and self.treedef == other.treedef)
+    return self is other or (type(other) is type(self) and self._hash == other._hash
+                             and self._fields() == other._fields())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Graph(HashedOnce):
+  """A static argument of jitted programs: a model's ``GraphDef`` and the tree structure of its
+  weights, with the hash computed once. :meth:`merge` rebuilds the model inside a trace."""
+
+  graphdef: Any
+  treedef: Any
 
   def merge(self, weights) -> nnx.Module:
     """The model with ``weights`` (the list :func:`split` returned, or arrays like them)."""

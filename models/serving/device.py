@@ -89,7 +89,7 @@ class HeadShardedPagedKVCache(PagedKVCache):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ScannedGraph:
+class ScannedGraph(model_graph.HashedOnce):
   """The graph of a model whose layers run under one ``lax.scan`` (``EngineConfig.scan_layers``):
   the whole model's graph, layer 0's, and the layer count. Its weights are ``(rest, stacked)``:
   the model's state without the layers, and :func:`models.model.llama.stack_layers`' stack.
@@ -98,17 +98,6 @@ class ScannedGraph:
   model: nnx.GraphDef
   layer: nnx.GraphDef
   num_layers: int
-
-  def __post_init__(self):
-    object.__setattr__(self, "_hash", hash((self.model, self.layer, self.num_layers)))
-
-  def __hash__(self) -> int:
-    return self._hash
-
-  def __eq__(self, other) -> bool:
-    return self is other or (isinstance(other, ScannedGraph) and self._hash == other._hash
-                             and (self.model, self.layer, self.num_layers)
-                             == (other.model, other.layer, other.num_layers))
 
 
 def scan_by_default(model_config, platform: str) -> bool:

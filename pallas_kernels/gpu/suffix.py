@@ -89,7 +89,7 @@ def _merge2(out, lse, p_out, p_lse):
 
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, rows: int,
-            q_len: int, group: int, causal: bool, block_n: int, keys_per_split: int,
+            q_len: int, group: int, causal: bool, block_n: int,
             prior_splits: tuple[int, ...], lead: bool, page_size: int | None = None,
             width: int = 0, mods: KernelMods | None = None):
   # len_ref: [B] int32; q_ref: [Mp, Dp] (a tile of one sequence's rows for one KV head);
@@ -169,12 +169,16 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale: float, head_dim: int, ro
 
   carry = (jnp.zeros((mp, dp), jnp.float32), jnp.full((mp,), -jnp.inf, jnp.float32),
            jnp.zeros((mp,), jnp.float32))
-  # This split's keys: [lo, lo + keys_per_split) of the sequence's own keys, or, with ``lead``,
-  # of the shared keys followed by its own (the shared K/V is read by every sequence).
-  lo = split * keys_per_split
-  hi = lo + keys_per_split
+  # This split's keys: [lo, lo + per_split) of the sequence's own keys, or, with ``lead``, of
+  # the shared keys followed by its own (the shared K/V is read by every sequence). The splits
+  # share the keys the sequence has, not the cache's capacity: early in a long generation
+  # every split still has work.
+  lead_len = lead_len_ref[0] if lead else 0
+  splits = pl.num_programs(3)
+  per_split = ((lead_len + kv_len + splits - 1) // splits + block_n - 1) // block_n * block_n
+  lo = split * per_split
+  hi = lo + per_split
   if lead:
-    lead_len = lead_len_ref[0]
     lead_hi = jnp.minimum(hi, lead_len)
     carry = stream(carry, lead_k_ref, lead_v_ref, lo, lead_hi,
                    jnp.maximum(lead_hi - lo, 0) // block_n, shift=lead_len)
@@ -224,13 +228,11 @@ def _call(lengths, q_rows, k, v, *rest, scale, cfg: SuffixConfig, head_dim: int,
   mp = max(common.MIN_DOT, common.next_pow2(m)) if m <= MAX_ROWS else PREFILL_ROWS
   tiles = pl.cdiv(m, mp)
   dp = common.padded_head_dim(head_dim)
-  keys = s + (lead_args[1].shape[0] if lead else 0)
-  keys_per_split = pl.cdiv(pl.cdiv(keys, cfg.splits), cfg.block_n) * cfg.block_n
   prior_splits = tuple(x.shape[0] for x in priors[::2])
   lead_dims = (b, hkv) if by_sequence else (hkv, b)
   kernel = functools.partial(
       _kernel, scale=scale, head_dim=head_dim, rows=m, q_len=q_len, group=group, causal=causal,
-      block_n=cfg.block_n, keys_per_split=keys_per_split, prior_splits=prior_splits, lead=lead,
+      block_n=cfg.block_n, prior_splits=prior_splits, lead=lead,
       page_size=page_size, width=width, mods=mods)
   if table:  # every program sees the whole pool of its KV head; rows come from the table
     kv_spec = pl.BlockSpec((k.shape[0], None, dp), lambda i, h, t, j: (0, h, 0))

@@ -551,3 +551,35 @@ def test_many_prefix_splits_are_merged_before_the_suffix_kernel(monkeypatch, dty
                                      impl="pallas:triton", return_lse=True, config=config)
   ref = oracle_tree(q64, [[pk64[:83]]] * b, [[pv64[:83]]] * b, sk64, sv64, lens)
   check(out, lse, *ref, dtype)
+
+
+def test_suffix_splits_share_the_keys_a_sequence_has_not_the_capacity():
+  """The key splits of a sequence divide its own keys (rounded up to key steps), not the cache's
+  capacity: early in a long generation every split has work. Capacity 512, 3 splits of 32-key
+  steps: 96 keys give each split 32; 40 keys give two splits 32 and 8 and the third none. Each
+  split's partial state is checked against the float64 oracle of its keys."""
+  from pallas_kernels.gpu import suffix
+  rng = np.random.default_rng(0)
+  b, d, cap = 2, 32, 512
+  q, q64 = rand(rng, (b, 1, 1, d), "float32")
+  k, k64 = rand(rng, (b, cap, 1, d), "float32")
+  v, v64 = rand(rng, (b, cap, 1, d), "float32")
+  lens = np.array([96, 40], np.int32)
+  cfg = SuffixConfig(32, 3, 4, 2)
+  out, lse = common.run(
+      functools.partial(suffix._call, scale=d**-0.5, cfg=cfg, head_dim=d, q_len=1, group=1,
+                        causal=False, out_dtype=jnp.float32, lead=False),
+      jnp.asarray(lens), q.reshape(1, b, 1, d), k, v, interpret=True)
+  assert out.shape == (3, 1, b, 1, d) and lse.shape == (3, 1, b, 1)
+  spans = {0: [(0, 32), (32, 64), (64, 96)], 1: [(0, 32), (32, 40), None]}
+  for seq, parts in spans.items():
+    for split, span in enumerate(parts):
+      part_lse = np.asarray(lse[split, 0, seq, 0])
+      if span is None:
+        assert np.isneginf(part_lse), (seq, split)
+        continue
+      lo, hi = span
+      ref_out, ref_lse = oracle_full(q64[seq:seq + 1], k64[seq:seq + 1, lo:hi],
+                                     v64[seq:seq + 1, lo:hi], np.array([hi - lo]), causal=False)
+      np.testing.assert_allclose(np.asarray(out[split, 0, seq, 0]), ref_out[0, 0, 0], atol=1e-5)
+      np.testing.assert_allclose(part_lse, ref_lse[0, 0, 0], atol=1e-5)

@@ -166,7 +166,8 @@ class _Tiles(NamedTuple):
 
 def tiled_attention(q: Array, k: Array, v: Array, visible: Callable, *, scale: float,
                     block_rows: int, block_keys: int, prior: Optional[State] = None,
-                    modify: Optional[Callable] = None) -> State:
+                    modify: Optional[Callable] = None,
+                    key_limit: Optional[Callable] = None) -> State:
   """Online-softmax attention, tile by tile.
 
   ``q [B, Tq, Hq, D]``; ``k, v [Z, K, Hkv, D]`` (Z = 1: every sequence reads them; Z = B:
@@ -174,6 +175,10 @@ def tiled_attention(q: Array, k: Array, v: Array, visible: Callable, *, scale: f
   ``[bz, bt, bk]`` (absolute sequence, query and key indices); tiles of ``block_rows`` query
   tokens x ``block_keys`` keys. ``prior``: float32 ``(out [B, Tq, Hq, Dv], lse [B, Tq, Hq])``
   merged in, or None. ``modify``: the score variants (:func:`score_modifier`) or None.
+  ``key_limit(z [bz])``: an int32 scalar no visible key of those sequences reaches, or None;
+  the key loop then stops at the last block holding a key below it (a cache longer than its
+  contents costs nothing past them; the blocks skipped hold no visible key, so the result is
+  the same to the bit).
   Returns the float32 ``(out [B, Tq, Hq, Dv], lse [B, Tq, Hq])``.
   """
   tl = _Tiles.of(q, k, block_rows, block_keys)
@@ -223,7 +228,12 @@ def tiled_attention(q: Array, k: Array, v: Array, visible: Callable, *, scale: f
     # The prior as a state: m = lse, l = 1, acc = out (l = 0, acc = 0 where lse = -inf).
     has = jnp.isfinite(l_old)
     state = (l_old, has.astype(jnp.float32), jnp.where(has[..., None], o_old, 0.0))
-    m, l, acc = _loop(_cdiv(tl.nk, bk), key_block, state)
+    blocks = _cdiv(tl.nk, bk)
+    if key_limit is None or blocks == 1:
+      m, l, acc = _loop(blocks, key_block, state)
+    else:
+      used = jnp.clip((key_limit(zs) + bk - 1) // bk, 0, blocks)
+      m, l, acc = lax.fori_loop(0, used, key_block, state)
     seen = l > 0
     safe = jnp.where(seen, l, 1.0)
     new = new[:, :, None, None]  # rows an earlier block wrote keep their value
@@ -398,9 +408,23 @@ def _suffix_modifier(mods: Optional[ScoreMods], kv_lengths: Array, tq: int, hkv:
   return score_modifier(mods, _offset_distance(kv_lengths - tq), hkv)
 
 
-def _tiled(q, k, v, visible, modify, *, scale, prior, config) -> State:
+def _tiled(q, k, v, visible, modify, *, scale, prior, config, key_limit=None) -> State:
   return tiled_attention(q, k, v, visible, scale=scale, block_rows=config.block_rows,
-                         block_keys=config.block_keys, prior=prior, modify=modify)
+                         block_keys=config.block_keys, prior=prior, modify=modify,
+                         key_limit=key_limit)
+
+
+def _part_limit(kind: str, lengths: Array) -> Optional[Callable]:
+  """The ``key_limit`` of a shared part: the prefix length; none for a tree level (its
+  segments' keys lie side by side)."""
+  if kind != "prefix":
+    return None
+  return lambda zs: jnp.max(jnp.asarray(lengths, jnp.int32))
+
+
+def _suffix_limit(kv_lengths: Array) -> Callable:
+  """The ``key_limit`` of the own keys: the longest own length among the block's sequences."""
+  return lambda zs: jnp.max(jnp.asarray(kv_lengths, jnp.int32)[zs])
 
 
 def prefix_attention(q: Array, k: Array, v: Array, *, kv_length: Array, scale: float,
@@ -408,7 +432,7 @@ def prefix_attention(q: Array, k: Array, v: Array, *, kv_length: Array, scale: f
                      mods: Optional[ScoreMods] = None) -> State:
   """:func:`pallas_kernels.base.prefix_attention` over tiles (``prior``: a state merged in)."""
   return _tiled(q, *_shared_part("prefix", k, v, kv_length, None, mods), scale=scale,
-                prior=prior, config=config)
+                prior=prior, config=config, key_limit=_part_limit("prefix", kv_length))
 
 
 def segment_attention(q: Array, k: Array, v: Array, *, lengths: Array, node_of_seq: Array,
@@ -428,7 +452,7 @@ def suffix_attention(q: Array, k: Array, v: Array, *, kv_lengths: Array, causal:
   tq = q.shape[1]
   return _tiled(q, k, v, suffix_visible(kv_lengths, tq, causal),
                 _suffix_modifier(mods, kv_lengths, tq, k.shape[2]), scale=scale, prior=prior,
-                config=config)
+                config=config, key_limit=_suffix_limit(kv_lengths))
 
 
 def _part_mods(mods: Optional[ScoreMods], parts, kv_lengths, q: Array) -> list:
@@ -448,7 +472,7 @@ def shared_attention(q: Array, parts, suffix_k: Optional[Array], suffix_v: Optio
   for (kind, k, v, lengths, nodes), part_mods in zip(parts,
                                                      _part_mods(mods, parts, kv_lengths, q)):
     state = _tiled(q, *_shared_part(kind, k, v, lengths, nodes, part_mods), scale=scale,
-                   prior=state, config=config)
+                   prior=state, config=config, key_limit=_part_limit(kind, lengths))
   if suffix_k is not None:
     state = suffix_attention(q, suffix_k, suffix_v, kv_lengths=kv_lengths, causal=causal,
                              scale=scale, prior=state, config=config, mods=mods)
